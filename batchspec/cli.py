@@ -1,0 +1,139 @@
+"""Command line: click commands over the library API, nothing else.
+
+Exit codes (CONTRACT.md): 0 done, 1 runtime failure, 2 bad spec or command line, 3 bad input.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+
+import click
+
+from batchspec import __version__
+from batchspec.errors import BatchspecError, SpecError
+from batchspec.events import LOG_FORMATS, EventLog
+from batchspec.spec import load_spec
+
+
+def _quiet_vllm(verbose: bool) -> None:
+    """Keep vLLM's own log noise at warning level unless --verbose."""
+    if not verbose:
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        os.environ.setdefault("TQDM_DISABLE", "0")
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+
+
+def _fail(exc: BatchspecError, events: EventLog | None = None) -> None:
+    kind = {1: "runtime failure", 2: "bad job spec", 3: "bad input data"}.get(exc.exit_code, "error")
+    if events is not None and events.fmt == "json":
+        events.emit("error", str(exc), level="error", exit_code=exc.exit_code, kind=kind)
+    else:
+        click.echo(f"batchspec: {kind}: {exc}", err=True)
+    sys.exit(exc.exit_code)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="batchspec")
+def main() -> None:
+    """batchspec: offline batch LLM inference over Parquet shards, with vLLM speculative decoding
+    and per-request acceptance and timing columns."""
+
+
+_set_option = click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
+                           help="Override a spec key (dotted; value parsed as YAML). Repeatable.")
+
+
+def _load(job: str, overrides) -> object:
+    try:
+        return load_spec(job, overrides)
+    except SpecError as exc:
+        _fail(exc)
+
+
+@main.command()
+@click.argument("job", type=click.Path(dir_okay=False))
+@_set_option
+@click.option("--worker-index", type=int, default=0, show_default=True,
+              help="This worker's index, 0-based (Airflow map index, Kubernetes job index).")
+@click.option("--num-workers", type=int, default=1, show_default=True,
+              help="How many workers share the job's shards.")
+@click.option("--overwrite", is_flag=True, help="Redo every shard, committed or not.")
+@click.option("--log-format", type=click.Choice(LOG_FORMATS), default="text", show_default=True,
+              help="text for people, json for one object per line.")
+@click.option("--progress/--no-progress", default=None,
+              help="Progress bars (default: only when stderr is a terminal).")
+@click.option("-v", "--verbose", is_flag=True, help="Show vLLM's own logs.")
+def run(job, overrides, worker_index, num_workers, overwrite, log_format, progress, verbose):
+    """Run JOB: every pending input shard becomes one committed output shard."""
+    _quiet_vllm(verbose)
+    spec = _load(job, overrides)
+    from batchspec.runner import new_run_id, run_job
+
+    run_id = new_run_id()
+    events = EventLog(run_id, log_format)
+    try:
+        run_job(spec, worker_index=worker_index, num_workers=num_workers, overwrite=overwrite,
+                events=events, progress_bars=progress, run_id=run_id)
+    except BatchspecError as exc:
+        _fail(exc, events)
+    except KeyboardInterrupt:
+        click.echo("batchspec: interrupted", err=True)
+        sys.exit(130)
+
+
+@main.command()
+@click.argument("job", type=click.Path(dir_okay=False))
+@_set_option
+@click.option("--worker-index", type=int, default=0, show_default=True)
+@click.option("--num-workers", type=int, default=1, show_default=True)
+def validate(job, overrides, worker_index, num_workers):
+    """Check JOB without loading model weights: spec keys (against vLLM's own config classes),
+    shards, columns and prompt lengths."""
+    _quiet_vllm(False)
+    spec = _load(job, overrides)
+    from batchspec.validate import validate_job
+
+    try:
+        report = validate_job(spec, worker_index=worker_index, num_workers=num_workers)
+    except BatchspecError as exc:
+        _fail(exc)
+    click.echo(report.render())
+    if report.exit_code:
+        sys.exit(report.exit_code)
+
+
+@main.command()
+@click.argument("job", type=click.Path(dir_okay=False))
+@_set_option
+@click.option("--worker-index", type=int, default=0, show_default=True)
+@click.option("--num-workers", type=int, default=1, show_default=True)
+@click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table",
+              show_default=True)
+def status(job, overrides, worker_index, num_workers, fmt):
+    """Which of JOB's shards are committed, pending or partial."""
+    spec = _load(job, overrides)
+    from batchspec.runner import plan
+
+    try:
+        out, shards, states = plan(spec, worker_index, num_workers)
+    except BatchspecError as exc:
+        _fail(exc)
+    rows = [{"shard": s.name, "state": states[s.name], "input": s.url,
+             "output": out.output_path(s) if states[s.name] == "committed" else None}
+            for s in shards]
+    if fmt == "json":
+        click.echo(json.dumps(rows, indent=2))
+        return
+    width = max([len(r["shard"]) for r in rows] + [5])
+    for r in rows:
+        click.echo(f"{r['shard']:<{width}}  {r['state']:<9}  {r['input']}")
+    counts = {k: sum(1 for r in rows if r["state"] == k) for k in ("committed", "partial", "pending")}
+    click.echo(f"{len(rows)} shards: " + ", ".join(f"{v} {k}" for k, v in counts.items()))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,53 @@
+"""The output schema: every column batchspec writes, its type, in one place."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+
+REQUEST_ID = "request_id"
+ERROR = "error"
+
+#: The result columns of CONTRACT.md, after ``request_id`` and the kept input columns.
+RESULT_FIELDS: list[pa.Field] = [
+    pa.field("generated_text", pa.string()),
+    pa.field("finish_reason", pa.string()),
+    pa.field("num_prompt_tokens", pa.int32()),
+    pa.field("num_output_tokens", pa.int32()),
+    pa.field("spec_num_steps", pa.int32()),
+    pa.field("spec_num_draft_tokens", pa.int32()),
+    pa.field("spec_num_accepted_tokens", pa.int32()),
+    pa.field("spec_acceptance_rate", pa.float64()),
+    pa.field("spec_mean_acceptance_length", pa.float64()),
+    pa.field("spec_acceptance_histogram", pa.list_(pa.int32())),
+    pa.field("time_queued_s", pa.float64()),
+    pa.field("time_to_first_token_s", pa.float64()),
+    pa.field("time_decode_s", pa.float64()),
+    pa.field("time_e2e_s", pa.float64()),
+    pa.field("output_tokens_per_s", pa.float64()),
+    pa.field(ERROR, pa.string()),
+]
+
+RESULT_NAMES = [f.name for f in RESULT_FIELDS]
+SPEC_COLUMNS = [name for name in RESULT_NAMES if name.startswith("spec_")]
+FINISH_REASONS = ("stop", "length", "abort", "error")
+
+
+def output_schema(kept: list[pa.Field]) -> pa.Schema:
+    """The schema of an output shard: request_id, the kept input columns, the result columns."""
+    clashes = {f.name for f in kept} & ({REQUEST_ID} | set(RESULT_NAMES))
+    if clashes:
+        raise ValueError(f"kept input columns clash with output columns: {sorted(clashes)}")
+    return pa.schema([pa.field(REQUEST_ID, pa.string()), *kept, *RESULT_FIELDS])
+
+
+def empty_result() -> dict:
+    """A result row with every result column null."""
+    return dict.fromkeys(RESULT_NAMES)
+
+
+def error_result(message: str, num_prompt_tokens: int | None = None) -> dict:
+    """A result row for a request that was refused or failed."""
+    row = empty_result()
+    row.update(finish_reason="error", error=message, num_prompt_tokens=num_prompt_tokens,
+               num_output_tokens=0)
+    return row

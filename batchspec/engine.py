@@ -1,0 +1,238 @@
+"""The only module that imports vLLM: build the engine, keep it fed, turn its outputs into
+result rows.
+
+Requests go in through ``llm_engine.add_request`` and come out of ``llm_engine.step()`` with a
+bounded number in flight, refilled as requests finish, so that there is no stall at batch or
+shard boundaries: one slow request never holds back the next batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import os
+from collections.abc import Iterator
+from typing import Any
+
+from batchspec.columns import empty_result, error_result
+from batchspec.errors import RuntimeFailure, SpecError
+from batchspec.prompts import Row, prompt_token_ids
+from batchspec.spec import JobSpec, check_known_keys
+
+log = logging.getLogger(__name__)
+
+#: Engine arguments batchspec sets unless the job spec says otherwise.
+ENGINE_DEFAULTS: dict[str, Any] = {"seed": 0}
+#: Engine arguments batchspec needs and always sets: per-request timing and acceptance.
+_STATS_ON = {"disable_log_stats": False}
+
+
+def vllm_version() -> str:
+    import vllm
+
+    return vllm.__version__
+
+
+def check_vllm_keys(spec: JobSpec) -> None:
+    """Check ``model.engine``, ``speculative`` and ``sampling`` keys against vLLM's own config
+    classes, and build the job's SamplingParams once, so a typo exits 2 before any model loads."""
+    from vllm import SamplingParams
+    from vllm.config import SpeculativeConfig
+    from vllm.engine.arg_utils import EngineArgs
+
+    engine_keys = {f.name for f in dataclasses.fields(EngineArgs)}
+    check_known_keys(spec.model.engine, engine_keys, "model.engine")
+    if spec.speculative is not None:
+        spec_keys = {f.name for f in dataclasses.fields(SpeculativeConfig)}
+        check_known_keys(spec.speculative, spec_keys, "speculative")
+    check_known_keys(spec.sampling, SamplingParams.__struct_fields__, "sampling")
+    try:
+        SamplingParams(**spec.sampling)
+    except (TypeError, ValueError) as exc:
+        raise SpecError("sampling", str(exc)) from exc
+
+
+class Engine:
+    """One vLLM engine, reused for every shard of the process."""
+
+    def __init__(self, spec: JobSpec):
+        check_vllm_keys(spec)
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+        from vllm import LLM, SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        self._SamplingParams = SamplingParams
+        self._final_only = RequestOutputKind.FINAL_ONLY
+        self.spec_enabled = spec.speculative is not None
+        kwargs = {**ENGINE_DEFAULTS, **spec.model.engine, **_STATS_ON}
+        if self.spec_enabled:
+            kwargs["speculative_config"] = dict(spec.speculative)
+            kwargs.setdefault("per_request_spec_decode_metrics", "summary")
+        try:
+            self.llm = LLM(model=spec.model.target, **kwargs)
+        except (TypeError, ValueError) as exc:
+            # vLLM validates its configs here: a bad engine or speculative value is a spec error.
+            raise SpecError("model", f"vLLM refused the engine configuration: {exc}") from exc
+        except Exception as exc:
+            raise RuntimeFailure(f"could not start the vLLM engine: {exc}") from exc
+        self.engine = self.llm.llm_engine
+        self.tokenizer = self.llm.get_tokenizer()
+        self.max_model_len = self.engine.model_config.max_model_len
+        self.base_sampling = dict(spec.sampling)
+        self._ids = itertools.count()
+
+    # ------------------------------------------------------------------ requests
+
+    def sampling_params(self, overrides: dict[str, Any]):
+        """The job's SamplingParams with a row's overrides; ValueError/TypeError if invalid."""
+        params = {**self.base_sampling, **overrides, "output_kind": self._final_only}
+        return self._SamplingParams(**params)
+
+    def _prepare(self, row: Row):
+        """(token ids, SamplingParams) for a row, or an error result row."""
+        try:
+            params = self.sampling_params(row.overrides)
+        except (TypeError, ValueError) as exc:
+            given = ", ".join(f"{k}={v!r}" for k, v in row.overrides.items())
+            return None, error_result(f"invalid per-row sampling override ({given}): {exc}")
+        try:
+            ids = prompt_token_ids(self.tokenizer, row)
+        except Exception as exc:  # a template or tokenizer failure belongs to this row only
+            return None, error_result(f"cannot render prompt: {exc}")
+        max_tokens = params.max_tokens or 0
+        if len(ids) + max_tokens > self.max_model_len:
+            return None, error_result(
+                f"prompt too long: {len(ids)} prompt tokens + max_tokens {max_tokens} > "
+                f"max_model_len {self.max_model_len}", num_prompt_tokens=len(ids))
+        return (ids, params), None
+
+    def stream(self, rows: Iterator[Row], max_in_flight: int) -> Iterator[tuple[Row, dict]]:
+        """Feed rows to the engine, at most ``max_in_flight`` at a time, and yield each row with
+        its result as it finishes (errors included). Order is completion order."""
+        from vllm.inputs import TokensPrompt
+
+        in_flight: dict[str, Row] = {}
+        exhausted = False
+        try:
+            while True:
+                while not exhausted and len(in_flight) < max_in_flight:
+                    row = next(rows, None)
+                    if row is None:
+                        exhausted = True
+                        break
+                    if row.error is not None:
+                        yield row, error_result(row.error)
+                        continue
+                    request, refused = self._prepare(row)
+                    if refused is not None:
+                        yield row, refused
+                        continue
+                    request_id = str(next(self._ids))
+                    try:
+                        self.engine.add_request(request_id,
+                                                TokensPrompt(prompt_token_ids=request[0]),
+                                                request[1])
+                    except (ValueError, TypeError) as exc:  # VLLMValidationError is a ValueError
+                        yield row, error_result(str(exc), num_prompt_tokens=len(request[0]))
+                        continue
+                    in_flight[request_id] = row
+                if not in_flight:
+                    if exhausted:
+                        return
+                    continue
+                try:
+                    outputs = self.engine.step()
+                except Exception as exc:
+                    raise RuntimeFailure(f"the vLLM engine failed: {type(exc).__name__}: {exc}") \
+                        from exc
+                for output in outputs:
+                    if output.finished:
+                        row = in_flight.pop(output.request_id, None)
+                        if row is not None:
+                            yield row, self.result(output)
+        finally:
+            if in_flight:
+                self.abort(list(in_flight))
+
+    def abort(self, request_ids: list[str]) -> None:
+        """Abort requests still in the engine (on shutdown or a failed shard)."""
+        try:
+            self.engine.abort_request(request_ids)
+            while self.engine.has_unfinished_requests():
+                self.engine.step()
+        except Exception:  # the engine may already be dead; nothing more to clean up
+            log.debug("abort after engine failure", exc_info=True)
+
+    # ------------------------------------------------------------------ results
+
+    def result(self, output) -> dict:
+        """A finished RequestOutput as a result row (CONTRACT.md columns)."""
+        completion = output.outputs[0]
+        row = empty_result()
+        num_output = len(completion.token_ids)
+        finish = completion.finish_reason or "abort"
+        row.update(
+            generated_text=completion.text,
+            finish_reason=finish if finish in ("stop", "length", "abort") else "stop",
+            num_prompt_tokens=len(output.prompt_token_ids or ()),
+            num_output_tokens=num_output,
+        )
+        metrics = getattr(completion, "spec_decode_metrics", None)
+        if metrics is not None:
+            m = metrics.to_dict()
+            steps, drafted = m["num_spec_steps"], m["num_draft_tokens"]
+            accepted = m["num_accepted_draft_tokens"]
+            row.update(
+                spec_num_steps=steps,
+                spec_num_draft_tokens=drafted,
+                spec_num_accepted_tokens=accepted,
+                spec_acceptance_rate=accepted / drafted if drafted else None,
+                spec_mean_acceptance_length=1.0 + accepted / steps if steps else None,
+                spec_acceptance_histogram=list(m["acceptance_histogram"]),
+            )
+        row.update(timing_columns(output.metrics, num_output))
+        return row
+
+    def spec_counters(self) -> dict[str, Any]:
+        """Engine-lifetime speculative-decoding totals from vLLM's own metrics."""
+        out: dict[str, Any] = {}
+        try:
+            metrics = self.llm.get_metrics()
+        except Exception:
+            return out
+        for metric in metrics:
+            name = metric.name.removeprefix("vllm:")
+            if not name.startswith("spec_decode"):
+                continue
+            if hasattr(metric, "values"):
+                out[name] = list(metric.values)
+            elif hasattr(metric, "value"):
+                out[name] = metric.value
+        return out
+
+    def shutdown(self) -> None:
+        """Stop the engine's worker processes."""
+        engine_core = getattr(self.engine, "engine_core", None)
+        if engine_core is not None:
+            try:
+                engine_core.shutdown()
+            except Exception:
+                log.debug("engine shutdown", exc_info=True)
+
+
+def timing_columns(stats, num_output_tokens: int) -> dict[str, float | None]:
+    """Per-request timings from vLLM's RequestStateStats (engine monotonic clock)."""
+    if stats is None or not getattr(stats, "first_token_ts", 0):
+        return {}
+    queued = max(0.0, stats.scheduled_ts - stats.queued_ts) if stats.scheduled_ts else None
+    ttft = max(0.0, stats.first_token_latency)
+    decode = max(0.0, stats.last_token_ts - stats.first_token_ts)
+    return {
+        "time_queued_s": queued,
+        "time_to_first_token_s": ttft,
+        "time_decode_s": decode,
+        "time_e2e_s": ttft + decode,
+        "output_tokens_per_s": (num_output_tokens - 1) / decode
+        if decode > 0 and num_output_tokens > 1 else None,
+    }

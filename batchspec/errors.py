@@ -1,0 +1,42 @@
+"""Errors that end a job, each with the exit code the contract gives it."""
+
+from __future__ import annotations
+
+
+class BatchspecError(Exception):
+    """Base class: a failure that ends the job with ``exit_code``."""
+
+    exit_code = 1
+
+
+class RuntimeFailure(BatchspecError):
+    """The engine died or storage failed after retries (exit 1)."""
+
+    exit_code = 1
+
+
+class Interrupted(BatchspecError):
+    """SIGTERM or SIGINT stopped the job; nothing partial was committed (exit 1)."""
+
+    exit_code = 1
+
+
+class SpecError(BatchspecError):
+    """A bad job spec or command line (exit 2). ``key`` is the dotted spec key at fault."""
+
+    exit_code = 2
+
+    def __init__(self, key: str | None, message: str):
+        self.key = key
+        super().__init__(f"{key}: {message}" if key else message)
+
+
+class InputDataError(BatchspecError):
+    """Unreadable input or a missing/mistyped column (exit 3); names the shard and column."""
+
+    exit_code = 3
+
+    def __init__(self, shard: str, message: str, column: str | None = None):
+        self.shard = shard
+        self.column = column
+        super().__init__(f"{shard}: {message}")

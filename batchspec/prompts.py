@@ -1,0 +1,190 @@
+"""Turn input rows into engine requests, and spot bad rows before they reach the engine.
+
+A shard is read in record batches (never whole). Its schema is checked first: a missing or
+mistyped column is an :class:`~batchspec.errors.InputDataError` naming shard and column. A bad
+*row* (null or blank prompt, malformed messages) is not an error of the job: it becomes a
+:class:`Row` with ``error`` set, and is written with ``finish_reason = error``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from batchspec.columns import REQUEST_ID, RESULT_NAMES
+from batchspec.errors import InputDataError, SpecError
+from batchspec.shards import Shard
+from batchspec.spec import InputSpec, OutputSpec
+
+_OUTPUT_NAMES = {REQUEST_ID, *RESULT_NAMES}
+
+
+@dataclass
+class Row:
+    """One input row on its way to the engine."""
+
+    shard: str
+    index: int
+    request_id: str
+    kept: dict[str, Any]
+    prompt: str | None = None
+    messages: list[dict[str, str]] | None = None
+    #: Per-row SamplingParams overrides (only the non-null ones).
+    overrides: dict[str, Any] = field(default_factory=dict)
+    #: Set when the row cannot be sent to the engine; it is written as an error row.
+    error: str | None = None
+
+
+def _is_text(t: pa.DataType) -> bool:
+    return pa.types.is_string(t) or pa.types.is_large_string(t) or (
+        hasattr(pa.types, "is_string_view") and pa.types.is_string_view(t))
+
+
+def _is_messages(t: pa.DataType) -> bool:
+    if not (pa.types.is_list(t) or pa.types.is_large_list(t)):
+        return False
+    item = t.value_type
+    if not pa.types.is_struct(item):
+        return False
+    names = {item.field(i).name for i in range(item.num_fields)}
+    return {"role", "content"} <= names
+
+
+class ShardReader:
+    """Reads one shard's rows in record batches, after checking its schema."""
+
+    def __init__(self, shard: Shard, input_spec: InputSpec, output_spec: OutputSpec,
+                 batch_rows: int = 1024):
+        self.shard = shard
+        self.spec = input_spec
+        self.batch_rows = batch_rows
+        self._file = None
+        try:
+            self._handle = shard.fs.open(shard.path, "rb")
+            self._file = pq.ParquetFile(self._handle)
+            schema = self._file.schema_arrow
+        except FileNotFoundError as exc:
+            raise InputDataError(shard.url, "input shard disappeared") from exc
+        except (pa.ArrowException, OSError, ValueError) as exc:
+            self.close()
+            raise InputDataError(shard.url, f"not a readable Parquet file: {exc}") from exc
+        self.num_rows = self._file.metadata.num_rows
+        self.kept_fields = self._check_schema(schema, output_spec)
+
+    def _check_schema(self, schema: pa.Schema, output_spec: OutputSpec) -> list[pa.Field]:
+        spec, url = self.spec, self.shard.url
+        names = set(schema.names)
+
+        def require(column: str, role: str) -> pa.Field:
+            if column not in names:
+                raise InputDataError(url, f"missing {role} column {column!r} "
+                                          f"(columns: {', '.join(schema.names)})", column=column)
+            return schema.field(column)
+
+        text = require(spec.text_column, "prompt" if spec.prompt_column else "messages")
+        if spec.prompt_column and not _is_text(text.type):
+            raise InputDataError(url, f"prompt column {spec.prompt_column!r} has type {text.type}, "
+                                      "expected text (string)", column=spec.prompt_column)
+        if spec.messages_column and not _is_messages(text.type):
+            raise InputDataError(url, f"messages column {spec.messages_column!r} has type "
+                                      f"{text.type}, expected a list of {{role, content}} structs",
+                                 column=spec.messages_column)
+        if spec.id_column:
+            require(spec.id_column, "id")
+        for param, column in spec.sampling_columns.items():
+            require(column, f"sampling_columns.{param}")
+
+        if output_spec.keep_columns is None:
+            kept = [f for f in schema if f.name != spec.text_column and f.name not in _OUTPUT_NAMES]
+        else:
+            for column in output_spec.keep_columns:
+                if column in _OUTPUT_NAMES:
+                    raise SpecError("output.keep_columns",
+                                    f"{column!r} clashes with an output column of the same name")
+                require(column, "output.keep_columns")
+            kept = [schema.field(c) for c in output_spec.keep_columns]
+        return kept
+
+    @property
+    def columns(self) -> list[str]:
+        spec = self.spec
+        wanted = [spec.text_column, spec.id_column, *spec.sampling_columns.values(),
+                  *(f.name for f in self.kept_fields)]
+        return list(dict.fromkeys(c for c in wanted if c))
+
+    def rows(self) -> Iterator[Row]:
+        """Yield the shard's rows in order; raises InputDataError if the file is corrupt."""
+        spec = self.spec
+        index = 0
+        try:
+            batches = self._file.iter_batches(batch_size=self.batch_rows, columns=self.columns)
+            for batch in batches:
+                data = batch.to_pydict()
+                for i in range(batch.num_rows):
+                    yield self._row(index, {c: data[c][i] for c in data}, spec)
+                    index += 1
+        except (pa.ArrowException, OSError, ValueError) as exc:
+            raise InputDataError(self.shard.url, f"cannot read row group after row {index}: "
+                                                 f"{exc}") from exc
+
+    def _row(self, index: int, values: dict[str, Any], spec: InputSpec) -> Row:
+        request_id = values.get(spec.id_column) if spec.id_column else None
+        row = Row(
+            shard=self.shard.name,
+            index=index,
+            request_id=str(request_id) if request_id is not None else f"{self.shard.name}/{index}",
+            kept={f.name: values[f.name] for f in self.kept_fields},
+        )
+        if spec.id_column and request_id is None:
+            row.error = f"null id in column {spec.id_column!r}"
+        text = values[spec.text_column]
+        if spec.prompt_column:
+            row.prompt = text
+            if text is None:
+                row.error = row.error or "null prompt"
+            elif not text.strip():
+                row.error = row.error or "empty prompt"
+        else:
+            row.messages = text
+            row.error = row.error or check_messages(text)
+        for param, column in spec.sampling_columns.items():
+            value = values[column]
+            if value is not None:
+                row.overrides[param] = value
+        return row
+
+    def close(self) -> None:
+        handle = getattr(self, "_handle", None)
+        if handle is not None:
+            handle.close()
+            self._handle = None
+
+
+def check_messages(messages: Any) -> str | None:
+    """Why a chat messages value cannot be rendered, or None if it can."""
+    if messages is None:
+        return "null messages"
+    if not messages:
+        return "empty messages"
+    for i, message in enumerate(messages):
+        if not message or not isinstance(message.get("role"), str) or not message["role"]:
+            return f"message {i} has no role"
+        if not isinstance(message.get("content"), str):
+            return f"message {i} has no text content"
+    if not any(m["content"].strip() for m in messages):
+        return "empty messages"
+    return None
+
+
+def prompt_token_ids(tokenizer, row: Row) -> list[int]:
+    """Tokenize a text prompt, or render chat messages with the tokenizer's chat template."""
+    if row.messages is not None:
+        ids = tokenizer.apply_chat_template(row.messages, tokenize=True, add_generation_prompt=True)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return list(ids)
+    return list(tokenizer.encode(row.prompt))

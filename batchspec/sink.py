@@ -1,0 +1,87 @@
+"""Write a shard's rows as they complete and commit the file atomically.
+
+Rows are written in row groups to a temporary file; the output name appears only when the
+whole shard is written: a rename on a local filesystem, a single put on an object store (s3fs
+uploads a large file in parts that become visible together, on completion).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import uuid
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from batchspec.columns import output_schema
+from batchspec.shards import BOOKKEEPING_DIR, OutputDir, Shard
+
+METADATA_KEY = b"batchspec"
+
+
+class ShardWriter:
+    """Streams one shard's result rows to a temporary Parquet file, then commits it."""
+
+    def __init__(self, out: OutputDir, shard: Shard, kept: list[pa.Field], metadata: dict[str, Any],
+                 row_group_rows: int = 1024, compression: str = "zstd"):
+        self.out = out
+        self.shard = shard
+        self.schema = output_schema(kept).with_metadata(
+            {METADATA_KEY: json.dumps(metadata, sort_keys=True, default=str).encode()})
+        self.row_group_rows = row_group_rows
+        self.rows_written = 0
+        self._buffer: list[dict] = []
+        if out.is_local:
+            # same filesystem as the output: the commit is an atomic rename
+            tmp_dir = out.join(BOOKKEEPING_DIR, "tmp")
+            os.makedirs(tmp_dir, exist_ok=True)
+        else:
+            tmp_dir = tempfile.gettempdir()
+        self.tmp_path = os.path.join(tmp_dir, f"{shard.name}.{uuid.uuid4().hex[:12]}.parquet.tmp")
+        self._writer = pq.ParquetWriter(self.tmp_path, self.schema, compression=compression)
+
+    def add(self, row: dict) -> None:
+        """Buffer one output row; a full buffer is written as a row group."""
+        self._buffer.append(row)
+        if len(self._buffer) >= self.row_group_rows:
+            self.flush()
+
+    def flush(self) -> None:
+        if self._buffer:
+            table = pa.Table.from_pylist(self._buffer, schema=self.schema)
+            self._writer.write_table(table, row_group_size=len(self._buffer))
+            self.rows_written += len(self._buffer)
+            self._buffer.clear()
+
+    def commit(self) -> str:
+        """Finish the file and make it visible under its output name in one step."""
+        self.flush()
+        self._writer.close()
+        final = self.out.output_path(self.shard)
+        if self.out.is_local:
+            os.replace(self.tmp_path, final)
+        else:
+            self.out.fs.put_file(self.tmp_path, final)
+            os.unlink(self.tmp_path)
+        return final
+
+    def discard(self) -> None:
+        """Drop the temporary file: nothing of this shard becomes visible."""
+        try:
+            self._writer.close()
+        except Exception:
+            pass
+        try:
+            os.unlink(self.tmp_path)
+        except FileNotFoundError:
+            pass
+
+
+def read_metadata(path: str, filesystem=None) -> dict[str, Any]:
+    """The batchspec metadata of an output file (spec, models, versions, run id)."""
+    schema = pq.read_schema(path, filesystem=filesystem)
+    raw = (schema.metadata or {}).get(METADATA_KEY)
+    return json.loads(raw) if raw else {}

@@ -1,0 +1,104 @@
+"""``batchspec validate``: check a job without loading model weights.
+
+Checks the spec's keys against vLLM's own config classes, lists the shards and their state,
+checks each shard's columns, and tokenizes every prompt with the target's tokenizer to count
+the rows that would be refused (empty, too long for ``max_model_len`` with ``max_tokens``).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from batchspec.errors import InputDataError
+from batchspec.prompts import ShardReader, prompt_token_ids
+from batchspec.runner import plan
+from batchspec.spec import JobSpec
+
+
+@dataclass
+class ShardCheck:
+    name: str
+    url: str
+    state: str
+    rows: int = 0
+    bad_rows: dict[str, int] = field(default_factory=dict)
+    max_prompt_tokens: int = 0
+    problem: str | None = None
+
+
+@dataclass
+class ValidationReport:
+    job: str
+    max_model_len: int | None
+    shards: list[ShardCheck]
+    exit_code: int = 0
+
+    def render(self) -> str:
+        lines = [f"job {self.job!r}: spec OK; max_model_len {self.max_model_len}"]
+        for s in self.shards:
+            if s.problem:
+                lines.append(f"  {s.name}: BAD: {s.problem}")
+                continue
+            bad = ", ".join(f"{n} {reason}" for reason, n in sorted(s.bad_rows.items()))
+            lines.append(f"  {s.name}: {s.state}, {s.rows} rows, longest prompt "
+                         f"{s.max_prompt_tokens} tokens" + (f"; rows to be refused: {bad}"
+                                                             if bad else ""))
+        rows = sum(s.rows for s in self.shards)
+        refused = sum(sum(s.bad_rows.values()) for s in self.shards)
+        lines.append(f"{len(self.shards)} shards, {rows} rows, {refused} rows would get an error")
+        return "\n".join(lines)
+
+
+def _max_model_len(spec: JobSpec) -> int | None:
+    value = spec.model.engine.get("max_model_len")
+    if value:
+        return int(value)
+    config = Path(spec.model.target) / "config.json"
+    if config.exists():
+        return json.loads(config.read_text()).get("max_position_embeddings")
+    return None
+
+
+def validate_job(spec: JobSpec, worker_index: int = 0, num_workers: int = 1) -> ValidationReport:
+    """Check everything a run would check before generating, without loading weights."""
+    from transformers import AutoTokenizer
+
+    from batchspec.engine import check_vllm_keys
+
+    check_vllm_keys(spec)
+    out, shards, states = plan(spec, worker_index, num_workers)
+    tokenizer = AutoTokenizer.from_pretrained(
+        spec.model.engine.get("tokenizer") or spec.model.target,
+        trust_remote_code=bool(spec.model.engine.get("trust_remote_code")))
+    max_len = _max_model_len(spec)
+    report = ValidationReport(spec.name, max_len, [])
+    for shard in shards:
+        check = ShardCheck(shard.name, shard.url, states[shard.name])
+        report.shards.append(check)
+        try:
+            reader = ShardReader(shard, spec.input, spec.output, spec.execution.read_batch_rows)
+        except InputDataError as exc:
+            check.problem = str(exc)
+            report.exit_code = 3
+            continue
+        try:
+            for row in reader.rows():
+                check.rows += 1
+                reason = row.error
+                if reason is None:
+                    ids = prompt_token_ids(tokenizer, row)
+                    check.max_prompt_tokens = max(check.max_prompt_tokens, len(ids))
+                    max_tokens = row.overrides.get("max_tokens", spec.sampling.get("max_tokens", 16))
+                    if max_len and isinstance(max_tokens, int) and len(ids) + max_tokens > max_len:
+                        reason = "prompt too long"
+                if reason is not None:
+                    key = reason.split(":")[0]
+                    check.bad_rows[key] = check.bad_rows.get(key, 0) + 1
+        except InputDataError as exc:
+            check.problem = str(exc)
+            report.exit_code = 3
+        finally:
+            reader.close()
+    return report
