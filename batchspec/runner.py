@@ -296,6 +296,7 @@ def run_job(spec: JobSpec, *, worker_index: int = 0, num_workers: int = 1, overw
                 if run.reader is not None:
                     run.reader.close()
 
+    gen_ended = None
     try:
         if runs:
             stream = engine.stream(rows(), spec.execution.max_in_flight)
@@ -313,6 +314,7 @@ def run_job(spec: JobSpec, *, worker_index: int = 0, num_workers: int = 1, overw
                     maybe_commit(run)
             finally:
                 stream.close()  # aborts whatever is still in the engine
+        gen_ended = time.monotonic()
         if stop:
             name = signal.Signals(stop.signal).name
             raise Interrupted(f"stopped by {name}: committed shards stay committed; "
@@ -327,22 +329,22 @@ def run_job(spec: JobSpec, *, worker_index: int = 0, num_workers: int = 1, overw
             else "failed"
         summary["error"] = str(exc)
         _finish(summary, out, events, progress, engine, counters_before, t0, gen_started,
-                started_at, run_id, exc)
+                gen_ended, run_id, exc)
         raise
+    else:
+        summary["status"] = "ok"
+        path = _finish(summary, out, events, progress, engine, counters_before, t0, gen_started,
+                       gen_ended, run_id, None)
     finally:
         restore_signals()
         if owns_engine and engine is not None:
             engine.shutdown()
-
-    summary["status"] = "ok"
-    path = _finish(summary, out, events, progress, engine, counters_before, t0, gen_started,
-                   started_at, run_id, None)
     return RunResult(run_id=run_id, summary=summary, summary_path=path)
 
 
 def _finish(summary, out: OutputDir, events: EventLog, progress: Progress, engine,
-            counters_before: dict, t0: float, gen_started: float, started_at, run_id: str,
-            exc: BaseException | None) -> str | None:
+            counters_before: dict, t0: float, gen_started: float, gen_ended: float | None,
+            run_id: str, exc: BaseException | None) -> str | None:
     """Totals, per-position acceptance, the summary JSON and the last human line."""
     progress.close()
     totals = ShardStats()
@@ -355,7 +357,7 @@ def _finish(summary, out: OutputDir, events: EventLog, progress: Progress, engin
         for reason, n in shard["errors_by_reason"].items():
             totals.errors_by_reason[reason] = totals.errors_by_reason.get(reason, 0) + n
     wall = time.monotonic() - t0
-    gen_wall = time.monotonic() - gen_started
+    gen_wall = (gen_ended or time.monotonic()) - gen_started
     summary["totals"] = totals.as_dict(wall)
     summary["totals"]["shards_committed"] = len(summary["shards"])
     summary["totals"]["generation_wall_s"] = round(gen_wall, 3)

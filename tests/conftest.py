@@ -57,4 +57,4 @@ def read_output(out_dir: Path) -> pa.Table:
     """All committed output shards of a job, concatenated."""
     files = sorted(out_dir.glob("*.parquet"))
     assert files, f"no output files in {out_dir}"
-    return pa.concat_tables([pq.read_table(f) for f in files])
+    return pa.concat_tables([pq.read_table(f) for f in files], promote_options="default")
