@@ -21,7 +21,14 @@ import batchspec
 from batchspec.errors import BatchspecError, InputDataError, Interrupted
 from batchspec.events import EventLog, Progress
 from batchspec.prompts import Row, ShardReader
-from batchspec.shards import BOOKKEEPING_DIR, OutputDir, Shard, assign, discover_shards
+from batchspec.shards import (
+    BOOKKEEPING_DIR,
+    OutputDir,
+    Shard,
+    assign,
+    check_worker,
+    discover_shards,
+)
 from batchspec.sink import ShardWriter
 from batchspec.spec import JobSpec
 
@@ -133,6 +140,7 @@ def new_run_id() -> str:
 def plan(spec: JobSpec, worker_index: int = 0, num_workers: int = 1,
          overwrite: bool = False) -> tuple[OutputDir, list[Shard], dict[str, str]]:
     """The worker's shards and each one's state (committed, partial or pending)."""
+    check_worker(worker_index, num_workers)
     shards = assign(discover_shards(spec.input.paths, spec.input.storage_options),
                     worker_index, num_workers)
     out = OutputDir(spec.output.path, spec.output.storage_options)

@@ -133,10 +133,16 @@ def worker_of(shard_name: str, num_workers: int) -> int:
     return int.from_bytes(digest[:8], "big") % num_workers
 
 
+def check_worker(worker_index: int, num_workers: int) -> None:
+    """Exit 2 unless ``0 <= worker_index < num_workers``."""
+    if num_workers < 1 or not 0 <= worker_index < num_workers:
+        raise SpecError("--worker-index",
+                        f"expected 0 <= I < N, got I={worker_index} N={num_workers}")
+
+
 def assign(shards: list[Shard], worker_index: int, num_workers: int) -> list[Shard]:
     """The shards that belong to worker ``worker_index`` of ``num_workers``."""
-    if num_workers < 1 or not 0 <= worker_index < num_workers:
-        raise SpecError("--worker-index", f"expected 0 <= I < N, got I={worker_index} N={num_workers}")
+    check_worker(worker_index, num_workers)
     return [s for s in shards if worker_of(s.name, num_workers) == worker_index]
 
 

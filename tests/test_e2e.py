@@ -10,11 +10,10 @@ import json
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from conftest import DRAFT, read_output, run_cli, write_job, write_parquet
 
 from batchspec.columns import RESULT_FIELDS, SPEC_COLUMNS
 from batchspec.sink import read_metadata
-
-from conftest import DRAFT, read_output, run_cli, write_job, write_parquet
 
 pytestmark = pytest.mark.engine
 

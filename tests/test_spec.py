@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import pytest
 import yaml
+from conftest import run_cli
 
 from batchspec.errors import SpecError
 from batchspec.spec import apply_override, load_spec, redact
-
-from conftest import run_cli
 
 BASE = {
     "name": "t",
