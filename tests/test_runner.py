@@ -1,0 +1,196 @@
+"""The runner's I/O logic with a fake engine: commits, reruns, bad input, engine failure.
+
+Every behaviour here is also exercised on the real engine in test_e2e.py / test_recovery.py.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from batchspec.columns import RESULT_NAMES
+from batchspec.errors import InputDataError, RuntimeFailure
+from batchspec.events import EventLog
+from batchspec.runner import run_job
+from batchspec.spec import build_spec
+
+from conftest import write_parquet
+from fakes import FakeEngine
+
+
+def make_spec(tmp_path, **input_extra):
+    raw = {
+        "name": "unit",
+        "input": {"path": str(tmp_path / "in" / "*.parquet"), "prompt_column": "prompt", **input_extra},
+        "output": {"path": str(tmp_path / "out"), "row_group_rows": 4},
+        "model": {"target": "unused"},
+        "sampling": {"temperature": 0.0, "max_tokens": 8},
+        "execution": {"max_in_flight": 5, "read_batch_rows": 3},
+    }
+    return build_spec(raw)
+
+
+def shards(tmp_path, n=3, rows=10):
+    for i in range(n):
+        write_parquet(tmp_path / "in" / f"s{i}.parquet",
+                      {"prompt": [f"prompt {i}-{j}" for j in range(rows)], "k": list(range(rows))})
+
+
+def run(spec, engine=None, **kw):
+    events = []
+    log = EventLog("test", "json")
+    log.emit = lambda event, message="", level="info", **f: events.append((event, f))
+    result = run_job(spec, engine=engine or FakeEngine(), events=log, progress_bars=False, **kw)
+    return result, events
+
+
+def outputs(tmp_path):
+    return {p.stem: pq.read_table(p) for p in sorted((tmp_path / "out").glob("*.parquet"))}
+
+
+def test_every_row_once_in_one_file_per_shard(tmp_path):
+    shards(tmp_path)
+    engine = FakeEngine()
+    result, events = run(make_spec(tmp_path), engine)
+    out = outputs(tmp_path)
+    assert sorted(out) == ["s0", "s1", "s2"]
+    for i, table in out.items():
+        assert sorted(table["k"].to_pylist()) == list(range(10))
+        assert table.column_names == ["request_id", "k", *RESULT_NAMES]
+        assert sorted(table["request_id"].to_pylist()) == sorted(f"{i}/{j}" for j in range(10))
+        assert pq.ParquetFile(tmp_path / "out" / f"{i}.parquet").num_row_groups == 3  # 4+4+2
+    assert engine.max_seen_in_flight <= 5
+    assert result.summary["totals"]["rows"] == 30
+    assert [e for e, _ in events].count("shard_committed") == 3
+    manifest = json.loads((tmp_path / "out" / "_batchspec" / "manifest" / "s1.json").read_text())
+    assert manifest["rows"] == 10 and manifest["run_id"] == result.run_id
+
+
+def test_rerun_skips_committed_and_redoes_changed_input(tmp_path):
+    shards(tmp_path)
+    run(make_spec(tmp_path))
+    before = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "out").glob("*.parquet")}
+    result, events = run(make_spec(tmp_path))
+    assert [f["shard"] for e, f in events if e == "shard_skipped"] == ["s0", "s1", "s2"]
+    assert result.summary["totals"]["rows"] == 0
+    write_parquet(tmp_path / "in" / "s1.parquet", {"prompt": ["changed"], "k": [7]})
+    result, _ = run(make_spec(tmp_path))
+    assert list(result.summary["shards"]) == ["s1"]
+    assert outputs(tmp_path)["s1"]["k"].to_pylist() == [7]
+    after = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "out").glob("*.parquet")}
+    assert after["s0.parquet"] == before["s0.parquet"]
+    result, _ = run(make_spec(tmp_path), overwrite=True)
+    assert sorted(result.summary["shards"]) == ["s0", "s1", "s2"]
+
+
+def test_zero_row_shard_commits_an_empty_file_with_the_full_schema(tmp_path):
+    write_parquet(tmp_path / "in" / "empty.parquet", {"prompt": pa.array([], pa.string())})
+    run(make_spec(tmp_path))
+    table = pq.read_table(tmp_path / "out" / "empty.parquet")
+    assert table.num_rows == 0 and table.column_names == ["request_id", *RESULT_NAMES]
+
+
+def test_duplicate_ids_are_processed_and_counted(tmp_path):
+    write_parquet(tmp_path / "in" / "d.parquet", {"id": ["a", "b", "a", "a"], "prompt": ["x"] * 4})
+    result, _ = run(make_spec(tmp_path, id_column="id"))
+    assert outputs(tmp_path)["d"].num_rows == 4
+    assert result.summary["shards"]["d"]["duplicate_ids"] == 2
+    assert result.summary["totals"]["duplicate_ids"] == 2
+
+
+@pytest.mark.parametrize("columns, extra, words", [
+    ({"text": ["a"]}, {}, "missing prompt column 'prompt'"),
+    ({"prompt": [1, 2]}, {}, "has type int64, expected text"),
+    ({"prompt": ["a"]}, {"id_column": "uid"}, "missing id column 'uid'"),
+    ({"prompt": ["a"]}, {"sampling_columns": {"max_tokens": "mt"}}, "missing sampling_columns.max_tokens column"),
+])
+def test_bad_columns_exit_3_naming_shard_and_column(tmp_path, columns, extra, words):
+    write_parquet(tmp_path / "in" / "good.parquet", {"prompt": ["a"], "uid": ["u"], "mt": [3]})
+    write_parquet(tmp_path / "in" / "zz-bad.parquet", columns)
+    with pytest.raises(InputDataError) as info:
+        run(make_spec(tmp_path, **extra))
+    assert info.value.exit_code == 3
+    assert "zz-bad.parquet" in str(info.value) and words in str(info.value)
+
+
+def test_corrupt_shard_exits_3_and_loses_nothing_already_done(tmp_path):
+    shards(tmp_path, n=2)
+    run(make_spec(tmp_path))
+    shards(tmp_path, n=3)  # rewrites s0..s2: s0, s1 change, s2 is new
+    (tmp_path / "in" / "s1.parquet").write_bytes(b"PAR1 this is not parquet")
+    with pytest.raises(InputDataError, match=r"s1\.parquet: not a readable Parquet file"):
+        run(make_spec(tmp_path))
+    # the earlier committed outputs are untouched
+    assert sorted(outputs(tmp_path)) == ["s0", "s1"]
+
+
+def test_corrupt_shard_skip_records_it_and_goes_on(tmp_path):
+    shards(tmp_path, n=3)
+    (tmp_path / "in" / "s1.parquet").write_bytes(b"garbage")
+    result, events = run(make_spec(tmp_path, on_bad_shard="skip"))
+    assert sorted(outputs(tmp_path)) == ["s0", "s2"]
+    assert "s1" in result.summary["bad_shards"]
+    assert any(e == "shard_failed" and f["shard"] == "s1" for e, f in events)
+
+
+def test_corrupt_row_group_midway_commits_nothing_partial(tmp_path):
+    shards(tmp_path, n=1)
+    path = tmp_path / "in" / "s5.parquet"
+    pq.write_table(pa.table({"prompt": [f"p{i}" for i in range(40)], "k": list(range(40))}), path,
+                   row_group_size=10)
+    data = bytearray(path.read_bytes())
+    meta = pq.ParquetFile(path).metadata
+    start = meta.row_group(2).column(0).data_page_offset
+    data[start:start + 40] = b"\xff" * 40  # garble the third row group's page
+    path.write_bytes(bytes(data))
+    with pytest.raises(InputDataError, match="s5.parquet"):
+        run(make_spec(tmp_path))
+    assert sorted(outputs(tmp_path)) == ["s0"]  # the good shard committed, nothing of s5
+    assert not list((tmp_path / "out" / "_batchspec" / "tmp").glob("*"))
+
+
+def test_engine_failure_commits_nothing_partial_and_rerun_finishes(tmp_path):
+    shards(tmp_path, n=3)
+    with pytest.raises(RuntimeFailure, match="EngineDeadError"):
+        run(make_spec(tmp_path), FakeEngine(fail_after=15))
+    done = outputs(tmp_path)
+    for table in done.values():
+        assert table.num_rows == 10  # whatever was committed is complete
+    assert not list((tmp_path / "out" / "_batchspec" / "tmp").glob("*"))
+    summary = json.loads(next((tmp_path / "out" / "_batchspec" / "runs").glob("*.json")).read_text())
+    assert summary["status"] == "failed" and "EngineDeadError" in summary["error"]
+    run(make_spec(tmp_path))
+    assert sorted(outputs(tmp_path)) == ["s0", "s1", "s2"]
+    assert all(t.num_rows == 10 for t in outputs(tmp_path).values())
+
+
+def test_bad_rows_become_error_rows(tmp_path):
+    write_parquet(tmp_path / "in" / "b.parquet",
+                  {"prompt": pa.array(["ok", None, "", "  \n"], pa.string())})
+    run(make_spec(tmp_path))
+    rows = {r["request_id"]: r for r in outputs(tmp_path)["b"].to_pylist()}
+    assert rows["b/0"]["error"] is None and rows["b/0"]["generated_text"] == "OK"
+    assert rows["b/1"]["error"] == "null prompt"
+    assert rows["b/2"]["error"] == rows["b/3"]["error"] == "empty prompt"
+    assert all(rows[k]["finish_reason"] == "error" for k in ("b/1", "b/2", "b/3"))
+
+
+def test_keep_columns_and_metadata(tmp_path):
+    write_parquet(tmp_path / "in" / "m.parquet",
+                  {"prompt": ["a"], "keep": [1.5], "drop": ["x"],
+                   "when": pa.array([0], pa.timestamp("ms"))})
+    spec = build_spec({**make_spec(tmp_path).raw,
+                       "output": {"path": str(tmp_path / "out"), "keep_columns": ["keep", "when"],
+                                  "storage_options": {"secret": "hunter2"}}})
+    run(spec)
+    table = outputs(tmp_path)["m"]
+    assert table.column_names[:3] == ["request_id", "keep", "when"]
+    assert table.schema.field("when").type == pa.timestamp("ms")
+    from batchspec.sink import read_metadata
+
+    meta = read_metadata(str(tmp_path / "out" / "m.parquet"))
+    assert meta["spec"]["output"]["storage_options"] == {"secret": "***"}
+    assert "hunter2" not in (tmp_path / "out" / "m.parquet").read_bytes().decode("latin-1")

@@ -1,0 +1,100 @@
+"""Shard discovery over fsspec, output naming, worker assignment, committed state."""
+
+from __future__ import annotations
+
+import fsspec
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from batchspec.errors import InputDataError, SpecError
+from batchspec.shards import OutputDir, assign, discover_shards, worker_of
+
+from conftest import write_parquet
+
+
+def _shard(path):
+    return write_parquet(path, {"prompt": ["a"]})
+
+
+def test_glob_lists_sorted_shards_named_after_files(tmp_path):
+    for name in ("b", "a", "c"):
+        _shard(tmp_path / f"{name}.parquet")
+    (tmp_path / "notes.txt").write_text("x")
+    shards = discover_shards([str(tmp_path / "*.parquet")], {})
+    assert [s.name for s in shards] == ["a", "b", "c"]
+    assert [s.output_file for s in shards] == ["a.parquet", "b.parquet", "c.parquet"]
+    assert all(s.fingerprint["size"] > 0 for s in shards)
+
+
+def test_directory_and_nested_glob_keep_subdirectories_in_names(tmp_path):
+    _shard(tmp_path / "day=1" / "part-0.parquet")
+    _shard(tmp_path / "day=2" / "part-0.parquet")
+    for paths in ([str(tmp_path)], [str(tmp_path / "*" / "*.parquet")]):
+        names = [s.name for s in discover_shards(paths, {})]
+        assert names == ["day=1__part-0", "day=2__part-0"]
+
+
+def test_same_file_name_from_two_roots_never_shares_an_output_name(tmp_path):
+    _shard(tmp_path / "x" / "part-0.parquet")
+    _shard(tmp_path / "y" / "part-0.parquet")
+    shards = discover_shards([str(tmp_path / "x" / "*.parquet"), str(tmp_path / "y" / "*.parquet")], {})
+    names = [s.name for s in shards]
+    assert len(set(names)) == 2 and all(n.startswith("part-0-") for n in names)
+    # and the same file listed twice is one shard
+    assert len(discover_shards([str(tmp_path / "x" / "part-0.parquet")] * 2, {})) == 1
+
+
+def test_memory_filesystem(tmp_path):
+    fs = fsspec.filesystem("memory")
+    for i in range(2):
+        with fs.open(f"/bucket/in/p{i}.parquet", "wb") as f:
+            pq.write_table(pa.table({"prompt": ["x"]}), f)
+    shards = discover_shards(["memory://bucket/in/*.parquet"], {})
+    assert [s.name for s in shards] == ["p0", "p1"]
+    assert shards[0].url == "memory:///bucket/in/p0.parquet" or shards[0].url.startswith("memory://")
+
+
+def test_no_match_is_bad_input(tmp_path):
+    with pytest.raises(InputDataError, match="no input shards matched"):
+        discover_shards([str(tmp_path / "*.parquet")], {})
+    with pytest.raises(InputDataError, match="no such input"):
+        discover_shards([str(tmp_path / "missing.parquet")], {})
+
+
+def test_worker_assignment_is_stable_and_complete():
+    names = [f"part-{i:05d}" for i in range(200)]
+    for n in (1, 3, 8):
+        owners = {name: worker_of(name, n) for name in names}
+        assert set(owners.values()) <= set(range(n))
+        # the same shard goes to the same worker whatever the order or the other shards
+        assert {name: worker_of(name, n) for name in reversed(names[:50])} == \
+            {name: owners[name] for name in names[:50]}
+    counts = [sum(worker_of(name, 4) == w for name in names) for w in range(4)]
+    assert min(counts) > 25  # spread over the workers
+
+
+def test_assign_partitions_shards(tmp_path):
+    for i in range(10):
+        _shard(tmp_path / f"p{i}.parquet")
+    shards = discover_shards([str(tmp_path / "*.parquet")], {})
+    parts = [assign(shards, w, 3) for w in range(3)]
+    assert sorted(s.name for p in parts for s in p) == sorted(s.name for s in shards)
+    with pytest.raises(SpecError):
+        assign(shards, 3, 3)
+
+
+def test_shard_state(tmp_path):
+    src = _shard(tmp_path / "in" / "a.parquet")
+    shard = discover_shards([str(src)], {})[0]
+    out = OutputDir(str(tmp_path / "out"), {})
+    assert out.shard_state(shard) == "pending"
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "a.parquet").write_bytes(b"x")
+    assert out.shard_state(shard) == "partial"  # file without a record
+    out.write_json(out.manifest_path("a"), {"input_fingerprint": shard.fingerprint, "rows": 1})
+    assert out.shard_state(shard) == "committed"
+    out.write_json(out.manifest_path("a"), {"input_fingerprint": {"size": 1}, "rows": 1})
+    assert out.shard_state(shard) == "partial"  # the input changed since
+    (tmp_path / "out" / "a.parquet").unlink()
+    assert out.shard_state(shard) == "partial"  # record without a file
