@@ -1,0 +1,37 @@
+"""Run every benchmark in turn (one vLLM engine at a time) and write results to bench-results/.
+
+Usage: ``python benchmarks/run_all.py`` (what ``make bench`` runs). BENCHMARKS.md records the
+numbers and the commands.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+OUT = ROOT / "bench-results"
+
+STEPS = [
+    ["benchmarks/acceptance.py", "--prompts", "200"],
+    ["benchmarks/throughput.py", "--spec", "draft", "--json", str(OUT / "throughput-draft.json")],
+    ["benchmarks/throughput.py", "--spec", "off", "--json", str(OUT / "throughput-off.json")],
+    ["benchmarks/memory.py", "--json", str(OUT / "memory.json")],
+]
+
+
+def main() -> int:
+    OUT.mkdir(exist_ok=True)
+    env = {**os.environ, "VLLM_LOGGING_LEVEL": "ERROR", "VLLM_CPU_KVCACHE_SPACE": "2"}
+    for step in STEPS:
+        print(f"$ python {' '.join(step)}", flush=True)
+        done = subprocess.run([sys.executable, *step], cwd=ROOT, env=env)
+        if done.returncode:
+            return done.returncode
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
