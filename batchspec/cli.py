@@ -28,7 +28,8 @@ def _quiet_vllm(verbose: bool) -> None:
 
 
 def _fail(exc: BatchspecError, events: EventLog | None = None) -> None:
-    kind = {1: "runtime failure", 2: "bad job spec", 3: "bad input data"}.get(exc.exit_code, "error")
+    kind = {1: "runtime failure", 2: "bad job spec", 3: "bad input data"}.get(exc.exit_code,
+                                                                              "interrupted")
     if events is not None and events.fmt == "json":
         events.emit("error", str(exc), level="error", exit_code=exc.exit_code, kind=kind)
     else:
@@ -133,6 +134,34 @@ def status(job, overrides, worker_index, num_workers, fmt):
         click.echo(f"{r['shard']:<{width}}  {r['state']:<9}  {r['input']}")
     counts = {k: sum(1 for r in rows if r["state"] == k) for k in ("committed", "partial", "pending")}
     click.echo(f"{len(rows)} shards: " + ", ".join(f"{v} {k}" for k, v in counts.items()))
+
+
+@main.command()
+@click.argument("output_path")
+@click.argument("output_path_b", required=False)
+@click.option("--format", "fmt", type=click.Choice(["table", "json", "markdown"]), default="table",
+              show_default=True, help="table for a terminal, json for machines, markdown for PRs.")
+@click.option("--html", "html_file", type=click.Path(dir_okay=False),
+              help="Also write a self-contained HTML page with charts to this file.")
+def report(output_path, output_path_b, fmt, html_file):
+    """Acceptance and timing statistics of the finished run at OUTPUT_PATH (its output.path).
+
+    With OUTPUT_PATH_B, compare two runs side by side (B against A) and match their rows by
+    request_id."""
+    from batchspec.report import compare, load_output, render, summarize
+
+    try:
+        outputs = [load_output(p) for p in (output_path, output_path_b) if p]
+    except BatchspecError as exc:
+        _fail(exc)
+    result = compare(*outputs) if len(outputs) == 2 else summarize(outputs[0])
+    click.echo(render(result, fmt), nl=False)
+    if html_file:
+        from batchspec.html_report import render_html
+
+        with open(html_file, "w", encoding="utf-8") as f:
+            f.write(render_html(result, outputs))
+        click.echo(f"batchspec: wrote {html_file}", err=True)  # stderr: stdout stays parseable
 
 
 if __name__ == "__main__":

@@ -16,9 +16,12 @@ class RuntimeFailure(BatchspecError):
 
 
 class Interrupted(BatchspecError):
-    """SIGTERM or SIGINT stopped the job; nothing partial was committed (exit 1)."""
+    """SIGTERM or SIGINT stopped the job; nothing partial was committed (exit 128 + signal:
+    130 for SIGINT, 143 for SIGTERM, as shells report it)."""
 
-    exit_code = 1
+    def __init__(self, message: str, signum: int = 15):
+        self.exit_code = 128 + signum
+        super().__init__(message)
 
 
 class SpecError(BatchspecError):

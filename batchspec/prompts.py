@@ -19,6 +19,7 @@ from batchspec.columns import REQUEST_ID, RESULT_NAMES
 from batchspec.errors import InputDataError, SpecError
 from batchspec.shards import Shard
 from batchspec.spec import InputSpec, OutputSpec
+from batchspec.storage import ATTEMPTS, BACKOFF_S, is_transient, random_sleep, retry
 
 _OUTPUT_NAMES = {REQUEST_ID, *RESULT_NAMES}
 
@@ -63,15 +64,11 @@ class ShardReader:
         self.spec = input_spec
         self.batch_rows = batch_rows
         self._file = None
-        try:
-            self._handle = shard.fs.open(shard.path, "rb")
-            self._file = pq.ParquetFile(self._handle)
-            schema = self._file.schema_arrow
-        except FileNotFoundError as exc:
-            raise InputDataError(shard.url, "input shard disappeared") from exc
-        except (pa.ArrowException, OSError, ValueError) as exc:
-            self.close()
-            raise InputDataError(shard.url, f"not a readable Parquet file: {exc}") from exc
+        self._handle = None
+        self._local = "file" in (shard.fs.protocol if isinstance(shard.fs.protocol, tuple)
+                                 else (shard.fs.protocol,))
+        self._open()
+        schema = self._file.schema_arrow
         self.num_rows = self._file.metadata.num_rows
         self.kept_fields = self._check_schema(schema, output_spec)
 
@@ -109,6 +106,29 @@ class ShardReader:
             kept = [schema.field(c) for c in output_spec.keep_columns]
         return kept
 
+    def _open(self) -> None:
+        """Open the file and read its footer, retrying transient storage errors."""
+        self.close()
+        shard = self.shard
+
+        def open_file():
+            handle = shard.fs.open(shard.path, "rb")
+            try:
+                return handle, pq.ParquetFile(handle)
+            except BaseException:
+                handle.close()
+                raise
+
+        try:
+            if self._local:
+                self._handle, self._file = open_file()
+            else:
+                self._handle, self._file = retry(open_file, f"opening {shard.url}")
+        except FileNotFoundError as exc:
+            raise InputDataError(shard.url, "input shard disappeared") from exc
+        except (pa.ArrowException, OSError, ValueError) as exc:
+            raise InputDataError(shard.url, f"not a readable Parquet file: {exc}") from exc
+
     @property
     def columns(self) -> list[str]:
         spec = self.spec
@@ -117,19 +137,37 @@ class ShardReader:
         return list(dict.fromkeys(c for c in wanted if c))
 
     def rows(self) -> Iterator[Row]:
-        """Yield the shard's rows in order; raises InputDataError if the file is corrupt."""
+        """Yield the shard's rows in order, one record batch in memory at a time. A transient
+        storage error re-opens the file and resumes the row group where it stopped; corrupt
+        data raises InputDataError naming the shard."""
         spec = self.spec
         index = 0
-        try:
-            batches = self._file.iter_batches(batch_size=self.batch_rows, columns=self.columns)
-            for batch in batches:
-                data = batch.to_pydict()
-                for i in range(batch.num_rows):
-                    yield self._row(index, {c: data[c][i] for c in data}, spec)
-                    index += 1
-        except (pa.ArrowException, OSError, ValueError) as exc:
-            raise InputDataError(self.shard.url, f"cannot read row group after row {index}: "
-                                                 f"{exc}") from exc
+        for group in range(self._file.num_row_groups):
+            done_in_group = 0
+            attempt = 0
+            while True:
+                try:
+                    skip = done_in_group
+                    batches = self._file.iter_batches(batch_size=self.batch_rows, row_groups=[group],
+                                                      columns=self.columns)
+                    for batch in batches:
+                        if skip >= batch.num_rows:
+                            skip -= batch.num_rows
+                            continue
+                        data = batch.to_pydict()
+                        for i in range(skip, batch.num_rows):
+                            yield self._row(index, {c: data[c][i] for c in data}, spec)
+                            index += 1
+                            done_in_group += 1
+                        skip = 0
+                    break
+                except (pa.ArrowException, OSError, ValueError) as exc:
+                    attempt += 1
+                    if self._local or not is_transient(exc) or attempt >= ATTEMPTS:
+                        raise InputDataError(self.shard.url, f"cannot read row group {group} "
+                                                             f"(after row {index}): {exc}") from exc
+                    random_sleep(BACKOFF_S * 2 ** attempt)
+                    self._open()
 
     def _row(self, index: int, values: dict[str, Any], spec: InputSpec) -> Row:
         request_id = values.get(spec.id_column) if spec.id_column else None
@@ -158,9 +196,11 @@ class ShardReader:
         return row
 
     def close(self) -> None:
-        handle = getattr(self, "_handle", None)
-        if handle is not None:
-            handle.close()
+        if self._handle is not None:
+            try:
+                self._handle.close()
+            except Exception:
+                pass
             self._handle = None
 
 

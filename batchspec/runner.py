@@ -8,6 +8,7 @@ moment its last row's result arrives.
 from __future__ import annotations
 
 import datetime as dt
+import os
 import signal
 import sys
 import threading
@@ -18,19 +19,23 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import batchspec
-from batchspec.errors import BatchspecError, InputDataError, Interrupted
+from batchspec.errors import BatchspecError, InputDataError, Interrupted, RuntimeFailure
 from batchspec.events import EventLog, Progress
 from batchspec.prompts import Row, ShardReader
 from batchspec.shards import (
     BOOKKEEPING_DIR,
+    LEASE_S,
     OutputDir,
     Shard,
     assign,
     check_worker,
     discover_shards,
+    remove_orphan_tmp_files,
+    spool_dir,
 )
 from batchspec.sink import ShardWriter
 from batchspec.spec import JobSpec
+from batchspec.storage import this_host
 
 
 @dataclass
@@ -95,6 +100,8 @@ class _ShardRun:
     reading_done: bool = False
     failed: bool = False
     committed: bool = False
+    leased: bool = False
+    num_rows: int = 0
     started: float = 0.0
     stats: ShardStats = field(default_factory=ShardStats)
     seen_ids: set[str] = field(default_factory=set)
@@ -181,10 +188,18 @@ def run_job(spec: JobSpec, *, worker_index: int = 0, num_workers: int = 1, overw
         "started_at": started_at.isoformat(),
         "shards": {},
         "bad_shards": {},
+        "busy_shards": {},
     }
+    owner = {"run_id": run_id, "host": this_host(), "pid": os.getpid(),
+             "started_at": started_at.isoformat()}
+    if out.is_local:
+        remove_orphan_tmp_files(out.tmp_dir())
+    else:
+        remove_orphan_tmp_files(spool_dir())
 
     # Check every pending shard's schema before loading any model: a missing column exits 3 now.
     readers_ok: list[Shard] = []
+    row_counts: dict[str, int] = {}
     total_rows = 0
     for s in todo:
         try:
@@ -198,6 +213,7 @@ def run_job(spec: JobSpec, *, worker_index: int = 0, num_workers: int = 1, overw
                         shard=s.name)
             continue
         total_rows += reader.num_rows
+        row_counts[s.name] = reader.num_rows
         reader.close()
         readers_ok.append(s)
 
@@ -234,6 +250,17 @@ def run_job(spec: JobSpec, *, worker_index: int = 0, num_workers: int = 1, overw
     gen_started = time.monotonic()
 
     def commit(run: _ShardRun) -> None:
+        name = run.shard.name
+        if not out.holds(name, owner):
+            # another process took the shard over (our lease lapsed): keep its copy, drop ours
+            run.failed = True
+            run.writer.discard()
+            holder = out.read_lock(name) or {}
+            summary["busy_shards"][name] = _holder_text(holder)
+            events.emit("shard_conflict", f"shard {name} was taken over by run "
+                        f"{holder.get('run_id')}; this run's copy was discarded", level="warning",
+                        shard=name, holder=holder.get("run_id"))
+            return
         final = run.writer.commit()
         wall = time.monotonic() - run.started
         record = {
@@ -247,6 +274,8 @@ def run_job(spec: JobSpec, *, worker_index: int = 0, num_workers: int = 1, overw
         }
         out.write_json(out.manifest_path(run.shard.name), record)
         run.committed = True
+        out.release(name, owner)
+        run.leased = False
         shard_summary = run.stats.as_dict(wall)
         summary["shards"][run.shard.name] = shard_summary
         progress.shard_done()
@@ -264,6 +293,23 @@ def run_job(spec: JobSpec, *, worker_index: int = 0, num_workers: int = 1, overw
         for run in runs:
             if stop:
                 return
+            name = run.shard.name
+            holder = out.acquire(name, owner)
+            if holder is not None:
+                summary["busy_shards"][name] = _holder_text(holder)
+                progress.rows_dropped(row_counts[name])
+                events.emit("shard_busy", f"shard {name} is being processed by another run "
+                            f"({_holder_text(holder)}); leaving it alone", level="warning",
+                            shard=name, holder=holder.get("run_id"))
+                continue
+            run.leased = True
+            if not overwrite and out.shard_state(run.shard) == "committed":
+                out.release(name, owner)  # committed by another process since this run began
+                run.leased = False
+                progress.rows_dropped(row_counts[name])
+                events.emit("shard_skipped", f"shard {name} already committed", shard=name,
+                            reason="committed")
+                continue
             try:
                 run.reader = ShardReader(run.shard, spec.input, spec.output,
                                          spec.execution.read_batch_rows)
@@ -305,6 +351,7 @@ def run_job(spec: JobSpec, *, worker_index: int = 0, num_workers: int = 1, overw
                     run.reader.close()
 
     gen_ended = None
+    renewed = time.monotonic()
     try:
         if runs:
             stream = engine.stream(rows(), spec.execution.max_in_flight)
@@ -313,6 +360,11 @@ def run_job(spec: JobSpec, *, worker_index: int = 0, num_workers: int = 1, overw
                     run = by_name[row.shard]
                     if stop:
                         break
+                    if time.monotonic() - renewed > LEASE_S / 4:
+                        renewed = time.monotonic()
+                        for r in runs:
+                            if r.leased and not r.committed:
+                                out.renew(r.shard.name, owner)
                     if run.failed:
                         continue
                     output_row = {"request_id": row.request_id, **row.kept, **result}
@@ -324,20 +376,32 @@ def run_job(spec: JobSpec, *, worker_index: int = 0, num_workers: int = 1, overw
                 stream.close()  # aborts whatever is still in the engine
         gen_ended = time.monotonic()
         if stop:
-            name = signal.Signals(stop.signal).name
-            raise Interrupted(f"stopped by {name}: committed shards stay committed; "
-                              f"uncommitted shards were discarded and will be redone")
+            raise _interrupted(stop.signal)
         if fatal:
             raise fatal[0]
+        if summary["busy_shards"]:
+            raise RuntimeFailure(
+                f"{len(summary['busy_shards'])} shards are being processed by another run and "
+                f"were left alone: " + "; ".join(f"{k} ({v})" for k, v in
+                                                 sorted(summary["busy_shards"].items())))
     except BaseException as exc:
+        if stop and not isinstance(exc, Interrupted):
+            exc = _interrupted(stop.signal)  # e.g. Ctrl-C also reached the engine's processes
         for run in runs:
             if run.writer is not None and not run.committed:
                 run.writer.discard()
+            if run.leased and not run.committed:
+                try:
+                    out.release(run.shard.name, owner)
+                except Exception:
+                    pass
         summary["status"] = "interrupted" if isinstance(exc, Interrupted | KeyboardInterrupt) \
             else "failed"
         summary["error"] = str(exc)
         _finish(summary, out, events, progress, engine, counters_before, t0, gen_started,
                 gen_ended, run_id, exc)
+        if isinstance(exc, Interrupted):
+            raise exc from None
         raise
     else:
         summary["status"] = "ok"
@@ -400,6 +464,16 @@ def _finish(summary, out: OutputDir, events: EventLog, progress: Progress, engin
                 status=status, summary=path, **{k: t[k] for k in
                                                 ("rows", "errors", "output_tokens", "wall_s")})
     return path
+
+
+def _interrupted(signum: int) -> Interrupted:
+    name = signal.Signals(signum).name
+    return Interrupted(f"stopped by {name}: committed shards stay committed; uncommitted shards "
+                       f"were discarded and will be redone", signum=signum)
+
+
+def _holder_text(lock: dict) -> str:
+    return f"run {lock.get('run_id')} on {lock.get('host')} pid {lock.get('pid')}"
 
 
 def human_summary(summary: dict) -> str:

@@ -7,21 +7,30 @@ Bookkeeping lives under ``<output.path>/_batchspec/``:
   fingerprint, the run that committed it). One object per shard, never a shared file, so that
   workers never read-modify-write the same object.
 - ``runs/<run_id>.json``: the summary of each run.
-- ``tmp/``: files being written (local output only; object stores get a single put).
+- ``locks/<shard>.json``: the lease of the process working on a shard (run id, host, pid,
+  heartbeat), so that a second process started on the same job by mistake leaves it alone.
+- ``tmp/``: files being written (local output only; for object stores they are spooled on
+  local disk and committed with a single put).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import posixpath
+import re
+import tempfile
+import time
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import fsspec
 from fsspec.core import url_to_fs
 
 from batchspec.errors import InputDataError, SpecError
+from batchspec.storage import pid_alive, retry, this_host
 
 BOOKKEEPING_DIR = "_batchspec"
 OUTPUT_SUFFIX = ".parquet"
@@ -89,12 +98,13 @@ def discover_shards(paths: tuple[str, ...] | list[str], storage_options: dict) -
             raise SpecError("input.path", f"cannot open {url!r}: {exc}") from exc
         if _has_glob(path):
             base = _glob_base(path)
-            matches = [p for p in sorted(fs.glob(path)) if not fs.isdir(p)]
-        elif fs.isdir(path):
+            listed = retry(partial(fs.glob, path, detail=True), f"listing {url}")
+            matches = sorted(p for p, info in listed.items() if info.get("type") != "directory")
+        elif retry(partial(fs.isdir, path), f"listing {url}"):
             base = path.rstrip("/")
-            matches = sorted(p for p in fs.find(path) if p.endswith(OUTPUT_SUFFIX)
-                             and f"/{BOOKKEEPING_DIR}/" not in p)
-        elif fs.exists(path):
+            matches = sorted(p for p in retry(partial(fs.find, path), f"listing {url}")
+                             if p.endswith(OUTPUT_SUFFIX) and f"/{BOOKKEEPING_DIR}/" not in p)
+        elif retry(partial(fs.exists, path), f"checking {url}"):
             base, matches = posixpath.dirname(path), [path]
         else:
             raise InputDataError(url, "no such input file or directory")
@@ -117,7 +127,8 @@ def discover_shards(paths: tuple[str, ...] | list[str], storage_options: dict) -
         stem = _stem(rel)
         if names[stem] > 1:  # two inputs would write one output name: make both unique
             stem = f"{stem}-{hashlib.sha1(url.encode()).hexdigest()[:8]}"
-        shards.append(Shard(url=url, path=p, name=stem, fs=fs, fingerprint=fingerprint(fs.info(p))))
+        info = retry(partial(fs.info, p), f"reading the size of {url}")
+        shards.append(Shard(url=url, path=p, name=stem, fs=fs, fingerprint=fingerprint(info)))
     return sorted(shards, key=lambda s: s.name)
 
 
@@ -146,6 +157,41 @@ def assign(shards: list[Shard], worker_index: int, num_workers: int) -> list[Sha
     return [s for s in shards if worker_of(s.name, num_workers) == worker_index]
 
 
+#: A lease not renewed for this long is abandoned (its process died on another host).
+LEASE_S = float(os.environ.get("BATCHSPEC_LEASE_S", "120"))
+_TMP_NAME = re.compile(r"^(?P<shard>.+)~(?P<host>[^~]+)~(?P<pid>\d+)~[0-9a-f]+\.parquet\.tmp$")
+
+
+def spool_dir() -> str:
+    """Local directory for files on their way to an object store."""
+    path = os.path.join(tempfile.gettempdir(), "batchspec-spool")
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+def tmp_file_name(shard_name: str) -> str:
+    """A temporary file name that says which process owns it."""
+    return f"{shard_name}~{this_host()}~{os.getpid()}~{os.urandom(6).hex()}.parquet.tmp"
+
+
+def remove_orphan_tmp_files(directory: str) -> int:
+    """Delete temporary files left by dead processes of this host (a SIGKILL, an OOM kill)."""
+    removed = 0
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return 0
+    for name in names:
+        m = _TMP_NAME.match(name)
+        if m and m["host"] == this_host() and not pid_alive(int(m["pid"])):
+            try:
+                os.unlink(os.path.join(directory, name))
+                removed += 1
+            except FileNotFoundError:
+                pass
+    return removed
+
+
 class OutputDir:
     """The output directory and its bookkeeping, on any fsspec filesystem."""
 
@@ -153,6 +199,7 @@ class OutputDir:
         self.url = url.rstrip("/")
         self.fs, self.path = url_to_fs(self.url, **storage_options)
         self.path = self.path.rstrip("/")
+        self.display_url = _full_url(self.fs, self.path)
 
     @property
     def is_local(self) -> bool:
@@ -167,36 +214,138 @@ class OutputDir:
     def manifest_path(self, shard_name: str) -> str:
         return self.join(BOOKKEEPING_DIR, "manifest", shard_name + ".json")
 
+    def lock_path(self, shard_name: str) -> str:
+        return self.join(BOOKKEEPING_DIR, "locks", shard_name + ".json")
+
+    def tmp_dir(self) -> str:
+        """Where shards are written before commit: beside the output on local disk (the commit
+        is then an atomic rename), a local spool directory for object stores."""
+        if self.is_local:
+            path = self.join(BOOKKEEPING_DIR, "tmp")
+            os.makedirs(path, exist_ok=True)
+            return path
+        return spool_dir()
+
+    # ------------------------------------------------------------------ small JSON objects
+
+    def read_json(self, path: str) -> dict | None:
+        """A small JSON object, or None if it is missing or torn."""
+        def read():
+            try:
+                with self.fs.open(path, "rb") as f:
+                    return f.read()
+            except FileNotFoundError:
+                return None
+
+        data = retry(read, f"reading {path}")
+        if data is None:
+            return None
+        try:
+            return json.loads(data)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return None  # a torn record is no record
+
     def read_manifest(self, shard_name: str) -> dict | None:
         """The committed record of a shard, or None."""
-        path = self.manifest_path(shard_name)
-        try:
-            with self.fs.open(path, "rb") as f:
-                return json.loads(f.read())
-        except FileNotFoundError:
-            return None
-        except json.JSONDecodeError:
-            return None  # a torn record is no record: the shard is redone
+        return self.read_json(self.manifest_path(shard_name))
 
     def write_json(self, path: str, record: dict) -> None:
         """Write a small JSON object in one put (a rename on local disk)."""
         data = (json.dumps(record, indent=2, sort_keys=True, default=str) + "\n").encode()
-        self.fs.makedirs(posixpath.dirname(path), exist_ok=True)
         if self.is_local:
-            tmp = f"{path}.tmp"
+            os.makedirs(posixpath.dirname(path), exist_ok=True)
+            tmp = f"{path}.{os.getpid()}.tmp"
             with open(tmp, "wb") as f:
                 f.write(data)
-            self.fs.mv(tmp, path)
+            os.replace(tmp, path)
         else:
-            self.fs.pipe_file(path, data)
+            retry(lambda: self.fs.pipe_file(path, data), f"writing {path}")
+
+    def remove(self, path: str) -> None:
+        def rm():
+            try:
+                self.fs.rm_file(path)
+            except FileNotFoundError:
+                pass
+
+        retry(rm, f"removing {path}")
+
+    def exists(self, path: str) -> bool:
+        return retry(lambda: self.fs.exists(path), f"checking {path}")
 
     def shard_state(self, shard: Shard) -> str:
         """``committed`` (output and record agree with the current input), ``partial`` or
         ``pending``."""
         record = self.read_manifest(shard.name)
-        exists = self.fs.exists(self.output_path(shard))
+        exists = self.exists(self.output_path(shard))
         if record is not None and exists and record.get("input_fingerprint") == shard.fingerprint:
             return "committed"
         if record is not None or exists:
             return "partial"  # a crash between steps, or the input changed since
         return "pending"
+
+    # ------------------------------------------------------------------ leases
+
+    def read_lock(self, shard_name: str) -> dict | None:
+        return self.read_json(self.lock_path(shard_name))
+
+    @staticmethod
+    def lock_is_live(lock: dict | None, now: float | None = None) -> bool:
+        """Whether a lease still holds: renewed recently, by a process that may be alive."""
+        if not lock:
+            return False
+        now = time.time() if now is None else now
+        if now - float(lock.get("heartbeat", 0)) > float(lock.get("lease_s", LEASE_S)):
+            return False
+        if lock.get("host") == this_host():
+            return pid_alive(int(lock.get("pid", 0)))
+        return True
+
+    def acquire(self, shard_name: str, owner: dict) -> dict | None:
+        """Take the lease on a shard. Returns None when taken, or the live lease of the process
+        that holds it."""
+        path = self.lock_path(shard_name)
+        current = self.read_lock(shard_name)
+        if self.lock_is_live(current) and current.get("run_id") != owner["run_id"]:
+            return current
+        record = {**owner, "heartbeat": time.time(), "lease_s": LEASE_S}
+        if self.is_local:
+            # O_EXCL makes the take atomic on one filesystem; a dead holder's lease goes first
+            os.makedirs(posixpath.dirname(path), exist_ok=True)
+            if current is not None or os.path.exists(path):
+                try:
+                    os.unlink(path)
+                except FileNotFoundError:
+                    pass
+            try:
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            except FileExistsError:
+                return self.read_lock(shard_name) or {"run_id": "unknown"}
+            with os.fdopen(fd, "w") as f:
+                json.dump(record, f)
+            return None
+        # object stores: write, then read back; whoever wrote last holds it
+        self.write_json(path, record)
+        time.sleep(0.2)
+        current = self.read_lock(shard_name)
+        if current is not None and current.get("run_id") != owner["run_id"]:
+            return current
+        return None
+
+    def renew(self, shard_name: str, owner: dict) -> bool:
+        """Renew our lease; False if another process has taken the shard over."""
+        current = self.read_lock(shard_name)
+        if current is not None and current.get("run_id") != owner["run_id"]:
+            return False
+        self.write_json(self.lock_path(shard_name),
+                        {**owner, "heartbeat": time.time(), "lease_s": LEASE_S})
+        return True
+
+    def holds(self, shard_name: str, owner: dict) -> bool:
+        current = self.read_lock(shard_name)
+        return current is not None and current.get("run_id") == owner["run_id"]
+
+    def release(self, shard_name: str, owner: dict) -> None:
+        """Give a lease back (only ours)."""
+        if self.holds(shard_name, owner):
+            self.remove(self.lock_path(shard_name))

@@ -9,15 +9,14 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
-import uuid
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from batchspec.columns import output_schema
-from batchspec.shards import BOOKKEEPING_DIR, OutputDir, Shard
+from batchspec.shards import OutputDir, Shard, tmp_file_name
+from batchspec.storage import retry
 
 METADATA_KEY = b"batchspec"
 
@@ -34,13 +33,7 @@ class ShardWriter:
         self.row_group_rows = row_group_rows
         self.rows_written = 0
         self._buffer: list[dict] = []
-        if out.is_local:
-            # same filesystem as the output: the commit is an atomic rename
-            tmp_dir = out.join(BOOKKEEPING_DIR, "tmp")
-            os.makedirs(tmp_dir, exist_ok=True)
-        else:
-            tmp_dir = tempfile.gettempdir()
-        self.tmp_path = os.path.join(tmp_dir, f"{shard.name}.{uuid.uuid4().hex[:12]}.parquet.tmp")
+        self.tmp_path = os.path.join(out.tmp_dir(), tmp_file_name(shard.name))
         self._writer = pq.ParquetWriter(self.tmp_path, self.schema, compression=compression)
 
     def add(self, row: dict) -> None:
@@ -64,7 +57,7 @@ class ShardWriter:
         if self.out.is_local:
             os.replace(self.tmp_path, final)
         else:
-            self.out.fs.put_file(self.tmp_path, final)
+            retry(lambda: self.out.fs.put_file(self.tmp_path, final), f"writing {final}")
             os.unlink(self.tmp_path)
         return final
 
@@ -82,6 +75,10 @@ class ShardWriter:
 
 def read_metadata(path: str, filesystem=None) -> dict[str, Any]:
     """The batchspec metadata of an output file (spec, models, versions, run id)."""
-    schema = pq.read_schema(path, filesystem=filesystem)
+    if filesystem is not None:
+        with filesystem.open(path, "rb") as f:
+            schema = pq.read_schema(f)
+    else:
+        schema = pq.read_schema(path)
     raw = (schema.metadata or {}).get(METADATA_KEY)
     return json.loads(raw) if raw else {}
