@@ -12,7 +12,7 @@ from html import escape
 import polars as pl
 
 from batchspec.columns import ERROR
-from batchspec.report import SPEC_OFF, Output, Table, fmt, report_tables
+from batchspec.report import SPEC_OFF, Output, Table, fmt, lookup, no_acceptance_reason, report_tables
 
 #: Series colours: one run uses a colour per chart; two runs are always A = blue, B = orange.
 BLUE, ORANGE, TEAL, VIOLET, INDIGO = "#2563eb", "#ea7a0c", "#0d9488", "#7c3aed", "#4f46e5"
@@ -25,13 +25,17 @@ LEFT, RIGHT, TOP, BOTTOM = 58, 14, 14, 46
 
 # ---- axes and ticks -------------------------------------------------------------------------
 
-def nice_ticks(lo: float, hi: float, n: int = 5) -> list[float]:
-    """Round tick values (steps of 1, 2, 2.5 or 5 times a power of ten) covering [lo, hi]."""
+def nice_ticks(lo: float, hi: float, n: int = 5, integer: bool = False) -> list[float]:
+    """Round tick values (steps of 1, 2, 2.5 or 5 times a power of ten) covering [lo, hi];
+    ``integer`` keeps the step whole (for counts)."""
     if not hi > lo:
         hi = lo + (abs(lo) or 1)
     raw = (hi - lo) / n
     mag = 10 ** math.floor(math.log10(raw))
-    step = next(m * mag for m in (1, 2, 2.5, 5, 10) if m * mag >= raw * 0.999)
+    mults = (1, 2, 5, 10) if integer and mag < 10 else (1, 2, 2.5, 5, 10)
+    step = next(m * mag for m in mults if m * mag >= raw * 0.999)
+    if integer:
+        step = max(step, 1)
     first = math.floor(lo / step + 1e-9)
     ticks = [round((first + i) * step, 12) for i in range(n + 3)]
     last = next(i for i, t in enumerate(ticks) if t >= hi - step * 1e-9)
@@ -132,11 +136,13 @@ def bar_chart(categories: list[str], series: list[Series], x_label: str, y_label
     return plot.svg(ticks, rotate=rotate)
 
 
-def histogram_chart(series: list[Series], x_label: str, bins: int = 24) -> str:
-    """Histogram(s) of values on shared bins; two series overlap half-transparent."""
+def histogram_chart(series: list[Series], x_label: str) -> str:
+    """Histogram(s) of non-negative values on shared bins from 0, four to a tick interval so
+    that bin edges are round. Two series overlap half-transparent and count in % of their
+    requests, so that runs of any size compare."""
     values = [v for _, _, vs in series for v in vs]
-    x_ticks = nice_ticks(min(values), max(values), 6)
-    lo, hi = x_ticks[0], x_ticks[-1]
+    x_ticks = nice_ticks(0, max(values), 7)
+    lo, hi, bins = x_ticks[0], x_ticks[-1], 4 * (len(x_ticks) - 1)
     edges = [lo + (hi - lo) * i / bins for i in range(bins + 1)]
     counts = []
     for _, _, vs in series:
@@ -144,16 +150,20 @@ def histogram_chart(series: list[Series], x_label: str, bins: int = 24) -> str:
         for v in vs:
             c[min(bisect_right(edges, v) - 1, bins - 1)] += 1
         counts.append(c)
-    plot = Plot((lo, hi), nice_ticks(0, max(max(c) for c in counts)), x_label, "requests")
-    opacity = 1.0 if len(series) == 1 else 0.55
-    for (name, colour, _), c in zip(series, counts, strict=True):
-        for i, n in enumerate(c):
+    share = len(series) > 1
+    heights = [[100 * n / len(vs) for n in c] if share else c
+               for (_, _, vs), c in zip(series, counts, strict=True)]
+    plot = Plot((lo, hi), nice_ticks(0, max(max(h) for h in heights), integer=not share), x_label,
+                "% of requests" if share else "requests")
+    opacity = 0.55 if share else 1.0
+    for (name, colour, _), c, hs in zip(series, counts, heights, strict=True):
+        for i, (n, h) in enumerate(zip(c, hs, strict=True)):
             if n:
-                x, x_end, y = plot.px(edges[i]), plot.px(edges[i + 1]), plot.py(n)
+                x, x_end, y = plot.px(edges[i]), plot.px(edges[i + 1]), plot.py(h)
                 plot.add(f'<rect x="{x + 0.5:.1f}" y="{y:.1f}" width="{x_end - x - 1:.1f}" '
                          f'height="{plot.py(0) - y:.1f}" fill="{colour}" fill-opacity="{opacity}">'
                          f'<title>{escape(name)}: {n} requests in [{edges[i]:.3g}, '
-                         f'{edges[i + 1]:.3g})</title></rect>')
+                         f'{edges[i + 1]:.3g}) s</title></rect>')
     return plot.svg([(plot.px(t), tick_label(t)) for t in x_ticks])
 
 
@@ -173,8 +183,6 @@ def scatter_chart(series: list[tuple[str, str, list, list]], x_label: str, y_lab
 # ---- the page -------------------------------------------------------------------------------
 
 def _legend(series: list[tuple[str, str]]) -> str:
-    if len(series) < 2:
-        return ""
     items = "".join(f'<span><i style="background:{c}"></i>{escape(n)}</span>' for n, c in series)
     return f'<div class="legend">{items}</div>'
 
@@ -184,9 +192,9 @@ def _card(title: str, subtitle: str, body: str, wide: bool = False) -> str:
             f'<div class="sub">{escape(subtitle)}</div>{body}</section>')
 
 
-def _off(names: list[str]) -> str:
-    who = f" for {' and '.join(names)}" if names else ""
-    return f'<div class="off">{SPEC_OFF.capitalize()}{who}: no acceptance data to chart.</div>'
+def _off(reasons: list[str]) -> str:
+    text = "; ".join(reasons)
+    return f'<div class="off">{escape(text[:1].upper() + text[1:])}: no acceptance data to chart.</div>'
 
 
 def _charts(runs: list[tuple[str, Output, dict]]) -> list[str]:
@@ -196,9 +204,14 @@ def _charts(runs: list[tuple[str, Output, dict]]) -> list[str]:
     def colour(i: int, own: str) -> str:
         return own if single else (BLUE, ORANGE)[i]
 
+    def legend(series: list[tuple[str, str]]) -> str:  # even one series needs its name in a comparison
+        return "" if single else _legend(series)
+
     cards = []
     spec_runs = [(i, n, o, r) for i, (n, o, r) in enumerate(runs) if r["overall"]["speculative"]]
-    off_names = [] if single else [n for n, _, r in runs if not r["overall"]["speculative"]]
+    # why a run has no acceptance data, named by run when there are two
+    off = [no_acceptance_reason(r) if single else f"{n}: {no_acceptance_reason(r)}"
+           for n, _, r in runs if not r["overall"]["speculative"]]
     positions = [(i, n, r["acceptance_per_position"]) for i, n, _, r in spec_runs
                  if r["acceptance_per_position"]]
 
@@ -207,13 +220,13 @@ def _charts(runs: list[tuple[str, Output, dict]]) -> list[str]:
         hists = [(i, n, r["overall"]["acceptance_histogram"] or []) for i, n, _, r in spec_runs]
         k = max(len(h) for _, _, h in hists)
         series = [(n, colour(i, BLUE), [100 * v / (sum(h) or 1) for v in h]) for i, n, h in hists]
-        body = _legend([(n, c) for n, c, _ in series]) + bar_chart(
+        body = legend([(n, c) for n, c, _ in series]) + bar_chart(
             [str(j) for j in range(k)], series, "draft tokens accepted in the step (j)",
             "% of target steps", digits=1, width=W if positions else WIDE)
-        if off_names:
-            body += _off(off_names)
+        if off:
+            body += _off(off)
     else:
-        body = _off([])
+        body = _off(off)
     cards.append(_card("Acceptance histogram", "share of target steps that accepted j of the "
                        "k draft tokens", body, wide=not positions))
 
@@ -221,7 +234,7 @@ def _charts(runs: list[tuple[str, Output, dict]]) -> list[str]:
         k = max(len(p["rate"]) for _, _, p in positions)
         series = [(n, colour(i, INDIGO), [100 * r if r is not None else None for r in p["rate"]])
                   for i, n, p in positions]
-        body = _legend([(n, c) for n, c, _ in series]) + bar_chart(
+        body = legend([(n, c) for n, c, _ in series]) + bar_chart(
             [str(j + 1) for j in range(k)], series, "position in the draft", "% of drafts accepted",
             digits=1, y_max=100)
         cards.append(_card("Acceptance per draft position", "share of drafts whose token at this "
@@ -237,11 +250,11 @@ def _charts(runs: list[tuple[str, Output, dict]]) -> list[str]:
             series.append((n, colour(i, BLUE), pts["num_output_tokens"].to_list(),
                            pts["spec_acceptance_rate"].to_list()))
         shown = sum(len(s[2]) for s in series)
-        body = _legend([(n, c) for n, c, _, _ in series]) + scatter_chart(
+        body = legend([(n, c) for n, c, _, _ in series]) + scatter_chart(
             series, "output tokens", "acceptance rate", width=WIDE)
         sub = f"one point per successful request ({shown:,} shown)"
     else:
-        body, sub = _off([]), "one point per successful request"
+        body, sub = _off(off), "one point per successful request"
     cards.append(_card("Acceptance rate vs output length", sub, body, wide=True))
 
     for title, column, unit, own in (("End-to-end latency", "time_e2e_s", "arrival to finish", TEAL),
@@ -250,7 +263,7 @@ def _charts(runs: list[tuple[str, Output, dict]]) -> list[str]:
         series = [(n, colour(i, own), o.frame.filter(pl.col(ERROR).is_null())[column]
                    .drop_nulls().to_list()) for i, (n, o, _) in enumerate(runs)]
         series = [s for s in series if s[2]]
-        body = (_legend([(n, c) for n, c, _ in series]) + histogram_chart(series, "seconds")
+        body = (legend([(n, c) for n, c, _ in series]) + histogram_chart(series, "seconds")
                 if series else '<div class="off">No timings.</div>')
         cards.append(_card(title, f"{unit}, successful requests (s)", body))
 
@@ -272,7 +285,7 @@ def _charts(runs: list[tuple[str, Output, dict]]) -> list[str]:
                 else:
                     vals.append((m["decode_tokens_per_s"] or {}).get(key))
             series.append((n, colour(i, BLUE if key is None else TEAL), vals))
-        body = _legend([(n, c) for n, c, _ in series]) + bar_chart(names, series, "shard", axis,
+        body = legend([(n, c) for n, c, _ in series]) + bar_chart(names, series, "shard", axis,
                                                                    digits=digits)
         cards.append(_card(title, sub, body))
     return cards
@@ -281,24 +294,22 @@ def _charts(runs: list[tuple[str, Output, dict]]) -> list[str]:
 def _kpis(runs: list[tuple[str, Output, dict]]) -> str:
     items = [("rows", ("rows",), 0), ("errors", ("errors",), 0),
              ("output tokens", ("output_tokens",), 0), ("acceptance rate", ("acceptance_rate",), 3),
-             ("acceptance length", ("mean_acceptance_length",), 2),
+             ("accept. length", ("mean_acceptance_length",), 2),
              ("e2e latency p50", ("e2e_s", "p50"), 2), ("TTFT p50", ("ttft_s", "p50"), 2),
              ("decode tok/s p50", ("decode_tokens_per_s", "p50"), 1)]
     cards = []
     for label, path, digits in items:
-        vals = []
-        for _, _, r in runs:
-            v = r["overall"]
-            for p in path:
-                v = v.get(p) if isinstance(v, dict) else None
-            vals.append(v)
+        vals = [lookup(r["overall"], path) for _, _, r in runs]
         unit = " s" if label.startswith(("e2e", "TTFT")) else ""
-        text = " → ".join(fmt(v, digits) + (unit if v is not None else "") for v in vals)
-        extra = ""
-        if len(vals) == 2 and None not in vals and vals[0]:
-            extra = f'<div class="ratio">B/A {vals[1] / vals[0]:.2f}x</div>'
+        text = [fmt(v, digits) + (unit if v is not None else "") for v in vals]
+        if len(vals) == 1:
+            cards.append(f'<div class="kpi"><div class="k">{escape(label)}</div>'
+                         f'<div class="v">{escape(text[0])}</div></div>')
+            continue
+        ratio = f"B/A {vals[1] / vals[0]:.2f}x" if None not in vals and vals[0] else "&nbsp;"
         cards.append(f'<div class="kpi"><div class="k">{escape(label)}</div>'
-                     f'<div class="v">{escape(text)}</div>{extra}</div>')
+                     f'<div class="v">{escape(text[1])}</div>'
+                     f'<div class="ratio">A {escape(text[0])}</div><div class="ratio">{ratio}</div></div>')
     return f'<div class="kpis">{"".join(cards)}</div>'
 
 
@@ -309,7 +320,7 @@ def _table(t: Table) -> str:
                                     for c, a in zip(row, t.align, strict=True)) + "</tr>"
                    for row in t.rows)
     note = f'<div class="sub">{escape(t.note)}</div>' if t.note else '<div class="sub"></div>'
-    wide = t.key in ("shards", "changes", "distributions") or not t.kv and len(t.headers) > 3
+    wide = not t.kv and len(t.headers) > 2
     return (f'<section class="card{" wide" if wide else ""}"><h3>{escape(t.title)}</h3>{note}'
             f'<div class="scroll"><table>{head}<tbody>{body}</tbody></table></div></section>')
 

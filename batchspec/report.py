@@ -49,8 +49,6 @@ DISTRIBUTIONS = {
 LINEAGE_FIELDS = ("run_id", "job", "target_model", "draft_model", "speculative_method",
                   "num_speculative_tokens", "vllm_version", "batchspec_version")
 
-FORMATS = ("table", "json", "markdown")
-
 
 @dataclass
 class Output:
@@ -229,7 +227,8 @@ HEADLINE = [
 ]
 
 
-def _lookup(metrics_: dict, path: tuple[str, ...]):
+def lookup(metrics_: dict, path: tuple[str, ...]):
+    """``metrics_[path[0]][path[1]]...``, None where a level is missing or None."""
     for key in path:
         metrics_ = metrics_.get(key) if isinstance(metrics_, dict) else None
     return metrics_
@@ -239,7 +238,7 @@ def changes(a: dict, b: dict) -> dict[str, dict]:
     """Headline metrics of two runs' overall metrics, with B - A and B / A."""
     out = {}
     for key, _, path, _ in HEADLINE:
-        va, vb = _lookup(a, path), _lookup(b, path)
+        va, vb = lookup(a, path), lookup(b, path)
         both = va is not None and vb is not None
         out[key] = {"a": va, "b": vb, "delta": vb - va if both else None,
                     "ratio": vb / va if both and va else None}
@@ -337,6 +336,12 @@ _DIST_ROWS = [  # (label, report key, digits)
 SPEC_OFF = "speculative decoding was off"
 
 
+def no_acceptance_reason(report: dict) -> str:
+    """Why a single-run report has no acceptance numbers: speculation off, or on but no row
+    carries its counts (every row failed, or none at all)."""
+    return "no row has acceptance data" if report["lineage"]["speculative_method"] else SPEC_OFF
+
+
 def _summary_rows(report: dict) -> list[list[str]]:
     m = report["overall"]
     rate = fmt(m["acceptance_rate"])
@@ -353,7 +358,7 @@ def _summary_rows(report: dict) -> list[list[str]]:
         ["finish reasons", _counts(m["finish_reasons"])],
         ["prompt tokens", fmt(m["prompt_tokens"])],
         ["output tokens", fmt(m["output_tokens"])],
-        ["acceptance rate", rate if m["speculative"] else f"- ({SPEC_OFF})"],
+        ["acceptance rate", rate if m["speculative"] else f"- ({no_acceptance_reason(report)})"],
         ["mean acceptance length", length if m["speculative"] else "-"],
     ]
 
@@ -411,7 +416,8 @@ def tables(report: dict) -> list[Table]:
     hist = m["acceptance_histogram"]
     out.append(Table("histogram", "Acceptance histogram", ["accepted j", "steps", "share", ""],
                      _histogram_rows([hist]), align="lrrl",
-                     note="target steps that accepted j draft tokens" if hist else SPEC_OFF))
+                     note="target steps that accepted j draft tokens" if hist
+                     else no_acceptance_reason(report)))
     pos = report.get("acceptance_per_position")
     if pos:
         out.append(Table("per_position", "Acceptance per position", ["position", "accepted", "rate"],
@@ -443,8 +449,7 @@ def compare_tables(report: dict) -> list[Table]:
                    ["identical generated_text", identical]]
     d = mt["acceptance_rate_diff"]
     if d is None:
-        match_rows_.append(["acceptance rate B - A", f"- (needs spec columns in both; {SPEC_OFF} "
-                                                     "in at least one)"])
+        match_rows_.append(["acceptance rate B - A", "- (needs acceptance data in both runs)"])
     else:
         match_rows_ += [["acceptance rate B - A, mean", f"{d['mean']:+.3f}"],
                         ["acceptance rate B - A, p50 / p90", f"{d['p50']:+.3f} / {d['p90']:+.3f}"],
