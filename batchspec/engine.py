@@ -12,6 +12,7 @@ import dataclasses
 import itertools
 import logging
 import os
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -109,6 +110,8 @@ class Engine:
         self.max_model_len = self.engine.model_config.max_model_len
         self.base_sampling = dict(spec.sampling)
         self._ids = itertools.count()
+        self._closed = threading.Event()
+        self._start_watchdog()
         self._bad_value = _bad_value_errors()
 
     # ------------------------------------------------------------------ requests
@@ -242,8 +245,44 @@ class Engine:
                 out[name] = metric.value
         return out
 
+    def _start_watchdog(self) -> None:
+        """Turn a dead engine process into an error instead of a hang.
+
+        vLLM's synchronous client notices a dead EngineCore process but then blocks for ever in
+        ``step()`` (nothing is put on its output queue). This thread watches the engine's
+        processes and, when one dies, puts EngineDeadError on that queue so ``step()`` raises.
+        """
+        import psutil
+
+        core = self.engine.engine_core
+        outputs = getattr(core, "outputs_queue", None)
+        if outputs is None:
+            return  # in-process engine: a crash raises directly
+        watched = [p for p in psutil.Process().children(recursive=True)
+                   if "EngineCore" in p.name() or "Worker" in p.name()]
+
+        def alive(p) -> bool:
+            try:
+                return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+            except psutil.Error:
+                return False
+
+        def watch() -> None:
+            while not self._closed.wait(0.5):
+                resources = getattr(core, "resources", None)
+                if getattr(resources, "engine_dead", False) or not all(map(alive, watched)):
+                    if self._closed.is_set():
+                        return
+                    from vllm.v1.engine.exceptions import EngineDeadError
+
+                    outputs.put_nowait(EngineDeadError("an engine process died"))
+                    return
+
+        threading.Thread(target=watch, name="batchspec-engine-watchdog", daemon=True).start()
+
     def shutdown(self) -> None:
         """Stop the engine's worker processes."""
+        self._closed.set()
         engine_core = getattr(self.engine, "engine_core", None)
         if engine_core is not None:
             try:
