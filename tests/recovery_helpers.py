@@ -13,7 +13,6 @@ import time
 from pathlib import Path
 
 import pyarrow.parquet as pq
-
 from conftest import ROOT
 
 

@@ -11,7 +11,6 @@ import time
 import psutil
 import pyarrow.parquet as pq
 import pytest
-
 from conftest import DRAFT, read_output, run_cli, write_job
 from recovery_helpers import Job, check_output, input_ids
 

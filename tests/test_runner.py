@@ -10,15 +10,14 @@ import json
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from conftest import write_parquet
+from fakes import FakeEngine
 
 from batchspec.columns import RESULT_NAMES
 from batchspec.errors import InputDataError, RuntimeFailure
 from batchspec.events import EventLog
 from batchspec.runner import run_job
 from batchspec.spec import build_spec
-
-from conftest import write_parquet
-from fakes import FakeEngine
 
 
 def make_spec(tmp_path, **input_extra):

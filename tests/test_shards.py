@@ -6,11 +6,10 @@ import fsspec
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from conftest import write_parquet
 
 from batchspec.errors import InputDataError, SpecError
 from batchspec.shards import OutputDir, assign, discover_shards, worker_of
-
-from conftest import write_parquet
 
 
 def _shard(path):
