@@ -38,8 +38,9 @@ data: setup
 
 demo: models data
 	$(BIN)/batchspec run jobs/demo.yaml
-	@echo "--- run summary ---"
-	@cat $$(ls -t out/demo/_batchspec/runs/*.json | head -1)
+	$(BIN)/batchspec report out/demo --html out/demo-report.html
+	@echo "run summary JSON: $$(ls -t out/demo/_batchspec/runs/*.json | head -1)"
+	@echo "charts: out/demo-report.html"
 
 test: models
 	$(BIN)/python -m pytest -q -rs tests

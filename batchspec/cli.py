@@ -18,18 +18,37 @@ from batchspec.events import LOG_FORMATS, EventLog
 from batchspec.spec import load_spec
 
 
-def _quiet_vllm(verbose: bool) -> None:
-    """Keep vLLM's own log noise at warning level unless --verbose."""
-    if not verbose:
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-        os.environ.setdefault("TQDM_DISABLE", "0")
-    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+def _quiet_vllm(verbose: bool, log_format: str = "text") -> None:
+    """Keep vLLM's own log noise at warning level (error level with JSON logs, so that
+    schedulers parse whole lines) unless --verbose."""
+    if verbose:
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO")
+    else:
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR" if log_format == "json" else "WARNING")
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+    ours = logging.getLogger("batchspec")
+    ours.addHandler(handler)
+    ours.setLevel(logging.INFO if verbose else logging.WARNING)
+
+
+def _json_stderr(run_id: str) -> tuple[object, str]:
+    """With JSON logs, keep stderr for JSON lines only: third-party output (vLLM's engine
+    processes, torch's C++ warnings, progress bars of model loading) goes to a log file."""
+    import tempfile
+
+    stream = os.fdopen(os.dup(2), "w", buffering=1)
+    path = os.path.join(tempfile.gettempdir(), f"batchspec-{run_id}.engine.log")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 2)
+    os.close(fd)
+    return stream, path
 
 
 def _fail(exc: BatchspecError, events: EventLog | None = None) -> None:
-    kind = {1: "runtime failure", 2: "bad job spec", 3: "bad input data"}.get(exc.exit_code,
-                                                                              "interrupted")
+    if getattr(exc, "logged", False):
+        sys.exit(exc.exit_code)  # the run already logged it, before its one-line summary
+    kind = exc.kind
     if events is not None and events.fmt == "json":
         events.emit("error", str(exc), level="error", exit_code=exc.exit_code, kind=kind)
     else:
@@ -67,15 +86,26 @@ def _load(job: str, overrides) -> object:
               help="text for people, json for one object per line.")
 @click.option("--progress/--no-progress", default=None,
               help="Progress bars (default: only when stderr is a terminal).")
+@click.option("--progress-interval", type=float, default=None, metavar="SECONDS",
+              help="Seconds between progress log lines when there are no bars "
+                   "(default: execution.progress_interval_s, 30).")
 @click.option("-v", "--verbose", is_flag=True, help="Show vLLM's own logs.")
-def run(job, overrides, worker_index, num_workers, overwrite, log_format, progress, verbose):
+def run(job, overrides, worker_index, num_workers, overwrite, log_format, progress,
+        progress_interval, verbose):
     """Run JOB: every pending input shard becomes one committed output shard."""
-    _quiet_vllm(verbose)
+    _quiet_vllm(verbose, log_format)
+    if progress_interval is not None:
+        overrides = (*overrides, f"execution.progress_interval_s={progress_interval}")
     spec = _load(job, overrides)
     from batchspec.runner import new_run_id, run_job
 
     run_id = new_run_id()
-    events = EventLog(run_id, log_format)
+    stream = None
+    if log_format == "json" and not verbose:
+        stream, engine_log = _json_stderr(run_id)
+    events = EventLog(run_id, log_format, stream)
+    if stream is not None:
+        events.emit("engine_log", f"engine and library output goes to {engine_log}", path=engine_log)
     try:
         run_job(spec, worker_index=worker_index, num_workers=num_workers, overwrite=overwrite,
                 events=events, progress_bars=progress, run_id=run_id)

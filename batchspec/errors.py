@@ -8,6 +8,12 @@ class BatchspecError(Exception):
 
     exit_code = 1
 
+    @property
+    def kind(self) -> str:
+        """What the exit code means, in words (CONTRACT.md)."""
+        return {1: "runtime failure", 2: "bad job spec", 3: "bad input data"}.get(
+            self.exit_code, "interrupted")
+
 
 class RuntimeFailure(BatchspecError):
     """The engine died or storage failed after retries (exit 1)."""

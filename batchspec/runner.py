@@ -398,6 +398,10 @@ def run_job(spec: JobSpec, *, worker_index: int = 0, num_workers: int = 1, overw
         summary["status"] = "interrupted" if isinstance(exc, Interrupted | KeyboardInterrupt) \
             else "failed"
         summary["error"] = str(exc)
+        if isinstance(exc, BatchspecError):
+            events.emit("error", f"{exc.kind}: {exc}", level="error", exit_code=exc.exit_code,
+                        kind=exc.kind)
+            exc.logged = True
         _finish(summary, out, events, progress, engine, counters_before, t0, gen_started,
                 gen_ended, run_id, exc)
         if isinstance(exc, Interrupted):

@@ -65,7 +65,7 @@ def inputs(tmp_path_factory, models):
     return root, ids
 
 
-def _job(tmp_path_factory, inputs, name, speculative, **extra):
+def _job(tmp_path_factory, inputs, name, speculative, *cli_args, **extra):
     root, _ = inputs
     work = tmp_path_factory.mktemp(name)
     out = work / "out"
@@ -80,7 +80,7 @@ def _job(tmp_path_factory, inputs, name, speculative, **extra):
         execution={"max_in_flight": 16},
         **extra,
     )
-    result = run_cli("run", str(job), "--no-progress")
+    result = run_cli("run", str(job), "--no-progress", *cli_args)
     return result, out
 
 
@@ -91,7 +91,8 @@ def spec_run(tmp_path_factory, inputs):
 
 @pytest.fixture(scope="module")
 def plain_run(tmp_path_factory, inputs):
-    return _job(tmp_path_factory, inputs, "plain", None)
+    return _job(tmp_path_factory, inputs, "plain", None, "--log-format", "json",
+                "--progress-interval", "0.2")
 
 
 def test_run_succeeds_and_commits_one_file_per_shard(spec_run, inputs):
@@ -342,3 +343,39 @@ def test_chat_messages(tmp_path, models):
         assert r["num_prompt_tokens"] == len(expected)
         assert len(r["spec_acceptance_histogram"]) == 3  # shorthand -> draft_model, k=2
     assert by_n[3]["error"] == "empty messages" and by_n[4]["error"] == "empty messages"
+
+
+def test_json_logs_one_object_per_line(plain_run):
+    result, out = plain_run
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    records = [json.loads(line) for line in lines]  # every line parses
+    for r in records:
+        assert {"ts", "level", "event", "run_id"} <= r.keys()
+    assert len({r["run_id"] for r in records}) == 1
+    events = [r["event"] for r in records]
+    assert events[0] == "engine_log" and events[1] == "run_started" and events[-1] == "run_finished"
+    assert events.count("shard_started") == events.count("shard_committed") == 4
+    assert "progress" in events  # not at a terminal: periodic progress lines instead of bars
+    progress = next(r for r in records if r["event"] == "progress")
+    assert {"rows", "total_rows", "output_tokens_per_s", "eta_s"} <= progress.keys()
+    committed = {r["shard"]: r for r in records if r["event"] == "shard_committed"}
+    table = pq.read_table(out / "part-1.parquet")
+    assert committed["part-1"]["rows"] == table.num_rows
+    assert committed["part-1"]["output_tokens"] == sum(table["num_output_tokens"].to_pylist())
+    finished = records[-1]
+    assert finished["status"] == "ok" and finished["rows"] == read_output(out).num_rows
+    assert finished["message"].startswith("ok: 4 shards committed")
+
+
+def test_report_on_real_output(spec_run, plain_run, tmp_path):
+    result = run_cli("report", str(spec_run[1]), "--format", "json", "--html",
+                     str(tmp_path / "r.html"), timeout=120)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    table = read_output(spec_run[1])
+    text = json.dumps(report)
+    assert str(table.num_rows) in text
+    assert (tmp_path / "r.html").read_text().count("<svg") >= 4
+    compare = run_cli("report", str(plain_run[1]), str(spec_run[1]), timeout=120)
+    assert compare.returncode == 0, compare.stderr
+    assert "request_id" in compare.stdout or "matched" in compare.stdout
