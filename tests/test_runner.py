@@ -193,3 +193,11 @@ def test_keep_columns_and_metadata(tmp_path):
     meta = read_metadata(str(tmp_path / "out" / "m.parquet"))
     assert meta["spec"]["output"]["storage_options"] == {"secret": "***"}
     assert "hunter2" not in (tmp_path / "out" / "m.parquet").read_bytes().decode("latin-1")
+
+
+def test_progress_bars_show_throughput(tmp_path, capsys):
+    shards(tmp_path, n=2)
+    run_job(make_spec(tmp_path), engine=FakeEngine(), events=EventLog("t", "text"), progress_bars=True)
+    err = capsys.readouterr().err
+    assert "shards" in err and "rows" in err and "tok/s" in err
+    assert "20/20" in err and "2/2" in err
