@@ -337,7 +337,7 @@ def run_job(spec: JobSpec, *, worker_index: int = 0, num_workers: int = 1, overw
                 run.failed = True
                 if run.writer is not None:
                     run.writer.discard()
-                progress.rows_dropped(run.reader.num_rows - run.stats.rows if run.reader else 0)
+                progress.rows_dropped(row_counts[name] - run.stats.rows)
                 if spec.input.on_bad_shard == "skip":
                     summary["bad_shards"][run.shard.name] = str(exc)
                     events.emit("shard_failed", f"skipping bad shard: {exc}", level="warning",
