@@ -104,7 +104,8 @@ def test_duplicate_ids_are_processed_and_counted(tmp_path):
     ({"text": ["a"]}, {}, "missing prompt column 'prompt'"),
     ({"prompt": [1, 2]}, {}, "has type int64, expected text"),
     ({"prompt": ["a"]}, {"id_column": "uid"}, "missing id column 'uid'"),
-    ({"prompt": ["a"]}, {"sampling_columns": {"max_tokens": "mt"}}, "missing sampling_columns.max_tokens column"),
+    ({"prompt": ["a"]}, {"sampling_columns": {"max_tokens": "mt"}},
+     "missing sampling_columns.max_tokens column"),
 ])
 def test_bad_columns_exit_3_naming_shard_and_column(tmp_path, columns, extra, words):
     write_parquet(tmp_path / "in" / "good.parquet", {"prompt": ["a"], "uid": ["u"], "mt": [3]})

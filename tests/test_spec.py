@@ -125,7 +125,8 @@ def test_vllm_owned_keys_are_checked_against_vllm(tmp_path):
         (dict(BASE, sampling={"temprature": 0.5}), "sampling.temprature"),
         (dict(BASE, speculative={"method": "ngram", "num_speculative_token": 3}),
          "speculative.num_speculative_token"),
-        (dict(BASE, model={"target": "m", "engine": {"max_model_length": 3}}), "model.engine.max_model_length"),
+        (dict(BASE, model={"target": "m", "engine": {"max_model_length": 3}}),
+         "model.engine.max_model_length"),
         (dict(BASE, sampling={"temperature": -1}), "sampling"),
     ]:
         with pytest.raises(SpecError) as info:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pyarrow as pa
-
 from conftest import run_cli, write_job, write_parquet
 
 
