@@ -62,7 +62,11 @@ class Job:
             pass
 
     def wait(self, timeout: float = 300) -> int:
-        rc = self.proc.wait(timeout=timeout)
+        try:
+            rc = self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill_group()  # never leave a hung run (and its engine) behind a failed test
+            raise
         self._reader.join(timeout=10)
         return rc
 
