@@ -31,7 +31,6 @@ from batchspec.shards import (
     check_worker,
     discover_shards,
     remove_orphan_tmp_files,
-    spool_dir,
 )
 from batchspec.sink import ShardWriter
 from batchspec.spec import JobSpec
@@ -101,7 +100,6 @@ class _ShardRun:
     failed: bool = False
     committed: bool = False
     leased: bool = False
-    num_rows: int = 0
     started: float = 0.0
     stats: ShardStats = field(default_factory=ShardStats)
     seen_ids: set[str] = field(default_factory=set)
@@ -192,10 +190,7 @@ def run_job(spec: JobSpec, *, worker_index: int = 0, num_workers: int = 1, overw
     }
     owner = {"run_id": run_id, "host": this_host(), "pid": os.getpid(),
              "started_at": started_at.isoformat()}
-    if out.is_local:
-        remove_orphan_tmp_files(out.tmp_dir())
-    else:
-        remove_orphan_tmp_files(spool_dir())
+    remove_orphan_tmp_files(out.tmp_dir())  # beside the output, or the local spool
 
     # Check every pending shard's schema before loading any model: a missing column exits 3 now.
     readers_ok: list[Shard] = []
@@ -496,4 +491,4 @@ def human_summary(summary: dict) -> str:
     return ", ".join(parts)
 
 
-__all__ = ["run_job", "plan", "RunResult", "BatchspecError"]
+__all__ = ["run_job", "plan", "RunResult"]
