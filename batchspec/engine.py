@@ -18,7 +18,7 @@ from typing import Any
 
 from batchspec.columns import empty_result, error_result
 from batchspec.errors import RuntimeFailure, SpecError
-from batchspec.prompts import Row, prompt_token_ids
+from batchspec.prompts import Row, length_error, prompt_token_ids
 from batchspec.spec import JobSpec, check_known_keys
 
 log = logging.getLogger(__name__)
@@ -134,11 +134,9 @@ class Engine:
             return None, error_result(f"cannot render prompt: {exc}")
         if self.refuse_random_sampling and params.temperature > 0:
             return None, error_result(f"unsupported sampling: {CPU_SAMPLING_REFUSAL}")
-        max_tokens = params.max_tokens or 0
-        if len(ids) + max_tokens > self.max_model_len:
-            return None, error_result(
-                f"prompt too long: {len(ids)} prompt tokens + max_tokens {max_tokens} > "
-                f"max_model_len {self.max_model_len}", num_prompt_tokens=len(ids))
+        too_long = length_error(len(ids), params.max_tokens or 0, self.max_model_len)
+        if too_long is not None:
+            return None, error_result(too_long, num_prompt_tokens=len(ids))
         return (ids, params), None
 
     def stream(self, rows: Iterator[Row], max_in_flight: int) -> Iterator[tuple[Row, dict]]:

@@ -228,3 +228,11 @@ def prompt_token_ids(tokenizer, row: Row) -> list[int]:
             ids = ids["input_ids"]
         return list(ids)
     return list(tokenizer.encode(row.prompt))
+
+
+def length_error(num_prompt_tokens: int, max_tokens: int, max_model_len: int) -> str | None:
+    """Why a prompt cannot be generated within ``max_model_len``, or None if it fits."""
+    if num_prompt_tokens + max_tokens > max_model_len:
+        return (f"prompt too long: {num_prompt_tokens} prompt tokens + max_tokens {max_tokens} > "
+                f"max_model_len {max_model_len}")
+    return None

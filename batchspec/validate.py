@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from batchspec.errors import InputDataError
-from batchspec.prompts import ShardReader, prompt_token_ids
+from batchspec.prompts import ShardReader, length_error, prompt_token_ids
 from batchspec.runner import plan
 from batchspec.spec import JobSpec
 
@@ -91,8 +91,8 @@ def validate_job(spec: JobSpec, worker_index: int = 0, num_workers: int = 1) -> 
                     ids = prompt_token_ids(tokenizer, row)
                     check.max_prompt_tokens = max(check.max_prompt_tokens, len(ids))
                     max_tokens = row.overrides.get("max_tokens", spec.sampling.get("max_tokens", 16))
-                    if max_len and isinstance(max_tokens, int) and len(ids) + max_tokens > max_len:
-                        reason = "prompt too long"
+                    if max_len and isinstance(max_tokens, int):
+                        reason = length_error(len(ids), max_tokens, max_len)
                 if reason is not None:
                     key = reason.split(":")[0]
                     check.bad_rows[key] = check.bad_rows.get(key, 0) + 1
