@@ -20,6 +20,7 @@ from batchspec.columns import empty_result, error_result
 from batchspec.errors import RuntimeFailure, SpecError
 from batchspec.prompts import Row, length_error, prompt_token_ids
 from batchspec.spec import JobSpec, check_known_keys
+from batchspec.stats import acceptance_rate, mean_acceptance_length
 
 log = logging.getLogger(__name__)
 
@@ -219,8 +220,8 @@ class Engine:
                 spec_num_steps=steps,
                 spec_num_draft_tokens=drafted,
                 spec_num_accepted_tokens=accepted,
-                spec_acceptance_rate=accepted / drafted if drafted else None,
-                spec_mean_acceptance_length=1.0 + accepted / steps if steps else None,
+                spec_acceptance_rate=acceptance_rate(accepted, drafted),
+                spec_mean_acceptance_length=mean_acceptance_length(accepted, steps),
                 spec_acceptance_histogram=list(m["acceptance_histogram"]),
             )
         row.update(timing_columns(output.metrics, num_output))

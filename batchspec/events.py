@@ -14,6 +14,8 @@ import sys
 import time
 from typing import Any, TextIO
 
+from batchspec.stats import acceptance_rate, mean_acceptance_length, tokens_per_s
+
 LOG_FORMATS = ("text", "json")
 
 
@@ -89,10 +91,9 @@ class Progress:
             "total_rows": self.total_rows,
             "errors": self.errors,
             "output_tokens": self.output_tokens,
-            "output_tokens_per_s": self.output_tokens / elapsed,
-            "acceptance_rate": self.accepted / self.drafted if self.drafted else None,
-            "mean_acceptance_length": 1 + self.accepted / self.spec_steps
-            if self.spec_steps else None,
+            "output_tokens_per_s": tokens_per_s(self.output_tokens, elapsed),
+            "acceptance_rate": acceptance_rate(self.accepted, self.drafted),
+            "mean_acceptance_length": mean_acceptance_length(self.accepted, self.spec_steps),
         }
 
     def row_done(self, result: dict) -> None:

@@ -32,6 +32,7 @@ from batchspec.errors import InputDataError
 from batchspec.runner import error_reason
 from batchspec.shards import BOOKKEEPING_DIR, OUTPUT_SUFFIX, OutputDir
 from batchspec.sink import METADATA_KEY
+from batchspec.stats import acceptance_rate, mean_acceptance_length
 
 #: What a report reads from each file; kept input columns stay on disk.
 COLUMNS = [REQUEST_ID, *RESULT_NAMES]
@@ -137,8 +138,8 @@ def metrics(frame: pl.DataFrame) -> dict[str, Any]:
         "spec_num_steps": steps,
         "spec_num_draft_tokens": drafted,
         "spec_num_accepted_tokens": accepted,
-        "acceptance_rate": accepted / drafted if drafted else None,
-        "mean_acceptance_length": 1 + accepted / steps if steps else None,
+        "acceptance_rate": acceptance_rate(accepted, drafted),
+        "mean_acceptance_length": mean_acceptance_length(accepted, steps),
         "acceptance_histogram": acceptance_histogram(frame) if speculative else None,
         **{key: distribution(ok[column]) for key, column in DISTRIBUTIONS.items()},
     }

@@ -34,6 +34,7 @@ from batchspec.shards import (
 )
 from batchspec.sink import ShardWriter
 from batchspec.spec import JobSpec
+from batchspec.stats import acceptance_rate, mean_acceptance_length, tokens_per_s
 from batchspec.storage import this_host
 
 
@@ -74,14 +75,12 @@ class ShardStats:
             "spec_num_steps": self.spec_steps,
             "spec_num_draft_tokens": self.draft_tokens,
             "spec_num_accepted_tokens": self.accepted_tokens,
-            "acceptance_rate": self.accepted_tokens / self.draft_tokens
-            if self.draft_tokens else None,
-            "mean_acceptance_length": 1 + self.accepted_tokens / self.spec_steps
-            if self.spec_steps else None,
+            "acceptance_rate": acceptance_rate(self.accepted_tokens, self.draft_tokens),
+            "mean_acceptance_length": mean_acceptance_length(self.accepted_tokens, self.spec_steps),
         }
         if wall_s is not None:
             out["wall_s"] = round(wall_s, 3)
-            out["output_tokens_per_s"] = self.output_tokens / wall_s if wall_s > 0 else None
+            out["output_tokens_per_s"] = tokens_per_s(self.output_tokens, wall_s)
         return out
 
 
@@ -432,8 +431,7 @@ def _finish(summary, out: OutputDir, events: EventLog, progress: Progress, engin
     summary["totals"] = totals.as_dict(wall)
     summary["totals"]["shards_committed"] = len(summary["shards"])
     summary["totals"]["generation_wall_s"] = round(gen_wall, 3)
-    summary["totals"]["generation_output_tokens_per_s"] = (
-        totals.output_tokens / gen_wall if gen_wall > 0 else None)
+    summary["totals"]["generation_output_tokens_per_s"] = tokens_per_s(totals.output_tokens, gen_wall)
     if engine is not None:
         after = engine.spec_counters()
         per_pos_before = counters_before.get("spec_decode_num_accepted_tokens_per_pos") or []

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -58,3 +59,28 @@ def read_output(out_dir: Path) -> pa.Table:
     files = sorted(out_dir.glob("*.parquet"))
     assert files, f"no output files in {out_dir}"
     return pa.concat_tables([pq.read_table(f) for f in files], promote_options="default")
+
+
+S3_KEY = "AKIABATCHSPECTEST"
+S3_SECRET = "batchspec-test-secret-7f3a"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """A real S3-compatible server on 127.0.0.1 (moto's server mode, as s3fs's own tests use).
+
+    Yields ``(endpoint_url, storage_options)``; each test makes its own buckets."""
+    from moto.server import ThreadedMotoServer
+
+    port = free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    endpoint = f"http://127.0.0.1:{port}"
+    yield endpoint, {"key": S3_KEY, "secret": S3_SECRET, "client_kwargs": {"endpoint_url": endpoint}}
+    server.stop()

@@ -5,36 +5,26 @@ from __future__ import annotations
 
 import io
 import json
-import socket
 
 import pyarrow.parquet as pq
 import pytest
-from conftest import DRAFT, run_cli, write_job
+from conftest import DRAFT, S3_SECRET, run_cli, write_job
 from recovery_helpers import Job
 
 pytestmark = pytest.mark.engine
 
-SECRET = "batchspec-test-secret-7f3a"
-KEY = "AKIABATCHSPECTEST"
+SECRET = S3_SECRET
 
 
 @pytest.fixture(scope="module")
-def s3():
-    from moto.server import ThreadedMotoServer
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    endpoint = f"http://127.0.0.1:{port}"
+def s3(s3_server):
     import s3fs
 
-    fs = s3fs.S3FileSystem(key=KEY, secret=SECRET, client_kwargs={"endpoint_url": endpoint})
+    _, options = s3_server
+    fs = s3fs.S3FileSystem(**options)
     fs.mkdir("prompts")
     fs.mkdir("results")
-    yield fs, {"key": KEY, "secret": SECRET, "client_kwargs": {"endpoint_url": endpoint}}
-    server.stop()
+    return fs, options
 
 
 def test_s3_input_and_output_with_kill_and_resume(s3, tmp_path, models):
