@@ -44,8 +44,9 @@ demo: models data
 test: models
 	$(BIN)/python -m pytest -q -rs tests
 
+# no engine and no models: runs on a fresh clone right after `make setup`
 test-fast: setup
-	$(BIN)/python -m pytest -q -m "not engine" tests
+	$(BIN)/python -m pytest -q -m "not engine and not models" tests
 
 bench: models
 	$(BIN)/python benchmarks/run_all.py

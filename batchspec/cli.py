@@ -13,8 +13,9 @@ import sys
 import click
 
 from batchspec import __version__
-from batchspec.errors import BatchspecError, SpecError
+from batchspec.errors import BatchspecError, RuntimeFailure, SpecError
 from batchspec.events import LOG_FORMATS, EventLog
+from batchspec.redact import sanitize_url, scrub_text
 from batchspec.spec import load_spec
 
 
@@ -38,21 +39,26 @@ def _json_stderr(run_id: str) -> tuple[object, str]:
     import tempfile
 
     stream = os.fdopen(os.dup(2), "w", buffering=1)
-    path = os.path.join(tempfile.gettempdir(), f"batchspec-{run_id}.engine.log")
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    # mkstemp: a new file (O_EXCL, so never through a planted symlink) with an unguessable
+    # name, readable by this user only (0600)
+    fd, path = tempfile.mkstemp(prefix=f"batchspec-{run_id}-", suffix=".engine.log")
     os.dup2(fd, 2)
     os.close(fd)
     return stream, path
 
 
-def _fail(exc: BatchspecError, events: EventLog | None = None) -> None:
+def _fail(exc: BaseException, events: EventLog | None = None) -> None:
+    """Report an error the way the log format asks and exit with its code (a bug exits 1)."""
+    if not isinstance(exc, BatchspecError):
+        logging.getLogger("batchspec").debug("unexpected error", exc_info=exc)
+        exc = RuntimeFailure(f"unexpected {type(exc).__name__}: {exc}")
     if getattr(exc, "logged", False):
         sys.exit(exc.exit_code)  # the run already logged it, before its one-line summary
     kind = exc.kind
     if events is not None and events.fmt == "json":
         events.emit("error", str(exc), level="error", exit_code=exc.exit_code, kind=kind)
     else:
-        click.echo(f"batchspec: {kind}: {exc}", err=True)
+        click.echo(f"batchspec: {kind}: {scrub_text(str(exc))}", err=True)
     sys.exit(exc.exit_code)
 
 
@@ -89,13 +95,18 @@ def _load(job: str, overrides) -> object:
 @click.option("--progress-interval", type=float, default=None, metavar="SECONDS",
               help="Seconds between progress log lines when there are no bars "
                    "(default: execution.progress_interval_s, 30).")
+@click.option("--grace-seconds", type=float, default=None, metavar="SECONDS",
+              help="After SIGTERM/SIGINT, let requests of fully read shards finish for this long "
+                   "before aborting the rest (default: execution.grace_s, 30).")
 @click.option("-v", "--verbose", is_flag=True, help="Show vLLM's own logs.")
 def run(job, overrides, worker_index, num_workers, overwrite, log_format, progress,
-        progress_interval, verbose):
+        progress_interval, grace_seconds, verbose):
     """Run JOB: every pending input shard becomes one committed output shard."""
     _quiet_vllm(verbose, log_format)
     if progress_interval is not None:
         overrides = (*overrides, f"execution.progress_interval_s={progress_interval}")
+    if grace_seconds is not None:
+        overrides = (*overrides, f"execution.grace_s={grace_seconds}")
     spec = _load(job, overrides)
     from batchspec.runner import new_run_id, run_job
 
@@ -109,11 +120,11 @@ def run(job, overrides, worker_index, num_workers, overwrite, log_format, progre
     try:
         run_job(spec, worker_index=worker_index, num_workers=num_workers, overwrite=overwrite,
                 events=events, progress_bars=progress, run_id=run_id)
-    except BatchspecError as exc:
-        _fail(exc, events)
     except KeyboardInterrupt:
         click.echo("batchspec: interrupted", err=True)
         sys.exit(130)
+    except Exception as exc:
+        _fail(exc, events)
 
 
 @main.command()
@@ -130,7 +141,7 @@ def validate(job, overrides, worker_index, num_workers):
 
     try:
         report = validate_job(spec, worker_index=worker_index, num_workers=num_workers)
-    except BatchspecError as exc:
+    except Exception as exc:
         _fail(exc)
     click.echo(report.render())
     if report.exit_code:
@@ -145,52 +156,87 @@ def validate(job, overrides, worker_index, num_workers):
 @click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table",
               show_default=True)
 def status(job, overrides, worker_index, num_workers, fmt):
-    """Which of JOB's shards are committed, pending or partial."""
+    """Which of JOB's shards are committed, stale, partial or pending, and which outputs have no
+    current input (orphans: never counted as done)."""
     spec = _load(job, overrides)
     from batchspec.runner import plan
 
     try:
-        out, shards, states = plan(spec, worker_index, num_workers)
-    except BatchspecError as exc:
+        p = plan(spec, worker_index, num_workers)
+    except Exception as exc:
         _fail(exc)
-    rows = [{"shard": s.name, "state": states[s.name], "input": s.url,
-             "output": out.output_path(s) if states[s.name] == "committed" else None}
-            for s in shards]
-    if fmt == "json":
-        click.echo(json.dumps(rows, indent=2))
+    rows = [{"shard": s.name, "state": p.states[s.name], "input": sanitize_url(s.url),
+             "output": sanitize_url(p.out.output_path(s)) if p.states[s.name] == "committed"
+             else None, "changed": p.stale.get(s.name, [])}
+            for s in p.shards]
+    if fmt == "json":  # one object a shard, then one a orphan output (state "orphan")
+        orphans = [{"shard": n, "state": "orphan", "input": None, "output": n, "changed": []}
+                   for n in p.orphans]
+        click.echo(json.dumps(rows + orphans, indent=2))
         return
     width = max([len(r["shard"]) for r in rows] + [5])
     for r in rows:
-        click.echo(f"{r['shard']:<{width}}  {r['state']:<9}  {r['input']}")
-    counts = {k: sum(1 for r in rows if r["state"] == k) for k in ("committed", "partial", "pending")}
-    click.echo(f"{len(rows)} shards: " + ", ".join(f"{v} {k}" for k, v in counts.items()))
+        changed = f"  (changed: {', '.join(r['changed'])})" if r["changed"] else ""
+        click.echo(f"{r['shard']:<{width}}  {r['state']:<9}  {r['input']}{changed}")
+    for name in p.orphans:
+        click.echo(f"{name:<{width}}  {'orphan':<9}  (output with no current input)")
+    counts = _state_counts(rows)
+    click.echo(f"{len(rows)} shards: " + ", ".join(f"{v} {k}" for k, v in counts.items())
+               + (f"; {len(p.orphans)} orphan outputs" if p.orphans else ""))
+
+
+def _state_counts(rows: list[dict]) -> dict[str, int]:
+    return {k: sum(1 for r in rows if r["state"] == k)
+            for k in ("committed", "partial", "pending", "stale")}
 
 
 @main.command()
-@click.argument("output_path")
+@click.argument("output_path", required=False)
 @click.argument("output_path_b", required=False)
+@click.option("--job", "job", type=click.Path(dir_okay=False), metavar="JOB.yaml",
+              help="Report on this job's output.path, read with its output.storage_options; "
+                   "an OUTPUT_PATH given too is then compared (as B) against it.")
+@click.option("--storage-option", "storage_options", multiple=True, metavar="KEY=VALUE",
+              help="fsspec storage option for reading the output (dotted keys nest: "
+                   "client_kwargs.endpoint_url=URL; value parsed as YAML); over --job's. Repeatable.")
 @click.option("--format", "fmt", type=click.Choice(["table", "json", "markdown"]), default="table",
               show_default=True, help="table for a terminal, json for machines, markdown for PRs.")
 @click.option("--html", "html_file", type=click.Path(dir_okay=False),
               help="Also write a self-contained HTML page with charts to this file.")
-def report(output_path, output_path_b, fmt, html_file):
+def report(output_path, output_path_b, job, storage_options, fmt, html_file):
     """Acceptance and timing statistics of the finished run at OUTPUT_PATH (its output.path).
 
     With OUTPUT_PATH_B, compare two runs side by side (B against A) and match their rows by
-    request_id."""
-    from batchspec.report import compare, load_output, render, summarize
+    request_id. Both are read with the same storage options."""
+    from batchspec.report import compare, load_output, parse_storage_options, render, summarize
 
+    paths = [p for p in (output_path, output_path_b) if p]
+    base: dict = {}
+    if job:
+        if len(paths) > 1:
+            raise click.UsageError("with --job give at most one OUTPUT_PATH (compared against "
+                                   "the job's output)")
+        spec = _load(job, ())
+        paths.insert(0, spec.output.path)
+        base = spec.output.storage_options
+    elif not paths:
+        raise click.UsageError("give OUTPUT_PATH, or --job JOB.yaml")
     try:
-        outputs = [load_output(p) for p in (output_path, output_path_b) if p]
+        options = parse_storage_options(storage_options, base)
+        outputs = [load_output(p, options) for p in paths]
+        # statistics read the files lazily: unreadable rows surface here, not in load_output
+        result = compare(*outputs) if len(outputs) == 2 else summarize(outputs[0])
+        page = None
+        if html_file:
+            from batchspec.html_report import render_html
+
+            page = render_html(result, outputs)
     except BatchspecError as exc:
         _fail(exc)
-    result = compare(*outputs) if len(outputs) == 2 else summarize(outputs[0])
     click.echo(render(result, fmt), nl=False)
-    if html_file:
-        from batchspec.html_report import render_html
-
+    if page is not None:
         with open(html_file, "w", encoding="utf-8") as f:
-            f.write(render_html(result, outputs))
+            f.write(page)
         click.echo(f"batchspec: wrote {html_file}", err=True)  # stderr: stdout stays parseable
 
 

@@ -29,15 +29,21 @@ RESULT_FIELDS: list[pa.Field] = [
 
 RESULT_NAMES = [f.name for f in RESULT_FIELDS]
 SPEC_COLUMNS = [name for name in RESULT_NAMES if name.startswith("spec_")]
+#: Names an input column kept in the output may not have (checked where kept columns are chosen).
+OUTPUT_NAMES = frozenset({REQUEST_ID, *RESULT_NAMES})
 FINISH_REASONS = ("stop", "length", "abort", "error")
 
 
 def output_schema(kept: list[pa.Field]) -> pa.Schema:
-    """The schema of an output shard: request_id, the kept input columns, the result columns."""
-    clashes = {f.name for f in kept} & ({REQUEST_ID} | set(RESULT_NAMES))
-    if clashes:
-        raise ValueError(f"kept input columns clash with output columns: {sorted(clashes)}")
+    """The schema of an output shard: request_id, the kept input columns (chosen by
+    :class:`batchspec.prompts.ShardReader`, never clashing with ``OUTPUT_NAMES``), the result
+    columns."""
     return pa.schema([pa.field(REQUEST_ID, pa.string()), *kept, *RESULT_FIELDS])
+
+
+def error_reason(message: str) -> str:
+    """A short category for an error message (the part before the first colon)."""
+    return message.split(":", 1)[0].strip()[:60] or "error"
 
 
 def empty_result() -> dict:

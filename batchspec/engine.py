@@ -13,10 +13,11 @@ import itertools
 import logging
 import os
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
-from batchspec.columns import empty_result, error_result
+from batchspec.columns import FINISH_REASONS, empty_result, error_result
 from batchspec.errors import RuntimeFailure, SpecError
 from batchspec.prompts import Row, length_error, prompt_token_ids
 from batchspec.spec import JobSpec, check_known_keys
@@ -135,20 +136,39 @@ class Engine:
             return None, error_result(f"cannot render prompt: {exc}")
         if self.refuse_random_sampling and params.temperature > 0:
             return None, error_result(f"unsupported sampling: {CPU_SAMPLING_REFUSAL}")
-        too_long = length_error(len(ids), params.max_tokens or 0, self.max_model_len)
+        too_long = length_error(len(ids), self.max_model_len)
         if too_long is not None:
             return None, error_result(too_long, num_prompt_tokens=len(ids))
         return (ids, params), None
 
-    def stream(self, rows: Iterator[Row], max_in_flight: int) -> Iterator[tuple[Row, dict]]:
+    def stream(self, rows: Iterator[Row], max_in_flight: int, stop: Callable[[], bool] | None = None,
+               grace_s: float = 0.0, keep: Callable[[Row], bool] | None = None
+               ) -> Iterator[tuple[Row, dict]]:
         """Feed rows to the engine, at most ``max_in_flight`` at a time, and yield each row with
-        its result as it finishes (errors included). Order is completion order."""
+        its result as it finishes (errors included). Order is completion order.
+
+        ``stop`` is polled between engine steps. Once it is true no new row is taken; requests
+        that ``keep`` rejects (their shard can no longer be committed) are aborted at once, the
+        rest may finish for ``grace_s`` seconds, then whatever is left is aborted."""
         from vllm.inputs import TokensPrompt
 
         in_flight: dict[str, Row] = {}
+        added_at: dict[str, float] = {}  # batchspec's own clock: e2e is measured, not summed
         exhausted = False
+        deadline: float | None = None
         try:
             while True:
+                if deadline is None and stop is not None and stop():
+                    deadline = time.monotonic() + max(0.0, grace_s)
+                    exhausted = True
+                    dropped = [rid for rid, row in in_flight.items() if keep is None or not keep(row)]
+                    for rid in dropped:
+                        in_flight.pop(rid)
+                        added_at.pop(rid, None)
+                    if dropped:
+                        self._abort_quietly(dropped)
+                if deadline is not None and (not in_flight or time.monotonic() >= deadline):
+                    return
                 while not exhausted and len(in_flight) < max_in_flight:
                     row = next(rows, None)
                     if row is None:
@@ -170,6 +190,7 @@ class Engine:
                         yield row, error_result(str(exc), num_prompt_tokens=len(request[0]))
                         continue
                     in_flight[request_id] = row
+                    added_at[request_id] = time.monotonic()
                 if not in_flight:
                     if exhausted:
                         return
@@ -183,10 +204,18 @@ class Engine:
                     if output.finished:
                         row = in_flight.pop(output.request_id, None)
                         if row is not None:
-                            yield row, self.result(output)
+                            e2e = time.monotonic() - added_at.pop(output.request_id)
+                            yield row, result_row(output, e2e)
         finally:
             if in_flight:
                 self.abort(list(in_flight))
+
+    def _abort_quietly(self, request_ids: list[str]) -> None:
+        """Abort some requests and leave the rest running."""
+        try:
+            self.engine.abort_request(request_ids)
+        except Exception:
+            log.debug("abort", exc_info=True)
 
     def abort(self, request_ids: list[str]) -> None:
         """Abort requests still in the engine (on shutdown or a failed shard)."""
@@ -199,33 +228,9 @@ class Engine:
 
     # ------------------------------------------------------------------ results
 
-    def result(self, output) -> dict:
-        """A finished RequestOutput as a result row (CONTRACT.md columns)."""
-        completion = output.outputs[0]
-        row = empty_result()
-        num_output = len(completion.token_ids)
-        finish = completion.finish_reason or "abort"
-        row.update(
-            generated_text=completion.text,
-            finish_reason=finish if finish in ("stop", "length", "abort") else "stop",
-            num_prompt_tokens=len(output.prompt_token_ids or ()),
-            num_output_tokens=num_output,
-        )
-        metrics = getattr(completion, "spec_decode_metrics", None)
-        if metrics is not None:
-            m = metrics.to_dict()
-            steps, drafted = m["num_spec_steps"], m["num_draft_tokens"]
-            accepted = m["num_accepted_draft_tokens"]
-            row.update(
-                spec_num_steps=steps,
-                spec_num_draft_tokens=drafted,
-                spec_num_accepted_tokens=accepted,
-                spec_acceptance_rate=acceptance_rate(accepted, drafted),
-                spec_mean_acceptance_length=mean_acceptance_length(accepted, steps),
-                spec_acceptance_histogram=list(m["acceptance_histogram"]),
-            )
-        row.update(timing_columns(output.metrics, num_output))
-        return row
+    def result(self, output, e2e_s: float | None = None) -> dict:
+        """A finished RequestOutput as a result row (see :func:`result_row`)."""
+        return result_row(output, e2e_s)
 
     def spec_counters(self) -> dict[str, Any]:
         """Engine-lifetime speculative-decoding totals from vLLM's own metrics."""
@@ -290,8 +295,49 @@ class Engine:
                 log.debug("engine shutdown", exc_info=True)
 
 
-def timing_columns(stats, num_output_tokens: int) -> dict[str, float | None]:
-    """Per-request timings from vLLM's RequestStateStats (engine monotonic clock)."""
+def result_row(output, e2e_s: float | None = None) -> dict:
+    """A finished RequestOutput as a result row (CONTRACT.md columns).
+
+    vLLM's finish reason is kept as it is; ``error`` (the engine failed this request) becomes
+    an error row (``generated_text`` null), so it is never mistaken for a success. ``e2e_s`` is
+    batchspec's own measure from handing the request to the engine to receiving its end."""
+    completion = output.outputs[0]
+    row = empty_result()
+    num_output = len(completion.token_ids)
+    finish = completion.finish_reason or "abort"
+    row.update(
+        generated_text=completion.text,
+        finish_reason=finish,
+        num_prompt_tokens=len(output.prompt_token_ids or ()),
+        num_output_tokens=num_output,
+    )
+    if finish == "error":
+        row.update(generated_text=None,
+                   error=f"engine error: vLLM failed this request after {num_output} output tokens"
+                         + (f" ({completion.stop_reason})" if completion.stop_reason else ""))
+    elif finish not in FINISH_REASONS:
+        log.warning("unknown finish reason from vLLM: %r (kept as is)", finish)
+    metrics = getattr(completion, "spec_decode_metrics", None)
+    if metrics is not None:
+        m = metrics.to_dict()
+        steps, drafted = m["num_spec_steps"], m["num_draft_tokens"]
+        accepted = m["num_accepted_draft_tokens"]
+        row.update(
+            spec_num_steps=steps,
+            spec_num_draft_tokens=drafted,
+            spec_num_accepted_tokens=accepted,
+            spec_acceptance_rate=acceptance_rate(accepted, drafted),
+            spec_mean_acceptance_length=mean_acceptance_length(accepted, steps),
+            spec_acceptance_histogram=list(m["acceptance_histogram"]),
+        )
+    row.update(timing_columns(output.metrics, num_output, e2e_s))
+    return row
+
+
+def timing_columns(stats, num_output_tokens: int, e2e_s: float | None = None
+                   ) -> dict[str, float | None]:
+    """Per-request timings: queueing, first token and decode from vLLM's RequestStateStats
+    (engine clock); end to end from ``e2e_s`` when measured, else first token + decode."""
     if stats is None or not getattr(stats, "first_token_ts", 0):
         return {}
     queued = max(0.0, stats.scheduled_ts - stats.queued_ts) if stats.scheduled_ts else None
@@ -301,7 +347,7 @@ def timing_columns(stats, num_output_tokens: int) -> dict[str, float | None]:
         "time_queued_s": queued,
         "time_to_first_token_s": ttft,
         "time_decode_s": decode,
-        "time_e2e_s": ttft + decode,
+        "time_e2e_s": e2e_s if e2e_s is not None else ttft + decode,
         "output_tokens_per_s": (num_output_tokens - 1) / decode
         if decode > 0 and num_output_tokens > 1 else None,
     }

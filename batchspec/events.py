@@ -14,6 +14,7 @@ import sys
 import time
 from typing import Any, TextIO
 
+from batchspec.redact import scrub_text
 from batchspec.stats import acceptance_rate, mean_acceptance_length, tokens_per_s
 
 LOG_FORMATS = ("text", "json")
@@ -29,10 +30,21 @@ class EventLog:
         self.fmt = fmt
         self.stream = stream if stream is not None else sys.stderr
         self._bar_writer = None  # set by Progress so that lines do not break the bars
+        self._secrets: set[str] = set()
+
+    def add_secrets(self, values) -> None:
+        """Values never to print (credentials from the spec); URLs are always sanitised."""
+        self._secrets.update(v for v in values if isinstance(v, str))
+
+    def scrub(self, text: str) -> str:
+        """``text`` with secrets masked and URLs stripped of userinfo and query strings."""
+        return scrub_text(text, self._secrets)
 
     def emit(self, event: str, message: str = "", level: str = "info", **fields: Any) -> None:
         """Log one event with its fields."""
         now = dt.datetime.now(dt.UTC)
+        message = self.scrub(message)
+        fields = {k: self.scrub(v) if isinstance(v, str) else v for k, v in fields.items()}
         if self.fmt == "json":
             record = {"ts": now.isoformat(timespec="milliseconds"), "level": level,
                       "event": event, "run_id": self.run_id, **fields}

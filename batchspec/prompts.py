@@ -15,13 +15,11 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from batchspec.columns import REQUEST_ID, RESULT_NAMES
+from batchspec.columns import OUTPUT_NAMES
 from batchspec.errors import InputDataError, SpecError
-from batchspec.shards import Shard
+from batchspec.shards import Shard, is_local_fs
 from batchspec.spec import InputSpec, OutputSpec
 from batchspec.storage import ATTEMPTS, BACKOFF_S, is_transient, random_sleep, retry
-
-_OUTPUT_NAMES = {REQUEST_ID, *RESULT_NAMES}
 
 
 @dataclass
@@ -65,8 +63,7 @@ class ShardReader:
         self.batch_rows = batch_rows
         self._file = None
         self._handle = None
-        self._local = "file" in (shard.fs.protocol if isinstance(shard.fs.protocol, tuple)
-                                 else (shard.fs.protocol,))
+        self._local = is_local_fs(shard.fs)
         self._open()
         schema = self._file.schema_arrow
         self.num_rows = self._file.metadata.num_rows
@@ -96,10 +93,10 @@ class ShardReader:
             require(column, f"sampling_columns.{param}")
 
         if output_spec.keep_columns is None:
-            kept = [f for f in schema if f.name != spec.text_column and f.name not in _OUTPUT_NAMES]
+            kept = [f for f in schema if f.name != spec.text_column and f.name not in OUTPUT_NAMES]
         else:
             for column in output_spec.keep_columns:
-                if column in _OUTPUT_NAMES:
+                if column in OUTPUT_NAMES:
                     raise SpecError("output.keep_columns",
                                     f"{column!r} clashes with an output column of the same name")
                 require(column, "output.keep_columns")
@@ -230,9 +227,12 @@ def prompt_token_ids(tokenizer, row: Row) -> list[int]:
     return list(tokenizer.encode(row.prompt))
 
 
-def length_error(num_prompt_tokens: int, max_tokens: int, max_model_len: int) -> str | None:
-    """Why a prompt cannot be generated within ``max_model_len``, or None if it fits."""
-    if num_prompt_tokens + max_tokens > max_model_len:
-        return (f"prompt too long: {num_prompt_tokens} prompt tokens + max_tokens {max_tokens} > "
-                f"max_model_len {max_model_len}")
+def length_error(num_prompt_tokens: int, max_model_len: int) -> str | None:
+    """Why vLLM would refuse a prompt of this length, or None if it fits.
+
+    vLLM refuses a prompt that leaves no room for one output token (``prompt >= max_model_len``);
+    a prompt that fits but whose ``max_tokens`` would not is generated until ``length``."""
+    if num_prompt_tokens >= max_model_len:
+        return (f"prompt too long: {num_prompt_tokens} prompt tokens leave no room for output "
+                f"within max_model_len {max_model_len}")
     return None

@@ -15,7 +15,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from batchspec.columns import output_schema
-from batchspec.shards import OutputDir, Shard, tmp_file_name
+from batchspec.errors import RuntimeFailure
+from batchspec.shards import OutputDir, Shard, replace_durably, tmp_file_name
 from batchspec.storage import retry
 
 METADATA_KEY = b"batchspec"
@@ -49,17 +50,23 @@ class ShardWriter:
             self.rows_written += len(self._buffer)
             self._buffer.clear()
 
-    def commit(self) -> str:
-        """Finish the file and make it visible under its output name in one step."""
+    def commit(self) -> tuple[str, dict]:
+        """Finish the file and make it visible under its output name in one step. Returns the
+        final path and what the store says of it (size, ETag/generation), for the manifest."""
         self.flush()
         self._writer.close()
         final = self.out.output_path(self.shard)
         if self.out.is_local:
-            os.replace(self.tmp_path, final)
+            os.makedirs(os.path.dirname(final), exist_ok=True)
+            replace_durably(self.tmp_path, final)
         else:
             retry(lambda: self.out.fs.put_file(self.tmp_path, final), f"writing {final}")
             os.unlink(self.tmp_path)
-        return final
+            self.out.fs.invalidate_cache(final)
+        info = self.out.output_info(self.shard)
+        if info is None:
+            raise RuntimeFailure(f"{final} is not there right after it was written")
+        return final, info
 
     def discard(self) -> None:
         """Drop the temporary file: nothing of this shard becomes visible."""

@@ -2,16 +2,16 @@
 
 Checks the spec's keys against vLLM's own config classes, lists the shards and their state,
 checks each shard's columns, and tokenizes every prompt with the target's tokenizer to count
-the rows that would be refused (empty, too long for ``max_model_len`` with ``max_tokens``).
+the rows vLLM would refuse (empty, or too long to leave room for one output token within the
+``max_model_len`` vLLM itself would use).
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
-from pathlib import Path
 
-from batchspec.errors import InputDataError
+from batchspec.columns import error_reason
+from batchspec.errors import InputDataError, SpecError
 from batchspec.prompts import ShardReader, length_error, prompt_token_ids
 from batchspec.runner import plan
 from batchspec.spec import JobSpec
@@ -31,7 +31,7 @@ class ShardCheck:
 @dataclass
 class ValidationReport:
     job: str
-    max_model_len: int | None
+    max_model_len: int
     shards: list[ShardCheck]
     exit_code: int = 0
 
@@ -51,14 +51,17 @@ class ValidationReport:
         return "\n".join(lines)
 
 
-def _max_model_len(spec: JobSpec) -> int | None:
-    value = spec.model.engine.get("max_model_len")
-    if value:
-        return int(value)
-    config = Path(spec.model.target) / "config.json"
-    if config.exists():
-        return json.loads(config.read_text()).get("max_position_embeddings")
-    return None
+def max_model_len(spec: JobSpec) -> int:
+    """The context length vLLM would use for this job: its own model config, built from the
+    spec's engine arguments without loading weights (rope scaling, sliding windows and an
+    explicit ``max_model_len`` all as vLLM resolves them)."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    try:
+        config = EngineArgs(model=spec.model.target, **spec.model.engine).create_model_config()
+    except (TypeError, ValueError) as exc:
+        raise SpecError("model", f"vLLM refused the model configuration: {exc}") from exc
+    return int(config.max_model_len)
 
 
 def validate_job(spec: JobSpec, worker_index: int = 0, num_workers: int = 1) -> ValidationReport:
@@ -69,10 +72,11 @@ def validate_job(spec: JobSpec, worker_index: int = 0, num_workers: int = 1) -> 
 
     check_vllm_keys(spec)
     out, shards, states = plan(spec, worker_index, num_workers)
+    # code shipped with a model runs only when the spec asks for it, as vLLM does
     tokenizer = AutoTokenizer.from_pretrained(
         spec.model.engine.get("tokenizer") or spec.model.target,
-        trust_remote_code=bool(spec.model.engine.get("trust_remote_code")))
-    max_len = _max_model_len(spec)
+        trust_remote_code=spec.model.engine.get("trust_remote_code") is True)
+    max_len = max_model_len(spec)
     report = ValidationReport(spec.name, max_len, [])
     for shard in shards:
         check = ShardCheck(shard.name, shard.url, states[shard.name])
@@ -90,11 +94,9 @@ def validate_job(spec: JobSpec, worker_index: int = 0, num_workers: int = 1) -> 
                 if reason is None:
                     ids = prompt_token_ids(tokenizer, row)
                     check.max_prompt_tokens = max(check.max_prompt_tokens, len(ids))
-                    max_tokens = row.overrides.get("max_tokens", spec.sampling.get("max_tokens", 16))
-                    if max_len and isinstance(max_tokens, int):
-                        reason = length_error(len(ids), max_tokens, max_len)
+                    reason = length_error(len(ids), max_len)
                 if reason is not None:
-                    key = reason.split(":")[0]
+                    key = error_reason(reason)
                     check.bad_rows[key] = check.bad_rows.get(key, 0) + 1
         except InputDataError as exc:
             check.problem = str(exc)

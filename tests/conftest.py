@@ -22,6 +22,14 @@ ENGINE = {"max_model_len": 512, "enforce_eager": True, "dtype": "float32"}
 DRAFT = {"method": "draft_model", "model": str(MODELS / "draft"), "num_speculative_tokens": 4}
 
 
+def pytest_collection_modifyitems(items):
+    """Mark every test that needs the built models, so `make test-fast` (no models, no engine)
+    can leave them out on a fresh clone."""
+    for item in items:
+        if "models" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.models)
+
+
 @pytest.fixture(scope="session")
 def models() -> Path:
     """The tiny target/draft pair; `make models` builds it (make test does so first)."""

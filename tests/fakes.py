@@ -17,10 +17,16 @@ class FakeEngine:
         self.max_seen_in_flight = 0
         self.finished = 0
 
-    def stream(self, rows, max_in_flight):
+    def stream(self, rows, max_in_flight, stop=None, grace_s=0.0, keep=None):
+        """The real engine's contract: completion order, at most ``max_in_flight`` at once, and
+        after ``stop()`` no new rows and only the ``keep`` ones finish (no grace timing here)."""
         in_flight = []
         exhausted = False
+        stopping = False
         while True:
+            if not stopping and stop is not None and stop():
+                stopping = exhausted = True
+                in_flight = [r for r in in_flight if keep is None or keep(r)]
             while not exhausted and len(in_flight) < max_in_flight:
                 row = next(rows, None)
                 if row is None:

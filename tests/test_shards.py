@@ -23,7 +23,9 @@ def test_glob_lists_sorted_shards_named_after_files(tmp_path):
     shards = discover_shards([str(tmp_path / "*.parquet")], {})
     assert [s.name for s in shards] == ["a", "b", "c"]
     assert [s.output_file for s in shards] == ["a.parquet", "b.parquet", "c.parquet"]
-    assert all(s.fingerprint["size"] > 0 for s in shards)
+    # the fingerprint's size is the file's own size, so a rewritten input is noticed
+    assert [s.fingerprint["size"] for s in shards] == \
+        [(tmp_path / f"{name}.parquet").stat().st_size for name in ("a", "b", "c")]
 
 
 def test_directory_and_nested_glob_keep_subdirectories_in_names(tmp_path):
@@ -31,15 +33,33 @@ def test_directory_and_nested_glob_keep_subdirectories_in_names(tmp_path):
     _shard(tmp_path / "day=2" / "part-0.parquet")
     for paths in ([str(tmp_path)], [str(tmp_path / "*" / "*.parquet")]):
         names = [s.name for s in discover_shards(paths, {})]
-        assert names == ["day=1__part-0", "day=2__part-0"]
+        assert names == ["day=1/part-0", "day=2/part-0"]
+        assert [s.output_file for s in discover_shards(paths, {})] == \
+            ["day=1/part-0.parquet", "day=2/part-0.parquet"]
 
 
-def test_same_file_name_from_two_roots_never_shares_an_output_name(tmp_path):
+def test_output_names_depend_only_on_a_files_own_path(tmp_path):
+    """`a/x.parquet` and `a__x.parquet` once renamed each other (both got a hash suffix, which
+    vanished when one was removed): a name is now the file's own relative path."""
+    _shard(tmp_path / "a" / "x.parquet")
+    _shard(tmp_path / "a__x.parquet")
+    pattern = [str(tmp_path / "**" / "*.parquet")]
+    assert [s.name for s in discover_shards([str(tmp_path)], {})] == ["a/x", "a__x"]
+    (tmp_path / "a__x.parquet").unlink()
+    assert [s.name for s in discover_shards([str(tmp_path)], {})] == ["a/x"]
+    assert "a/x" in [s.name for s in discover_shards(pattern, {})]
+
+
+def test_same_file_name_from_two_roots_is_a_spec_error(tmp_path):
     _shard(tmp_path / "x" / "part-0.parquet")
     _shard(tmp_path / "y" / "part-0.parquet")
-    shards = discover_shards([str(tmp_path / "x" / "*.parquet"), str(tmp_path / "y" / "*.parquet")], {})
-    names = [s.name for s in shards]
-    assert len(set(names)) == 2 and all(n.startswith("part-0-") for n in names)
+    with pytest.raises(SpecError) as err:
+        discover_shards([str(tmp_path / "x" / "*.parquet"), str(tmp_path / "y" / "*.parquet")], {})
+    assert err.value.key == "input.path"
+    assert "x/part-0.parquet" in str(err.value) and "y/part-0.parquet" in str(err.value)
+    # one pattern whose base keeps the directories apart works
+    names = [s.name for s in discover_shards([str(tmp_path / "*" / "*.parquet")], {})]
+    assert names == ["x/part-0", "y/part-0"]
     # and the same file listed twice is one shard
     assert len(discover_shards([str(tmp_path / "x" / "part-0.parquet")] * 2, {})) == 1
 
@@ -48,10 +68,13 @@ def test_memory_filesystem(tmp_path):
     fs = fsspec.filesystem("memory")
     for i in range(2):
         with fs.open(f"/bucket/in/p{i}.parquet", "wb") as f:
-            pq.write_table(pa.table({"prompt": ["x"]}), f)
+            pq.write_table(pa.table({"prompt": [f"x{i}"]}), f)
     shards = discover_shards(["memory://bucket/in/*.parquet"], {})
     assert [s.name for s in shards] == ["p0", "p1"]
-    assert shards[0].url == "memory:///bucket/in/p0.parquet" or shards[0].url.startswith("memory://")
+    assert [s.url for s in shards] == ["memory:///bucket/in/p0.parquet", "memory:///bucket/in/p1.parquet"]
+    # the URL is what the summary, the manifest and error messages name: it must open the file
+    with fsspec.open(shards[1].url, "rb") as f:
+        assert pq.read_table(f)["prompt"].to_pylist() == ["x1"]
 
 
 def test_no_match_is_bad_input(tmp_path):
