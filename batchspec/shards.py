@@ -8,7 +8,8 @@ Bookkeeping lives under ``<output.path>/_batchspec/``:
   workers never read-modify-write the same object.
 - ``runs/<run_id>.json``: the summary of each run.
 - ``locks/<shard>.json``: the lease of the process working on a shard (run id, host, pid,
-  heartbeat), so that a second process started on the same job by mistake leaves it alone.
+  heartbeat), so that a second process started on the same job by mistake leaves it alone
+  (see :mod:`batchspec.leases`).
 - ``tmp/``: files being written (local output only; for object stores they are spooled on
   local disk and committed with a single put).
 """
@@ -23,7 +24,6 @@ import re
 import shutil
 import stat
 import tempfile
-import time
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -32,6 +32,8 @@ import fsspec
 from fsspec.core import url_to_fs
 
 from batchspec.errors import InputDataError, SpecError
+from batchspec.leases import LEASE_S as LEASE_S  # re-exported: the runner imports it from here
+from batchspec.leases import ShardLeases, read_holder
 from batchspec.redact import sanitize_url
 from batchspec.storage import pid_alive, retry, this_host
 
@@ -191,7 +193,7 @@ def discover_shards(paths: tuple[str, ...] | list[str], storage_options: dict,
                 continue
             else:
                 raise InputDataError(shown, "no such input file or directory")
-        except re.error as exc:
+        except (re.error, ValueError) as exc:  # fsspec: "Invalid pattern: '**' can only be ..."
             raise SpecError("input.path", f"bad glob pattern {shown!r}: {exc}") from exc
         if skip is not None:
             matches = [p for p in matches if not _inside(_norm(fs, p), skip)]
@@ -245,8 +247,6 @@ def assign(shards: list[Shard], worker_index: int, num_workers: int) -> list[Sha
     return [s for s in shards if worker_of(s.name, num_workers) == worker_index]
 
 
-#: A lease not renewed for this long is abandoned (its process died on another host).
-LEASE_S = float(os.environ.get("BATCHSPEC_LEASE_S", "120"))
 _TMP_NAME = re.compile(r"^(?P<shard>.+)~(?P<host>[^~]+)~(?P<pid>\d+)~[0-9a-f]+\.parquet\.tmp$")
 
 
@@ -465,68 +465,33 @@ class OutputDir:
                 names.append(rel[: -len(OUTPUT_SUFFIX)])
         return sorted(names)
 
-    # ------------------------------------------------------------------ leases
+    # ------------------------------------------------------------------ leases (see leases.py)
+    # Thin delegates for callers that still pass ``owner`` on each call; new code uses
+    # batchspec.leases.ShardLeases directly.
+
+    def _leases(self, owner: dict) -> ShardLeases:
+        sets = self.__dict__.setdefault("_lease_sets", {})
+        key = (owner.get("run_id"), owner.get("pid"))
+        if key not in sets:
+            sets[key] = ShardLeases(self, owner)
+        return sets[key]
 
     def read_lock(self, shard_name: str) -> dict | None:
-        return self.read_json(self.lock_path(shard_name))
-
-    @staticmethod
-    def lock_is_live(lock: dict | None, now: float | None = None) -> bool:
-        """Whether a lease still holds: renewed recently, by a process that may be alive."""
-        if not lock:
-            return False
-        now = time.time() if now is None else now
-        if now - float(lock.get("heartbeat", 0)) > float(lock.get("lease_s", LEASE_S)):
-            return False
-        if lock.get("host") == this_host():
-            return pid_alive(int(lock.get("pid", 0)))
-        return True
+        """Who holds a shard's lease, or None."""
+        return read_holder(self, shard_name)
 
     def acquire(self, shard_name: str, owner: dict) -> dict | None:
-        """Take the lease on a shard. Returns None when taken, or the live lease of the process
-        that holds it."""
-        path = self.lock_path(shard_name)
-        current = self.read_lock(shard_name)
-        if self.lock_is_live(current) and current.get("run_id") != owner["run_id"]:
-            return current
-        record = {**owner, "heartbeat": time.time(), "lease_s": LEASE_S}
-        if self.is_local:
-            # O_EXCL makes the take atomic on one filesystem; a dead holder's lease goes first
-            os.makedirs(posixpath.dirname(path), exist_ok=True)
-            if current is not None or os.path.exists(path):
-                try:
-                    os.unlink(path)
-                except FileNotFoundError:
-                    pass
-            try:
-                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            except FileExistsError:
-                return self.read_lock(shard_name) or {"run_id": "unknown"}
-            with os.fdopen(fd, "w") as f:
-                json.dump(record, f)
-            return None
-        # object stores: write, then read back; whoever wrote last holds it
-        self.write_json(path, record)
-        time.sleep(0.2)
-        current = self.read_lock(shard_name)
-        if current is not None and current.get("run_id") != owner["run_id"]:
-            return current
-        return None
+        """Take the lease on a shard: None when taken, else the holder's record."""
+        return self._leases(owner).acquire(shard_name)
 
     def renew(self, shard_name: str, owner: dict) -> bool:
-        """Renew our lease; False if another process has taken the shard over."""
-        current = self.read_lock(shard_name)
-        if current is not None and current.get("run_id") != owner["run_id"]:
-            return False
-        self.write_json(self.lock_path(shard_name),
-                        {**owner, "heartbeat": time.time(), "lease_s": LEASE_S})
-        return True
+        """Renew our lease now; False if it is not ours any more."""
+        return self._leases(owner).confirm(shard_name)
 
     def holds(self, shard_name: str, owner: dict) -> bool:
-        current = self.read_lock(shard_name)
-        return current is not None and current.get("run_id") == owner["run_id"]
+        """Whether the lease is still ours (renews it: call right before committing)."""
+        return self._leases(owner).confirm(shard_name)
 
     def release(self, shard_name: str, owner: dict) -> None:
         """Give a lease back (only ours)."""
-        if self.holds(shard_name, owner):
-            self.remove(self.lock_path(shard_name))
+        self._leases(owner).release(shard_name)

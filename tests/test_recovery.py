@@ -3,6 +3,7 @@ processes on one job, all on the real engine."""
 
 from __future__ import annotations
 
+import json
 import random
 import shutil
 import signal
@@ -163,3 +164,67 @@ def test_two_processes_on_one_job_never_clobber(workload, reference):
     if rcs != [0, 0]:  # a process that found shards held by the other says so and exits 1
         assert rcs[1] == 1 and busy
         assert "being processed by another run" in (first.stderr + second.stderr)
+
+
+def test_sigterm_during_engine_start_up_writes_summary(workload):
+    """Handlers are installed before anything else: a SIGTERM while vLLM starts (a long call
+    that cannot poll a flag) ends the run at once with 143, a summary and no engine left."""
+    job = make_job(workload, "startup-term")
+    run = Job(job)
+    assert run.wait_for("engine_starting") is not None, run.stderr[-3000:]
+    time.sleep(1.5)
+    sent = time.monotonic()
+    run.proc.send_signal(signal.SIGTERM)
+    rc = run.wait(timeout=60)
+    assert rc == 143, run.stderr[-3000:]
+    assert time.monotonic() - sent < 15
+    finished = [r for r in run.records() if r["event"] == "run_finished"]
+    assert len(finished) == 1 and finished[0]["status"] == "interrupted", run.stderr[-3000:]
+    summary = json.loads(open(finished[0]["summary"]).read())
+    assert summary["status"] == "interrupted" and summary["exit_code"] == 143
+    deadline = time.monotonic() + 15
+    while run.group_alive() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not run.group_alive(), "engine processes left behind"
+
+
+@pytest.fixture(scope="module")
+def long_requests(tmp_path_factory, models):
+    """Two shards of requests that each take seconds: 300 tokens, EOS ignored."""
+    from demo_data import prompt_table
+
+    root = tmp_path_factory.mktemp("grace")
+    (root / "in").mkdir()
+    for i in range(2):
+        pq.write_table(prompt_table(12, seed=700 + i, first_id=12 * i), root / "in" / f"g-{i}.parquet")
+    return root
+
+
+@pytest.mark.parametrize("grace_s", [1, 120])
+def test_sigterm_drain_is_bounded_by_the_grace_period(long_requests, grace_s):
+    """After SIGTERM the requests of fully read shards may finish for --grace-seconds; then the
+    rest are aborted, so a Kubernetes grace period is kept. With enough grace, every shard in
+    flight is committed before the run exits 143."""
+    name = f"grace-{grace_s}"
+    job = write_job(long_requests / f"{name}.yaml",
+                    input={"path": str(long_requests / "in" / "*.parquet"), "prompt_column": "prompt",
+                           "id_column": "id"},
+                    output={"path": str(long_requests / name)},
+                    sampling={"temperature": 0.0, "max_tokens": 300, "ignore_eos": True},
+                    execution={"max_in_flight": 64})
+    run = Job(job, "--grace-seconds", str(grace_s))
+    assert run.wait_for("shard_started") is not None, run.stderr[-3000:]
+    time.sleep(1.0)
+    sent = time.monotonic()
+    run.proc.send_signal(signal.SIGTERM)
+    rc = run.wait(timeout=300)
+    elapsed = time.monotonic() - sent
+    assert rc == 143, run.stderr[-3000:]
+    committed = [r["shard"] for r in run.records() if r["event"] == "shard_committed"]
+    if grace_s == 1:
+        assert elapsed < grace_s + 10, f"took {elapsed:.1f}s to stop with {grace_s}s of grace"
+        assert committed == [], "the requests needed more than 1 s: nothing could be committed"
+    else:
+        assert sorted(committed) == ["g-0", "g-1"], run.stderr[-3000:]
+        table = read_output(long_requests / name)
+        assert table.num_rows == 24 and set(table["num_output_tokens"].to_pylist()) == {300}
