@@ -7,7 +7,9 @@ first time it sees it, so every storage call on the run's path must survive one 
 from __future__ import annotations
 
 import io
+import json
 import os
+import signal
 import time
 
 import pyarrow as pa
@@ -127,26 +129,34 @@ def test_a_job_survives_a_transient_failure_of_every_storage_call(tmp_path):
 
 def test_a_live_lease_keeps_a_second_process_off_the_shard(tmp_path):
     from conftest import write_parquet
+    from test_leases import _kill_a_holder
     from test_runner import make_spec, outputs, shards
 
+    from batchspec.leases import ShardLeases
+
     shards(tmp_path, n=3)
-    out = OutputDir(str(tmp_path / "out"), {})
-    holder = {"run_id": "other-run", "host": storage.this_host(), "pid": os.getpid(),
-              "started_at": "now"}
-    assert out.acquire("s1", holder) is None
+    out_url = str(tmp_path / "out")
+    holder = ShardLeases(OutputDir(out_url, {}), {"run_id": "other-run", "host": storage.this_host(),
+                                                  "pid": os.getpid(), "started_at": "now"})
+    assert holder.acquire("s1") is None
     with pytest.raises(RuntimeFailure, match=r"1 shards are being processed by another run.*s1 "
                                              r"\(run other-run"):
         run(make_spec(tmp_path))
     assert sorted(outputs(tmp_path)) == ["s0", "s2"]
-    # a lease whose process is gone is taken over at once
-    out.write_json(out.lock_path("s1"), {**holder, "pid": 2**22 + 12345, "heartbeat": time.time(),
-                                         "lease_s": 120})
+    holder.release("s1")
+    # a lease whose process is killed is taken over at once
+    child = _kill_a_holder(out_url, {}, "s1", storage.this_host())
+    os.kill(child.pid, signal.SIGKILL)
+    child.join(30)
     result, _ = run(make_spec(tmp_path))
     assert list(result.summary["shards"]) == ["s1"]
-    # and so is one not renewed within its lease, whoever held it
+    # a lock file nobody holds is no lease, whatever its record says (another host, a heartbeat
+    # that looks fresh): on local disk only a live process's lock counts
     write_parquet(tmp_path / "in" / "s1.parquet", {"prompt": ["changed"], "k": [1]})
-    out.write_json(out.lock_path("s1"), {**holder, "host": "elsewhere", "heartbeat": time.time() - 600,
-                                         "lease_s": 120})
+    lock = tmp_path / "out" / "_batchspec" / "locks" / "s1.json"
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    lock.write_text(json.dumps({"run_id": "gone", "host": "elsewhere", "pid": 1, "token": "t",
+                                "heartbeat": time.time(), "lease_s": 120}))
     result, _ = run(make_spec(tmp_path))
     assert list(result.summary["shards"]) == ["s1"]
     assert not list((tmp_path / "out" / "_batchspec" / "locks").glob("*.json"))

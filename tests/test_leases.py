@@ -1,0 +1,355 @@
+"""Shard leases exclude for real: racing processes on local disk and on a real S3 server
+(moto on 127.0.0.1), dead holders, silent holders with skewed clocks, stolen leases, renewal.
+
+Racers are separate processes (spawn), so every lease is taken through the same calls a second
+``batchspec run`` on another host would make.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import multiprocessing
+import os
+import random
+import signal
+import threading
+import time
+import uuid
+
+import pytest
+
+from batchspec.leases import ShardLeases
+from batchspec.shards import OutputDir
+from batchspec.storage import this_host
+
+CTX = multiprocessing.get_context("spawn")
+SHARDS = ["a", "b", "c", "d"]
+#: Some writes reach the S3 server late (see ``stalled_s3_writes``): how often, how late.
+WRITE_STALL = {"p": 0.0, "s": 0.0}
+
+
+def owner(run_id: str, **extra) -> dict:
+    return {"run_id": run_id, "host": this_host(), "pid": os.getpid(), "started_at": "2026-01-01T00:00:00",
+            **extra}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def atomic_moto_writes():
+    """moto checks If-None-Match / If-Match and then stores, with no lock between the two, and
+    its server answers requests on many threads: two racing conditional writes can both pass
+    the check. Real S3 applies the condition atomically; make moto do the same, so that a
+    double winner below is ours and not moto's."""
+    from moto.s3.responses import S3Response
+
+    lock = threading.Lock()
+    originals = {name: getattr(S3Response, name) for name in ("put_object", "delete_object")}
+
+    def locked(fn):
+        def call(self, *args, **kwargs):
+            if random.random() < WRITE_STALL["p"]:
+                time.sleep(WRITE_STALL["s"])
+            with lock:
+                return fn(self, *args, **kwargs)
+        return call
+
+    for name, fn in originals.items():
+        setattr(S3Response, name, locked(fn))
+    yield
+    for name, fn in originals.items():
+        setattr(S3Response, name, fn)
+
+
+@pytest.fixture
+def stalled_s3_writes():
+    """One write in four reaches the server half a second late, as from a process stalled by
+    a busy CPU or a slow link: a lease must not depend on how fast a write lands."""
+    WRITE_STALL.update(p=0.25, s=0.5)
+    yield
+    WRITE_STALL.update(p=0.0, s=0.0)
+
+
+@pytest.fixture
+def s3_out(s3_server):
+    """A fresh bucket on the session's S3 server: (output URL, storage options, s3fs fs)."""
+    import s3fs
+
+    _, options = s3_server
+    fs = s3fs.S3FileSystem(**options)
+    bucket = f"leases-{uuid.uuid4().hex[:10]}"
+    fs.mkdir(bucket)
+    return f"s3://{bucket}/out", options, fs
+
+
+def _key(fs, out: OutputDir, shard: str) -> dict:
+    bucket, key, _ = fs.split_path(out.lock_path(shard))
+    return {"Bucket": bucket, "Key": key}
+
+
+# ---------------------------------------------------------------------- racing processes
+
+
+def _racer(url, options, shards, rounds, lease_s, barrier, results, index):
+    out = OutputDir(url, options)
+    leases = ShardLeases(out, {"run_id": f"racer-{index}", "host": this_host(), "pid": os.getpid(),
+                               "started_at": "now"}, lease_s=lease_s)
+    for r in range(rounds):
+        barrier.wait(timeout=120)
+        won = [s for s in shards if leases.acquire(s) is None]
+        results.put((r, index, won))
+        barrier.wait(timeout=120)  # everyone has tried this round
+        leases.release_all()
+        barrier.wait(timeout=120)  # every lease is free again
+
+
+def _race(url, options, processes, rounds, lease_s=60.0):
+    barrier, results = CTX.Barrier(processes), CTX.Queue()
+    procs = [CTX.Process(target=_racer, args=(url, options, SHARDS, rounds, lease_s, barrier, results, i))
+             for i in range(processes)]
+    for p in procs:
+        p.start()
+    winners: dict[tuple[int, str], list[int]] = {}
+    try:
+        for _ in range(processes * rounds):
+            r, index, won = results.get(timeout=300)
+            for shard in won:
+                winners.setdefault((r, shard), []).append(index)
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()
+    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    bad = {f"round {r} shard {s}": w for (r, s), w in sorted(winners.items()) if len(w) != 1}
+    missing = [f"round {r} shard {s}" for r in range(rounds) for s in SHARDS if (r, s) not in winners]
+    assert not bad, f"more than one winner: {bad}"
+    assert not missing, f"no winner: {missing}"
+
+
+def test_racing_processes_get_one_winner_per_shard_on_local_disk(tmp_path):
+    _race(str(tmp_path / "out"), {}, processes=6, rounds=20)
+    assert not list((tmp_path / "out" / "_batchspec" / "locks").glob("*.json")), "leases left behind"
+
+
+def test_racing_processes_get_one_winner_per_shard_on_s3(s3_out, stalled_s3_writes):
+    url, options, fs = s3_out
+    _race(url, options, processes=6, rounds=8)
+    fs.invalidate_cache()
+    assert not [k for k in fs.find(url) if k.endswith(".json")], "leases left behind"
+
+
+def test_two_lease_sets_of_one_process_exclude_each_other(tmp_path):
+    out_a, out_b = OutputDir(str(tmp_path / "out"), {}), OutputDir(str(tmp_path / "out"), {})
+    first, second = ShardLeases(out_a, owner("first")), ShardLeases(out_b, owner("second"))
+    assert first.acquire("a") is None
+    assert first.acquire("a") is None  # ours already: idempotent
+    holder = second.acquire("a")
+    assert holder is not None and holder["run_id"] == "first"
+    assert second.holder("a")["run_id"] == "first"
+
+    # threads racing with their own lease sets: one winner
+    wins: list[str] = []
+    go = threading.Barrier(4)
+
+    def contend(i):
+        leases = ShardLeases(OutputDir(str(tmp_path / "out"), {}), owner(f"thread-{i}"))
+        go.wait()
+        if leases.acquire("b") is None:
+            wins.append(leases.owner["run_id"])
+
+    threads = [threading.Thread(target=contend, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(wins) == 1, wins
+
+    first.release("a")
+    first.release("a")  # idempotent
+    assert second.acquire("a") is None
+    assert json.loads((tmp_path / "out" / "_batchspec" / "locks" / "a.json").read_text())["run_id"] \
+        == "second"
+
+
+# ---------------------------------------------------------------------- dead and silent holders
+
+
+def _hold_until_killed(url, options, shard, host, ready):
+    out = OutputDir(url, options)
+    leases = ShardLeases(out, {"run_id": "doomed", "host": host, "pid": os.getpid(), "started_at": "now"})
+    assert leases.acquire(shard) is None
+    ready.set()
+    time.sleep(600)
+
+
+def _kill_a_holder(url, options, shard, host):
+    ready = CTX.Event()
+    child = CTX.Process(target=_hold_until_killed, args=(url, options, shard, host, ready))
+    child.start()
+    assert ready.wait(120), "the child never took the lease"
+    return child
+
+
+@pytest.mark.parametrize("host", ["this host", "another host sharing the disk"])
+def test_a_killed_holder_frees_a_local_lease_at_once(tmp_path, host):
+    url = str(tmp_path / "out")
+    child = _kill_a_holder(url, {}, "a", this_host() if host == "this host" else "elsewhere.example")
+    taker = ShardLeases(OutputDir(url, {}), owner("taker"))
+    assert taker.acquire("a")["run_id"] == "doomed"  # alive: busy
+    os.kill(child.pid, signal.SIGKILL)
+    child.join(30)
+    started = time.monotonic()
+    assert taker.acquire("a") is None
+    assert time.monotonic() - started < 1.0
+    assert taker.holder("a")["run_id"] == "taker"
+
+
+def test_a_killed_holder_on_this_host_frees_an_s3_lease_at_once(s3_out):
+    url, options, _ = s3_out
+    child = _kill_a_holder(url, options, "a", this_host())
+    taker = ShardLeases(OutputDir(url, options), owner("taker"), lease_s=600)
+    assert taker.acquire("a")["run_id"] == "doomed"
+    os.kill(child.pid, signal.SIGKILL)
+    child.join(30)
+    assert taker.acquire("a") is None  # its pid is gone from this machine: no need to wait
+    assert taker.holder("a")["run_id"] == "taker"
+
+
+@pytest.mark.parametrize("skew_s", [10 * 365 * 86400.0, -10 * 365 * 86400.0])
+def test_a_silent_s3_holder_is_taken_over_after_lease_s_of_our_own_time(s3_out, skew_s):
+    url, options, fs = s3_out
+    out = OutputDir(url, options)
+    lease_s = 1.5
+    bogus_wall = time.time() + skew_s
+    record = {"run_id": "silent", "host": "far-away.example", "pid": 4242, "started_at": "then",
+              "token": "their-token", "heartbeat": bogus_wall, "lease_s": lease_s,
+              "renewed_at": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(max(bogus_wall, 0)))}
+    fs.call_s3("put_object", **_key(fs, out, "a"), Body=json.dumps(record).encode())
+
+    taker = ShardLeases(out, owner("taker"), lease_s=lease_s)
+    started = time.monotonic()
+    assert taker.acquire("a")["run_id"] == "silent"  # never seen before: wait lease_s first
+    assert lease_s - 0.5 < taker.takeover_in("a") <= lease_s
+    time.sleep(lease_s * 0.6)
+    assert taker.acquire("a")["run_id"] == "silent"
+
+    # the holder beats once: the wait starts again from now
+    fs.call_s3("put_object", **_key(fs, out, "a"), Body=json.dumps({**record, "heartbeat": 1}).encode())
+    beat = time.monotonic()
+    assert taker.acquire("a")["run_id"] == "silent"
+    time.sleep(lease_s * 0.6)
+    assert taker.acquire("a")["run_id"] == "silent"
+    time.sleep(max(0.0, lease_s - (time.monotonic() - beat)) + 0.1)
+    assert taker.acquire("a") is None
+    assert time.monotonic() - started >= 1.6 * lease_s
+    now = taker.holder("a")
+    assert now["run_id"] == "taker" and now["token"] != "their-token"
+
+
+# ---------------------------------------------------------------------- renewal
+
+
+def test_a_stolen_s3_lease_is_noticed_within_a_quarter_lease(s3_out):
+    url, options, fs = s3_out
+    out = OutputDir(url, options)
+    lease_s = 2.0
+    with ShardLeases(out, owner("holder"), lease_s=lease_s) as holder:
+        assert holder.acquire("a") is None and holder.acquire("b") is None
+        assert not holder.lost("a") and holder.confirm("a")
+        etag = fs.call_s3("head_object", **_key(fs, out, "a"))["ETag"]
+        thief = {"run_id": "thief", "host": "elsewhere", "pid": 1, "token": "stolen", "heartbeat": 0,
+                 "lease_s": lease_s}
+        fs.call_s3("put_object", **_key(fs, out, "a"), Body=json.dumps(thief).encode(), IfMatch=etag)
+        stolen = time.monotonic()
+        while not holder.lost("a") and time.monotonic() - stolen < 5 * lease_s:
+            time.sleep(0.02)
+        assert holder.lost("a")
+        assert time.monotonic() - stolen <= lease_s / 4 + 0.5
+        assert not holder.confirm("a")
+        assert not holder.lost("b") and holder.confirm("b")  # the other lease is untouched
+        holder.release("a")  # not ours: must not delete the thief's record
+    assert ShardLeases(out, owner("reader")).holder("a")["run_id"] == "thief"
+    assert ShardLeases(out, owner("reader")).holder("b") is None  # released on exit
+
+
+def test_a_removed_local_lease_is_noticed_within_a_quarter_lease(tmp_path):
+    out = OutputDir(str(tmp_path / "out"), {})
+    lease_s = 2.0
+    with ShardLeases(out, owner("holder"), lease_s=lease_s) as holder:
+        assert holder.acquire("a") is None
+        os.unlink(out.lock_path("a"))  # someone cleaned up the bookkeeping by hand
+        other = ShardLeases(OutputDir(str(tmp_path / "out"), {}), owner("other"))
+        assert other.acquire("a") is None
+        removed = time.monotonic()
+        while not holder.lost("a") and time.monotonic() - removed < 5 * lease_s:
+            time.sleep(0.02)
+        assert holder.lost("a") and time.monotonic() - removed <= lease_s / 4 + 0.5
+        assert not holder.confirm("a")
+        holder.release("a")
+    assert other.holder("a")["run_id"] == "other"  # the holder's release left the new file alone
+
+
+def test_the_keeper_holds_an_s3_lease_across_many_lease_periods(s3_out):
+    url, options, _ = s3_out
+    lease_s = 1.0
+    observer = ShardLeases(OutputDir(url, options), owner("observer"), lease_s=lease_s)
+    with ShardLeases(OutputDir(url, options), owner("holder"), lease_s=lease_s) as holder:
+        assert holder.acquire("a") is None
+        started = time.monotonic()
+        while time.monotonic() - started < 3 * lease_s:
+            assert observer.acquire("a")["run_id"] == "holder"
+            assert not holder.lost("a")
+            time.sleep(0.05)
+        assert holder.confirm("a")
+        assert observer.holder("a")["heartbeat"] >= 8  # renewed every lease_s / 4
+
+
+def test_storage_errors_for_half_a_lease_mark_it_lost(s3_out, monkeypatch):
+    url, options, _ = s3_out
+    lease_s = 1.2
+    with ShardLeases(OutputDir(url, options), owner("holder"), lease_s=lease_s) as holder:
+        assert holder.acquire("a") is None
+        store = holder._store
+
+        def down(*args, **kwargs):
+            raise ConnectionError("503 Slow Down")
+
+        monkeypatch.setattr(store, "replace_if_match", down)
+        failing = time.monotonic()
+        time.sleep(lease_s / 4)
+        assert not holder.lost("a")  # one failed renewal is not yet a lost lease
+        while not holder.lost("a") and time.monotonic() - failing < 3 * lease_s:
+            time.sleep(0.02)
+        assert holder.lost("a")
+        assert time.monotonic() - failing <= lease_s / 2 + lease_s / 4 + 0.3
+        monkeypatch.undo()
+        assert not holder.confirm("a")  # once lost, stays lost: the runner has abandoned it
+
+
+def test_a_store_without_conditional_writes_is_best_effort_and_says_so(caplog, monkeypatch):
+    from batchspec import leases
+
+    monkeypatch.setattr(leases, "_warned_best_effort", set())
+    url = f"memory://leases-{uuid.uuid4().hex[:8]}/out"
+    with caplog.at_level(logging.WARNING, logger="batchspec.leases"):
+        first = ShardLeases(OutputDir(url, {}), owner("first"))
+        second = ShardLeases(OutputDir(url, {}), owner("second"))
+        assert first.acquire("a") is None
+        assert second.acquire("a")["run_id"] == "first"
+        assert first.confirm("a")
+        first.release("a")
+        assert second.acquire("a") is None
+        assert first.holder("a")["run_id"] == "second"
+    warnings = [r.getMessage() for r in caplog.records if "best-effort" in r.getMessage()]
+    assert len(warnings) == 1 and "memory://" in warnings[0], warnings
+
+
+def test_the_s3_server_honours_conditional_writes(s3_out):
+    """The probe that picks compare-and-swap on S3: moto's server (as pinned) honours
+    If-None-Match and If-Match on PutObject, so the S3 tests above test real CAS."""
+    from batchspec.leases import _S3Store
+
+    url, _, fs = s3_out
+    assert _S3Store(fs).honours_conditions(url.removeprefix("s3://") + "/_batchspec/locks")
+    fs.invalidate_cache()
+    assert not [k for k in fs.find(url.removeprefix("s3://").split("/")[0]) if "cas-probe" in k]
