@@ -33,9 +33,10 @@ def _quiet_vllm(verbose: bool, log_format: str = "text") -> None:
     ours.setLevel(logging.INFO if verbose else logging.WARNING)
 
 
-def _json_stderr(run_id: str) -> tuple[object, str]:
-    """With JSON logs, keep stderr for JSON lines only: third-party output (vLLM's engine
-    processes, torch's C++ warnings, progress bars of model loading) goes to a log file."""
+def _engine_log(run_id: str) -> tuple[object, str]:
+    """Keep stderr for batchspec's own lines (text or JSON): third-party output (vLLM's engine
+    processes, torch's C++ warnings, progress bars of model loading) goes to a log file, named
+    in the first event and in engine errors. Returns (batchspec's stream, log path)."""
     import tempfile
 
     stream = os.fdopen(os.dup(2), "w", buffering=1)
@@ -112,11 +113,13 @@ def run(job, overrides, worker_index, num_workers, overwrite, log_format, progre
 
     run_id = new_run_id()
     stream = None
-    if log_format == "json" and not verbose:
-        stream, engine_log = _json_stderr(run_id)
+    if not verbose:
+        stream, engine_log = _engine_log(run_id)
     events = EventLog(run_id, log_format, stream)
     if stream is not None:
-        events.emit("engine_log", f"engine and library output goes to {engine_log}", path=engine_log)
+        events.engine_log = engine_log
+        events.emit("engine_log", f"vLLM's own output goes to {engine_log} (-v shows it here)",
+                    path=engine_log)
     try:
         run_job(spec, worker_index=worker_index, num_workers=num_workers, overwrite=overwrite,
                 events=events, progress_bars=progress, run_id=run_id)

@@ -31,6 +31,8 @@ class EventLog:
         self.stream = stream if stream is not None else sys.stderr
         self._bar_writer = None  # set by Progress so that lines do not break the bars
         self._secrets: set[str] = set()
+        #: Where vLLM's own output goes (set by the CLI), named in engine errors.
+        self.engine_log: str | None = None
 
     def add_secrets(self, values) -> None:
         """Values never to print (credentials from the spec); URLs are always sanitised."""
@@ -90,10 +92,10 @@ class Progress:
             from tqdm.auto import tqdm
 
             self._shard_bar = tqdm(total=total_shards, unit="shard", desc="shards", position=0,
-                                   file=sys.stderr, dynamic_ncols=True)
+                                   file=events.stream, dynamic_ncols=True)
             self._row_bar = tqdm(total=total_rows, unit="row", desc="rows", position=1,
-                                 file=sys.stderr, dynamic_ncols=True, smoothing=0.1)
-            events._bar_writer = lambda line: tqdm.write(line, file=sys.stderr)
+                                 file=events.stream, dynamic_ncols=True, smoothing=0.1)
+            events._bar_writer = lambda line: tqdm.write(line, file=events.stream)
 
     def stats(self) -> dict[str, Any]:
         """Throughput and acceptance so far."""

@@ -15,7 +15,6 @@ import hashlib
 import logging
 import os
 import signal
-import sys
 import threading
 import time
 import uuid
@@ -335,6 +334,7 @@ class _Job:
             from batchspec.engine import vllm_version
 
             self.summary["versions"]["vllm"] = vllm_version()
+            self.summary["engine"] = {"max_model_len": getattr(self.engine, "max_model_len", None)}
             self.counters_before = self.engine.spec_counters()
         self._check_stop()
         self.generate(shards, row_counts, p.spec_fingerprint)
@@ -405,7 +405,7 @@ class _Job:
 
         spec, events, out = self.spec, self.events, self.out
         self.fatal: list[BaseException] = []
-        bars = sys.stderr.isatty() if self.progress_bars is None else self.progress_bars
+        bars = _isatty(events.stream) if self.progress_bars is None else self.progress_bars
         self.progress = progress = Progress(events, sum(row_counts.values()), len(shards), bars,
                                             spec.execution.progress_interval_s)
         self.runs = runs = [_ShardRun(s) for s in shards]
@@ -582,6 +582,9 @@ class _Job:
                 self.leases.release_all()
             except Exception:
                 log.debug("releasing leases", exc_info=True)
+        if isinstance(exc, RuntimeFailure) and self.events.engine_log and "engine" in str(exc) \
+                and "engine log:" not in str(exc):
+            exc.args = (f"{exc} (engine log: {self.events.engine_log})",)
         self.summary["status"] = "interrupted" if isinstance(exc, Interrupted) else "failed"
         self.summary["error"] = self.events.scrub(str(exc))
         self.summary["exit_code"] = exc.exit_code
@@ -641,6 +644,13 @@ def _per_position(before: dict, after: dict) -> dict | None:
                 for i, a in enumerate(per_pos)]
     return {"num_drafts": drafts, "accepted": accepted,
             "rate": [acceptance_rate(a, drafts) for a in accepted]}
+
+
+def _isatty(stream) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):
+        return False
 
 
 def _child_pids() -> set[int]:
