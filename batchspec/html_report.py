@@ -6,12 +6,10 @@ from __future__ import annotations
 
 import datetime as dt
 import math
-from bisect import bisect_right
 from html import escape
 
 import polars as pl
 
-from batchspec.columns import ERROR
 from batchspec.report import SPEC_OFF, Output, Table, fmt, lookup, no_acceptance_reason, report_tables
 
 #: Series colours: one run uses a colour per chart; two runs are always A = blue, B = orange.
@@ -81,7 +79,7 @@ class Plot:
             y = self.py(t)
             out.append(f'<line class="grid" x1="{LEFT}" x2="{w - RIGHT}" y1="{y:.1f}" y2="{y:.1f}"/>')
             out.append(f'<text class="tick" x="{LEFT - 6}" y="{y + 4:.1f}" text-anchor="end">'
-                       f'{tick_label(t)}</text>')
+                       f'{escape(tick_label(t))}</text>')
         out += self.parts
         out.append(f'<line class="axis" x1="{LEFT}" x2="{w - RIGHT}" y1="{base}" y2="{base}"/>')
         for x, label in x_ticks:
@@ -124,7 +122,7 @@ def bar_chart(categories: list[str], series: list[Series], x_label: str, y_label
             if v is None:
                 continue
             x, y = left + s * bar, plot.py(v)
-            text = fmt(v, digits)
+            text = escape(fmt(v, digits))
             plot.add(f'<rect x="{x + 1:.1f}" y="{y:.1f}" width="{bar - 2:.1f}" '
                      f'height="{plot.py(plot.y0) - y:.1f}" rx="2" fill="{colour}">'
                      f'<title>{escape(name)} {escape(categories[i])}: {text}</title></rect>')
@@ -136,22 +134,25 @@ def bar_chart(categories: list[str], series: list[Series], x_label: str, y_label
     return plot.svg(ticks, rotate=rotate)
 
 
-def histogram_chart(series: list[Series], x_label: str) -> str:
+def histogram_chart(series: list[tuple[str, str, pl.Series]], x_label: str) -> str:
     """Histogram(s) of non-negative values on shared bins from 0, four to a tick interval so
-    that bin edges are round. Two series overlap half-transparent and count in % of their
-    requests, so that runs of any size compare."""
-    values = [v for _, _, vs in series for v in vs]
-    x_ticks = nice_ticks(0, max(values), 7)
+    that bin edges are round; a bin holds [left edge, right edge), the last one its right edge
+    too. Two series overlap half-transparent and count in % of their requests, so that runs
+    of any size compare. Values stay in polars: a run's timings can be millions of numbers."""
+    x_ticks = nice_ticks(0, max(vs.max() for _, _, vs in series), 7)
     lo, hi, bins = x_ticks[0], x_ticks[-1], 4 * (len(x_ticks) - 1)
-    edges = [lo + (hi - lo) * i / bins for i in range(bins + 1)]
+    # rounded like the ticks: a value on a round edge (0.3) then opens its bin, not closes the one before
+    edges = [round(lo + (hi - lo) * i / bins, 12) for i in range(bins + 1)]
     counts = []
     for _, _, vs in series:
+        # the bin is bisect_right(edges, v) - 1, as a vectorised search over the edges
+        index = (pl.Series(edges).search_sorted(vs, side="right").cast(pl.Int64) - 1).clip(0, bins - 1)
         c = [0] * bins
-        for v in vs:
-            c[min(bisect_right(edges, v) - 1, bins - 1)] += 1
+        for i, n in index.value_counts().iter_rows():
+            c[i] = n
         counts.append(c)
     share = len(series) > 1
-    heights = [[100 * n / len(vs) for n in c] if share else c
+    heights = [[100 * n / vs.len() for n in c] if share else c
                for (_, _, vs), c in zip(series, counts, strict=True)]
     plot = Plot((lo, hi), nice_ticks(0, max(max(h) for h in heights), integer=not share), x_label,
                 "% of requests" if share else "requests")
@@ -243,8 +244,7 @@ def _charts(runs: list[tuple[str, Output, dict]]) -> list[str]:
     if spec_runs:
         series = []
         for i, n, o, _ in spec_runs:
-            pts = (o.frame.filter(pl.col(ERROR).is_null())
-                   .select("num_output_tokens", "spec_acceptance_rate").drop_nulls())
+            pts = o.read(["num_output_tokens", "spec_acceptance_rate"], successful=True).drop_nulls()
             if pts.height > MAX_POINTS:
                 pts = pts.sample(MAX_POINTS, seed=0)
             series.append((n, colour(i, BLUE), pts["num_output_tokens"].to_list(),
@@ -260,9 +260,11 @@ def _charts(runs: list[tuple[str, Output, dict]]) -> list[str]:
     for title, column, unit, own in (("End-to-end latency", "time_e2e_s", "arrival to finish", TEAL),
                                      ("Time to first token", "time_to_first_token_s",
                                       "arrival to first output token", VIOLET)):
-        series = [(n, colour(i, own), o.frame.filter(pl.col(ERROR).is_null())[column]
-                   .drop_nulls().to_list()) for i, (n, o, _) in enumerate(runs)]
-        series = [s for s in series if s[2]]
+        series = []
+        for i, (n, o, _) in enumerate(runs):
+            values = o.read([column], successful=True).to_series().drop_nulls().cast(pl.Float64)
+            series.append((n, colour(i, own), values.filter(values.is_finite())))
+        series = [s for s in series if s[2].len()]
         body = (legend([(n, c) for n, c, _ in series]) + histogram_chart(series, "seconds")
                 if series else '<div class="off">No timings.</div>')
         cards.append(_card(title, f"{unit}, successful requests (s)", body))

@@ -13,29 +13,49 @@ Conventions:
 - Percentiles use linear interpolation between closest ranks (numpy's default method, polars
   ``interpolation="linear"``): for n sorted values x[0..n-1] the p-quantile sits at position
   h = (n - 1) * p and is x[floor(h)] + (h - floor(h)) * (x[floor(h) + 1] - x[floor(h)]).
+
+Reading: rows are scanned lazily (a polars LazyFrame per file) and only the columns a statistic
+needs are read; a single-run report never reads ``generated_text``, and a comparison reads it
+only as a 64-bit hash per row, computed file by file while reading. Local files go through
+polars' own Parquet reader (``pl.scan_parquet``). Every other filesystem goes through a pyarrow
+dataset on the fsspec filesystem itself (``pl.scan_pyarrow_dataset``): polars' cloud reader
+takes object_store options, not the fsspec ``storage_options`` a job spec holds
+(``client_kwargs.endpoint_url``, ``key``/``secret``, ``memory://``, ...).
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import posixpath
-from collections import Counter
+import re
+from collections import Counter, defaultdict
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import fsspec
 import polars as pl
 import pyarrow as pa
+import pyarrow.dataset as ds
 import pyarrow.parquet as pq
+import yaml
+from pyarrow.fs import FSSpecHandler, PyFileSystem
 
 from batchspec.columns import ERROR, REQUEST_ID, RESULT_NAMES
-from batchspec.errors import InputDataError
+from batchspec.errors import InputDataError, SpecError
+from batchspec.redact import sanitize_url
 from batchspec.runner import error_reason
 from batchspec.shards import BOOKKEEPING_DIR, OUTPUT_SUFFIX, OutputDir
 from batchspec.sink import METADATA_KEY
 from batchspec.stats import acceptance_rate, mean_acceptance_length
 
-#: What a report reads from each file; kept input columns stay on disk.
-COLUMNS = [REQUEST_ID, *RESULT_NAMES]
+#: Columns every output file must have (checked on its footer, before any row is read).
+REQUIRED_COLUMNS = [REQUEST_ID, *RESULT_NAMES]
+TEXT = "generated_text"
+#: The column compare mode reads instead of ``generated_text``: a 64-bit hash of it.
+TEXT_HASH = "generated_text_hash"
+HISTOGRAM = "spec_acceptance_histogram"
 
 #: Per-request distributions: report key -> output column.
 DISTRIBUTIONS = {
@@ -45,31 +65,115 @@ DISTRIBUTIONS = {
     "e2e_s": "time_e2e_s",
     "decode_tokens_per_s": "output_tokens_per_s",
 }
+#: Integer columns summed into totals.
+SUMMED = ("num_prompt_tokens", "num_output_tokens", "spec_num_steps", "spec_num_draft_tokens",
+          "spec_num_accepted_tokens")
+#: Everything the single-run statistics read; ``generated_text`` and kept input columns stay on disk.
+STAT_COLUMNS = ["finish_reason", *SUMMED, HISTOGRAM, *DISTRIBUTIONS.values(), ERROR]
+PERCENTILES = (50, 90, 99)
 
 #: Lineage fields taken from each file's ``batchspec`` metadata, in display order.
 LINEAGE_FIELDS = ("run_id", "job", "target_model", "draft_model", "speculative_method",
                   "num_speculative_tokens", "vllm_version", "batchspec_version")
 
 
+class _RangeReads(FSSpecHandler):
+    """fsspec files for pyarrow without read-ahead: pyarrow already coalesces the byte ranges
+    of the projected column chunks, and s3fs's default 50 MiB read-ahead would fetch the
+    unread columns (``generated_text``) along with them."""
+
+    def open_input_file(self, path: str):
+        if not self.fs.isfile(path):
+            raise FileNotFoundError(path)
+        return pa.PythonFile(self.fs.open(path, mode="rb", cache_type="none"), mode="r")
+
+
 @dataclass
 class Output:
-    """One output directory, loaded: all rows (plus a ``shard`` column), each file's metadata and
-    the run summaries under ``_batchspec/runs/``."""
+    """One output directory, opened: its files (one per shard), each file's schema and
+    ``batchspec`` metadata, and the run summaries under ``_batchspec/runs/``. Rows stay on
+    storage until a query reads the columns it needs (:meth:`scan`, :meth:`read`)."""
 
     url: str
-    frame: pl.DataFrame
+    #: shard name -> path of its output file on ``fs``
+    files: dict[str, str]
+    fs: Any
     metadata: dict[str, dict] = field(default_factory=dict)
     runs: list[dict] = field(default_factory=list)
+    schemas: dict[str, pa.Schema] = field(default_factory=dict)
+    #: How files are named in messages: the directory's URL.
+    display_url: str = ""
 
     @property
     def shards(self) -> list[str]:
-        return list(self.metadata)
+        return list(self.files)
+
+    @property
+    def is_local(self) -> bool:
+        return isinstance(self.fs, fsspec.implementations.local.LocalFileSystem)
+
+    def file_url(self, shard: str) -> str:
+        """The URL of a shard's output file, for messages (no credentials, no query)."""
+        return sanitize_url(f"{(self.display_url or self.url).rstrip('/')}/{shard}{OUTPUT_SUFFIX}")
+
+    def scan_file(self, shard: str, columns: Sequence[str], text_hash: bool = False) -> pl.LazyFrame:
+        """One file's rows, lazily: ``columns`` (plus ``generated_text_hash`` if asked) and a
+        ``shard`` column. Nothing is read until the frame is collected, then only these columns."""
+        path = self.files[shard]
+        if self.is_local:
+            # glob off: a shard name may hold * or [ ]; hive off: a directory may look like k=v
+            lf = pl.scan_parquet(path, glob=False, hive_partitioning=False)
+        else:
+            arrow_fs = PyFileSystem(_RangeReads(self.fs))
+            dataset = ds.dataset(path, schema=self.schemas.get(shard), format="parquet",
+                                 filesystem=arrow_fs)
+            # polars applies filters itself: pyarrow's null semantics in comparisons differ
+            lf = pl.scan_pyarrow_dataset(dataset, allow_pyarrow_filter=False)
+        exprs: list[Any] = list(columns)
+        if text_hash:
+            exprs.append(pl.col(TEXT).hash(seed=0).alias(TEXT_HASH))
+        return lf.select(exprs).with_columns(shard=pl.lit(shard, dtype=pl.String))
+
+    def scan(self, columns: Sequence[str], text_hash: bool = False) -> pl.LazyFrame:
+        """Every file's rows in shard order, lazily, with only ``columns`` (see :meth:`scan_file`)."""
+        return pl.concat([self.scan_file(s, columns, text_hash) for s in self.shards],
+                         how="vertical")
+
+    def collect(self, queries: list[pl.LazyFrame], columns: Sequence[str],
+                text_hash: bool = False) -> list[pl.DataFrame]:
+        """Run queries over :meth:`scan` frames of these ``columns`` together (a ``cache()``d
+        scan is read once for all of them). An unreadable file raises
+        :class:`InputDataError` naming it."""
+        try:
+            return pl.collect_all(queries)
+        except (pl.exceptions.PolarsError, OSError, pa.ArrowException) as exc:
+            raise self._read_error(exc, columns, text_hash) from exc
+
+    def read(self, columns: Sequence[str], successful: bool = False) -> pl.DataFrame:
+        """``columns`` of every row (only of rows without an ``error`` if ``successful``)."""
+        lf = self.scan([*columns, ERROR] if successful else columns)
+        if successful:
+            lf = lf.filter(pl.col(ERROR).is_null())
+        return self.collect([lf.select(columns)], columns)[0]
+
+    def _read_error(self, exc: BaseException, columns: Sequence[str], text_hash: bool
+                    ) -> InputDataError:
+        """Find the file a failed query could not read: the error of a union rarely says."""
+        for shard in self.shards:
+            try:
+                self.scan_file(shard, columns, text_hash).collect()
+            except (pl.exceptions.PolarsError, OSError, pa.ArrowException) as file_exc:
+                return InputDataError(self.file_url(shard), f"unreadable Parquet: {file_exc}")
+        return InputDataError(sanitize_url(self.display_url or self.url),
+                              f"reading the output failed: {exc}")
 
 
 def load_output(url: str, storage_options: dict | None = None) -> Output:
-    """Read the top-level ``*.parquet`` files of an output directory (not ``_batchspec/``).
+    """Open the top-level ``*.parquet`` files of an output directory (not ``_batchspec/``):
+    their footers (schema and metadata) and the run summaries are read now, rows later.
 
-    Raises :class:`InputDataError` (exit 3) when there are none or one is unreadable."""
+    Raises :class:`InputDataError` (exit 3) when there are none, or one is unreadable or not a
+    batchspec output file."""
     out = OutputDir(url, storage_options or {})
     try:
         entries = out.fs.ls(out.path, detail=True)
@@ -78,97 +182,184 @@ def load_output(url: str, storage_options: dict | None = None) -> Output:
     files = sorted(e["name"] for e in entries
                    if e.get("type") == "file" and e["name"].endswith(OUTPUT_SUFFIX))
     if not files:
-        raise InputDataError(url, "no output files (*.parquet) here; is this the output.path "
+        raise InputDataError(sanitize_url(url), "no output files (*.parquet) here; is this the output.path "
                                   "of a finished run?")
-    frames, metadata = [], {}
+    output = Output(url=url, files={}, fs=out.fs, display_url=out.display_url)
+    # local footers through pyarrow's own filesystem, others without fsspec's read-ahead
+    arrow_fs = None if output.is_local else PyFileSystem(_RangeReads(out.fs))
     for path in files:
         shard = posixpath.basename(path)[: -len(OUTPUT_SUFFIX)]
+        output.files[shard] = path
+        name = output.file_url(shard)
         try:
-            schema = pq.read_schema(path, filesystem=out.fs)
-            missing = [c for c in COLUMNS if c not in schema.names]
-            if missing:
-                raise InputDataError(path, f"column {missing[0]!r} is missing: not a batchspec "
-                                           "output file", column=missing[0])
-            table = pq.read_table(path, columns=COLUMNS, filesystem=out.fs)
+            schema = pq.read_schema(path, filesystem=arrow_fs)
         except (OSError, pa.ArrowException) as exc:
-            raise InputDataError(path, f"unreadable Parquet: {exc}") from exc
+            raise InputDataError(name, f"unreadable Parquet: {exc}") from exc
+        missing = [c for c in REQUIRED_COLUMNS if c not in schema.names]
+        if missing:
+            raise InputDataError(name, f"column {missing[0]!r} is missing: not a batchspec "
+                                       "output file", column=missing[0])
         raw = (schema.metadata or {}).get(METADATA_KEY)
-        metadata[shard] = json.loads(raw) if raw else {}
-        frames.append(pl.from_arrow(table).with_columns(shard=pl.lit(shard)))
-    runs = []
+        try:
+            output.metadata[shard] = json.loads(raw) if raw else {}
+        except ValueError as exc:
+            raise InputDataError(name, f"its batchspec metadata is not JSON: {exc}") from exc
+        output.schemas[shard] = schema
     for path in sorted(out.fs.glob(out.join(BOOKKEEPING_DIR, "runs", "*.json"))):
         try:
-            runs.append(json.loads(out.fs.cat_file(path)))
+            output.runs.append(json.loads(out.fs.cat_file(path)))
         except (OSError, ValueError):
             continue  # a torn or unreadable summary only loses the per-position counters
-    return Output(url=url, frame=pl.concat(frames), metadata=metadata, runs=runs)
+    return output
+
+
+def parse_storage_options(items: Iterable[str], base: dict | None = None) -> dict[str, Any]:
+    """``base`` (deep-copied) with each ``KEY=VALUE`` of ``--storage-option`` set into it: dotted
+    keys nest (``client_kwargs.endpoint_url=http://...``), values are parsed as YAML.
+
+    Raises :class:`SpecError` (exit 2) naming the item."""
+    options = copy.deepcopy(base or {})
+    for item in items:
+        key, sep, value = item.partition("=")
+        parts = key.strip().split(".")
+        if not sep or not all(p.strip() for p in parts):
+            raise SpecError(None, f"--storage-option {item!r}: expected KEY=VALUE with a dotted "
+                                  "key, e.g. client_kwargs.endpoint_url=http://localhost:9000")
+        try:
+            parsed = yaml.safe_load(value) if value.strip() else ""
+        except yaml.YAMLError as exc:
+            raise SpecError(None, f"--storage-option {key}: value is not valid YAML: {exc}") from exc
+        node = options
+        for i, part in enumerate(parts[:-1]):
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise SpecError(None, f"--storage-option {key}: {'.'.join(parts[: i + 1])} holds "
+                                      f"{type(child).__name__} {child!r}, not a mapping")
+            node = child
+        node[parts[-1]] = parsed
+    return options
+
+
+# ---- statistics ----------------------------------------------------------------------------
+
+def _distribution_exprs(values: pl.Expr, key: str) -> list[pl.Expr]:
+    """Aggregations of :func:`distribution`, named ``<key>.<stat>``."""
+    values = values.cast(pl.Float64)
+    values = values.filter(values.is_not_null() & values.is_finite())
+    return [values.len().alias(f"{key}.count"), values.mean().alias(f"{key}.mean"),
+            values.min().alias(f"{key}.min"),
+            *(values.quantile(p / 100, interpolation="linear").alias(f"{key}.p{p}")
+              for p in PERCENTILES),
+            values.max().alias(f"{key}.max")]
+
+
+def _distribution_of(row: dict, key: str) -> dict[str, Any] | None:
+    if not row.get(f"{key}.count"):
+        return None
+    return {stat: row[f"{key}.{stat}"]
+            for stat in ("count", "mean", "min", *(f"p{p}" for p in PERCENTILES), "max")}
 
 
 def distribution(values: pl.Series) -> dict[str, Any] | None:
     """count, mean, min, p50, p90, p99, max of the non-null finite values; None when empty."""
-    values = values.drop_nulls().cast(pl.Float64)
-    values = values.filter(values.is_finite())
-    if values.is_empty():
-        return None
-    out: dict[str, Any] = {"count": values.len(), "mean": values.mean(), "min": values.min()}
-    for p in (50, 90, 99):
-        out[f"p{p}"] = values.quantile(p / 100, interpolation="linear")
-    out["max"] = values.max()
-    return out
+    row = pl.DataFrame({"v": values}).select(_distribution_exprs(pl.col("v"), "v")).row(0, named=True)
+    return _distribution_of(row, "v")
 
 
-def metrics(frame: pl.DataFrame) -> dict[str, Any]:
-    """The statistics of a set of output rows (one shard, or all of them)."""
-    sums = frame.select(pl.col(c).cast(pl.Int64).sum() for c in (
-        "num_prompt_tokens", "num_output_tokens", "spec_num_steps", "spec_num_draft_tokens",
-        "spec_num_accepted_tokens")).row(0, named=True)
-    speculative = frame["spec_num_steps"].null_count() < frame.height
-    steps, drafted, accepted = (sums[c] if speculative else None for c in (
-        "spec_num_steps", "spec_num_draft_tokens", "spec_num_accepted_tokens"))
-    errors = frame[ERROR].drop_nulls()
-    ok = frame.filter(pl.col(ERROR).is_null())
+def _aggregations() -> list[pl.Expr]:
+    """The per-group aggregations of :func:`metrics_of`, over :data:`STAT_COLUMNS`."""
+    ok = pl.col(ERROR).is_null()
+    return [pl.len().alias("rows"), pl.col(ERROR).is_not_null().sum().alias("errors"),
+            pl.col("spec_num_steps").is_not_null().any().alias("speculative"),
+            *(pl.col(c).cast(pl.Int64).sum().alias(c) for c in SUMMED),
+            *(e for key, column in DISTRIBUTIONS.items()
+              for e in _distribution_exprs(pl.col(column).filter(ok), key))]
+
+
+#: The aggregates of a group without rows (an empty output file).
+_EMPTY = {"rows": 0, "errors": 0, "speculative": False, **dict.fromkeys(SUMMED, 0)}
+
+
+def _metrics(agg: dict, finish: Counter, errors: Counter, histogram: list[int] | None
+             ) -> dict[str, Any]:
+    """The metrics dict of one group (a shard, or all rows) from its aggregates."""
+    speculative = bool(agg["speculative"])
+    steps, drafted, accepted = (agg[c] if speculative else None for c in SUMMED[2:])
     return {
-        "rows": frame.height,
-        "errors": errors.len(),
-        "errors_by_reason": dict(sorted(Counter(error_reason(e) for e in errors).items())),
-        "finish_reasons": dict(sorted(Counter(frame["finish_reason"].drop_nulls()).items())),
-        "prompt_tokens": sums["num_prompt_tokens"],
-        "output_tokens": sums["num_output_tokens"],
+        "rows": agg["rows"],
+        "errors": agg["errors"],
+        "errors_by_reason": dict(sorted(errors.items())),
+        "finish_reasons": dict(sorted(finish.items())),
+        "prompt_tokens": agg["num_prompt_tokens"],
+        "output_tokens": agg["num_output_tokens"],
         "speculative": speculative,
         "spec_num_steps": steps,
         "spec_num_draft_tokens": drafted,
         "spec_num_accepted_tokens": accepted,
         "acceptance_rate": acceptance_rate(accepted, drafted),
         "mean_acceptance_length": mean_acceptance_length(accepted, steps),
-        "acceptance_histogram": acceptance_histogram(frame) if speculative else None,
-        **{key: distribution(ok[column]) for key, column in DISTRIBUTIONS.items()},
+        "acceptance_histogram": histogram if speculative else None,
+        **{key: _distribution_of(agg, key) for key in DISTRIBUTIONS},
     }
 
 
-def acceptance_histogram(frame: pl.DataFrame) -> list[int] | None:
-    """Element-wise sum of ``spec_acceptance_histogram``: steps that accepted j = 0..k tokens."""
-    col = "spec_acceptance_histogram"
-    sums = (frame.select(col).drop_nulls()
-            .select(j=pl.int_ranges(0, pl.col(col).list.len()), steps=pl.col(col))
-            .explode(["j", "steps"]).drop_nulls()
-            .group_by("j").agg(pl.col("steps").cast(pl.Int64).sum()))
-    if sums.is_empty():
-        return None
-    counts = [0] * (sums["j"].max() + 1)
-    for j, steps in sums.iter_rows():
-        counts[j] = steps
-    return counts
+def _sum_histograms(hists: Iterable[list[int]]) -> list[int] | None:
+    total: list[int] = []
+    for h in hists:
+        total.extend([0] * (len(h) - len(total)))
+        for j, steps in enumerate(h):
+            total[j] += steps
+    return total or None
+
+
+def metrics_of(output: Output) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+    """The metrics of all rows and of each shard, from one read of :data:`STAT_COLUMNS`."""
+    rows = output.scan(STAT_COLUMNS).cache()  # shared by the queries below: read once
+    hist = pl.col(HISTOGRAM)
+    overall, per_shard, finish, errors, hists = output.collect([
+        rows.select(_aggregations()),
+        rows.group_by("shard").agg(_aggregations()),
+        rows.group_by("shard", "finish_reason").len(),
+        # distinct messages only: error_reason() then groups them in Python
+        rows.filter(pl.col(ERROR).is_not_null()).group_by("shard", ERROR).len(),
+        # element-wise sum of the per-row histograms: steps that accepted j = 0..k tokens
+        (rows.select("shard", HISTOGRAM).drop_nulls(HISTOGRAM)
+         .select("shard", j=pl.int_ranges(0, hist.list.len()), steps=hist)
+         .explode(["j", "steps"]).drop_nulls()
+         .group_by("shard", "j").agg(pl.col("steps").cast(pl.Int64).sum())),
+    ], STAT_COLUMNS)
+    finish_by: dict[str, Counter] = defaultdict(Counter)
+    for shard, reason, n in finish.iter_rows():
+        if reason is not None:
+            finish_by[shard][reason] += n
+    errors_by: dict[str, Counter] = defaultdict(Counter)
+    for shard, message, n in errors.iter_rows():
+        errors_by[shard][error_reason(message)] += n
+    hist_by: dict[str, list[int]] = defaultdict(list)
+    for shard, j, steps in hists.sort("shard", "j").iter_rows():
+        hist_by[shard].extend([0] * (j + 1 - len(hist_by[shard])))
+        hist_by[shard][j] = steps
+    aggs = {row["shard"]: row for row in per_shard.iter_rows(named=True)}
+    shards = {s: _metrics(aggs.get(s, _EMPTY), finish_by[s], errors_by[s], hist_by.get(s) or None)
+              for s in output.shards}
+    total = _metrics(overall.row(0, named=True), sum(finish_by.values(), Counter()),
+                     sum(errors_by.values(), Counter()), _sum_histograms(hist_by.values()))
+    return total, shards
 
 
 def lineage(metadata: dict[str, dict]) -> dict[str, list]:
-    """Distinct values of each lineage field over the files (more than one when runs mixed)."""
+    """Distinct values of each lineage field over the files (more than one when runs mixed).
+    Strings pass :func:`sanitize_url`: a model given as a URL may carry a login or a token."""
     values: dict[str, list] = {k: [] for k in LINEAGE_FIELDS}
     for meta in metadata.values():
         speculative = (meta.get("spec") or {}).get("speculative") or {}
         flat = {**meta, "num_speculative_tokens": speculative.get("num_speculative_tokens")}
         for key in LINEAGE_FIELDS:
-            if flat.get(key) is not None and flat[key] not in values[key]:
-                values[key].append(flat[key])
+            value = flat.get(key)
+            if isinstance(value, str):
+                value = sanitize_url(value)
+            if value is not None and value not in values[key]:
+                values[key].append(value)
     values["run_id"].sort()  # run ids start with their UTC start time
     return values
 
@@ -186,22 +377,19 @@ def per_position(runs: list[dict], run_ids: list[str]) -> dict[str, Any] | None:
             accepted.extend([0] * (i + 1 - len(accepted)))
             accepted[i] += a
     return {"runs": [r["run_id"] for r in picked], "num_drafts": drafts, "accepted": accepted,
-            "rate": [a / drafts if drafts else None for a in accepted]}
+            "rate": [acceptance_rate(a, drafts) for a in accepted]}
 
 
 def summarize(output: Output) -> dict[str, Any]:
     """The report of one loaded output: lineage, overall and per-shard metrics."""
     lin = lineage(output.metadata)
-    shards = {}
-    for shard in output.shards:
-        shards[shard] = {"run_id": output.metadata[shard].get("run_id"),
-                         **metrics(output.frame.filter(pl.col("shard") == shard))}
+    overall, shards = metrics_of(output)
     return {
-        "path": output.url,
+        "path": sanitize_url(output.url),
         "files": len(output.shards),
         "lineage": lin,
-        "overall": metrics(output.frame),
-        "shards": shards,
+        "overall": overall,
+        "shards": {s: {"run_id": output.metadata[s].get("run_id"), **m} for s, m in shards.items()},
         "acceptance_per_position": per_position(output.runs, lin["run_id"]),
     }
 
@@ -246,16 +434,31 @@ def changes(a: dict, b: dict) -> dict[str, dict]:
     return out
 
 
-def match_rows(a: pl.DataFrame, b: pl.DataFrame) -> dict[str, Any]:
+def _requests(output: Output) -> tuple[pl.DataFrame, int]:
+    """One row per request id (its first), narrow: id, success, text hash, acceptance rate;
+    and the number of rows read."""
+    columns = [REQUEST_ID, ERROR, "spec_acceptance_rate"]
+    rows = (output.scan(columns, text_hash=True)
+            .select(REQUEST_ID, pl.col(ERROR).is_null().alias("ok"), TEXT_HASH,
+                    "spec_acceptance_rate")
+            .cache())
+    first, total = output.collect([rows.unique(REQUEST_ID, keep="first", maintain_order=True),
+                                   rows.select(pl.len())], columns, text_hash=True)
+    return first, total.item()
+
+
+def match_rows(a: Output, b: Output) -> dict[str, Any]:
     """Match two runs' rows by request_id: coverage, identical text, acceptance differences.
 
-    A request id seen twice in one output counts once (its first row) and is reported."""
-    cols = [REQUEST_ID, "generated_text", ERROR, "spec_acceptance_rate"]
-    da = a.select(cols).unique(REQUEST_ID, keep="first", maintain_order=True)
-    db = b.select(cols).unique(REQUEST_ID, keep="first", maintain_order=True)
+    Texts compare by a 64-bit hash (polars ``hash``, one seed for both runs): neither run's
+    texts are held in memory, and a false "identical" needs a hash collision (odds about
+    1 in 2**64 per pair). A request id seen twice in one output counts once (its first row)
+    and is reported."""
+    da, rows_a = _requests(a)
+    db, rows_b = _requests(b)
     joined = da.join(db, on=REQUEST_ID, how="inner", suffix="_b")
-    both_ok = joined.filter(pl.col(ERROR).is_null() & pl.col(f"{ERROR}_b").is_null())
-    identical = both_ok.filter(pl.col("generated_text").eq_missing(pl.col("generated_text_b"))).height
+    both_ok = joined.filter(pl.col("ok") & pl.col("ok_b"))
+    identical = both_ok.filter(pl.col(TEXT_HASH).eq_missing(pl.col(f"{TEXT_HASH}_b"))).height
     diff = both_ok.select(pl.col("spec_acceptance_rate_b") - pl.col("spec_acceptance_rate"))
     diff = diff.to_series().drop_nulls()
     acceptance = distribution(diff)
@@ -266,8 +469,8 @@ def match_rows(a: pl.DataFrame, b: pl.DataFrame) -> dict[str, Any]:
         "matched": joined.height,
         "only_in_a": da.height - joined.height,
         "only_in_b": db.height - joined.height,
-        "duplicate_ids_a": a.height - da.height,
-        "duplicate_ids_b": b.height - db.height,
+        "duplicate_ids_a": rows_a - da.height,
+        "duplicate_ids_b": rows_b - db.height,
         "both_ok": both_ok.height,
         "identical_text": identical,
         "identical_text_fraction": identical / both_ok.height if both_ok.height else None,
@@ -280,7 +483,7 @@ def compare(a: Output, b: Output) -> dict[str, Any]:
     against A) and the rows matched by request_id."""
     ra, rb = summarize(a), summarize(b)
     return {"a": ra, "b": rb, "changes": changes(ra["overall"], rb["overall"]),
-            "matching": match_rows(a.frame, b.frame)}
+            "matching": match_rows(a, b)}
 
 
 def build_comparison(path_a: str, path_b: str, storage_options: dict | None = None) -> dict[str, Any]:
@@ -496,17 +699,32 @@ def render_text(report: dict) -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
+#: Characters that mean something in GFM inline text: the escape itself, code spans, emphasis,
+#: strikethrough, links and images, and the table's cell separator.
+_MARKDOWN_SPECIAL = re.compile(r"([\\`*_~\[\]|])")
+
+
+def markdown_text(text: str) -> str:
+    """``text`` as literal GitHub-flavoured Markdown inline text, safe in a table cell, heading
+    or emphasis: no raw HTML (``& < >`` become entities), no markup, no cell or line break
+    (a newline becomes ``<br>``)."""
+    text = text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+    text = _MARKDOWN_SPECIAL.sub(r"\\\1", text)
+    return re.sub(r"\r\n|\r|\n", "<br>", text)
+
+
 def render_markdown(report: dict) -> str:
-    """GitHub-flavoured markdown: one heading and one table per section."""
+    """GitHub-flavoured markdown: one heading and one table per section. Every value (paths,
+    shard names, run ids, model names, error reasons) is escaped with :func:`markdown_text`."""
     def cell(text: str) -> str:
-        return text.replace("|", "\\|") or " "
+        return markdown_text(text) or " "
 
     title = report["path"] if "path" in report else f"{report['a']['path']} vs {report['b']['path']}"
-    lines = [f"# batchspec report: {title}", ""]
+    lines = [f"# batchspec report: {markdown_text(title)}", ""]
     for t in report_tables(report):
-        lines += [f"## {t.title}", ""]
+        lines += [f"## {markdown_text(t.title)}", ""]
         if t.note:
-            lines += [f"_{t.note}_", ""]
+            lines += [f"_{markdown_text(t.note)}_", ""]
         lines.append("| " + " | ".join(cell(h) for h in t.headers) + " |")
         lines.append("|" + "|".join(":---" if a == "l" else "---:" for a in t.align) + "|")
         lines += ["| " + " | ".join(cell(c) for c in row) + " |" for row in t.rows]
