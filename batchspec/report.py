@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import copy
 import json
-import posixpath
 import re
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
@@ -169,26 +168,25 @@ class Output:
 
 
 def load_output(url: str, storage_options: dict | None = None) -> Output:
-    """Open the top-level ``*.parquet`` files of an output directory (not ``_batchspec/``):
-    their footers (schema and metadata) and the run summaries are read now, rows later.
+    """Open the output files of an output directory (``*.parquet``, in subdirectories too for
+    shards from nested inputs; never ``_batchspec/``): their footers (schema and metadata) and
+    the run summaries are read now, rows later.
 
     Raises :class:`InputDataError` (exit 3) when there are none, or one is unreadable or not a
     batchspec output file."""
     out = OutputDir(url, storage_options or {})
     try:
-        entries = out.fs.ls(out.path, detail=True)
-    except (FileNotFoundError, NotADirectoryError):
-        entries = []
-    files = sorted(e["name"] for e in entries
-                   if e.get("type") == "file" and e["name"].endswith(OUTPUT_SUFFIX))
-    if not files:
+        names = out.list_outputs()
+    except NotADirectoryError:
+        names = []
+    if not names:
         raise InputDataError(sanitize_url(url), "no output files (*.parquet) here; is this the output.path "
                                   "of a finished run?")
     output = Output(url=url, files={}, fs=out.fs, display_url=out.display_url)
     # local footers through pyarrow's own filesystem, others without fsspec's read-ahead
     arrow_fs = None if output.is_local else PyFileSystem(_RangeReads(out.fs))
-    for path in files:
-        shard = posixpath.basename(path)[: -len(OUTPUT_SUFFIX)]
+    for shard in names:
+        path = out.join(shard + OUTPUT_SUFFIX)
         output.files[shard] = path
         name = output.file_url(shard)
         try:

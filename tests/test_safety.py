@@ -353,3 +353,18 @@ def test_sigterm_drains_only_shards_that_can_commit(tmp_path):
     for name, table in outputs(tmp_path).items():
         assert table.num_rows == 6, f"{name} committed partially"
     assert len(outputs(tmp_path)) < 3
+
+
+def test_nested_shards_mirror_their_directories_and_are_reported(tmp_path):
+    for day in (1, 2):
+        write_parquet(tmp_path / "in" / f"day={day}" / "part-0.parquet", {"prompt": ["a", "b"]})
+    spec = spec_with(tmp_path, input__path=str(tmp_path / "in" / "*" / "*.parquet"))
+    result, _ = run(spec)
+    assert sorted(result.summary["shards"]) == ["day=1/part-0", "day=2/part-0"]
+    assert pq.read_table(tmp_path / "out" / "day=2" / "part-0.parquet").num_rows == 2
+    from batchspec.report import build_report
+
+    report = build_report(str(tmp_path / "out"))
+    assert sorted(report["shards"]) == ["day=1/part-0", "day=2/part-0"]
+    assert report["overall"]["rows"] == 4
+    assert plan(spec).states == {"day=1/part-0": "committed", "day=2/part-0": "committed"}
