@@ -185,10 +185,14 @@ class _S3Store:
     def __init__(self, fs: Any):
         self.fs = fs
 
-    def _call(self, method: str, **kwargs: Any) -> Any:
+    def _run(self, coroutine_fn: Any, *args: Any, **kwargs: Any) -> Any:
+        """Run one of s3fs's coroutines on its event loop, from any thread."""
         from fsspec.asyn import sync
 
-        return sync(self.fs.loop, self.fs._call_s3, method, **kwargs)
+        return sync(self.fs.loop, coroutine_fn, *args, **kwargs)
+
+    def _call(self, method: str, **kwargs: Any) -> Any:
+        return self._run(self.fs._call_s3, method, **kwargs)
 
     def _where(self, path: str) -> dict:
         bucket, key, _ = self.fs.split_path(path)
@@ -208,12 +212,7 @@ class _S3Store:
             finally:
                 body.close()
 
-        def read():
-            from fsspec.asyn import sync
-
-            return sync(self.fs.loop, get)
-
-        data, etag = retry(read, f"reading lease {path}")
+        data, etag = retry(lambda: self._run(get), f"reading lease {path}")
         return _decode(data), etag
 
     def _put(self, path: str, body: bytes, what: str, **condition: str) -> Any | None:
@@ -385,8 +384,12 @@ class _LocalLock:
                                      f"support flock)") from exc
             lock = cls(path, fd)
             if lock.still_ours():
-                os.ftruncate(fd, 0)
-                os.pwrite(fd, _encode(record), 0)
+                try:
+                    os.ftruncate(fd, 0)
+                    os.pwrite(fd, _encode(record), 0)
+                except BaseException:
+                    lock.release()
+                    raise
                 return lock
             # we locked a file its holder unlinked on release; the path has a new file now
             lock.close()
@@ -486,7 +489,7 @@ class ShardLeases:
         self._store_lock = threading.Lock()
         self._held: dict[str, _Lease] = {}
         self._lock = threading.Lock()
-        #: shard -> ((token, heartbeat) last seen in its record, monotonic time first seen)
+        #: shard -> ((token, heartbeat, lease_s) last seen in its record, monotonic time first seen)
         self._seen: dict[str, tuple[tuple, float]] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -513,7 +516,7 @@ class ShardLeases:
                     lease.local.close()
         if self.local:
             return self._acquire_local(shard_name)
-        return self._acquire_cas(shard_name)
+        return self._acquire_cas(shard_name, lease.token if lease is not None else None)
 
     def lost(self, shard_name: str) -> bool:
         """Whether this shard is not (or may soon not be) ours: its renewal failed, or could not
@@ -649,7 +652,7 @@ class ShardLeases:
         self._hold(shard_name, lease, time.monotonic())
         return None
 
-    def _acquire_cas(self, shard_name: str) -> dict | None:
+    def _acquire_cas(self, shard_name: str, dropped_token: str | None = None) -> dict | None:
         store = self._cas()
         path = self.out.lock_path(shard_name)
         for _ in range(3):
@@ -664,10 +667,12 @@ class ShardLeases:
                     self._hold(shard_name, lease, sent)
                     return None
                 continue  # someone else created it: read who
+            # a lease we gave up on (storage errors) that nobody took meanwhile is still ours
+            ours = dropped_token is not None and record is not None and record.get("token") == dropped_token
             dead = record is not None and holder_is_dead(record)
             still_for = self._observe(shard_name, record, version)
             wait_s = max(self.lease_s, _lease_s_of(record))
-            if not dead and still_for < wait_s:
+            if not ours and not dead and still_for < wait_s:
                 return record or _unknown_holder(path, "unreadable lease record")
             lease, sent = self._new_lease(), time.monotonic()
             new = store.replace_if_match(path, lease.record, version)
@@ -678,9 +683,10 @@ class ShardLeases:
                 self._hold(shard_name, lease, sent)
                 why = "its process is gone" if dead else \
                     f"its heartbeat did not change for {still_for:.0f}s"
-                log.warning("took over the lease on shard %s from run %s (host %s pid %s): %s",
-                            shard_name, (record or {}).get("run_id"), (record or {}).get("host"),
-                            (record or {}).get("pid"), why)
+                if not ours:
+                        log.warning("took over the lease on shard %s from run %s (host %s pid %s): %s",
+                                shard_name, (record or {}).get("run_id"),
+                                (record or {}).get("host"), (record or {}).get("pid"), why)
                 return None
             # the holder renewed, or another process took it over first: look again
         record, version = store.read(path)

@@ -204,6 +204,45 @@ def test_a_killed_holder_frees_a_local_lease_at_once(tmp_path, host):
     assert taker.holder("a")["run_id"] == "taker"
 
 
+def _hold_then_fork(url, shard, ready, forked_pid):
+    leases = ShardLeases(OutputDir(url, {}), {"run_id": "forker", "host": this_host(), "pid": os.getpid(),
+                                               "started_at": "now"})
+    assert leases.acquire(shard) is None
+    pid = os.fork()  # as multiprocessing or an engine may fork after leases are taken
+    if pid == 0:
+        time.sleep(600)
+        os._exit(0)
+    forked_pid.value = pid
+    ready.set()
+    time.sleep(600)
+
+
+def test_a_local_lease_ends_with_its_holder_not_with_a_forked_child(tmp_path):
+    url = str(tmp_path / "out")
+    ready, forked_pid = CTX.Event(), CTX.Value("i", 0)
+    holder = CTX.Process(target=_hold_then_fork, args=(url, "a", ready, forked_pid))
+    holder.start()
+    try:
+        assert ready.wait(120)
+        taker = ShardLeases(OutputDir(url, {}), owner("taker"))
+        assert taker.acquire("a")["run_id"] == "forker"
+        os.kill(holder.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while holder.exitcode is None and time.monotonic() < deadline:  # join() would wait for
+            time.sleep(0.05)  # the forked child too: it inherited the process sentinel's pipe
+        assert holder.exitcode == -signal.SIGKILL
+        os.kill(forked_pid.value, 0)  # the forked child still runs
+        assert taker.acquire("a") is None
+    finally:
+        if holder.is_alive():
+            holder.kill()
+        if forked_pid.value:
+            try:
+                os.kill(forked_pid.value, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
 def test_a_killed_holder_on_this_host_frees_an_s3_lease_at_once(s3_out):
     url, options, _ = s3_out
     child = _kill_a_holder(url, options, "a", this_host())
@@ -252,7 +291,7 @@ def test_a_silent_s3_holder_is_taken_over_after_lease_s_of_our_own_time(s3_out, 
 def test_a_stolen_s3_lease_is_noticed_within_a_quarter_lease(s3_out):
     url, options, fs = s3_out
     out = OutputDir(url, options)
-    lease_s = 2.0
+    lease_s = 4.0
     with ShardLeases(out, owner("holder"), lease_s=lease_s) as holder:
         assert holder.acquire("a") is None and holder.acquire("b") is None
         assert not holder.lost("a") and holder.confirm("a")
@@ -264,7 +303,7 @@ def test_a_stolen_s3_lease_is_noticed_within_a_quarter_lease(s3_out):
         while not holder.lost("a") and time.monotonic() - stolen < 5 * lease_s:
             time.sleep(0.02)
         assert holder.lost("a")
-        assert time.monotonic() - stolen <= lease_s / 4 + 0.5
+        assert time.monotonic() - stolen <= lease_s / 4 + 1.0
         assert not holder.confirm("a")
         assert not holder.lost("b") and holder.confirm("b")  # the other lease is untouched
         holder.release("a")  # not ours: must not delete the thief's record
@@ -274,7 +313,7 @@ def test_a_stolen_s3_lease_is_noticed_within_a_quarter_lease(s3_out):
 
 def test_a_removed_local_lease_is_noticed_within_a_quarter_lease(tmp_path):
     out = OutputDir(str(tmp_path / "out"), {})
-    lease_s = 2.0
+    lease_s = 4.0
     with ShardLeases(out, owner("holder"), lease_s=lease_s) as holder:
         assert holder.acquire("a") is None
         os.unlink(out.lock_path("a"))  # someone cleaned up the bookkeeping by hand
@@ -283,7 +322,7 @@ def test_a_removed_local_lease_is_noticed_within_a_quarter_lease(tmp_path):
         removed = time.monotonic()
         while not holder.lost("a") and time.monotonic() - removed < 5 * lease_s:
             time.sleep(0.02)
-        assert holder.lost("a") and time.monotonic() - removed <= lease_s / 4 + 0.5
+        assert holder.lost("a") and time.monotonic() - removed <= lease_s / 4 + 1.0
         assert not holder.confirm("a")
         holder.release("a")
     assert other.holder("a")["run_id"] == "other"  # the holder's release left the new file alone
@@ -291,39 +330,43 @@ def test_a_removed_local_lease_is_noticed_within_a_quarter_lease(tmp_path):
 
 def test_the_keeper_holds_an_s3_lease_across_many_lease_periods(s3_out):
     url, options, _ = s3_out
-    lease_s = 1.0
+    lease_s = 2.0
     observer = ShardLeases(OutputDir(url, options), owner("observer"), lease_s=lease_s)
     with ShardLeases(OutputDir(url, options), owner("holder"), lease_s=lease_s) as holder:
         assert holder.acquire("a") is None
         started = time.monotonic()
-        while time.monotonic() - started < 3 * lease_s:
+        while time.monotonic() - started < 2.5 * lease_s:
             assert observer.acquire("a")["run_id"] == "holder"
             assert not holder.lost("a")
             time.sleep(0.05)
         assert holder.confirm("a")
-        assert observer.holder("a")["heartbeat"] >= 8  # renewed every lease_s / 4
+        assert observer.holder("a")["heartbeat"] >= 6  # renewed every lease_s / 4
 
 
 def test_storage_errors_for_half_a_lease_mark_it_lost(s3_out, monkeypatch):
     url, options, _ = s3_out
-    lease_s = 1.2
+    lease_s = 2.0
     with ShardLeases(OutputDir(url, options), owner("holder"), lease_s=lease_s) as holder:
         assert holder.acquire("a") is None
-        store = holder._store
+        store, failures = holder._store, []
 
         def down(*args, **kwargs):
+            failures.append(time.monotonic())
             raise ConnectionError("503 Slow Down")
 
         monkeypatch.setattr(store, "replace_if_match", down)
-        failing = time.monotonic()
-        time.sleep(lease_s / 4)
+        while not failures:
+            time.sleep(0.01)
         assert not holder.lost("a")  # one failed renewal is not yet a lost lease
-        while not holder.lost("a") and time.monotonic() - failing < 3 * lease_s:
+        while not holder.lost("a") and time.monotonic() - failures[0] < 3 * lease_s:
             time.sleep(0.02)
         assert holder.lost("a")
-        assert time.monotonic() - failing <= lease_s / 2 + lease_s / 4 + 0.3
+        assert len(failures) >= 2  # retried before giving up
+        assert time.monotonic() - failures[0] <= lease_s / 4 + 0.5
         monkeypatch.undo()
         assert not holder.confirm("a")  # once lost, stays lost: the runner has abandoned it
+        # nobody took it meanwhile (the record still has our token): ours again at once
+        assert holder.acquire("a") is None and not holder.lost("a") and holder.confirm("a")
 
 
 def test_a_store_without_conditional_writes_is_best_effort_and_says_so(caplog, monkeypatch):
