@@ -277,6 +277,7 @@ class _Job:
         self.gen_ended: float | None = None
         self.counters_before: dict = {}
         self.summary_path: str | None = None
+        self.fatal: list[BaseException] = []
         started_at = dt.datetime.now(dt.UTC)
         self.owner = {"run_id": run_id, "host": this_host(), "pid": os.getpid(),
                       "started_at": started_at.isoformat()}
@@ -337,7 +338,8 @@ class _Job:
             self.summary["engine"] = {"max_model_len": getattr(self.engine, "max_model_len", None)}
             self.counters_before = self.engine.spec_counters()
         self._check_stop()
-        self.generate(shards, row_counts, p.spec_fingerprint)
+        if shards:
+            self.generate_all(shards, row_counts, p.spec_fingerprint)
         if self.stop:
             raise _interrupted(self.stop.signal)
         if self.fatal:
@@ -398,17 +400,47 @@ class _Job:
         if self.stop:
             raise _interrupted(self.stop.signal)
 
+    def generate_all(self, shards: list[Shard], row_counts: dict[str, int],
+                     spec_fingerprint: dict[str, str]) -> None:
+        """Generate every shard, holding its lease. A shard whose holder went silent (it died on
+        another host: object stores only) is retried once its lease has run out on this
+        process's own clock, so a rerun never waits on a dead worker."""
+        from batchspec.leases import ShardLeases
+
+        spec, events = self.spec, self.events
+        bars = _isatty(events.stream) if self.progress_bars is None else self.progress_bars
+        self.progress = Progress(events, sum(row_counts.values()), len(shards), bars,
+                                 spec.execution.progress_interval_s)
+        self.leases = ShardLeases(self.out, self.owner, spec.execution.lease_s)
+        by_name = {s.name: s for s in shards}
+        with self.leases:
+            self.generate(shards, row_counts, spec_fingerprint)
+            busy = self.summary["busy_shards"]
+            waits = {n: self.leases.takeover_in(n) for n in busy}
+            retry = sorted(n for n, w in waits.items() if w is not None)
+            if not retry or self.stop or self.fatal:
+                return
+            wait_s = max(waits[n] for n in retry) + 1.0
+            events.emit("shards_waiting", f"{len(retry)} shard(s) are held by runs that have not "
+                        f"renewed their lease; taking them over in {wait_s:.0f}s unless they do",
+                        shards=retry, wait_s=round(wait_s, 1))
+            deadline = time.monotonic() + wait_s
+            while time.monotonic() < deadline and not self.stop:
+                time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+            if self.stop:
+                return
+            for n in retry:
+                del busy[n]
+                self.progress.rows_dropped(-row_counts[n])
+            self.generate([by_name[n] for n in retry], row_counts, spec_fingerprint)
+
     def generate(self, shards: list[Shard], row_counts: dict[str, int],
                  spec_fingerprint: dict[str, str]) -> None:
         """Stream every shard's rows through the engine; commit each shard when complete."""
-        from batchspec.leases import ShardLeases
-
         spec, events, out = self.spec, self.events, self.out
-        self.fatal: list[BaseException] = []
-        bars = _isatty(events.stream) if self.progress_bars is None else self.progress_bars
-        self.progress = progress = Progress(events, sum(row_counts.values()), len(shards), bars,
-                                            spec.execution.progress_interval_s)
-        self.runs = runs = [_ShardRun(s) for s in shards]
+        progress, leases = self.progress, self.leases
+        runs = [_ShardRun(s) for s in shards]
+        self.runs.extend(runs)
         by_name = {r.shard.name: r for r in runs}
         seen = _SeenIds()
         metadata_base = {
@@ -422,8 +454,8 @@ class _Job:
             "batchspec_version": batchspec.__version__,
             "vllm_version": self.summary["versions"].get("vllm"),
         }
-        self.leases = leases = ShardLeases(out, self.owner, spec.execution.lease_s)
-        self.gen_started = time.monotonic()
+        if self.gen_started is None:
+            self.gen_started = time.monotonic()
 
         def commit(run: _ShardRun) -> None:
             name = run.shard.name
@@ -540,25 +572,24 @@ class _Job:
 
         if not runs:
             return
-        with leases:
-            stream = self.engine.stream(rows(), spec.execution.max_in_flight,
-                                        stop=lambda: bool(self.stop), grace_s=self.grace_s,
-                                        keep=keep)
-            try:
-                for row, result in stream:
-                    run = by_name[row.shard]
-                    for r in runs:  # the keeper thread marks a lease lost; act between steps
-                        if r.leased and not r.committed and not r.failed and leases.lost(r.shard.name):
-                            abandon(r, "lost its lease")
-                    if run.failed:
-                        continue
-                    run.writer.add({"request_id": row.request_id, **row.kept, **result})
-                    run.stats.add(result)
-                    progress.row_done(result)
-                    maybe_commit(run)
-            finally:
-                stream.close()  # aborts whatever is still in the engine
-                self.gen_ended = time.monotonic()
+        stream = self.engine.stream(rows(), spec.execution.max_in_flight,
+                                    stop=lambda: bool(self.stop), grace_s=self.grace_s,
+                                    keep=keep)
+        try:
+            for row, result in stream:
+                run = by_name[row.shard]
+                for r in runs:  # the keeper thread marks a lease lost; act between steps
+                    if r.leased and not r.committed and not r.failed and leases.lost(r.shard.name):
+                        abandon(r, "lost its lease")
+                if run.failed:
+                    continue
+                run.writer.add({"request_id": row.request_id, **row.kept, **result})
+                run.stats.add(result)
+                progress.row_done(result)
+                maybe_commit(run)
+        finally:
+            stream.close()  # aborts whatever is still in the engine
+            self.gen_ended = time.monotonic()
 
     # ------------------------------------------------------------------ endings
 

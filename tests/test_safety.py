@@ -198,8 +198,8 @@ def test_spool_is_private_per_process_and_dead_spools_go(tmp_path, monkeypatch):
 
 def test_engine_log_is_private_and_never_follows_a_planted_link(tmp_path):
     code = ("import os, sys, tempfile; tempfile.tempdir = sys.argv[1]\n"
-            "from batchspec.cli import _json_stderr\n"
-            "stream, path = _json_stderr('r1')\n"
+            "from batchspec.cli import _engine_log\n"
+            "stream, path = _engine_log('r1')\n"
             "stream.write(path + '\\n')\n")
     planted = tmp_path / "victim.txt"
     planted.write_text("keep")
@@ -368,3 +368,27 @@ def test_nested_shards_mirror_their_directories_and_are_reported(tmp_path):
     assert sorted(report["shards"]) == ["day=1/part-0", "day=2/part-0"]
     assert report["overall"]["rows"] == 4
     assert plan(spec).states == {"day=1/part-0": "committed", "day=2/part-0": "committed"}
+
+
+def test_a_shard_held_by_a_silent_worker_on_object_storage_is_taken_over(tmp_path, s3_server):
+    """A worker that died on another host leaves its lease behind on S3; the next run waits
+    out the lease on its own clock and takes the shard over instead of exiting 1."""
+    import s3fs
+
+    from batchspec.leases import ShardLeases
+    from batchspec.shards import OutputDir
+
+    _, options = s3_server
+    fs = s3fs.S3FileSystem(**options)
+    fs.mkdir("takeover")
+    shards(tmp_path, n=2, rows=4)
+    spec = spec_with(tmp_path, output={"path": "s3://takeover/out", "storage_options": options},
+                     execution={"lease_s": 2.0, "max_in_flight": 5})
+    dead = ShardLeases(OutputDir("s3://takeover/out", options),
+                       {"run_id": "dead-run", "host": "another-host", "pid": 4242,
+                        "started_at": "x"}, 2.0)
+    assert dead.acquire("s1") is None  # taken, and never renewed: its keeper never starts
+    result, events = run(spec)
+    assert set(result.summary["shards"]) == {"s0", "s1"} and not result.summary["busy_shards"]
+    names = [e for e, _ in events]
+    assert names.count("shards_waiting") == 1 and "shard_busy" in names
