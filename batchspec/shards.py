@@ -206,6 +206,8 @@ def discover_shards(paths: tuple[str, ...] | list[str], storage_options: dict,
     shards: dict[str, Shard] = {}
     for fs, p, rel in found:
         url = _full_url(fs, p)
+        if _is_http(fs):  # a presigned URL's query (its signature) never names anything
+            rel = rel.split("#", 1)[0].split("?", 1)[0]
         name = shard_name(rel)
         if name in shards:
             if shards[name].url == url:
@@ -218,6 +220,11 @@ def discover_shards(paths: tuple[str, ...] | list[str], storage_options: dict,
         info = retry(partial(fs.info, p), f"reading the size of {sanitize_url(url)}")
         shards[name] = Shard(url=url, path=p, name=name, fs=fs, fingerprint=fingerprint(info))
     return sorted(shards.values(), key=lambda s: s.name)
+
+
+def _is_http(fs) -> bool:
+    protocols = fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
+    return any(p in ("http", "https") for p in protocols)
 
 
 def shard_name(rel: str) -> str:

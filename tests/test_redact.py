@@ -306,9 +306,6 @@ def test_run_persists_no_secret_of_its_spec(tmp_path, http_root):
     assert summary["spec"]["input"]["storage_options"] == {"headers": {"Authorization": REDACTED}}
 
 
-@pytest.mark.xfail(strict=True, reason="shards.py names the shard (and its output file) after the "
-                   "URL's query string; runner.py persists the shard URL unsanitised in the "
-                   "manifest and Parquet metadata")
 def test_run_from_a_presigned_input_url_persists_no_secret(tmp_path, http_root):
     root, host = http_root
     write_parquet(root / "in" / "s0.parquet", {"prompt": [f"p{i}" for i in range(5)],
