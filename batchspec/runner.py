@@ -437,6 +437,8 @@ class _Job:
     def generate(self, shards: list[Shard], row_counts: dict[str, int],
                  spec_fingerprint: dict[str, str]) -> None:
         """Stream every shard's rows through the engine; commit each shard when complete."""
+        from batchspec.fingerprint import FINGERPRINT_VERSION
+
         spec, events, out = self.spec, self.events, self.out
         progress, leases = self.progress, self.leases
         runs = [_ShardRun(s) for s in shards]
@@ -473,6 +475,7 @@ class _Job:
                 "rows": run.stats.rows,
                 "run_id": self.run_id,
                 "spec_fingerprint": spec_fingerprint,
+                "fingerprint_version": FINGERPRINT_VERSION,
                 "committed_at": dt.datetime.now(dt.UTC).isoformat(),
             }
             out.write_json(out.manifest_path(name), record)
