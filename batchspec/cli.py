@@ -85,9 +85,13 @@ def _load(job: str, overrides) -> object:
 @click.argument("job", type=click.Path(dir_okay=False))
 @_set_option
 @click.option("--worker-index", type=int, default=0, show_default=True,
-              help="This worker's index, 0-based (Airflow map index, Kubernetes job index).")
+              envvar=["BATCHSPEC_WORKER_INDEX", "JOB_COMPLETION_INDEX"],
+              help="This worker's index, 0-based (Airflow map index, Kubernetes job index); "
+                   "default from $BATCHSPEC_WORKER_INDEX, else a Kubernetes Indexed Job's "
+                   "$JOB_COMPLETION_INDEX.")
 @click.option("--num-workers", type=int, default=1, show_default=True,
-              help="How many workers share the job's shards.")
+              envvar="BATCHSPEC_NUM_WORKERS",
+              help="How many workers share the job's shards (default from $BATCHSPEC_NUM_WORKERS).")
 @click.option("--overwrite", is_flag=True, help="Redo every shard, committed or not.")
 @click.option("--log-format", type=click.Choice(LOG_FORMATS), default="text", show_default=True,
               help="text for people, json for one object per line.")
