@@ -33,7 +33,6 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import fsspec
 import polars as pl
 import pyarrow as pa
 import pyarrow.dataset as ds
@@ -41,11 +40,10 @@ import pyarrow.parquet as pq
 import yaml
 from pyarrow.fs import FSSpecHandler, PyFileSystem
 
-from batchspec.columns import ERROR, REQUEST_ID, RESULT_NAMES
+from batchspec.columns import ERROR, REQUEST_ID, RESULT_NAMES, error_reason
 from batchspec.errors import InputDataError, SpecError
 from batchspec.redact import sanitize_url
-from batchspec.runner import error_reason
-from batchspec.shards import BOOKKEEPING_DIR, OUTPUT_SUFFIX, OutputDir
+from batchspec.shards import BOOKKEEPING_DIR, OUTPUT_SUFFIX, OutputDir, is_local_fs
 from batchspec.sink import METADATA_KEY
 from batchspec.stats import acceptance_rate, mean_acceptance_length
 
@@ -109,7 +107,7 @@ class Output:
 
     @property
     def is_local(self) -> bool:
-        return isinstance(self.fs, fsspec.implementations.local.LocalFileSystem)
+        return is_local_fs(self.fs)
 
     def file_url(self, shard: str) -> str:
         """The URL of a shard's output file, for messages (no credentials, no query)."""
