@@ -19,7 +19,7 @@ from batchspec.columns import OUTPUT_NAMES
 from batchspec.errors import InputDataError, SpecError
 from batchspec.shards import Shard, is_local_fs
 from batchspec.spec import InputSpec, OutputSpec
-from batchspec.storage import ATTEMPTS, BACKOFF_S, is_transient, random_sleep, retry
+from batchspec.storage import Attempts, is_transient, retry
 
 
 @dataclass
@@ -134,14 +134,17 @@ class ShardReader:
         return list(dict.fromkeys(c for c in wanted if c))
 
     def rows(self) -> Iterator[Row]:
-        """Yield the shard's rows in order, one record batch in memory at a time. A transient
-        storage error re-opens the file and resumes the row group where it stopped; corrupt
-        data raises InputDataError naming the shard."""
+        """Yield the shard's rows in order, one record batch in memory at a time.
+
+        A transient storage error re-opens the file and resumes the row group after the last row
+        yielded, under the storage retry policy (:class:`~batchspec.storage.Attempts`): when its
+        attempts are spent, :class:`~batchspec.errors.RuntimeFailure` names the shard and row
+        group. Corrupt data raises InputDataError naming the shard."""
         spec = self.spec
         index = 0
         for group in range(self._file.num_row_groups):
             done_in_group = 0
-            attempt = 0
+            attempts, done_at_failure = None, -1
             while True:
                 try:
                     skip = done_in_group
@@ -158,12 +161,19 @@ class ShardReader:
                             done_in_group += 1
                         skip = 0
                     break
-                except (pa.ArrowException, OSError, ValueError) as exc:
-                    attempt += 1
-                    if self._local or not is_transient(exc) or attempt >= ATTEMPTS:
-                        raise InputDataError(self.shard.url, f"cannot read row group {group} "
-                                                             f"(after row {index}): {exc}") from exc
-                    random_sleep(BACKOFF_S * 2 ** attempt)
+                except Exception as exc:
+                    # botocore and aiohttp errors are no OSError: classify every error, not some
+                    if self._local or not is_transient(exc):
+                        if isinstance(exc, pa.ArrowException | OSError | ValueError):
+                            raise InputDataError(self.shard.url, f"cannot read row group {group} "
+                                                 f"(after row {index}): {exc}") from exc
+                        raise
+                    if done_in_group != done_at_failure:  # rows since the last failure: a new try
+                        attempts = Attempts(f"reading row group {group} of {self.shard.url}")
+                        done_at_failure = done_in_group
+                    attempts.what = (f"reading row group {group} of {self.shard.url} "
+                                     f"(after row {index})")
+                    attempts.failed(exc)  # waits, or raises RuntimeFailure once they are spent
                     self._open()
 
     def _row(self, index: int, values: dict[str, Any], spec: InputSpec) -> Row:

@@ -81,7 +81,6 @@ class FlakyFileSystem(MemoryFileSystem):
 def fast_backoff(monkeypatch):
     FAILED.clear()
     monkeypatch.setattr(storage, "BACKOFF_S", 0.001)
-    monkeypatch.setattr("batchspec.prompts.BACKOFF_S", 0.001)
     import fsspec
 
     fsspec.register_implementation("flaky", FlakyFileSystem, clobber=True)
