@@ -1,6 +1,12 @@
 """The runner's I/O logic with a fake engine: commits, reruns, bad input, engine failure.
 
-Every behaviour here is also exercised on the real engine in test_e2e.py / test_recovery.py.
+The fake engine echoes prompts and finishes requests out of order; it proves nothing about vLLM.
+These behaviours also run end to end on the real engine: every row once in one file per shard,
+bad rows and rerunning a finished job in test_e2e.py; changed input with --overwrite, the
+zero-row shard, duplicate ids, a missing column and a corrupt row group exiting 3,
+``on_bad_shard: skip``, explicit keep_columns and progress bars in test_cli_e2e.py; engine death
+in test_recovery.py. Checked with the fake engine only: the output's row-group size, the
+max_in_flight bound, and storage_options redacted in the output metadata.
 """
 
 from __future__ import annotations
