@@ -1,5 +1,6 @@
 """A fake engine for fast unit tests of the runner's I/O logic (never the only test of a
-user-visible behaviour: tests/test_e2e.py runs the same paths on real vLLM)."""
+user-visible behaviour: tests/test_e2e.py and tests/test_cli_e2e.py run the same paths on
+real vLLM)."""
 
 from __future__ import annotations
 
