@@ -7,9 +7,10 @@ host, pid, started_at) for status and error messages; what makes it exclusive de
   life. The kernel drops the lock when the holder dies, so a dead holder's lease is free at once
   and no expiry is needed. flock locks belong to an open file description, so two objects or
   threads of one process exclude each other too.
-- **Object stores with conditional writes** (S3 and S3-compatible servers that honour them):
-  create with ``If-None-Match: *``, renew, take over and release with ``If-Match: <ETag>``
-  (compare-and-swap). Exactly one of any number of racing writers wins.
+- **Object stores with conditional writes** (S3 and S3-compatible servers that honour them, GCS,
+  Azure Blob): create only if absent (``If-None-Match: *``; GCS ``ifGenerationMatch=0``), renew,
+  take over and release only if unchanged (``If-Match: <ETag>``; GCS ``ifGenerationMatch=<gen>``):
+  compare-and-swap. Exactly one of any number of racing writers wins.
 - **Other stores** (``memory://``, stores without conditional writes): write, wait, read back.
   Exclusion there is best-effort, and a warning says so once.
 
@@ -20,8 +21,10 @@ same (token, counter) for ``lease_s`` of its *own* monotonic time may take the l
 compare-and-swap on the version it read. The holder gives up (``lost``) when it could not renew
 for ``lease_s / 2``, well before anyone may take over.
 
-GCS (``ifGenerationMatch``) and Azure (``If-None-Match`` / ``If-Match``) fit as small adapters:
-implement :class:`_CasStore` and return it from :func:`_cas_store_for`.
+Adapters: :class:`_S3Store` (``If-None-Match`` / ``If-Match`` on PutObject), :class:`_GcsStore`
+(``ifGenerationMatch``) and :class:`_AzureStore` (``If-None-Match`` / ``If-Match`` with the ETag).
+Each is chosen by :func:`_cas_store_for` only after a probe shows the server applies the
+conditions (some emulators and S3-compatible servers ignore them); otherwise best effort.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ import uuid
 import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
+from urllib.parse import quote
 
 from batchspec.errors import RuntimeFailure
 from batchspec.storage import pid_alive, retry
@@ -275,6 +279,234 @@ class _S3Store:
         return second is None and stale is None
 
 
+def _probe_conditions(store: _CasStore, path: str, stale_version: Any, remove: Any,
+                      unsupported: Any) -> bool:
+    """Whether ``store`` really applies its conditions: a second create of ``path`` and a replace
+    at a ``stale_version`` must both be refused. ``remove(path)`` deletes the probe whatever
+    happened; ``unsupported(exc)`` tells a refused condition header from a storage failure."""
+    try:
+        if store.create_if_absent(path, {"probe": 1}) is None:
+            return False
+        try:
+            second = store.create_if_absent(path, {"probe": 2})
+            stale = store.replace_if_match(path, {"probe": 3}, stale_version)
+        finally:
+            retry(lambda: remove(path), f"removing {path}")
+    except Exception as exc:
+        if unsupported(exc):
+            return False
+        raise
+    return second is None and stale is None
+
+
+def _status_of(exc: BaseException) -> int | None:
+    """The HTTP status a GCS (gcsfs ``HttpError.code``) or Azure (``status_code``) error carries."""
+    for attr in ("status_code", "code"):
+        value = getattr(exc, attr, None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return None
+
+
+#: Separates the parts of a lease upload to GCS; never inside a lease record (JSON, no "==").
+_GCS_BOUNDARY = "==batchspec-lease=="
+
+
+class _GcsStore:
+    """GCS generation preconditions through the gcsfs filesystem's own session (its credentials,
+    endpoint and retries): create with ``ifGenerationMatch=0``, replace and delete with
+    ``ifGenerationMatch=<generation>``; the version is the object's generation. gcsfs raises
+    FileExistsError for 412 (conditionNotMet) and FileNotFoundError for 404."""
+
+    exclusive = True
+
+    def __init__(self, fs: Any):
+        self.fs = fs
+
+    def _run(self, coroutine_fn: Any, *args: Any, **kwargs: Any) -> Any:
+        """Run one of gcsfs's coroutines on its event loop, from any thread."""
+        from fsspec.asyn import sync
+
+        return sync(self.fs.loop, coroutine_fn, *args, **kwargs)
+
+    def _where(self, path: str) -> tuple[str, str]:
+        bucket, key, _ = self.fs.split_path(path)
+        return bucket, key
+
+    def read(self, path: str) -> tuple[dict | None, Any]:
+        bucket, key = self._where(path)
+
+        async def get():
+            try:
+                headers, data = await self.fs._call("GET", "b/{}/o/{}", bucket, key, alt="media")
+            except FileNotFoundError:
+                return None, None
+            generation = headers.get("x-goog-generation")
+            if generation:
+                return data, str(generation)
+            # no generation header (some emulators): ask for the metadata, then for the bytes of
+            # exactly that generation, so that bytes and version always belong together
+            for _ in range(3):
+                try:
+                    meta = await self.fs._call("GET", "b/{}/o/{}", bucket, key, json_out=True)
+                except FileNotFoundError:
+                    return None, None
+                generation = str(meta["generation"])
+                try:
+                    _, data = await self.fs._call("GET", "b/{}/o/{}", bucket, key, alt="media",
+                                                  generation=generation)
+                except FileNotFoundError:
+                    continue  # replaced between the two requests: look again
+                return data, generation
+            return None, generation  # changing too fast to read: held, by someone
+
+        data, generation = retry(lambda: self._run(get), f"reading lease {path}")
+        return _decode(data), generation
+
+    def _upload(self, path: str, body: bytes, generation: str, what: str) -> Any | None:
+        bucket, key = self._where(path)
+        url = f"{self.fs._location}/upload/storage/v1/b/{quote(bucket, safe='')}/o"
+        # a multipart upload (metadata, then content), laid out as gcsfs's own simple_upload does:
+        # emulators that mishandle a JSON body sent as a media upload accept it too
+        meta = json.dumps({"name": key, "contentType": "application/json"})
+        data = (f"--{_GCS_BOUNDARY}\nContent-Type: application/json; charset=UTF-8\n\n{meta}\n"
+                f"--{_GCS_BOUNDARY}\nContent-Type: application/json\n\n").encode() + body + \
+            f"\n--{_GCS_BOUNDARY}--".encode()
+        headers = {"Content-Type": f'multipart/related; boundary="{_GCS_BOUNDARY}"'}
+
+        def put():
+            try:
+                resp = self._run(self.fs._call, "POST", url, uploadType="multipart",
+                                 ifGenerationMatch=generation, data=data, json_out=True, headers=headers)
+            except (FileExistsError, FileNotFoundError):
+                return None  # 412: another generation is there (or, for "0", any object)
+            return str(resp["generation"])
+
+        return retry(put, f"{what} {path}")
+
+    def create_if_absent(self, path: str, record: dict) -> Any | None:
+        return self._upload(path, _encode(record), "0", "creating lease")
+
+    def replace_if_match(self, path: str, record: dict, version: Any) -> Any | None:
+        return self._upload(path, _encode(record), str(version), "renewing lease")
+
+    def delete_if_match(self, path: str, version: Any) -> bool:
+        bucket, key = self._where(path)
+
+        def delete():
+            try:
+                self._run(self.fs._call, "DELETE", "b/{}/o/{}", bucket, key,
+                          ifGenerationMatch=str(version))
+            except (FileExistsError, FileNotFoundError):
+                return False  # 412: no longer that generation; 404: already gone
+            return True
+
+        return retry(delete, f"releasing lease {path}")
+
+    def honours_conditions(self, directory: str) -> bool:
+        """Whether the server applies ``ifGenerationMatch`` (GCS does; some emulators ignore it,
+        which would let every racer win)."""
+        def remove(path: str) -> None:
+            bucket, key = self._where(path)
+            try:
+                self._run(self.fs._call, "DELETE", "b/{}/o/{}", bucket, key)
+            except FileNotFoundError:
+                pass
+
+        return _probe_conditions(self, posixpath.join(directory, f".cas-probe-{uuid.uuid4().hex}"),
+                                 "1", remove, lambda exc: isinstance(exc, ValueError) or
+                                 _status_of(exc) in (400, 501))
+
+
+class _AzureStore:
+    """Azure Blob conditional writes through the adlfs filesystem's own service client (its
+    credentials and endpoint): create with ``If-None-Match: *`` (``overwrite=False``), replace
+    and delete with ``If-Match: <ETag>``; the version is the blob's ETag."""
+
+    exclusive = True
+
+    def __init__(self, fs: Any):
+        self.fs = fs
+
+    def _run(self, coroutine_fn: Any, *args: Any, **kwargs: Any) -> Any:
+        """Run a coroutine on adlfs's event loop, from any thread."""
+        from fsspec.asyn import sync
+
+        return sync(self.fs.loop, coroutine_fn, *args, **kwargs)
+
+    def _blob(self, path: str) -> Any:
+        container, key, _ = self.fs.split_path(path)
+        return self.fs.service_client.get_blob_client(container=container, blob=key)
+
+    def read(self, path: str) -> tuple[dict | None, Any]:
+        from azure.core.exceptions import ResourceNotFoundError
+
+        async def get():
+            async with self._blob(path) as blob:
+                try:
+                    stream = await blob.download_blob()
+                except ResourceNotFoundError:
+                    return None, None
+                return await stream.readall(), stream.properties.etag
+
+        data, etag = retry(lambda: self._run(get), f"reading lease {path}")
+        return _decode(data), etag
+
+    def _upload(self, path: str, body: bytes, what: str, **condition: Any) -> Any | None:
+        from azure.core.exceptions import ResourceExistsError, ResourceModifiedError, ResourceNotFoundError
+        from azure.storage.blob import ContentSettings
+
+        async def put():
+            async with self._blob(path) as blob:
+                try:
+                    resp = await blob.upload_blob(
+                        body, content_settings=ContentSettings(content_type="application/json"),
+                        **condition)
+                except (ResourceExistsError, ResourceModifiedError, ResourceNotFoundError):
+                    return None  # 409 BlobAlreadyExists, 412 ConditionNotMet: someone else's
+                return resp["etag"]
+
+        return retry(lambda: self._run(put), f"{what} {path}")
+
+    def create_if_absent(self, path: str, record: dict) -> Any | None:
+        return self._upload(path, _encode(record), "creating lease", overwrite=False)
+
+    def replace_if_match(self, path: str, record: dict, version: Any) -> Any | None:
+        from azure.core import MatchConditions
+
+        return self._upload(path, _encode(record), "renewing lease", overwrite=True, etag=str(version),
+                            match_condition=MatchConditions.IfNotModified)
+
+    def delete_if_match(self, path: str, version: Any) -> bool:
+        from azure.core import MatchConditions
+        from azure.core.exceptions import ResourceModifiedError, ResourceNotFoundError
+
+        async def delete():
+            async with self._blob(path) as blob:
+                try:
+                    await blob.delete_blob(etag=str(version), match_condition=MatchConditions.IfNotModified)
+                except (ResourceModifiedError, ResourceNotFoundError):
+                    return False
+                return True
+
+        return retry(lambda: self._run(delete), f"releasing lease {path}")
+
+    def honours_conditions(self, directory: str) -> bool:
+        """Whether the server applies If-None-Match and If-Match (Azure and Azurite do)."""
+        from azure.core.exceptions import ResourceNotFoundError
+
+        async def remove_async(path: str) -> None:
+            async with self._blob(path) as blob:
+                try:
+                    await blob.delete_blob()
+                except ResourceNotFoundError:
+                    pass
+
+        return _probe_conditions(self, posixpath.join(directory, f".cas-probe-{uuid.uuid4().hex}"),
+                                 '"0x8D000000000000"', lambda path: self._run(remove_async, path),
+                                 lambda exc: _status_of(exc) in (400, 501))
+
+
 class _BestEffortStore:
     """For stores without conditional writes: check, write, wait, read back. Two writers that
     write within ``SETTLE_S`` of each other may both believe they won."""
@@ -345,6 +577,18 @@ def _cas_store_for(out: OutputDir) -> _CasStore:
         store = _S3Store(fs)
         if store.honours_conditions(out.join("_batchspec", "locks")):
             return store
+        _warn_best_effort(protocols[0], "this server ignores conditional writes (If-None-Match)")
+        return _BestEffortStore(out)
+    if {"gs", "gcs"} & set(protocols) and hasattr(fs, "_call"):
+        gcs = _GcsStore(fs)
+        if gcs.honours_conditions(out.join("_batchspec", "locks")):
+            return gcs
+        _warn_best_effort(protocols[0], "this server ignores conditional writes (ifGenerationMatch)")
+        return _BestEffortStore(out)
+    if {"az", "abfs", "abfss"} & set(protocols) and hasattr(fs, "service_client"):
+        azure = _AzureStore(fs)
+        if azure.honours_conditions(out.join("_batchspec", "locks")):
+            return azure
         _warn_best_effort(protocols[0], "this server ignores conditional writes (If-None-Match)")
         return _BestEffortStore(out)
     _warn_best_effort(protocols[0], "this store has no conditional writes")
