@@ -67,6 +67,18 @@ def refuses_random_sampling(spec: JobSpec) -> bool:
     return current_platform.is_cpu() and not vllm_plugin.active()
 
 
+def _seeded_chunks_crash(spec: JobSpec) -> bool:
+    """True where a seeded request split by chunked prefill would kill the engine: vLLM's CPU
+    build without batchspec's plugin, for a job that can send a seed."""
+    if "seed" not in spec.sampling and "seed" not in spec.input.sampling_columns:
+        return False
+    from vllm.platforms import current_platform
+
+    from batchspec import vllm_plugin
+
+    return current_platform.is_cpu() and not vllm_plugin.active()
+
+
 def check_vllm_keys(spec: JobSpec) -> None:
     """Check ``model.engine``, ``speculative`` and ``sampling`` keys against vLLM's own config
     classes, and build the job's SamplingParams once, so a typo exits 2 before any model loads."""
@@ -106,6 +118,10 @@ class Engine:
         if self.spec_enabled:
             kwargs["speculative_config"] = dict(spec.speculative)
             kwargs.setdefault("per_request_spec_decode_metrics", "summary")
+        if _seeded_chunks_crash(spec):
+            # a seeded request whose prompt is split across steps kills this engine (see
+            # batchspec.vllm_plugin); without the plugin's fix, prompts are prefilled whole
+            kwargs.setdefault("enable_chunked_prefill", False)
         try:
             self.llm = LLM(model=spec.model.target, **kwargs)
         except _bad_value_errors() as exc:
