@@ -17,7 +17,7 @@ import pytest
 from conftest import DRAFT, run_cli, write_job
 from emulators import AZURE_KEY, azure_fs, azure_server  # noqa: F401  (session fixture)
 from recovery_helpers import Job
-from test_leases import _race, owner
+from test_leases import _race, check_compare_and_swap, owner
 
 from batchspec.leases import ShardLeases, _AzureStore, _cas_store_for
 from batchspec.shards import OutputDir
@@ -171,21 +171,7 @@ def test_azurite_gets_compare_and_swap_leases(azure_server):  # noqa: F811
     assert isinstance(store, _AzureStore) and store.exclusive
     assert not [k for k in fs.find(container) if "cas-probe" in k], "the probe left its blob behind"
 
-    path = out.lock_path("a")
-    first = store.create_if_absent(path, {"n": 1})
-    assert first is not None
-    assert store.create_if_absent(path, {"n": 2}) is None  # taken
-    record, version = store.read(path)
-    assert record == {"n": 1} and version == first
-    second = store.replace_if_match(path, {"n": 3}, first)
-    assert second is not None and second != first
-    assert store.replace_if_match(path, {"n": 4}, first) is None  # stale ETag
-    assert store.delete_if_match(path, first) is False
-    assert store.read(path) == ({"n": 3}, second)
-    assert store.delete_if_match(path, second) is True
-    assert store.read(path) == (None, None)
-    assert store.delete_if_match(path, second) is False  # already gone
-    assert store.replace_if_match(path, {"n": 5}, second) is None
+    check_compare_and_swap(store, out.lock_path("a"))
 
 
 def test_racing_processes_get_one_winner_per_shard_on_azure(azure_server):  # noqa: F811

@@ -396,3 +396,22 @@ def test_the_s3_server_honours_conditional_writes(s3_out):
     assert _S3Store(fs).honours_conditions(url.removeprefix("s3://") + "/_batchspec/locks")
     fs.invalidate_cache()
     assert not [k for k in fs.find(url.removeprefix("s3://").split("/")[0]) if "cas-probe" in k]
+
+
+def check_compare_and_swap(store, path: str) -> None:
+    """What a store adapter must do for leases to exclude: create only if absent, replace and
+    delete only on the version read, and say so when it did not."""
+    first = store.create_if_absent(path, {"n": 1})
+    assert first is not None
+    assert store.create_if_absent(path, {"n": 2}) is None  # taken
+    record, version = store.read(path)
+    assert record == {"n": 1} and version == first
+    second = store.replace_if_match(path, {"n": 3}, first)
+    assert second is not None and second != first
+    assert store.replace_if_match(path, {"n": 4}, first) is None  # stale version
+    assert store.delete_if_match(path, first) is False
+    assert store.read(path) == ({"n": 3}, second)
+    assert store.delete_if_match(path, second) is True
+    assert store.read(path) == (None, None)
+    assert store.delete_if_match(path, second) is False  # already gone
+    assert store.replace_if_match(path, {"n": 5}, second) is None
