@@ -192,14 +192,14 @@ class Plan:
 
 
 def plan(spec: JobSpec, worker_index: int = 0, num_workers: int = 1,
-         overwrite: bool = False) -> Plan:
+         overwrite: bool = False, out: OutputDir | None = None) -> Plan:
     """The worker's shards and each one's state (committed, stale, partial or pending)."""
     from batchspec.fingerprint import spec_fingerprint
 
     check_worker(worker_index, num_workers)
     check_no_overlap(spec.input.paths, spec.input.storage_options, spec.output.path,
                      spec.output.storage_options)
-    out = OutputDir(spec.output.path, spec.output.storage_options)
+    out = out or OutputDir(spec.output.path, spec.output.storage_options)
     exclude = out.path if same_store(spec.input.paths, spec.input.storage_options, out) else None
     every = discover_shards(spec.input.paths, spec.input.storage_options, exclude=exclude,
                             allow_empty=spec.input.allow_empty)
@@ -305,8 +305,9 @@ class _Job:
         check_no_overlap(spec.input.paths, spec.input.storage_options, spec.output.path,
                          spec.output.storage_options)
         check_vllm_keys(spec)
-        p = plan(spec, self.worker_index, self.num_workers, self.overwrite)
-        self.out = p.out
+        # known before listing, so that a run that fails to plan still leaves its summary
+        self.out = OutputDir(spec.output.path, spec.output.storage_options)
+        p = plan(spec, self.worker_index, self.num_workers, self.overwrite, self.out)
         self.summary["spec_fingerprint"] = p.spec_fingerprint
         if p.stale:
             raise stale_error(p)

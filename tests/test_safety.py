@@ -311,6 +311,15 @@ def test_empty_input_is_fine_when_allowed(tmp_path):
     result, _ = run(spec_with(tmp_path, input__allow_empty=True))
     assert result.summary["status"] == "ok" and result.summary["totals"]["rows"] == 0
     assert result.summary_path and os.path.exists(result.summary_path)
+    # as a nightly job sees it: no engine is needed when there is nothing to do
+    job = write_job(tmp_path / "job.yaml",
+                    input={"path": str(tmp_path / "in" / "*.parquet"), "prompt_column": "prompt"},
+                    output={"path": str(tmp_path / "cli-out")}, sampling={"temperature": 0.0})
+    assert run_cli("run", str(job), timeout=120).returncode == 3
+    cli = run_cli("run", str(job), "--set", "input.allow_empty=true", timeout=120)
+    assert cli.returncode == 0, cli.stderr
+    assert "ok: 0 shards committed, 0 rows" in cli.stderr
+    assert len(list((tmp_path / "cli-out" / "_batchspec" / "runs").glob("*.json"))) == 2
 
 
 def test_unknown_and_error_finish_reasons_are_kept(tmp_path):
