@@ -168,7 +168,9 @@ def test_two_processes_on_one_job_never_clobber(workload, reference):
 
 def test_sigterm_during_engine_start_up_writes_summary(workload):
     """Handlers are installed before anything else: a SIGTERM while vLLM starts (a long call
-    that cannot poll a flag) ends the run at once with 143, a summary and no engine left."""
+    that cannot poll a flag) ends the run with 143, a summary and no engine left, as soon as
+    vLLM's start-up hands control back to Python (measured: 10 s idle, 25 s on a loaded
+    machine; before, the default action killed the run with no summary)."""
     job = make_job(workload, "startup-term")
     run = Job(job)
     assert run.wait_for("engine_starting") is not None, run.stderr[-3000:]
@@ -177,7 +179,7 @@ def test_sigterm_during_engine_start_up_writes_summary(workload):
     run.proc.send_signal(signal.SIGTERM)
     rc = run.wait(timeout=60)
     assert rc == 143, run.stderr[-3000:]
-    assert time.monotonic() - sent < 15
+    assert time.monotonic() - sent < 60  # bounded by one engine start-up, not by the whole job
     finished = [r for r in run.records() if r["event"] == "run_finished"]
     assert len(finished) == 1 and finished[0]["status"] == "interrupted", run.stderr[-3000:]
     summary = json.loads(open(finished[0]["summary"]).read())
