@@ -43,6 +43,8 @@ def _engine_log(run_id: str) -> tuple[object, str]:
     # mkstemp: a new file (O_EXCL, so never through a planted symlink) with an unguessable
     # name, readable by this user only (0600)
     fd, path = tempfile.mkstemp(prefix=f"batchspec-{run_id}-", suffix=".engine.log")
+    sys.stdout.flush()
+    os.dup2(fd, 1)  # vLLM's loggers and its engine processes write to stdout
     os.dup2(fd, 2)
     os.close(fd)
     return stream, path

@@ -58,16 +58,16 @@ def limits(tmp_path_factory, models):
     assert run.returncode == 0, run.stderr[-3000:]
     rows = {r["request_id"]: r for r in read_output(root / "out").to_pylist()}
     summary = json.loads(next((root / "out" / "_batchspec" / "runs").glob("*.json")).read_text())
-    return validate, rows, summary, lengths, run.stderr
+    return validate, rows, summary, lengths, run.stderr, run.stdout
 
 
 def test_engine_uses_vllms_max_model_len(limits):
-    _, _, summary, _, _ = limits
+    _, _, summary, _, _, _ = limits
     assert summary["engine"]["max_model_len"] == MAX_LEN
 
 
 def test_prompt_that_fits_generates_until_length(limits):
-    _, rows, _, lengths, _ = limits
+    _, rows, _, lengths, _, _ = limits
     assert rows["fits"]["finish_reason"] == "length" and rows["fits"]["num_output_tokens"] == 32
     for key in ("short_room", "one_left"):
         row = rows[key]
@@ -78,7 +78,7 @@ def test_prompt_that_fits_generates_until_length(limits):
 
 
 def test_prompt_without_room_for_output_is_an_error_row(limits):
-    _, rows, _, lengths, _ = limits
+    _, rows, _, lengths, _, _ = limits
     for key in ("full", "over"):
         row = rows[key]
         assert row["finish_reason"] == "error" and row["generated_text"] is None
@@ -87,7 +87,7 @@ def test_prompt_without_room_for_output_is_an_error_row(limits):
 
 
 def test_validate_counts_exactly_the_rows_the_run_refused(limits):
-    validate, rows, _, lengths, _ = limits
+    validate, rows, _, lengths, _, _ = limits
     assert validate.returncode == 0, validate.stderr
     refused = sum(1 for r in rows.values() if r["error"])
     assert refused == 2
@@ -101,7 +101,8 @@ def test_text_mode_terminal_shows_only_batchspec_lines(limits):
     """vLLM's own output goes to the engine log the first line names, not the terminal."""
     import re
 
-    stderr = limits[4]
+    stderr, stdout = limits[4], limits[5]
+    assert stdout == "", stdout[-2000:]  # vLLM logs to stdout: that goes to the engine log too
     lines = stderr.splitlines()
     assert lines and all(re.match(r"^\d\d:\d\d:\d\d \[batchspec\] ", line) for line in lines), stderr
     log_path = re.search(r"vLLM's own output goes to (\S+)", lines[0]).group(1)
