@@ -228,7 +228,7 @@ class Engine:
                         row = in_flight.pop(output.request_id, None)
                         if row is not None:
                             e2e = time.monotonic() - added_at.pop(output.request_id)
-                            yield row, result_row(output, e2e)
+                            yield row, self.result(output, e2e)
         finally:
             if in_flight:
                 self.abort(list(in_flight))
@@ -252,7 +252,8 @@ class Engine:
     # ------------------------------------------------------------------ results
 
     def result(self, output, e2e_s: float | None = None) -> dict:
-        """A finished RequestOutput as a result row (see :func:`result_row`)."""
+        """A finished RequestOutput as a result row (see :func:`result_row`); what :meth:`stream`
+        yields, so a subclass can add what it needs from the output (distill keeps token ids)."""
         return result_row(output, e2e_s)
 
     def spec_counters(self) -> dict[str, Any]:
