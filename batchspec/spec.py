@@ -121,6 +121,27 @@ class ExecutionSpec:
     lease_s: float = 120.0
 
 
+#: Where a job's shards run: ``local`` (this process's one engine) or ``ray`` (replicas).
+EXECUTOR_KINDS = ("local", "ray")
+
+
+@dataclass(frozen=True)
+class ExecutorSpec:
+    """Where the shards run (``executor:``); never part of the output's fingerprint: a job run
+    locally and on Ray writes the same files, and either may resume the other."""
+
+    #: ``local``: one engine in this process; ``ray``: ``replicas`` Ray actors, one engine each.
+    kind: str = "local"
+    #: Ray actors, each holding one vLLM engine (tensor/pipeline parallel stay engine args).
+    replicas: int = 1
+    #: Ray resources each replica reserves: ``CPU``, ``GPU``, or custom resource names.
+    resources_per_replica: dict[str, float] = field(default_factory=lambda: {"CPU": 1})
+    #: The Ray cluster to join (``ray://host:10001``, ``auto``); unset starts a local one.
+    ray_address: str | None = None
+    #: Tries a shard gets when the replica running it dies, before it is reported failed.
+    max_shard_attempts: int = 3
+
+
 @dataclass(frozen=True)
 class JobSpec:
     """A whole job, validated. ``raw`` is the resolved YAML mapping it was built from."""
@@ -135,6 +156,7 @@ class JobSpec:
     sampling: dict[str, Any]
     execution: ExecutionSpec
     raw: dict[str, Any] = field(repr=False, compare=False)
+    executor: ExecutorSpec = field(default_factory=ExecutorSpec)
 
     def public(self) -> dict[str, Any]:
         """The resolved spec as it may be persisted or logged (:func:`batchspec.redact.public_spec`):
@@ -405,7 +427,8 @@ def _raise_unset(value: Any) -> None:
 
 # --------------------------------------------------------------------------- validation
 
-_TOP_KEYS = ("name", "input", "output", "model", "speculative", "sampling", "execution")
+_TOP_KEYS = ("name", "input", "output", "model", "speculative", "sampling", "execution",
+             "executor")
 
 
 def build_spec(raw: dict[str, Any]) -> JobSpec:
@@ -497,6 +520,25 @@ def build_spec(raw: dict[str, Any]) -> JobSpec:
         lease_s=_seconds(exe, "lease_s", "execution", 120.0, allow_zero=False),
     )
 
+    ex = _section(raw, "executor", required=False)
+    _check_keys(ex, [f.name for f in dataclasses.fields(ExecutorSpec)], "executor")
+    kind = _get(ex, "kind", str, "executor", default="local")
+    if kind not in EXECUTOR_KINDS:
+        raise SpecError("executor.kind", f"expected one of {', '.join(EXECUTOR_KINDS)}, got {kind!r}")
+    resources = _get(ex, "resources_per_replica", dict, "executor", default={"CPU": 1})
+    for key, value in resources.items():
+        if not isinstance(key, str) or isinstance(value, bool) or not isinstance(value, (int, float)) \
+                or value < 0:
+            raise SpecError(f"executor.resources_per_replica.{key}",
+                            f"expected a number of {key} (0 or more), got {value!r}")
+    executor = ExecutorSpec(
+        kind=kind,
+        replicas=_positive(ex, "replicas", "executor", 1),
+        resources_per_replica=dict(resources),
+        ray_address=_get(ex, "ray_address", str, "executor"),
+        max_shard_attempts=_positive(ex, "max_shard_attempts", "executor", 3),
+    )
+
     return JobSpec(
         name=name,
         input=input_spec,
@@ -506,6 +548,7 @@ def build_spec(raw: dict[str, Any]) -> JobSpec:
         sampling=dict(sampling),
         execution=execution,
         raw=raw,
+        executor=executor,
     )
 
 
