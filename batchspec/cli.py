@@ -249,5 +249,14 @@ def report(output_path, output_path_b, job, storage_options, fmt, html_file):
         click.echo(f"batchspec: wrote {html_file}", err=True)  # stderr: stdout stays parseable
 
 
+from batchspec.tune import tune as _tune  # noqa: E402  (its own module; registered here)
+
+main.add_command(_tune)
+
+from batchspec.distill import distill_command as _distill  # noqa: E402  (its own module)
+
+main.add_command(_distill)
+
+
 if __name__ == "__main__":
     main()
