@@ -1,0 +1,106 @@
+"""Write the distill benchmark's domain: JSON records cut off mid-way, a domain the tiny models
+never saw (they were trained on Python source), where the tiny target's continuations vary from
+prompt to prompt and the tiny draft, distilled on Python, predicts them poorly.
+
+Deterministic: the same seed writes the same rows, byte for byte, with no input but this file.
+Usage: ``python tools/domain_data.py OUT_DIR [--rows 2400] [--shards 4] [--seed 0]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+NAMES = ["alice", "bob", "carol", "dave", "erin", "frank", "grace", "heidi", "ivan", "judy",
+         "mallory", "oscar", "peggy", "rupert", "sybil", "trent", "victor", "walter"]
+CITIES = ["Paris", "Oslo", "Lima", "Quito", "Cairo", "Delhi", "Tokyo", "Perth", "Austin", "Porto"]
+WORDS = ["alpha", "beta", "gamma", "delta", "red", "green", "blue", "north", "south", "fast",
+         "slow", "open", "closed", "new", "old", "primary", "backup", "draft", "final", "error"]
+KEYS = ["id", "name", "user", "email", "city", "country", "age", "score", "price", "qty",
+        "status", "tags", "items", "created", "updated", "enabled", "role", "level", "count",
+        "total", "currency", "address", "zip", "phone", "notes", "owner", "team", "priority",
+        "version", "path", "type", "value", "unit", "rating", "kind", "source", "target"]
+
+
+def _value(rng: random.Random, key: str, depth: int):
+    """A value of a type that fits the key, sometimes nested."""
+    if key in ("id", "age", "qty", "count", "level", "zip", "total"):
+        return rng.randint(0, 9999)
+    if key in ("price", "score", "rating", "value"):
+        return round(rng.uniform(0, 500), rng.choice([1, 2]))
+    if key in ("enabled",):
+        return rng.choice([True, False])
+    if key in ("name", "user", "owner"):
+        return rng.choice(NAMES)
+    if key == "email":
+        return f"{rng.choice(NAMES)}@{rng.choice(WORDS)}.{rng.choice(['com', 'org', 'net'])}"
+    if key == "city":
+        return rng.choice(CITIES)
+    if key in ("created", "updated"):
+        return f"2024-{rng.randint(1, 12):02d}-{rng.randint(1, 28):02d}"
+    if key == "tags":
+        return rng.sample(WORDS, rng.randint(1, 4))
+    if key == "path":
+        return "/" + "/".join(rng.sample(WORDS, rng.randint(1, 3)))
+    if key in ("items", "address") and depth < 2:
+        if key == "items":
+            return [_record(rng, depth + 1, rng.randint(2, 3)) for _ in range(rng.randint(1, 2))]
+        return _record(rng, depth + 1, rng.randint(2, 3))
+    if key == "phone":
+        return f"+{rng.randint(1, 99)} {rng.randint(100, 999)} {rng.randint(1000, 9999)}"
+    return rng.choice(WORDS)
+
+
+def _record(rng: random.Random, depth: int, size: int) -> dict:
+    keys = ["id"] + rng.sample(KEYS[1:], size - 1) if depth == 0 else rng.sample(KEYS, size)
+    return {k: _value(rng, k, depth) for k in keys}
+
+
+def prompt(rng: random.Random) -> str:
+    """A JSON record cut off in its first half: what follows is the model's to make up (whole
+    records before it would let the models copy their keys, which even the draft does well)."""
+    record = json.dumps(_record(rng, 0, rng.randint(4, 8)))
+    return record[: rng.randint(8, max(9, len(record) // 2))]
+
+
+def prompts(rows: int, seed: int = 0) -> list[str]:
+    """``rows`` prompts, the same for the same seed."""
+    rng = random.Random(seed)
+    return [prompt(rng) for _ in range(rows)]
+
+
+def write_shards(out_dir: Path, rows: int, shards: int, seed: int = 0) -> list[Path]:
+    """Write ``rows`` prompts (columns id, prompt) over ``shards`` Parquet files."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    texts = prompts(rows, seed)
+    per = -(-rows // shards)
+    paths = []
+    for i in range(shards):
+        chunk = texts[i * per:(i + 1) * per]
+        path = out_dir / f"part-{i:05d}.parquet"
+        pq.write_table(pa.table({"id": [f"j{i * per + j:06d}" for j in range(len(chunk))],
+                                 "prompt": chunk}), path)
+        paths.append(path)
+    return paths
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out_dir", type=Path)
+    parser.add_argument("--rows", type=int, default=2400)
+    parser.add_argument("--shards", type=int, default=4)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    for path in write_shards(args.out_dir, args.rows, args.shards, args.seed):
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
