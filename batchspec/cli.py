@@ -253,6 +253,10 @@ from batchspec.tune import tune as _tune  # noqa: E402  (its own module; registe
 
 main.add_command(_tune)
 
+from batchspec.distill import distill_command as _distill  # noqa: E402  (its own module)
+
+main.add_command(_distill)
+
 
 if __name__ == "__main__":
     main()
