@@ -20,13 +20,15 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import math
 import os
 import random
 import sys
 import sysconfig
 import time
 from pathlib import Path
+
+# what `batchspec distill --init target` does, and its learning-rate schedule: one copy of each
+from batchspec.distill_train import init_draft_from_target, lr_at  # noqa: F401
 
 SEED = 1234
 VOCAB_SIZE = 2048
@@ -177,13 +179,6 @@ def llama_config(tokenizer, layers: int, hidden: int, heads: int, intermediate: 
     )
 
 
-def lr_at(step: int, steps: int, peak: float, warmup: int = 50) -> float:
-    if step < warmup:
-        return peak * (step + 1) / warmup
-    progress = (step - warmup) / max(1, steps - warmup)
-    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
-
-
 def train_target(model, data, steps: int, batch: int, peak_lr: float, gen) -> None:
     import torch
 
@@ -226,16 +221,6 @@ def greedy_continuations(model, data, count: int, prompt_len: int, new_tokens: i
                 nxt = out.logits[:, -1].argmax(-1, keepdim=True)
             seqs.append(torch.cat(tokens, dim=1))
     return torch.cat(seqs)[:count]
-
-
-def init_draft_from_target(draft, target) -> None:
-    """Start the draft as the target's first layers (as many as the draft has) plus its
-    embeddings, final norm and head."""
-    draft.model.embed_tokens.load_state_dict(target.model.embed_tokens.state_dict())
-    draft.model.norm.load_state_dict(target.model.norm.state_dict())
-    draft.lm_head.load_state_dict(target.lm_head.state_dict())
-    for i, layer in enumerate(draft.model.layers):
-        layer.load_state_dict(target.model.layers[i].state_dict())
 
 
 def distill_draft(draft, target, seqs, corpus, steps: int, batch: int, peak_lr: float, gen):
