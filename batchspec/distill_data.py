@@ -205,9 +205,9 @@ def _generate_missing(spec: JobSpec, rows: list[Row], directory: Path, logprobs:
 
 def data_fingerprint(table: pa.Table) -> str:
     """sha256 over the training rows' ids and token ids, in request-id order."""
-    order = sorted(range(table.num_rows), key=lambda i: table.column("request_id")[i].as_py())
-    h = hashlib.sha256()
     ids = table.column("request_id").to_pylist()
+    order = sorted(range(table.num_rows), key=ids.__getitem__)
+    h = hashlib.sha256()
     prompts = table.column("prompt_token_ids").to_pylist()
     outputs = table.column("output_token_ids").to_pylist()
     for i in order:

@@ -1,6 +1,7 @@
-"""Write the distill benchmark's domain: JSON records cut off mid-way, a domain the tiny models
-never saw (they were trained on Python source), where the tiny target's continuations vary from
-prompt to prompt and the tiny draft, distilled on Python, predicts them poorly.
+"""Write the distill benchmark's domain: JSON lines, the last one cut off near its end, a domain
+the tiny models never saw (they were trained on Python source), where the tiny target's
+continuations vary from prompt to prompt and the tiny draft, distilled on Python, predicts them
+poorly (about 0.37 greedy acceptance at k=4, against 0.63 on held-out Python).
 
 Deterministic: the same seed writes the same rows, byte for byte, with no input but this file.
 Usage: ``python tools/domain_data.py OUT_DIR [--rows 2400] [--shards 4] [--seed 0]``.
@@ -63,10 +64,9 @@ def _record(rng: random.Random, depth: int, size: int) -> dict:
 
 
 def prompt(rng: random.Random) -> str:
-    """A JSON record cut off in its first half: what follows is the model's to make up (whole
-    records before it would let the models copy their keys, which even the draft does well)."""
-    record = json.dumps(_record(rng, 0, rng.randint(4, 8)))
-    return record[: rng.randint(8, max(9, len(record) // 2))]
+    """Two JSON lines, then a third cut off a few characters before its end."""
+    lines = [json.dumps(_record(rng, 0, rng.randint(4, 8))) for _ in range(3)]
+    return "\n".join(lines)[: -rng.randint(2, 12)]
 
 
 def prompts(rows: int, seed: int = 0) -> list[str]:
