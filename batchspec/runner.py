@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import batchspec
-from batchspec.errors import BatchspecError, InputDataError, Interrupted, RuntimeFailure
+from batchspec.errors import BatchspecError, InputDataError, Interrupted, RuntimeFailure, SpecError
 from batchspec.events import EventLog, Progress
 from batchspec.redact import sanitize_url
 from batchspec.shards import OutputDir, Shard, check_no_overlap, remove_orphan_tmp_files
@@ -91,13 +91,14 @@ def new_run_id() -> str:
 def run_job(spec: JobSpec, *, worker_index: int = 0, num_workers: int = 1, overwrite: bool = False,
             engine=None, events: EventLog | None = None, progress_bars: bool | None = None,
             run_id: str | None = None, grace_s: float | None = None,
-            executor: str | None = None, ray_address: str | None = None) -> RunResult:
+            executor=None, ray_address: str | None = None) -> RunResult:
     """Run a job: every pending shard of this worker becomes one committed output shard.
 
     ``engine`` lets a caller reuse a started :class:`batchspec.engine.Engine` across jobs.
     ``grace_s`` (default ``execution.grace_s``) bounds the drain after SIGTERM/SIGINT.
     ``executor`` (``local`` or ``ray``) and ``ray_address`` override the spec's ``executor``
-    section: with ``ray``, Ray replicas (one engine each) generate the shards."""
+    section: with ``ray``, Ray replicas (one engine each) generate the shards. A started
+    :class:`batchspec.ray_executor.RayExecutor` may be passed instead, to reuse its replicas."""
     stop = StopFlag()
     restore_signals = stop.install()  # first: a signal during planning or start-up is ours
     run_id = run_id or new_run_id()
@@ -106,14 +107,14 @@ def run_job(spec: JobSpec, *, worker_index: int = 0, num_workers: int = 1, overw
     grace_s = spec.execution.grace_s if grace_s is None else grace_s
     job = _Job(spec, run_id, events, stop, worker_index, num_workers, overwrite, progress_bars,
                grace_s)
-    kind = executor or spec.executor.kind
-    if kind == "ray":
-        from batchspec.ray_executor import RayExecutor
-
-        job.executor = RayExecutor(spec, ray_address or spec.executor.ray_address)
     owns_engine = engine is None
     job.engine = engine
+    owns_executor = isinstance(executor, str | None)
     try:
+        if owns_executor:
+            job.executor = _executor(spec, executor, ray_address)
+        else:
+            job.executor = executor  # the caller's, with its replicas started: it shuts it down
         job.run()
     except BaseException as exc:
         raise job.fail(exc) from None
@@ -121,9 +122,24 @@ def run_job(spec: JobSpec, *, worker_index: int = 0, num_workers: int = 1, overw
         restore_signals()
         if owns_engine and job.engine is not None:
             job.engine.shutdown()
-        if job.executor is not None:
+        if owns_executor and job.executor is not None:
             job.executor.shutdown()
     return RunResult(run_id=run_id, summary=job.summary, summary_path=job.summary_path)
+
+
+def _executor(spec: JobSpec, kind: str | None, ray_address: str | None):
+    """None for a local run (the command line's ``--executor`` wins over ``executor.kind``), or a
+    Ray executor for ``ray``."""
+    from batchspec.spec import EXECUTOR_KINDS
+
+    kind = kind or spec.executor.kind
+    if kind not in EXECUTOR_KINDS:
+        raise SpecError("executor.kind", f"expected one of {', '.join(EXECUTOR_KINDS)}, got {kind!r}")
+    if kind == "local":
+        return None
+    from batchspec.ray_executor import RayExecutor
+
+    return RayExecutor(spec, ray_address or spec.executor.ray_address)
 
 
 class _Job:
@@ -268,6 +284,8 @@ class _Job:
     def record_engine(self) -> None:
         """The engine's version, context length and counters at the start, for the summary."""
         if self.executor is not None:
+            if self.executor.vllm_version is None:
+                return  # no replica started: nothing to do
             self.summary["versions"]["vllm"] = self.executor.vllm_version
             self.summary["engine"] = {"max_model_len": self.executor.max_model_len}
         elif self.engine is not None:
