@@ -105,9 +105,15 @@ def _load(job: str, overrides) -> object:
 @click.option("--grace-seconds", type=float, default=None, metavar="SECONDS",
               help="After SIGTERM/SIGINT, let requests of fully read shards finish for this long "
                    "before aborting the rest (default: execution.grace_s, 30).")
+@click.option("--executor", type=click.Choice(["local", "ray"]), default=None,
+              help="Where the shards run: local (one engine in this process) or ray (Ray "
+                   "replicas, one engine each); default: the spec's executor.kind, else local.")
+@click.option("--ray-address", default=None, metavar="ADDR",
+              help="With --executor ray: the Ray cluster to join (default: executor.ray_address; "
+                   "none starts a local cluster).")
 @click.option("-v", "--verbose", is_flag=True, help="Show vLLM's own logs.")
 def run(job, overrides, worker_index, num_workers, overwrite, log_format, progress,
-        progress_interval, grace_seconds, verbose):
+        progress_interval, grace_seconds, executor, ray_address, verbose):
     """Run JOB: every pending input shard becomes one committed output shard."""
     _quiet_vllm(verbose, log_format)
     if progress_interval is not None:
@@ -115,6 +121,8 @@ def run(job, overrides, worker_index, num_workers, overwrite, log_format, progre
     if grace_seconds is not None:
         overrides = (*overrides, f"execution.grace_s={grace_seconds}")
     spec = _load(job, overrides)
+    if ray_address and (executor or spec.executor.kind) != "ray":
+        _fail(SpecError("--ray-address", "needs --executor ray (or executor.kind: ray)"))
     from batchspec.runner import new_run_id, run_job
 
     run_id = new_run_id()
@@ -128,7 +136,8 @@ def run(job, overrides, worker_index, num_workers, overwrite, log_format, progre
                     path=engine_log)
     try:
         run_job(spec, worker_index=worker_index, num_workers=num_workers, overwrite=overwrite,
-                events=events, progress_bars=progress, run_id=run_id)
+                events=events, progress_bars=progress, run_id=run_id, executor=executor,
+                ray_address=ray_address)
     except KeyboardInterrupt:
         click.echo("batchspec: interrupted", err=True)
         sys.exit(130)
