@@ -928,7 +928,7 @@ def written_spec(job_path: str, overrides: tuple[str, ...], report: TuneReport,
         why = ("the only concurrency measured" if len(measured) == 1 else
                f"the measured level nearest the job's max_num_seqs ({max_num_seqs})"
                if max_num_seqs is not None else
-               "the largest level measured (the job sets no max_num_seqs)")
+               "the largest level measured; the job sets no max_num_seqs")
         header = [f"# Written by batchspec tune from {Path(job_path).name}: speculative = "
                   f"{report.recommended[c]},", f"# recommended for concurrency {c} ({why})."]
         if len(measured) > 1:
