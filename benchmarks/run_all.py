@@ -19,6 +19,7 @@ STEPS = [
     ["benchmarks/throughput.py", "--spec", "draft", "--json", str(OUT / "throughput-draft.json")],
     ["benchmarks/throughput.py", "--spec", "off", "--json", str(OUT / "throughput-off.json")],
     ["benchmarks/memory.py", "--json", str(OUT / "memory.json")],
+    ["benchmarks/distill.py", "--json", str(OUT / "distill.json")],
 ]
 
 

@@ -1,0 +1,145 @@
+"""``batchspec distill`` on a domain the tiny draft accepts poorly: JSON records cut off mid-way
+(tools/domain_data.py, 2,400 prompts generated deterministically), greedy, k=4.
+
+Runs the real command end to end (sample, the target's continuations, training, evaluation
+before and after on the held-out prompts) and times it; the machine's load average is recorded
+with the result, since the machine may be shared. With ``--large`` the new draft is then also
+measured against the large target tier at concurrency 1 (same function as the tiny target, a
+big model's cost), where acceptance turns into output tok/s.
+
+Usage: ``python benchmarks/distill.py [--models .models] [--json bench-results/distill.json]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tools"))
+
+
+def write_job(work: Path, models: Path, target: str, draft: Path, max_tokens: int,
+              max_in_flight: int | None = None) -> Path:
+    """The benchmark's job spec over the domain prompts in ``work/prompts``."""
+    import yaml
+
+    spec = {
+        "name": "json-domain",
+        "input": {"path": str(work / "prompts" / "*.parquet"), "prompt_column": "prompt",
+                  "id_column": "id"},
+        "output": {"path": str(work / "run-out")},
+        "model": {"target": str(models / target),
+                  "engine": {"max_model_len": 512, "enforce_eager": True, "dtype": "float32"}},
+        "speculative": {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 4},
+        "sampling": {"temperature": 0.0, "max_tokens": max_tokens},
+    }
+    if max_in_flight:
+        spec["execution"] = {"max_in_flight": max_in_flight}
+    path = work / f"job-{target}.yaml"
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    return path
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", type=Path, default=ROOT / ".models")
+    parser.add_argument("--work", type=Path, default=ROOT / "bench-results" / "distill")
+    parser.add_argument("--rows", type=int, default=2400)
+    parser.add_argument("--sample", type=int, default=1400)
+    parser.add_argument("--holdout", type=int, default=200)
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--logprobs", type=int, default=8)
+    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--large", action="store_true",
+                        help="also measure old and new draft on target-large at concurrency 1")
+    parser.add_argument("--large-prompts", type=int, default=40)
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+    from domain_data import write_shards
+
+    work = args.work.resolve()
+    shutil.rmtree(work, ignore_errors=True)  # a fresh run: nothing reused from an earlier one
+    write_shards(work / "prompts", rows=args.rows, shards=4, seed=0)
+    job = write_job(work, args.models, "target", args.models / "draft", args.max_tokens)
+    out = work / "draft-json"
+    exe = Path(sys.executable).with_name("batchspec")
+    command = [str(exe), "distill", str(job), "--draft", str(args.models / "draft"),
+               "--out", str(out), "--sample", str(args.sample), "--holdout", str(args.holdout),
+               "--steps", str(args.steps), "--logprobs", str(args.logprobs), "--json"]
+    print("$ " + " ".join(command), flush=True)
+    load_before = os.getloadavg()
+    started = time.monotonic()
+    done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
+    wall = time.monotonic() - started
+    sys.stderr.write(done.stderr)
+    if done.returncode:
+        return done.returncode
+    measured = json.loads(done.stdout)
+    result = {
+        "rows": args.rows, "sample": args.sample, "holdout": args.holdout, "steps": args.steps,
+        "logprobs": args.logprobs, "max_tokens": args.max_tokens, "num_speculative_tokens": 4,
+        "wall_s": round(wall, 1), "cpus": os.cpu_count(),
+        "load_average_before": [round(x, 2) for x in load_before],
+        "load_average_after": [round(x, 2) for x in os.getloadavg()],
+        "before": measured["before"], "after": measured["after"],
+        "gain": round(measured["after"]["acceptance_rate"] - measured["before"]["acceptance_rate"], 4),
+    }
+    if args.large:
+        result["large"] = measure_large(args, work, out)
+    print(json.dumps(result, indent=2))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+def measure_large(args, work: Path, new_draft: Path) -> dict:
+    """Old and new draft against target-large at concurrency 1, on domain prompts of another
+    seed (never trained on); one engine at a time, each in its own process."""
+    from domain_data import prompts
+
+    texts = prompts(args.large_prompts, seed=99)
+    out = {}
+    for name, draft in (("before", args.models / "draft"), ("after", new_draft)):
+        code = (
+            "import json, sys, time\n"
+            "from vllm import LLM, SamplingParams\n"
+            f"llm = LLM(model={str(args.models / 'target-large')!r}, max_model_len=512, "
+            "enforce_eager=True, dtype='float32', seed=0, disable_log_stats=False, "
+            "per_request_spec_decode_metrics='summary', speculative_config={'method': "
+            f"'draft_model', 'model': {str(draft)!r}, 'num_speculative_tokens': 4}})\n"
+            f"texts = {texts!r}\n"
+            f"params = SamplingParams(temperature=0.0, max_tokens={args.max_tokens})\n"
+            "llm.generate(texts[:2], params, use_tqdm=False)\n"  # warm-up
+            "tokens = drafted = accepted = 0\n"
+            "t = time.monotonic()\n"
+            "for text in texts:\n"  # concurrency 1: one request at a time
+            "    o = llm.generate([text], params, use_tqdm=False)[0]\n"
+            "    m = o.outputs[0].spec_decode_metrics.to_dict()\n"
+            "    tokens += len(o.outputs[0].token_ids)\n"
+            "    drafted += m['num_draft_tokens']; accepted += m['num_accepted_draft_tokens']\n"
+            "wall = time.monotonic() - t\n"
+            "print(json.dumps({'acceptance_rate': round(accepted / drafted, 4), "
+            "'output_tokens_per_s': round(tokens / wall, 1), 'prompts': len(texts)}))\n"
+        )
+        script = work / f"large-{name}.py"
+        script.write_text("if __name__ == '__main__':\n" + "".join(
+            "    " + line + "\n" for line in code.splitlines()))
+        done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                              cwd=ROOT, env={**os.environ, "VLLM_LOGGING_LEVEL": "ERROR"})
+        if done.returncode:
+            sys.stderr.write(done.stderr[-3000:])
+            raise SystemExit(done.returncode)
+        out[name] = json.loads(done.stdout.strip().splitlines()[-1])
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(main())
