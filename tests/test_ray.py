@@ -2,11 +2,13 @@
 
 One Ray cluster and one set of replicas (a caller-owned RayExecutor) serve the whole module:
 a clean run compared with a local run of the same job (greedy: identical text), a run in which
-one replica's actor is killed (``ray.kill``) while it is on a shard, and a run with a shard that
-kills every replica it is given (the test-only hook) and ends failed, exit 1.
+one replica's actor is killed (``ray.kill``) while it is on a shard, a run with a shard that
+kills every replica it is given (the test-only hook) and ends failed, exit 1, and the CLI
+(``--executor ray --ray-address``) finishing that run. Before them, the driver's scheduling with
+a stand-in engine (seconds, no vLLM).
 
-Engine starts: 1 local, 2 replicas, and up to 3 replacements for the replicas the last two tests
-kill.
+Engine starts: 1 local, 2 replicas, 1 to replace the killed one, 1 in the CLI's replica
+(replacements started for the poison shard's victims are stopped when the run ends).
 """
 
 from __future__ import annotations
@@ -265,47 +267,55 @@ def test_killed_replica_loses_only_its_shard(replicas, inputs, local_texts, tmp_
     assert result.summary["status"] == "ok"
 
 
+@pytest.fixture(scope="module")
+def poisoned_out(tmp_path_factory):
+    """The output of the run with a poison shard, which the CLI test then finishes."""
+    return tmp_path_factory.mktemp("poisoned") / "out"
+
+
 @pytest.mark.engine
 def test_shard_that_kills_every_replica_fails_after_bounded_tries(replicas, inputs, local_texts,
-                                                                  tmp_path, monkeypatch):
+                                                                  poisoned_out, monkeypatch):
+    """s3, the last shard handed out, kills whichever replica runs it (the test-only hook exits
+    the actor's process on its first result): after 2 tries it is failed, the run exits 1."""
     from batchspec.ray_executor import DIE_ON_SHARD_ENV
 
-    monkeypatch.setenv(DIE_ON_SHARD_ENV, "s1")
-    out = tmp_path / "out"
-    events = _Events()
+    monkeypatch.setenv(DIE_ON_SHARD_ENV, "s3")
+    out = poisoned_out
     with pytest.raises(BatchspecError) as err:
-        run_job(_spec(inputs, out, max_shard_attempts=2), executor=replicas, events=events,
+        run_job(_spec(inputs, out, max_shard_attempts=2), executor=replicas, events=_Events(),
                 progress_bars=False)
     assert err.value.exit_code == 1
-    assert "s1" in str(err.value) and "failed on every try" in str(err.value)
+    assert "s3" in str(err.value) and "failed on every try" in str(err.value)
     runs = list((out / "_batchspec" / "runs").glob("*.json"))
     assert len(runs) == 1
     summary = json.loads(runs[0].read_text())
     assert summary["status"] == "failed" and summary["exit_code"] == 1
-    assert list(summary["failed_shards"]) == ["s1"]
+    assert list(summary["failed_shards"]) == ["s3"]
     deaths = summary["executor"]["replica_deaths"]
-    assert [(d["shard"], d["attempt"]) for d in deaths] == [("s1", 1), ("s1", 2)]
-    # every other shard is whole and committed; s1 has no output and no manifest
-    assert sorted(p.name for p in out.glob("*.parquet")) == ["s0.parquet", "s2.parquet",
-                                                             "s3.parquet"]
-    assert not (out / "_batchspec" / "manifest" / "s1.json").exists()
+    assert [(d["shard"], d["attempt"]) for d in deaths] == [("s3", 1), ("s3", 2)]
+    # every other shard is whole and committed; s3 has no output and no manifest
+    assert sorted(p.name for p in out.glob("*.parquet")) == ["s0.parquet", "s1.parquet",
+                                                             "s2.parquet"]
+    assert not (out / "_batchspec" / "manifest" / "s3.json").exists()
     texts = _texts(out)
     assert texts == {k: v for k, v in local_texts.items() if k in texts}
     assert len(texts) == (SHARDS - 1) * ROWS
 
 
 @pytest.mark.engine
-def test_cli_executor_ray_joins_a_cluster(replicas, ray_cluster, inputs, local_texts, tmp_path):
-    """`batchspec run JOB --executor ray --ray-address ADDR` from a scheduler's shell: it joins
-    the running cluster (its CPUs freed first: the shared replicas stop), starts its replica and
-    writes what the local run wrote; `--ray-address` without Ray is a command-line error."""
+def test_cli_executor_ray_finishes_the_failed_run(replicas, ray_cluster, inputs, local_texts,
+                                                  poisoned_out, tmp_path):
+    """`batchspec run JOB --executor ray --ray-address ADDR`, as a scheduler's retry would: it
+    joins the running cluster (its CPUs freed first: the shared replicas stop), redoes only the
+    shard the failed run left, and the output is then what the local run wrote, every row once.
+    `--ray-address` without Ray is a command-line error."""
     replicas.shutdown()
     address = ray_cluster.get_runtime_context().gcs_address
-    out = tmp_path / "out"
     job = write_job(tmp_path / "job.yaml",
-                    input={"path": str(inputs / "s0.parquet"), "prompt_column": "prompt",
+                    input={"path": str(inputs / "*.parquet"), "prompt_column": "prompt",
                            "id_column": "id"},
-                    output={"path": str(out)}, speculative=dict(DRAFT),
+                    output={"path": str(poisoned_out)}, speculative=dict(DRAFT),
                     sampling={"temperature": 0.0, "max_tokens": MAX_TOKENS},
                     executor={"replicas": 1, "resources_per_replica": {"CPU": 1}})
     bad = run_cli("run", str(job), "--ray-address", address, "--no-progress")
@@ -315,5 +325,6 @@ def test_cli_executor_ray_joins_a_cluster(replicas, ray_cluster, inputs, local_t
     assert done.returncode == 0, done.stderr[-3000:]
     events = [json.loads(line) for line in done.stderr.splitlines() if line.startswith("{")]
     assert any(e["event"] == "replicas_started" for e in events)
-    texts = _texts(out)
-    assert len(texts) == ROWS and texts == {k: local_texts[k] for k in texts}
+    assert [e["shard"] for e in events if e["event"] == "shard_started"] == ["s3"]
+    assert sorted(e["shard"] for e in events if e["event"] == "shard_skipped") == ["s0", "s1", "s2"]
+    assert _texts(poisoned_out) == local_texts
