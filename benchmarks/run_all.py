@@ -20,6 +20,7 @@ STEPS = [
     ["benchmarks/throughput.py", "--spec", "off", "--json", str(OUT / "throughput-off.json")],
     ["benchmarks/memory.py", "--json", str(OUT / "memory.json")],
     ["benchmarks/distill.py", "--json", str(OUT / "distill.json")],
+    ["benchmarks/tune.py", "--json", str(OUT / "tune.json")],
 ]
 
 
