@@ -3,9 +3,7 @@
 
 Runs the real command end to end (sample, the target's continuations, training, evaluation
 before and after on the held-out prompts) and times it; the machine's load average is recorded
-with the result, since the machine may be shared. With ``--large`` the new draft is then also
-measured against the large target tier at concurrency 1 (same function as the tiny target, a
-big model's cost), where acceptance turns into output tok/s.
+with the result, since the machine may be shared.
 
 Usage: ``python benchmarks/distill.py [--models .models] [--json bench-results/distill.json]``
 """
@@ -57,9 +55,6 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--logprobs", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=48)
-    parser.add_argument("--large", action="store_true",
-                        help="also measure old and new draft on target-large at concurrency 1")
-    parser.add_argument("--large-prompts", type=int, default=40)
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     from domain_data import write_shards
@@ -91,54 +86,11 @@ def main() -> int:
         "before": measured["before"], "after": measured["after"],
         "gain": round(measured["after"]["acceptance_rate"] - measured["before"]["acceptance_rate"], 4),
     }
-    if args.large:
-        result["large"] = measure_large(args, work, out)
     print(json.dumps(result, indent=2))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=2) + "\n")
     return 0
-
-
-def measure_large(args, work: Path, new_draft: Path) -> dict:
-    """Old and new draft against target-large at concurrency 1, on domain prompts of another
-    seed (never trained on); one engine at a time, each in its own process."""
-    from domain_data import prompts
-
-    texts = prompts(args.large_prompts, seed=99)
-    out = {}
-    for name, draft in (("before", args.models / "draft"), ("after", new_draft)):
-        code = (
-            "import json, sys, time\n"
-            "from vllm import LLM, SamplingParams\n"
-            f"llm = LLM(model={str(args.models / 'target-large')!r}, max_model_len=512, "
-            "enforce_eager=True, dtype='float32', seed=0, disable_log_stats=False, "
-            "per_request_spec_decode_metrics='summary', speculative_config={'method': "
-            f"'draft_model', 'model': {str(draft)!r}, 'num_speculative_tokens': 4}})\n"
-            f"texts = {texts!r}\n"
-            f"params = SamplingParams(temperature=0.0, max_tokens={args.max_tokens})\n"
-            "llm.generate(texts[:2], params, use_tqdm=False)\n"  # warm-up
-            "tokens = drafted = accepted = 0\n"
-            "t = time.monotonic()\n"
-            "for text in texts:\n"  # concurrency 1: one request at a time
-            "    o = llm.generate([text], params, use_tqdm=False)[0]\n"
-            "    m = o.outputs[0].spec_decode_metrics.to_dict()\n"
-            "    tokens += len(o.outputs[0].token_ids)\n"
-            "    drafted += m['num_draft_tokens']; accepted += m['num_accepted_draft_tokens']\n"
-            "wall = time.monotonic() - t\n"
-            "print(json.dumps({'acceptance_rate': round(accepted / drafted, 4), "
-            "'output_tokens_per_s': round(tokens / wall, 1), 'prompts': len(texts)}))\n"
-        )
-        script = work / f"large-{name}.py"
-        script.write_text("if __name__ == '__main__':\n" + "".join(
-            "    " + line + "\n" for line in code.splitlines()))
-        done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                              cwd=ROOT, env={**os.environ, "VLLM_LOGGING_LEVEL": "ERROR"})
-        if done.returncode:
-            sys.stderr.write(done.stderr[-3000:])
-            raise SystemExit(done.returncode)
-        out[name] = json.loads(done.stdout.strip().splitlines()[-1])
-    return out
 
 
 if __name__ == "__main__":
