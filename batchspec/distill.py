@@ -25,7 +25,7 @@ from typing import Any
 import click
 
 from batchspec import __version__
-from batchspec.errors import SpecError
+from batchspec.errors import InputDataError, SpecError
 from batchspec.prompts import Row
 from batchspec.spec import JobSpec
 from batchspec.stats import acceptance_rate, mean_acceptance_length
@@ -129,7 +129,8 @@ def distill(spec: JobSpec, opts: DistillOptions,
 
     sample = sample_rows(spec, opts.sample, opts.heldout, opts.seed)
     if not sample.train:
-        raise SpecError("input.path", "no usable prompts in the job's input to train on")
+        raise InputDataError(", ".join(spec.input.paths),
+                             "no prompts to sample: the input has no row that can be sent")
     say(f"sample: {len(sample.train)} prompts to train on, {len(sample.heldout)} held out "
         f"(of {sample.population}, seed {opts.seed})")
     key = generation_key(spec, sample.train, opts.logprobs)

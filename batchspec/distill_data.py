@@ -13,7 +13,6 @@ import dataclasses
 import hashlib
 import json
 import os
-import random
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -24,8 +23,8 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from batchspec.prompts import Row, ShardReader
-from batchspec.shards import discover_shards
+from batchspec import prompts
+from batchspec.prompts import Row
 from batchspec.spec import JobSpec
 
 #: Generated rows committed per Parquet chunk: what a killed run can lose at most.
@@ -53,30 +52,10 @@ class Sample:
 
 
 def sample_rows(spec: JobSpec, size: int, heldout: int, seed: int) -> Sample:
-    """Draw ``size`` rows from the job's input (reservoir sampling, seeded, one pass, memory for
-    ``size`` rows only), then hold ``heldout`` of them out. Rows the runner would refuse (empty
-    prompt, malformed messages) are left out."""
-    rng = random.Random(seed)
-    shards = discover_shards(spec.input.paths, spec.input.storage_options,
-                             exclude=spec.output.path, allow_empty=False)
-    reservoir: list[Row] = []
-    seen = 0
-    for shard in shards:
-        reader = ShardReader(shard, spec.input, spec.output, spec.execution.read_batch_rows)
-        try:
-            for row in reader.rows():
-                if row.error is not None:
-                    continue
-                seen += 1
-                if len(reservoir) < size:
-                    reservoir.append(row)
-                else:
-                    j = rng.randrange(seen)
-                    if j < size:
-                        reservoir[j] = row
-        finally:
-            reader.close()
-    rng.shuffle(reservoir)
+    """Draw ``size`` rows from the job's input (``prompts.sample_rows``: seeded, one pass, memory
+    for ``size`` rows only), then hold ``heldout`` of them out. Rows the runner would refuse
+    (empty prompt, malformed messages) are left out."""
+    reservoir, seen = prompts.sample_rows(spec, size, seed)
     held = min(heldout, len(reservoir) // 2)
     return Sample(train=reservoir[held:], heldout=reservoir[:held], population=seen)
 

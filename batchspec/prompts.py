@@ -246,3 +246,38 @@ def length_error(num_prompt_tokens: int, max_model_len: int) -> str | None:
         return (f"prompt too long: {num_prompt_tokens} prompt tokens leave no room for output "
                 f"within max_model_len {max_model_len}")
     return None
+
+
+def sample_rows(spec, n: int, seed: int) -> tuple[list[Row], int]:
+    """A seeded uniform sample of ``n`` sendable rows over every input shard of ``spec`` (a
+    JobSpec), in a seeded random order: reservoir sampling, one pass, ``n`` rows in memory.
+    Returns (rows, rows seen). What `tune` and `distill` measure and train on.
+
+    Rows the run would write as errors (null or empty prompt, ...) are not sampled, and nothing
+    under the output path is read, as in a run."""
+    import random
+
+    from batchspec.shards import discover_shards
+
+    rng = random.Random(seed)
+    shards = discover_shards(spec.input.paths, spec.input.storage_options,
+                             exclude=spec.output.path, allow_empty=spec.input.allow_empty)
+    chosen: list[Row] = []
+    seen = 0
+    for shard in shards:
+        reader = ShardReader(shard, spec.input, spec.output, spec.execution.read_batch_rows)
+        try:
+            for row in reader.rows():
+                if row.error is not None:
+                    continue
+                seen += 1
+                if len(chosen) < n:
+                    chosen.append(row)
+                else:
+                    j = rng.randrange(seen)
+                    if j < n:
+                        chosen[j] = row
+        finally:
+            reader.close()
+    rng.shuffle(chosen)
+    return chosen, seen

@@ -208,3 +208,26 @@ def test_progress_bars_show_throughput(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "shards" in err and "rows" in err and "tok/s" in err
     assert "20/20" in err and "2/2" in err
+
+
+def test_sample_rows_is_seeded_uniform_over_shards_and_skips_rows_a_run_would_refuse(tmp_path):
+    """The sample tune and distill draw (prompts.sample_rows): every shard contributes, rows
+    that would be error rows are never drawn, the same seed gives the same rows in the same
+    order, another seed another sample."""
+    from batchspec.prompts import sample_rows
+
+    for i in range(3):
+        write_parquet(tmp_path / "in" / f"s{i}.parquet",
+                      {"prompt": ["", None] + [f"p{i}-{j}" for j in range(20)]})
+    spec = make_spec(tmp_path)
+    rows, seen = sample_rows(spec, 12, seed=7)
+    again, _ = sample_rows(spec, 12, seed=7)
+    other, _ = sample_rows(spec, 12, seed=8)
+    assert seen == 60 and len(rows) == 12
+    prompts = [r.prompt for r in rows]
+    assert prompts == [r.prompt for r in again]
+    assert prompts != [r.prompt for r in other]
+    assert all(p and p.startswith("p") for p in prompts)
+    assert len({p.split("-")[0] for p in prompts}) == 3  # drawn from every shard
+    everything, _ = sample_rows(spec, 100, seed=7)
+    assert len(everything) == 60 and len({r.request_id for r in everything}) == 60
