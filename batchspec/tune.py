@@ -382,8 +382,9 @@ def sample_rows(spec: JobSpec, n: int, seed: int) -> tuple[list[Row], int]:
     from batchspec.shards import discover_shards
 
     rng = random.Random(seed)
+    # nothing under the output path is read, as in a run (an output inside the input glob)
     shards = discover_shards(spec.input.paths, spec.input.storage_options,
-                             allow_empty=spec.input.allow_empty)
+                             exclude=spec.output.path, allow_empty=spec.input.allow_empty)
     chosen: list[Row] = []
     seen = 0
     for shard in shards:
