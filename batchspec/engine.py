@@ -375,3 +375,24 @@ def timing_columns(stats, num_output_tokens: int, e2e_s: float | None = None
         "output_tokens_per_s": (num_output_tokens - 1) / decode
         if decode > 0 and num_output_tokens > 1 else None,
     }
+
+
+def child_pids() -> set[int]:
+    """This process's descendants now (to tell, later, which processes an engine started)."""
+    import psutil
+
+    return {p.pid for p in psutil.Process().children(recursive=True)}
+
+
+def kill_new_children(before: set[int]) -> None:
+    """Kill processes started since ``before``: what an engine left behind after its shutdown
+    or a failed or interrupted start-up, so that the next engine has the machine to itself."""
+    import psutil
+
+    procs = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
+    for p in procs:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(procs, timeout=10)

@@ -266,17 +266,17 @@ class _Job:
 
     def start_engine(self) -> None:
         """Stage 3 (local): one vLLM engine in this process."""
-        from batchspec.engine import Engine
+        from batchspec.engine import Engine, child_pids, kill_new_children
 
         self.events.emit("engine_starting", f"starting vLLM engine for "
                          f"{sanitize_url(self.spec.model.target)}",
                          speculative=(self.spec.speculative or {}).get("method"))
-        before = _child_pids()
+        before = child_pids()
         self.stop.raise_now = True  # start-up cannot poll a flag: a signal ends it at once
         try:
             self.engine = Engine(self.spec)
         except BaseException:
-            _kill_new_children(before)  # engine processes a half-built engine left behind
+            kill_new_children(before)  # engine processes a half-built engine left behind
             raise
         finally:
             self.stop.raise_now = False
@@ -413,25 +413,6 @@ def _isatty(stream) -> bool:
         return stream.isatty()
     except (AttributeError, ValueError):
         return False
-
-
-def _child_pids() -> set[int]:
-    import psutil
-
-    return {p.pid for p in psutil.Process().children(recursive=True)}
-
-
-def _kill_new_children(before: set[int]) -> None:
-    """Kill processes started since ``before`` (an engine interrupted while it started)."""
-    import psutil
-
-    procs = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
-    for p in procs:
-        try:
-            p.kill()
-        except psutil.Error:
-            pass
-    psutil.wait_procs(procs, timeout=10)
 
 
 def _interrupted(signum: int) -> Interrupted:

@@ -27,7 +27,6 @@ import copy
 import logging
 import math
 import os
-import random
 import statistics
 import sys
 import time
@@ -374,38 +373,14 @@ def missing_local_draft(speculative: dict | None) -> str | None:
 
 
 def sample_rows(spec: JobSpec, n: int, seed: int) -> tuple[list[Row], int]:
-    """A seeded uniform sample of ``n`` sendable rows over every input shard (reservoir
-    sampling: one pass, n rows in memory), in a seeded random order. Returns (rows, rows seen).
+    """``prompts.sample_rows`` (seeded, uniform over every shard, error rows left out), and bad
+    input (exit 3) when there is nothing to sample."""
+    from batchspec import prompts
 
-    Rows the run would write as errors (null or empty prompt, ...) are not sampled."""
-    from batchspec.prompts import ShardReader
-    from batchspec.shards import discover_shards
-
-    rng = random.Random(seed)
-    # nothing under the output path is read, as in a run (an output inside the input glob)
-    shards = discover_shards(spec.input.paths, spec.input.storage_options,
-                             exclude=spec.output.path, allow_empty=spec.input.allow_empty)
-    chosen: list[Row] = []
-    seen = 0
-    for shard in shards:
-        reader = ShardReader(shard, spec.input, spec.output, spec.execution.read_batch_rows)
-        try:
-            for row in reader.rows():
-                if row.error is not None:
-                    continue
-                seen += 1
-                if len(chosen) < n:
-                    chosen.append(row)
-                else:
-                    j = rng.randrange(seen)
-                    if j < n:
-                        chosen[j] = row
-        finally:
-            reader.close()
+    chosen, seen = prompts.sample_rows(spec, n, seed)
     if not chosen:
         where = ", ".join(spec.input.paths)
         raise InputDataError(where, "no prompts to sample: the input has no row that can be sent")
-    rng.shuffle(chosen)
     return chosen, seen
 
 
@@ -437,26 +412,6 @@ def per_position_delta(before: dict, after: dict) -> dict | None:
     accepted = [a - (old[i] if i < len(old) else 0) for i, a in enumerate(per_pos)]
     return {"num_drafts": drafts, "accepted": accepted,
             "rate": [a / drafts if drafts else None for a in accepted]}
-
-
-def _child_pids() -> set[int]:
-    import psutil
-
-    return {p.pid for p in psutil.Process().children(recursive=True)}
-
-
-def _kill_new_children(before: set[int]) -> None:
-    """Kill processes started since ``before``: what an engine left behind after its shutdown
-    (or a failed start-up), so that the next engine has the machine to itself."""
-    import psutil
-
-    procs = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
-    for p in procs:
-        try:
-            p.kill()
-        except psutil.Error:
-            pass
-    psutil.wait_procs(procs, timeout=10)
 
 
 def _p50(values: list[float]) -> float | None:
@@ -503,16 +458,16 @@ def measure_candidate(spec: JobSpec, rows: list[Row], concurrencies: list[int], 
     Returns (levels measured, levels skipped -> reason). Raises SkipCandidate when the engine
     refuses the config (the reason names vLLM's error) and RuntimeFailure for an engine that
     died (the caller decides whether that ends the tune)."""
-    from batchspec.engine import Engine
+    from batchspec.engine import Engine, child_pids, kill_new_children
 
-    before = _child_pids()
+    before = child_pids()
     try:
         engine = Engine(spec)
     except SpecError as exc:
-        _kill_new_children(before)
+        kill_new_children(before)
         raise SkipCandidate(str(exc)) from exc
     except BaseException:
-        _kill_new_children(before)
+        kill_new_children(before)
         raise
     levels: dict[int, Level] = {}
     skipped: dict[int, str] = {}
@@ -529,7 +484,7 @@ def measure_candidate(spec: JobSpec, rows: list[Row], concurrencies: list[int], 
                 levels[c] = measure_level(engine, level_rows(rows, c), c, levels.get(c))
     finally:
         engine.shutdown()
-        _kill_new_children(before)  # the next engine gets the machine to itself
+        kill_new_children(before)  # the next engine gets the machine to itself
     return levels, skipped
 
 
