@@ -80,7 +80,7 @@ demo: models data
 	@echo "charts: out/demo-report.html"
 
 test: models emulators airflow
-	$(BIN)/python -m pytest -q -rs tests
+	$(BIN)/python -m pytest -q -rs --durations=25 tests
 
 # no engine and no models: runs on a fresh clone right after `make setup`
 test-fast: setup emulators
