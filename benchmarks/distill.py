@@ -5,12 +5,20 @@ Runs the real command end to end (sample, the target's continuations, training, 
 before and after on the held-out prompts) and times it; the machine's load average is recorded
 with the result, since the machine may be shared.
 
-Usage: ``python benchmarks/distill.py [--models .models] [--json bench-results/distill.json]``
+Usage: ``python benchmarks/distill.py [--models .models] [--json bench-results/distill.json]
+[--large N]``
+
+``--large N`` then measures what the higher acceptance buys on the large target tier
+(``.models/target-large``: the tiny target's function at a ~200M-parameter model's cost): the
+starting and the distilled draft, k=4, one request at a time (concurrency 1), on the first N
+held-out prompts, output tok/s of each. ``--large-only`` skips the distill run and measures the
+draft an earlier run left in ``--work``.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -45,6 +53,24 @@ def write_job(work: Path, models: Path, target: str, draft: Path, max_tokens: in
     return path
 
 
+def large_tier(job: Path, models: Path, distilled: Path, args: argparse.Namespace) -> dict:
+    """Starting vs distilled draft on the large target at concurrency 1 (held-out prompts)."""
+    from batchspec.distill import evaluate
+    from batchspec.distill_data import sample_rows
+    from batchspec.spec import load_spec
+
+    spec = load_spec(str(job))
+    large = dataclasses.replace(spec, model=dataclasses.replace(
+        spec.model, target=str(models / "target-large")))
+    heldout = sample_rows(spec, args.sample, args.holdout, seed=0).heldout[:args.large]
+    before = evaluate(large, str(models / "draft"), heldout, 4, 1)
+    after = evaluate(large, str(distilled), heldout, 4, 1)
+    keys = ("acceptance_rate", "mean_acceptance_length", "output_tokens_per_s", "output_tokens")
+    return {"target": "target-large", "concurrency": 1, "prompts": len(heldout),
+            "before": {k: before[k] for k in keys}, "after": {k: after[k] for k in keys},
+            "speedup": round(after["output_tokens_per_s"] / before["output_tokens_per_s"], 3)}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", type=Path, default=ROOT / ".models")
@@ -56,10 +82,19 @@ def main() -> int:
     parser.add_argument("--logprobs", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--large", type=int, default=0, metavar="N",
+                        help="then measure both drafts on target-large at concurrency 1 (N prompts)")
+    parser.add_argument("--large-only", action="store_true",
+                        help="measure on target-large only, with the draft an earlier run left in --work")
     args = parser.parse_args()
     from domain_data import write_shards
 
     work = args.work.resolve()
+    if args.large_only:
+        job, out = work / "job-target.yaml", work / "draft-json"
+        result = large_tier(job, args.models.resolve(), out, args)
+        print(json.dumps(result, indent=2))
+        return 0
     shutil.rmtree(work, ignore_errors=True)  # a fresh run: nothing reused from an earlier one
     write_shards(work / "prompts", rows=args.rows, shards=4, seed=0)
     job = write_job(work, args.models, "target", args.models / "draft", args.max_tokens)
@@ -86,6 +121,8 @@ def main() -> int:
         "before": measured["before"], "after": measured["after"],
         "gain": round(measured["after"]["acceptance_rate"] - measured["before"]["acceptance_rate"], 4),
     }
+    if args.large:
+        result["large_tier"] = large_tier(job, args.models.resolve(), out, args)
     print(json.dumps(result, indent=2))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
