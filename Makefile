@@ -30,16 +30,16 @@ endif
 models: setup $(MODELS)/target/.batchspec-complete $(MODELS)/draft-large/.batchspec-complete \
         $(MODELS)/target-large/.batchspec-complete
 
-$(MODELS)/target/.batchspec-complete: tools/tiny_models.py
+$(MODELS)/target/.batchspec-complete: tools/tiny_models.py | $(VENV)/.installed
 	$(BIN)/python tools/tiny_models.py --out $(MODELS)
 
 # the same builder, which skips what is complete: a checkout built before draft-large existed
 # gets it without retraining the pair (about 2.5 minutes)
-$(MODELS)/draft-large/.batchspec-complete: tools/tiny_models.py $(MODELS)/target/.batchspec-complete
+$(MODELS)/draft-large/.batchspec-complete: tools/tiny_models.py $(MODELS)/target/.batchspec-complete | $(VENV)/.installed
 	$(BIN)/python tools/tiny_models.py --out $(MODELS)
 
 # the tiny target grown to 205M parameters, same function (seconds); see tools/grow_model.py
-$(MODELS)/target-large/.batchspec-complete: tools/grow_model.py $(MODELS)/target/.batchspec-complete
+$(MODELS)/target-large/.batchspec-complete: tools/grow_model.py $(MODELS)/target/.batchspec-complete | $(VENV)/.installed
 	$(BIN)/python tools/grow_model.py --source $(MODELS)/target --out $(MODELS)/target-large
 
 # Azurite, the Azure Blob emulator the az:// tests start (an npm package), in a git-ignored folder;
