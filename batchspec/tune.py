@@ -800,7 +800,7 @@ def _default_concurrency(spec: JobSpec) -> int:
 
 
 def _f(value: float | None, fmt: str = ".1f", suffix: str = "") -> str:
-    return "" if value is None else f"{value:{fmt}}{suffix}"
+    return "-" if value is None else f"{value:{fmt}}{suffix}"
 
 
 def render_table(report: TuneReport) -> str:
