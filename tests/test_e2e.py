@@ -408,9 +408,12 @@ def test_greedy_output_identical_with_and_without_speculation(spec_run, plain_ru
     assert compared >= SHARDS * ROWS
 
 
-def test_speculation_with_sampling_temperature(tmp_path, inputs):
-    """A job-wide temperature > 0 with speculation: a spec error (exit 2) where the engine build
-    refuses it (vLLM's CPU build), a normal run elsewhere."""
+def test_speculation_with_sampling_temperature(tmp_path, inputs, monkeypatch):
+    """A job-wide temperature > 0 (here vLLM's default, 1.0) with speculation where batchspec's
+    vLLM plugin is off: a spec error (exit 2) before any engine where the engine build corrupts
+    sampled requests (vLLM's CPU build), a normal run elsewhere. With the plugin on, such jobs
+    run: test_cpu_sampling.py::test_job_with_sampling_and_speculation_runs."""
+    monkeypatch.setenv("BATCHSPEC_DISABLE_VLLM_PLUGIN", "1")  # here and in the CLI it starts
     out = tmp_path / "out"
     job = write_job(tmp_path / "hot.yaml",
                     input={"path": str(inputs[0] / "part-0.parquet"), "prompt_column": "prompt"},
@@ -418,6 +421,7 @@ def test_speculation_with_sampling_temperature(tmp_path, inputs):
                     sampling={"max_tokens": 8})
     result = run_cli("run", str(job), "--no-progress")
     if refuses_sampling(job):
+        assert "starting vLLM engine" not in result.stderr
         assert result.returncode == 2, result.stderr[-2000:]
         assert "sampling.temperature" in result.stderr
         assert "default temperature is 1.0" in result.stderr
