@@ -4,11 +4,12 @@ One Ray cluster and one set of replicas (a caller-owned RayExecutor) serve the w
 a clean run compared with a local run of the same job (greedy: identical text), a run in which
 one replica's actor is killed (``ray.kill``) while it is on a shard, a run with a shard that
 kills every replica it is given (the test-only hook) and ends failed, exit 1, and the CLI
-(``--executor ray --ray-address``) finishing that run. Before them, the driver's scheduling with
+(``--executor ray --ray-address``) finishing that run, then a replica whose engine vLLM refuses
+ending a CLI run with exit 2. Before them, the driver's scheduling with
 a stand-in engine (seconds, no vLLM).
 
-Engine starts: 1 local, 2 replicas, 1 to replace the killed one, 1 in the CLI's replica
-(replacements started for the poison shard's victims are stopped when the run ends).
+Engine starts: 1 local, 2 replicas, 1 to replace the killed one, 1 in the CLI's replica, 1
+refused (replacements started for the poison shard's victims are stopped when the run ends).
 """
 
 from __future__ import annotations
@@ -328,3 +329,39 @@ def test_cli_executor_ray_finishes_the_failed_run(replicas, ray_cluster, inputs,
     assert [e["shard"] for e in events if e["event"] == "shard_started"] == ["s3"]
     assert sorted(e["shard"] for e in events if e["event"] == "shard_skipped") == ["s0", "s1", "s2"]
     assert _texts(poisoned_out) == local_texts
+
+
+@pytest.mark.engine
+def test_replica_whose_engine_is_refused_ends_the_run_with_exit_2(replicas, ray_cluster, inputs,
+                                                                 tmp_path):
+    """A replica whose vLLM engine refuses the job's engine args (a context longer than the
+    model's) ends the run as the local executor does: exit 2 naming vLLM's reason, nothing
+    written, no lease held, a failed run summary, and no replica left holding the cluster."""
+    replicas.shutdown()  # frees the cluster's CPUs (a no-op after the CLI test)
+    address = ray_cluster.get_runtime_context().gcs_address
+    out = tmp_path / "out"
+    job = write_job(tmp_path / "job.yaml",
+                    input={"path": str(inputs / "*.parquet"), "prompt_column": "prompt",
+                           "id_column": "id"},
+                    output={"path": str(out)}, speculative=dict(DRAFT),
+                    model={"target": str(MODELS / "target"),
+                           "engine": {**ENGINE, "max_model_len": 100_000}},
+                    sampling={"temperature": 0.0, "max_tokens": MAX_TOKENS},
+                    executor={"replicas": 1, "resources_per_replica": {"CPU": 1}})
+    run = run_cli("run", str(job), "--executor", "ray", "--ray-address", address,
+                  "--no-progress", "--log-format", "json")
+    assert run.returncode == 2, run.stderr[-3000:]
+    assert "vLLM refused the engine configuration" in run.stderr, run.stderr[-3000:]
+    assert "max_model_len" in run.stderr, run.stderr[-3000:]
+    events = [json.loads(line) for line in run.stderr.splitlines() if line.startswith("{")]
+    assert any(e["event"] == "replicas_starting" for e in events)
+    assert not any(e["event"] in ("replicas_started", "shard_started") for e in events)
+    assert not list(out.glob("*.parquet"))
+    assert not list((out / "_batchspec" / "locks").glob("*.json"))
+    summaries = [json.loads(p.read_text()) for p in (out / "_batchspec" / "runs").glob("*.json")]
+    assert [(s["status"], s["exit_code"]) for s in summaries] == [("failed", 2)], summaries
+    # the refused replica was stopped: the cluster's CPUs are all free again
+    deadline = time.monotonic() + 30
+    while ray_cluster.available_resources().get("CPU", 0) < 2 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert ray_cluster.available_resources().get("CPU", 0) == 2
