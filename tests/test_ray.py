@@ -268,6 +268,20 @@ def test_killed_replica_loses_only_its_shard(replicas, inputs, local_texts, tmp_
     assert result.summary["status"] == "ok"
 
 
+def _cli_job(path, inputs, out, **sections):
+    """The module's job as a YAML file for `batchspec run` (one replica of one CPU)."""
+    return write_job(path, **{
+        "input": {"path": str(inputs / "*.parquet"), "prompt_column": "prompt", "id_column": "id"},
+        "output": {"path": str(out)}, "speculative": dict(DRAFT),
+        "sampling": {"temperature": 0.0, "max_tokens": MAX_TOKENS},
+        "executor": {"replicas": 1, "resources_per_replica": {"CPU": 1}}, **sections})
+
+
+def _json_events(stderr: str) -> list[dict]:
+    """The events of a `--log-format json` run, from its stderr."""
+    return [json.loads(line) for line in stderr.splitlines() if line.startswith("{")]
+
+
 @pytest.fixture(scope="module")
 def poisoned_out(tmp_path_factory):
     """The output of the run with a poison shard, which the CLI test then finishes."""
@@ -313,18 +327,13 @@ def test_cli_executor_ray_finishes_the_failed_run(replicas, ray_cluster, inputs,
     `--ray-address` without Ray is a command-line error."""
     replicas.shutdown()
     address = ray_cluster.get_runtime_context().gcs_address
-    job = write_job(tmp_path / "job.yaml",
-                    input={"path": str(inputs / "*.parquet"), "prompt_column": "prompt",
-                           "id_column": "id"},
-                    output={"path": str(poisoned_out)}, speculative=dict(DRAFT),
-                    sampling={"temperature": 0.0, "max_tokens": MAX_TOKENS},
-                    executor={"replicas": 1, "resources_per_replica": {"CPU": 1}})
+    job = _cli_job(tmp_path / "job.yaml", inputs, poisoned_out)
     bad = run_cli("run", str(job), "--ray-address", address, "--no-progress")
     assert bad.returncode == 2 and "--ray-address" in bad.stderr, bad.stderr
     done = run_cli("run", str(job), "--executor", "ray", "--ray-address", address,
                    "--no-progress", "--log-format", "json")
     assert done.returncode == 0, done.stderr[-3000:]
-    events = [json.loads(line) for line in done.stderr.splitlines() if line.startswith("{")]
+    events = _json_events(done.stderr)
     assert any(e["event"] == "replicas_started" for e in events)
     assert [e["shard"] for e in events if e["event"] == "shard_started"] == ["s3"]
     assert sorted(e["shard"] for e in events if e["event"] == "shard_skipped") == ["s0", "s1", "s2"]
@@ -340,20 +349,15 @@ def test_replica_whose_engine_is_refused_ends_the_run_with_exit_2(replicas, ray_
     replicas.shutdown()  # frees the cluster's CPUs (a no-op after the CLI test)
     address = ray_cluster.get_runtime_context().gcs_address
     out = tmp_path / "out"
-    job = write_job(tmp_path / "job.yaml",
-                    input={"path": str(inputs / "*.parquet"), "prompt_column": "prompt",
-                           "id_column": "id"},
-                    output={"path": str(out)}, speculative=dict(DRAFT),
-                    model={"target": str(MODELS / "target"),
-                           "engine": {**ENGINE, "max_model_len": 100_000}},
-                    sampling={"temperature": 0.0, "max_tokens": MAX_TOKENS},
-                    executor={"replicas": 1, "resources_per_replica": {"CPU": 1}})
+    job = _cli_job(tmp_path / "job.yaml", inputs, out,
+                   model={"target": str(MODELS / "target"),
+                          "engine": {**ENGINE, "max_model_len": 100_000}})
     run = run_cli("run", str(job), "--executor", "ray", "--ray-address", address,
                   "--no-progress", "--log-format", "json")
     assert run.returncode == 2, run.stderr[-3000:]
     assert "vLLM refused the engine configuration" in run.stderr, run.stderr[-3000:]
     assert "max_model_len" in run.stderr, run.stderr[-3000:]
-    events = [json.loads(line) for line in run.stderr.splitlines() if line.startswith("{")]
+    events = _json_events(run.stderr)
     assert any(e["event"] == "replicas_starting" for e in events)
     assert not any(e["event"] in ("replicas_started", "shard_started") for e in events)
     assert not list(out.glob("*.parquet"))
