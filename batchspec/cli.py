@@ -1,6 +1,6 @@
 """Command line: click commands over the library API, nothing else.
 
-Exit codes (CONTRACT.md): 0 done, 1 runtime failure, 2 bad spec or command line, 3 bad input.
+Exit codes (docs/contract.md): 0 done, 1 runtime failure, 2 bad spec or command line, 3 bad input.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ import pyarrow as pa
 REQUEST_ID = "request_id"
 ERROR = "error"
 
-#: The result columns of CONTRACT.md, after ``request_id`` and the kept input columns.
+#: The result columns of docs/contract.md, after ``request_id`` and the kept input columns.
 RESULT_FIELDS: list[pa.Field] = [
     pa.field("generated_text", pa.string()),
     pa.field("finish_reason", pa.string()),

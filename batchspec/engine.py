@@ -320,7 +320,7 @@ class Engine:
 
 
 def result_row(output, e2e_s: float | None = None) -> dict:
-    """A finished RequestOutput as a result row (CONTRACT.md columns).
+    """A finished RequestOutput as a result row (the columns of docs/contract.md).
 
     vLLM's finish reason is kept as it is; ``error`` (the engine failed this request) becomes
     an error row (``generated_text`` null), so it is never mistaken for a success. ``e2e_s`` is

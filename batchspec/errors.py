@@ -10,7 +10,7 @@ class BatchspecError(Exception):
 
     @property
     def kind(self) -> str:
-        """What the exit code means, in words (CONTRACT.md)."""
+        """What the exit code means, in words (docs/contract.md)."""
         return {1: "runtime failure", 2: "bad job spec", 3: "bad input data"}.get(
             self.exit_code, "interrupted")
 
