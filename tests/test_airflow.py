@@ -1,8 +1,9 @@
 """examples/airflow run by Airflow itself: Airflow 3 from its own venv (`make airflow`) with a
 sqlite metadata database in tmp_path imports the DAG file, then `airflow dags test` runs it with 2
 mapped workers on the tiny model pair over a dated partition on a local S3 server; every input row
-must be in the output exactly once and the status task must pass. A bad spec (exit 2) must fail
-the mapped tasks on their first try, with no retry.
+must be in the output exactly once and the status task must pass, and batchspec must have seen only
+the allow-listed part of the worker's environment. A bad spec (exit 2) must fail the mapped tasks
+on their first try, with no retry.
 
 `airflow dags test` runs one task at a time, so the two mapped workers never hold two engines at
 once. The DAG runs batchspec as a command: Airflow and vLLM never share a venv."""
@@ -15,6 +16,7 @@ import os
 import re
 import shutil
 import sqlite3
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -28,6 +30,19 @@ AIRFLOW = ROOT / ".airflow-venv" / "bin" / "airflow"
 EXAMPLE = ROOT / "examples" / "airflow"
 DAG_ID = "batchspec_nightly"
 BATCHSPEC = str(Path(sys.executable).with_name("batchspec"))
+#: What batchspec may see of an Airflow worker's environment (the DAG's docstring): the basics,
+#: the spec's ${VAR}s (DS from the DAG, BATCHSPEC_*, S3_ENDPOINT_URL), batchspec's, vLLM's, the
+#: Hub's and the GPU's variables, and AWS_* because the job is on S3.
+ALLOWED_ENV = re.compile(
+    r"(PATH|HOME|USER|LOGNAME|LANG|LANGUAGE|LC_\w+|TZ|TMPDIR|XDG_CACHE_HOME|LD_LIBRARY_PATH|"
+    r"OMP_NUM_THREADS|(HTTPS?|NO)_PROXY|(https?|no)_proxy|SSL_CERT_(FILE|DIR)|REQUESTS_CA_BUNDLE|"
+    r"CURL_CA_BUNDLE|DS|S3_ENDPOINT_URL|(BATCHSPEC|VLLM|HF|CUDA|NVIDIA|NCCL|AWS)_\w+)")
+#: In the worker's environment, never batchspec's: Airflow's own, a connection's password, a
+#: secret of something else, another cloud's settings (the job is on S3 only).
+NOT_FOR_BATCHSPEC = {"AIRFLOW_CONN_WAREHOUSE": "postgres://etl:warehouse-pw@db:5432/prod",
+                     "WAREHOUSE_PASSWORD": "not-for-batchspec",
+                     "GOOGLE_CLOUD_PROJECT": "not-this-job",
+                     "AZURE_STORAGE_CONNECTION_STRING": "AccountKey=not-this-job"}
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +95,21 @@ def _task_instances(airflow, logical_date: str) -> dict[tuple[str, int], tuple[s
     return {(task, index): (state, tries) for task, index, state, tries in rows}
 
 
-def test_nightly_dag_maps_two_workers_and_covers_every_row_once(airflow, models, s3_server):
+def _env_recorder(directory: Path) -> Path:
+    """A batchspec command for the DAG that writes the names (not the values) of the environment
+    it was started with to DIRECTORY/<subcommand>-<pid>.txt, then runs batchspec itself."""
+    directory.mkdir()
+    script = directory / "batchspec"
+    script.write_text(f"#!{sys.executable}\n"
+                      "import os, sys\n"
+                      f"with open(f'{directory}/{{sys.argv[1]}}-{{os.getpid()}}.txt', 'w') as f:\n"
+                      "    f.write('\\n'.join(os.environ))\n"
+                      f"os.execv({BATCHSPEC!r}, [{BATCHSPEC!r}, *sys.argv[1:]])\n")
+    script.chmod(script.stat().st_mode | stat.S_IXUSR)
+    return script
+
+
+def test_nightly_dag_maps_two_workers_and_covers_every_row_once(airflow, models, s3_server, tmp_path):
     import s3fs
     from demo_data import prompt_table
 
@@ -99,12 +128,13 @@ def test_nightly_dag_maps_two_workers_and_covers_every_row_once(airflow, models,
     fs.pipe(f"{bucket}/prompts/2026-11-19/part-0.parquet", buf.getvalue())
 
     # the example's own nightly.yaml (the DAG's default job), pointed at the test's store and models
-    env = {"AIRFLOW_VAR_BATCHSPEC_BIN": BATCHSPEC, "AIRFLOW_VAR_BATCHSPEC_NUM_WORKERS": "2",
+    recorder = _env_recorder(tmp_path / "seen")
+    env = {"AIRFLOW_VAR_BATCHSPEC_BIN": str(recorder), "AIRFLOW_VAR_BATCHSPEC_NUM_WORKERS": "2",
            "BATCHSPEC_BUCKET": bucket, "S3_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": S3_KEY,
            "AWS_SECRET_ACCESS_KEY": S3_SECRET, "BATCHSPEC_TARGET": str(MODELS / "target"),
            "BATCHSPEC_DRAFT": DRAFT["model"], "BATCHSPEC_MAX_MODEL_LEN": str(ENGINE["max_model_len"]),
            "BATCHSPEC_ENFORCE_EAGER": "true", "BATCHSPEC_DTYPE": ENGINE["dtype"],
-           "BATCHSPEC_MAX_TOKENS": "8", "VLLM_CPU_KVCACHE_SPACE": "1"}
+           "BATCHSPEC_MAX_TOKENS": "8", "VLLM_CPU_KVCACHE_SPACE": "1", **NOT_FOR_BATCHSPEC}
     done = airflow("dags", "test", DAG_ID, ds, env=env, timeout=900)
     log = done.stdout + done.stderr
     assert done.returncode == 0, log[-6000:]
@@ -121,6 +151,21 @@ def test_nightly_dag_maps_two_workers_and_covers_every_row_once(airflow, models,
     ids = [i for k in outputs for i in pq.read_table(io.BytesIO(fs.cat(k)))["request_id"].to_pylist()]
     assert sorted(ids) == sorted(expected)
     assert not fs.exists(f"{bucket}/results/2026-11-19")
+
+    # batchspec saw what it needs and nothing else, in both the workers and the status check
+    seen = {f.name: set(f.read_text().split()) for f in (tmp_path / "seen").glob("*.txt")}
+    assert sorted(name.split("-")[0] for name in seen) == ["run", "run", "status"], sorted(seen)
+    for name, names in seen.items():
+        needed = {"PATH", "HOME", "DS", "BATCHSPEC_BUCKET", "S3_ENDPOINT_URL", "AWS_ACCESS_KEY_ID",
+                  "AWS_SECRET_ACCESS_KEY", "BATCHSPEC_TARGET", "BATCHSPEC_DRAFT",
+                  "VLLM_CPU_KVCACHE_SPACE"}
+        assert needed <= names, (name, sorted(needed - names))
+        assert not names & {*NOT_FOR_BATCHSPEC, "AIRFLOW_HOME", "AIRFLOW__CORE__DAGS_FOLDER",
+                            "AIRFLOW_VAR_BATCHSPEC_BIN"}, (name, sorted(names))
+        extra = sorted(n for n in names if not ALLOWED_ENV.fullmatch(n))
+        assert not extra, f"{name}: batchspec was given {extra}"
+    logged = re.findall(r"environment passed: (.*)", log)  # the task log names what it passed
+    assert len(logged) >= 3 and all(ALLOWED_ENV.fullmatch(n) for line in logged for n in line.split())
 
 
 def test_bad_spec_fails_the_mapped_tasks_at_once_without_retry(airflow, tmp_path):

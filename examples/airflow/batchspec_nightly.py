@@ -11,6 +11,15 @@ task at once, since a retry would fail the same way. The run's date reaches the 
 (see nightly.yaml): the task's ``job_env`` is rendered by Airflow (``{{ ds }}``) and passed to
 batchspec in its environment.
 
+batchspec gets an allow-listed environment, never the worker's whole one (Airflow's own settings
+such as the metadata database URL and secret keys, its connections and variables, whatever else
+the worker holds): ``PATH``, ``HOME``, locale, ``TMPDIR``, proxy and CA-bundle settings; every
+``${VAR}`` the job spec names (and ``DS`` from the DAG); ``BATCHSPEC_*``, ``VLLM_*``, ``HF_*`` and
+the GPU's ``CUDA_*``/``NVIDIA_*``/``NCCL_*``; and the credentials of the stores the job names:
+``AWS_*`` for ``s3://``, ``GOOGLE_*`` for ``gs://``, ``AZURE_*`` for ``az://``/``abfs://``. Anything
+else it needs goes in the ``batchspec_pass_env`` Variable. Each task logs the names it passes (never
+the values).
+
 Configuration, read when a task runs (Airflow Variables, or ``AIRFLOW_VAR_<NAME>`` in the workers'
 environment):
 
@@ -18,6 +27,8 @@ environment):
     batchspec_job          the job spec (default: nightly.yaml beside this file)
     batchspec_num_workers  how many mapped workers (default 2); each needs one GPU, so put
                            run_worker in a pool the size of your GPU count
+    batchspec_pass_env     more environment variables batchspec may see, comma-separated
+                           (default: none beyond the allow-list above)
 
 and, when the DAG file is parsed: ``BATCHSPEC_RETRIES`` (default 2) and ``BATCHSPEC_RETRY_DELAY_S``
 (default 300) for exit code 1.
@@ -28,6 +39,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import subprocess
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -43,13 +55,48 @@ NOT_RETRYABLE = {2: "bad job spec or command line", 3: "bad input data"}
 GRACE_S = 60
 #: The environment the spec's ${VAR}s read; Airflow renders the templates for each run.
 JOB_ENV = {"DS": "{{ ds }}"}
+#: What batchspec may see of the worker's environment, by name and by prefix (see the docstring).
+PASS_NAMES = frozenset({
+    "PATH", "HOME", "USER", "LOGNAME", "LANG", "LANGUAGE", "LC_ALL", "LC_CTYPE", "TZ", "TMPDIR",
+    "XDG_CACHE_HOME", "LD_LIBRARY_PATH", "OMP_NUM_THREADS",
+    "HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY", "http_proxy", "https_proxy", "no_proxy",
+    "SSL_CERT_FILE", "SSL_CERT_DIR", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE",
+})
+PASS_PREFIXES = ("BATCHSPEC_", "VLLM_", "HF_", "CUDA_", "NVIDIA_", "NCCL_")
+#: Credentials by the stores a job names: a job on S3 gets AWS_*, never Google's or Azure's.
+STORE_PREFIXES = {("s3://", "s3a://"): ("AWS_",),
+                  ("gs://", "gcs://"): ("GOOGLE_", "GCLOUD_", "CLOUDSDK_"),
+                  ("az://", "abfs://", "abfss://", "adl://"): ("AZURE_",)}
+_SPEC_VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)")
 
 
-def _config() -> tuple[str, str]:
-    """The batchspec command and the job spec path, from Variables or their defaults."""
+def _config(job_env: dict[str, str]) -> tuple[str, str, dict[str, str]]:
+    """The batchspec command, the job spec path and batchspec's environment, from Variables or
+    their defaults."""
     binary = Variable.get("batchspec_bin", default="batchspec")
     job = Variable.get("batchspec_job", default=str(Path(__file__).with_name("nightly.yaml")))
-    return binary, job
+    extra = Variable.get("batchspec_pass_env", default="")
+    return binary, job, batchspec_env(job, job_env, extra)
+
+
+def batchspec_env(job: str, job_env: dict[str, str], extra: str = "",
+                  environ: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment batchspec runs with: the allow-listed part of ``environ`` (the worker's),
+    the spec's own ``${VAR}``s, the credentials of the stores it names, ``extra`` (comma-separated
+    names), then ``job_env`` (the rendered ``DS``)."""
+    environ = dict(os.environ if environ is None else environ)
+    try:
+        text = Path(job).read_text()
+    except OSError:  # batchspec itself says so (exit 2)
+        text = ""
+    names = PASS_NAMES | set(_SPEC_VAR.findall(text))
+    names |= {n.strip() for n in extra.split(",") if n.strip()}
+    # the stores a job names: in the spec's text, or in the ${VAR}s it reads (input: ${URL})
+    where = " ".join([text, *(environ.get(n, "") for n in names), *job_env.values()])
+    prefixes = PASS_PREFIXES + tuple(p for schemes, ps in STORE_PREFIXES.items()
+                                     if any(s in where for s in schemes) for p in ps)
+    env = {k: v for k, v in environ.items() if k in names or k.startswith(prefixes)}
+    return {**env, **job_env}
 
 
 def _stream(args: list[str], env: dict[str, str], what: str) -> tuple[int, dict]:
@@ -57,8 +104,9 @@ def _stream(args: list[str], env: dict[str, str], what: str) -> tuple[int, dict]
     code and its ``run_finished`` event. If Airflow stops the task, batchspec gets SIGTERM and
     ``GRACE_S`` to abort in-flight requests, commit nothing partial and exit, not an orphan."""
     log.info("%s: %s", what, " ".join(args))
+    log.info("environment passed: %s", " ".join(sorted(env)))
     finished: dict = {}
-    proc = subprocess.Popen(args, env={**os.environ, **env}, stdout=subprocess.PIPE,
+    proc = subprocess.Popen(args, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     try:
         for line in proc.stdout:
@@ -116,11 +164,11 @@ def batchspec_nightly() -> None:
     def run_worker(worker_index: int, num_workers: int, job_env: dict[str, str]) -> dict:
         """``batchspec run`` for one worker's shards; returns its ``run_finished`` event (rows,
         errors, wall time, the run summary's path) as the task's XCom."""
-        binary, job = _config()
+        binary, job, env = _config(job_env)
         what = f"batchspec run (worker {worker_index}/{num_workers})"
         code, finished = _stream([binary, "run", job, "--worker-index", str(worker_index),
                                   "--num-workers", str(num_workers), "--log-format", "json"],
-                                 job_env, what)
+                                 env, what)
         _raise_for(code, what)
         return finished
 
@@ -130,10 +178,11 @@ def batchspec_nightly() -> None:
         """``batchspec status`` over the whole job: fails while any shard is not committed, so the
         run is green only when every row is in the output. Runs after failed workers too, to say
         which shards are left."""
-        binary, job = _config()
+        binary, job, env = _config(job_env)
         args = [binary, "status", job, "--format", "json"]
         log.info("batchspec status: %s", " ".join(args))
-        done = subprocess.run(args, env={**os.environ, **job_env}, capture_output=True, text=True)
+        log.info("environment passed: %s", " ".join(sorted(env)))
+        done = subprocess.run(args, env=env, capture_output=True, text=True)
         for line in done.stderr.splitlines():
             log.info("%s", line)
         _raise_for(done.returncode, "batchspec status")
