@@ -21,6 +21,18 @@ same (token, counter) for ``lease_s`` of its *own* monotonic time may take the l
 compare-and-swap on the version it read. The holder gives up (``lost``) when it could not renew
 for ``lease_s / 2``, well before anyone may take over.
 
+What an observer saw travels as a duration, never as a time: :meth:`ShardLeases.observation`
+("this holder's heartbeat, first seen so N seconds ago") and :meth:`ShardLeases.note_observation`
+let another object, process or host (a Ray replica given the shard's retry) continue the watch.
+:class:`BusyRetry` is the one rule every executor follows for a busy shard: wait until its
+holder could have been still for ``lease_s``, try once more (taking it over if it was), and
+leave it busy if it is still held.
+
+Releasing is compare-and-swap too. A server that honours conditional writes but not a
+conditional delete (it refuses ``If-Match`` on DeleteObject, or ignores it) never gets an
+unconditional delete: the lease is released by overwriting it, ``If-Match`` on our ETag, with a
+``released`` record, which the next taker replaces (compare-and-swap on its version) at once.
+
 Adapters: :class:`_S3Store` (``If-None-Match`` / ``If-Match`` on PutObject), :class:`_GcsStore`
 (``ifGenerationMatch``) and :class:`_AzureStore` (``If-None-Match`` / ``If-Match`` with the ETag).
 Each is chosen by :func:`_cas_store_for` only after a probe shows the server applies the
@@ -149,7 +161,18 @@ class _CasStore(Protocol):
         """Overwrite the object if it is still at ``version``; the new version, or None."""
 
     def delete_if_match(self, path: str, version: Any) -> bool:
-        """Delete the object if it is still at ``version``; whether it was deleted."""
+        """Delete the object if it is still at ``version`` (or, where the store cannot delete
+        conditionally, replace it with a released record, if still at ``version``); whether it
+        was released."""
+
+
+def _released_record() -> dict:
+    """What a released lease holds where it cannot be deleted conditionally: free to any taker."""
+    return {"released": True, "released_at": _now_iso()}
+
+
+def _is_released(record: dict | None) -> bool:
+    return record is not None and record.get("released") is True
 
 
 def _error_response(exc: BaseException) -> tuple[str | None, int | None]:
@@ -188,6 +211,8 @@ class _S3Store:
 
     def __init__(self, fs: Any):
         self.fs = fs
+        #: whether DeleteObject honours If-Match here (:meth:`honours_conditions` finds out)
+        self.conditional_delete = True
 
     def _run(self, coroutine_fn: Any, *args: Any, **kwargs: Any) -> Any:
         """Run one of s3fs's coroutines on its event loop, from any thread."""
@@ -243,40 +268,74 @@ class _S3Store:
         return self._put(path, _encode(record), "renewing lease", IfMatch=str(version))
 
     def delete_if_match(self, path: str, version: Any) -> bool:
-        def delete():
-            try:
-                self._call("delete_object", **self._where(path), IfMatch=str(version))
-            except FileNotFoundError:
-                return False
-            except Exception as exc:
-                if _someone_else_won(exc):
+        if self.conditional_delete:
+            def delete():
+                try:
+                    self._call("delete_object", **self._where(path), IfMatch=str(version))
+                except FileNotFoundError:
                     return False
-                if _unsupported(exc):
-                    # no conditional delete here; the caller read our token just before
-                    self._call("delete_object", **self._where(path))
-                    return True
-                raise
-            return True
+                except Exception as exc:
+                    if _someone_else_won(exc):
+                        return False
+                    if _unsupported(exc):
+                        return None  # no conditional delete here after all: see below
+                    raise
+                return True
 
-        return retry(delete, f"releasing lease {path}")
+            deleted = retry(delete, f"releasing lease {path}")
+            if deleted is not None:
+                return deleted
+            self.conditional_delete = False
+        # never an unconditional delete: it could remove a lease another process has taken
+        # over since. Overwrite ours (If-Match, which the probe showed this server honours)
+        # with a released record instead; the next taker swaps it at once.
+        return self.replace_if_match(path, _released_record(), version) is not None
 
     def honours_conditions(self, directory: str) -> bool:
         """Whether the server really applies If-None-Match and If-Match on PutObject: some
-        S3-compatible servers ignore unknown headers, which would let every racer win."""
+        S3-compatible servers ignore unknown headers, which would let every racer win. Also
+        notes whether it applies If-Match on DeleteObject (:attr:`conditional_delete`)."""
         path = posixpath.join(directory, f".cas-probe-{uuid.uuid4().hex}")
+        stale_etag = '"0123456789abcdef0123456789abcdef"'
+
+        def remove() -> None:
+            try:
+                self._call("delete_object", **self._where(path))
+            except FileNotFoundError:
+                pass
+
         try:
             if self.create_if_absent(path, {"probe": 1}) is None:
                 return False
             try:
                 second = self.create_if_absent(path, {"probe": 2})
-                stale = self.replace_if_match(path, {"probe": 3}, '"0123456789abcdef0123456789abcdef"')
+                stale = self.replace_if_match(path, {"probe": 3}, stale_etag)
+                self.conditional_delete = self._refuses_stale_delete(path, stale_etag)
             finally:
-                retry(lambda: self._call("delete_object", **self._where(path)), f"removing {path}")
+                retry(remove, f"removing {path}")
         except Exception as exc:
             if _unsupported(exc):
                 return False
             raise
         return second is None and stale is None
+
+    def _refuses_stale_delete(self, path: str, stale_etag: str) -> bool:
+        """Whether a DeleteObject with a stale If-Match is refused (412), as it must be; a server
+        that rejects the header (400, 501) or deletes anyway has no conditional delete."""
+        def delete():
+            try:
+                self._call("delete_object", **self._where(path), IfMatch=stale_etag)
+            except FileNotFoundError:
+                return False
+            except Exception as exc:
+                if _someone_else_won(exc):
+                    return True
+                if _unsupported(exc):
+                    return False
+                raise
+            return False  # accepted: it deleted (or would delete) whatever was there
+
+        return retry(delete, f"probing conditional delete on {path}")
 
 
 def _probe_conditions(store: _CasStore, path: str, stale_version: Any, remove: Any,
@@ -702,6 +761,106 @@ def _read_local_record(path: str) -> dict | None:
 # ---------------------------------------------------------------------- the lease set
 
 
+class HolderWatch:
+    """What one observer has seen of leases held by others: per shard, the holder's key
+    ``(token, heartbeat, lease_s)`` (``("unreadable", version, 0.0)`` for a record that is not
+    one) and when, on this process's monotonic clock, that key was first seen.
+
+    Only durations leave a process: :meth:`get` says how long ago a key was first seen, and
+    :meth:`merge` continues another observer's watch from that. A heartbeat only grows and a
+    token is never reused, so a key read again later has been there the whole time in between:
+    the holder has been still for at least the time since the first sighting, and a watch that
+    travels (and so starts a little later) only ever understates it."""
+
+    def __init__(self):
+        self._seen: dict[str, tuple[tuple, float]] = {}
+        self._lock = threading.Lock()
+
+    def note(self, shard_name: str, key: tuple) -> float:
+        """The holder's key as read just now; seconds since it was first seen (0 if new)."""
+        now = time.monotonic()
+        with self._lock:
+            seen = self._seen.get(shard_name)
+            if seen is None or seen[0] != key:
+                self._seen[shard_name] = (key, now)
+                return 0.0
+            return now - seen[1]
+
+    def merge(self, shard_name: str, key: tuple, seen_s: float) -> None:
+        """Another observer first saw ``key`` ``seen_s`` seconds ago (of its clock)."""
+        key = tuple(key)
+        since = time.monotonic() - max(0.0, float(seen_s))
+        with self._lock:
+            seen = self._seen.get(shard_name)
+            if seen is not None and seen[0] == key:
+                since = min(since, seen[1])
+            self._seen[shard_name] = (key, since)
+
+    def get(self, shard_name: str) -> tuple[tuple, float] | None:
+        """``(key, seconds since first seen)``, or None for a shard not seen held."""
+        with self._lock:
+            seen = self._seen.get(shard_name)
+        return None if seen is None else (seen[0], time.monotonic() - seen[1])
+
+    def takeover_in(self, shard_name: str, lease_s: float) -> float | None:
+        """Seconds until the holder, if its key stays as seen, may be taken over."""
+        seen = self.get(shard_name)
+        if seen is None:
+            return None
+        key, seen_s = seen
+        return max(0.0, max(lease_s, _lease_s_of({"lease_s": key[2]})) - seen_s)
+
+    def forget(self, shard_name: str) -> None:
+        with self._lock:
+            self._seen.pop(shard_name, None)
+
+
+#: Seconds added to a busy shard's wait before its retry, over the time its holder needs to
+#: have been still.
+RETRY_MARGIN_S = 1.0
+
+
+class BusyRetry:
+    """The one meaning of "wait for a stale lease, then retry", for every executor (the local
+    runner and the Ray driver).
+
+    A shard found held by another process, whose holder was seen (object stores), is tried once
+    more: after the time its holder's heartbeat needs to have been still for ``lease_s`` (of the
+    observer's clock, from the first look) has passed. That retry takes the lease over if the
+    heartbeat was indeed still (a dead holder: another host's crashed worker, a killed Ray
+    replica); if the shard is held on the retry, its holder is alive and the shard stays busy
+    (exit 1 naming it). So a shard is waited for once, and a run always ends. The retry may run
+    in another process: :meth:`observation` is what to hand it
+    (:meth:`ShardLeases.note_observation`). :meth:`rearm` allows one more wait after the shard's
+    own worker died holding it (bounded by the executor's own tries)."""
+
+    def __init__(self, lease_s: float):
+        self.lease_s = float(lease_s)
+        self._watch = HolderWatch()
+        self._waited: set[str] = set()
+
+    def after(self, shard_name: str, observation: tuple[tuple, float] | None) -> float | None:
+        """A shard was found busy, with what the finder saw of its holder
+        (:meth:`ShardLeases.observation`): seconds from now until its retry, or None when it
+        stays busy (already waited for, or its holder was never seen: a local lease's holder
+        is alive)."""
+        if observation is None or shard_name in self._waited:
+            return None
+        self._waited.add(shard_name)
+        key, seen_s = observation
+        self._watch.merge(shard_name, key, seen_s)
+        return self._watch.takeover_in(shard_name, self.lease_s) + RETRY_MARGIN_S
+
+    def observation(self, shard_name: str) -> tuple[tuple, float] | None:
+        """What to hand the process that retries the shard."""
+        return self._watch.get(shard_name)
+
+    def rearm(self, shard_name: str) -> None:
+        """The shard's own worker died holding it: its lease is a new one to wait for."""
+        self._waited.discard(shard_name)
+        self._watch.forget(shard_name)
+
+
 @dataclass
 class _Lease:
     token: str
@@ -733,8 +892,8 @@ class ShardLeases:
         self._store_lock = threading.Lock()
         self._held: dict[str, _Lease] = {}
         self._lock = threading.Lock()
-        #: shard -> ((token, heartbeat, lease_s) last seen in its record, monotonic time first seen)
-        self._seen: dict[str, tuple[tuple, float]] = {}
+        #: the holders of shards this object found held, as it saw them
+        self._seen = HolderWatch()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         if self.owner.get("pid") == os.getpid():
@@ -821,7 +980,7 @@ class ShardLeases:
         record, version = self._reader().read(path)
         if record is None and version is not None:
             return _unknown_holder(path, "unreadable lease record")
-        return record
+        return None if _is_released(record) else record
 
     def held(self) -> list[str]:
         """The shards this object holds and has not lost."""
@@ -830,11 +989,19 @@ class ShardLeases:
     def takeover_in(self, shard_name: str) -> float | None:
         """Seconds until a lease seen held by another process may be taken over if its heartbeat
         stays still; None for a shard not seen held. A runner retries busy shards after this."""
-        seen = self._seen.get(shard_name)
-        if seen is None:
-            return None
-        (_, _, lease_s), since = seen
-        return max(0.0, max(self.lease_s, lease_s) - (time.monotonic() - since))
+        return self._seen.takeover_in(shard_name, self.lease_s)
+
+    def observation(self, shard_name: str) -> tuple[tuple, float] | None:
+        """What this object saw of the holder of a shard it found held: the holder's key
+        ``(token, heartbeat, lease_s)`` and seconds since it first saw that key; None if never
+        seen held (or taken since). Hand it to another object (another task, process or host)
+        with :meth:`note_observation`, so that the wait for a dead holder is not started over."""
+        return self._seen.get(shard_name)
+
+    def note_observation(self, shard_name: str, key: tuple, seen_s: float) -> None:
+        """Continue a watch another observer began (see :meth:`observation`): if this object
+        then reads the same key, the holder has been still at least ``seen_s`` longer."""
+        self._seen.merge(shard_name, key, seen_s)
 
     def start(self) -> None:
         """Start the renewal thread (idempotent)."""
@@ -884,7 +1051,7 @@ class ShardLeases:
         lease.next_renew_at = sent + self.lease_s / 4
         with self._lock:
             self._held[shard_name] = lease
-        self._seen.pop(shard_name, None)
+        self._seen.forget(shard_name)
 
     def _acquire_local(self, shard_name: str) -> dict | None:
         path = self.out.lock_path(shard_name)
@@ -901,16 +1068,20 @@ class ShardLeases:
         path = self.out.lock_path(shard_name)
         for _ in range(3):
             record, version = store.read(path)
-            if record is None and version is None:
+            if record is None and version is None or _is_released(record):
+                # free; a released record (no conditional delete on this store) is swapped
                 lease, sent = self._new_lease(), time.monotonic()
-                new = store.create_if_absent(path, lease.record)
+                if record is None:
+                    new = store.create_if_absent(path, lease.record)
+                else:
+                    new = store.replace_if_match(path, lease.record, version)
                 if new is None:
                     new = self._landed(store, path, lease)
                 if new is not None:
                     lease.version = new
                     self._hold(shard_name, lease, sent)
                     return None
-                continue  # someone else created it: read who
+                continue  # someone else took it: read who
             # a lease we gave up on (storage errors) that nobody took meanwhile is still ours
             ours = dropped_token is not None and record is not None and record.get("token") == dropped_token
             dead = record is not None and holder_is_dead(record)
@@ -934,7 +1105,7 @@ class ShardLeases:
                 return None
             # the holder renewed, or another process took it over first: look again
         record, version = store.read(path)
-        if record is None and version is None:
+        if record is None and version is None or _is_released(record):
             return _unknown_holder(path, "lease changing hands")
         self._observe(shard_name, record, version)
         return record or _unknown_holder(path, "unreadable lease record")
@@ -955,12 +1126,7 @@ class ShardLeases:
             key = (record.get("token"), record.get("heartbeat"), _lease_s_of(record))
         else:
             key = ("unreadable", version, 0.0)
-        now = time.monotonic()
-        seen = self._seen.get(shard_name)
-        if seen is None or seen[0] != key:
-            self._seen[shard_name] = (key, now)
-            return 0.0
-        return now - seen[1]
+        return self._seen.note(shard_name, key)
 
     def _renew(self, lease: _Lease, shard_name: str) -> bool:
         """One renewal: True if still ours. Raises on storage errors."""
@@ -1046,4 +1212,4 @@ def read_holder(out: OutputDir, shard_name: str) -> dict | None:
     return ShardLeases(out, {}, LEASE_S).holder(shard_name)
 
 
-__all__ = ["LEASE_S", "ShardLeases", "holder_is_dead", "read_holder"]
+__all__ = ["LEASE_S", "BusyRetry", "HolderWatch", "ShardLeases", "holder_is_dead", "read_holder"]

@@ -311,8 +311,9 @@ class _Job:
         """Stages claim -> read prompts -> generate -> write and commit, in this process, holding
         each shard's lease. A shard whose holder went silent (it died on another host: object
         stores only) is retried once its lease has run out on this process's own clock, so a
-        rerun never waits on a dead worker."""
-        from batchspec.leases import ShardLeases
+        rerun never waits on a dead worker (:class:`batchspec.leases.BusyRetry`, the rule the
+        Ray driver follows too)."""
+        from batchspec.leases import BusyRetry, ShardLeases
 
         spec, events = self.spec, self.events
         progress = self.new_progress(sum(row_counts.values()), len(shards))
@@ -326,11 +327,12 @@ class _Job:
         with self.leases:
             self.pipeline.generate(self.engine, shards, row_counts)
             busy = self.summary["busy_shards"]
-            waits = {n: self.leases.takeover_in(n) for n in busy}
+            rule = BusyRetry(spec.execution.lease_s)
+            waits = {n: rule.after(n, self.leases.observation(n)) for n in busy}
             retry = sorted(n for n, w in waits.items() if w is not None)
             if not retry or self.stop or self.fatal:
                 return
-            wait_s = max(waits[n] for n in retry) + 1.0
+            wait_s = max(waits[n] for n in retry)
             events.emit("shards_waiting", f"{len(retry)} shard(s) are held by runs that have not "
                         f"renewed their lease; taking them over in {wait_s:.0f}s unless they do",
                         shards=retry, wait_s=round(wait_s, 1))

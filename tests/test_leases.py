@@ -415,3 +415,119 @@ def check_compare_and_swap(store, path: str) -> None:
     assert store.read(path) == (None, None)
     assert store.delete_if_match(path, second) is False  # already gone
     assert store.replace_if_match(path, {"n": 5}, second) is None
+
+
+# ---------------------------------------------------------------------- a busy shard's retry
+
+
+@pytest.mark.parametrize("store", ["s3", "memory"])
+def test_a_dead_holder_is_taken_over_by_the_next_task_and_a_live_one_is_waited_for_once(
+        store, request):
+    """What a Ray driver does with a busy shard (every task on a replica has a fresh ShardLeases):
+    the observation a task reports travels with the shard's retry, so the next task, whichever
+    lease object makes it, takes a dead holder over once its heartbeat has been still for
+    lease_s; a live holder (renewing) leaves the shard busy after one wait, never again."""
+    from batchspec.leases import BusyRetry
+
+    if store == "s3":
+        url, options, _ = request.getfixturevalue("s3_out")
+    else:
+        url, options = f"memory://busy-{uuid.uuid4().hex[:8]}/out", {}
+    lease_s = 1.0
+    dead = ShardLeases(OutputDir(url, options), owner("dead-run", host="gone.example"), lease_s)
+    assert dead.acquire("a") is None  # held, and never renewed: its keeper never runs
+    with ShardLeases(OutputDir(url, options), owner("live-run"), lease_s) as live:
+        assert live.acquire("b") is None  # held and renewed every lease_s / 4
+        rule = BusyRetry(lease_s)
+
+        def task(seen=None):
+            """One task on a replica: a fresh lease set, seeded with the driver's watch."""
+            leases = ShardLeases(OutputDir(url, options), owner("this-run"), lease_s)
+            for name, (key, seen_s) in (seen or {}).items():
+                leases.note_observation(name, key, seen_s)
+            return leases, {n: leases.acquire(n) for n in ("a", "b")}
+
+        first, held = task()
+        assert held["a"]["run_id"] == "dead-run" and held["b"]["run_id"] == "live-run"
+        waits = {n: rule.after(n, first.observation(n)) for n in ("a", "b")}
+        assert all(lease_s <= w <= lease_s + 1.0 for w in waits.values()), waits
+        time.sleep(max(waits.values()))
+
+        # a fresh lease set without the watch must start waiting again (what made Ray hang)
+        _, unseeded = task()
+        assert unseeded["a"]["run_id"] == "dead-run"
+
+        second, held = task({n: rule.observation(n) for n in ("a", "b")})
+        assert held["a"] is None  # taken over: still for lease_s, seen across two tasks
+        assert second.holder("a")["run_id"] == "this-run"
+        assert held["b"]["run_id"] == "live-run"  # it renewed meanwhile: alive, busy
+        assert rule.after("b", second.observation("b")) is None  # no second wait: the run ends
+        assert rule.after("a", None) is None
+        rule.rearm("b")  # its own worker died holding it (Ray): one more wait is allowed
+        assert rule.after("b", second.observation("b")) is not None
+        second.release_all()
+
+
+def test_a_watch_that_travels_never_overstates_how_long_a_holder_was_still():
+    from batchspec.leases import HolderWatch
+
+    here, there = HolderWatch(), HolderWatch()
+    key = ("token", 3, 2.0)
+    assert here.note("a", key) == 0.0
+    time.sleep(0.2)
+    seen = here.get("a")
+    assert seen[0] == key and 0.2 <= seen[1] < 1.0
+    there.merge("a", *seen)
+    assert there.takeover_in("a", 1.0) <= 2.0 - 0.2  # the record's own lease_s (2.0) counts
+    assert there.note("a", key) >= seen[1]  # read again unchanged: still since the first look
+    assert there.note("a", ("token", 4, 2.0)) == 0.0  # it beat: the wait starts over
+    there.merge("a", ("token", 4, 2.0), 0.1)
+    assert there.get("a")[1] >= 0.0  # an older sighting of the same key is kept, not replaced
+    assert HolderWatch().takeover_in("a", 1.0) is None
+
+
+@pytest.fixture(params=["refuses If-Match", "ignores If-Match"])
+def s3_without_conditional_delete(request, s3_out, monkeypatch):
+    """The session's S3 server, made to behave like S3-compatible servers that honour conditional
+    PUTs but not a conditional DeleteObject: one answers 501 NotImplemented to If-Match on
+    DELETE, the other deletes whatever is there."""
+    from moto.s3.responses import S3Response
+
+    honest = S3Response.delete_object
+
+    def delete_object(self):
+        if self.headers.get("If-Match"):
+            if request.param == "refuses If-Match":
+                return 501, {}, ("<?xml version='1.0' encoding='UTF-8'?><Error><Code>NotImplemented"
+                                 "</Code><Message>If-Match on DELETE</Message></Error>")
+            self.headers = {k: v for k, v in self.headers.items() if k.lower() != "if-match"}
+        return honest(self)
+
+    monkeypatch.setattr(S3Response, "delete_object", delete_object)
+    return s3_out
+
+
+def test_a_release_never_deletes_a_lease_taken_over_since_without_conditional_delete(
+        s3_without_conditional_delete):
+    """A holder that went silent, was taken over, then releases late: where DeleteObject does not
+    honour If-Match, its release must not remove the new holder's lease (it used to delete
+    unconditionally). A release on such a server frees the shard at once for the next taker."""
+    url, options, _ = s3_without_conditional_delete
+    lease_s = 0.5
+    late = ShardLeases(OutputDir(url, options), owner("late"), lease_s)
+    assert late.acquire("a") is None  # its keeper never runs: silent from here on
+    taker = ShardLeases(OutputDir(url, options), owner("taker"), lease_s)
+    assert taker.acquire("a")["run_id"] == "late"
+    time.sleep(lease_s + 0.1)
+    assert taker.acquire("a") is None
+    late.release("a")
+    assert taker.holder("a")["run_id"] == "taker", "a late release removed another's lease"
+    assert not taker._store.conditional_delete  # the probe found out
+    assert taker.confirm("a")
+    taker.release("a")  # released with a conditional overwrite: nobody holds it now
+    assert taker.holder("a") is None
+    third = ShardLeases(OutputDir(url, options), owner("third"), lease_s=600)
+    assert third.acquire("a") is None  # free at once: no lease_s wait on a released lease
+    assert third.holder("a")["run_id"] == "third"
+    assert late.acquire("a")["run_id"] == "third"
+    third.release("a")
