@@ -286,3 +286,100 @@ def _collect(value: Any, path: tuple, hidden: bool, found: set[str]) -> None:
     elif hidden and isinstance(value, int | float) and not isinstance(value, bool) \
             and path and is_secret_key(path[-1]):
         found.add(str(value))  # a numeric PIN or key under a credential name
+
+
+# ----------------------------------------------------------------------------------- written specs
+#
+# A spec batchspec writes for a user to keep and run again (``tune --write``) is the YAML as the
+# user wrote it, ``${VAR}`` not expanded. It may hold a credential only as a reference to the
+# environment; :func:`literal_secrets` finds every place where it holds one literally.
+
+#: ``${NAME}`` or ``${NAME:-default}``, as the job spec expands them (:mod:`batchspec.spec`).
+_ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
+#: What may stand beside references in a credential's value: one scheme word (``Bearer ${T}``).
+_AUTH_SCHEME = re.compile(r"\s*(?:[A-Za-z][A-Za-z0-9-]*\s+)?")
+#: gcsfs ``token`` values that name a way to log in, not a credential (``token: anon``).
+GCSFS_TOKEN_MODES = frozenset({"anon", "google_default", "cloud", "browser", "cache"})
+#: Schemes where a bare ``name@`` is itself a token (``https://ghp_...@host``), not a login name.
+_TOKEN_USER_SCHEMES = frozenset({"http", "https", "ws", "wss"})
+
+
+def is_env_reference(value: Any) -> bool:
+    """Whether a string, as written in a job file, takes its secret from the environment: one
+    or more ``${VAR}`` with no default (or an empty one), and beside them at most a leading
+    scheme word (``Bearer ${TOKEN}``). ``${TOKEN:-hf_abc}`` is not: its default is literal."""
+    if not isinstance(value, str):
+        return False
+    refs = list(_ENV_REF.finditer(value))
+    if not refs or any(m.group(2) for m in refs):
+        return False
+    return _AUTH_SCHEME.fullmatch(_ENV_REF.sub("", value)) is not None
+
+
+def url_literal_secrets(text: str) -> list[str]:
+    """The credentials written literally in the URLs of ``text``, each said in words: a
+    ``user:password@`` password, a bare ``token@`` on HTTP(S), a query parameter whose name is a
+    credential's (``sig=``, ``X-Amz-Signature=``, ``token=``, ...). A ``${VAR}`` in their place
+    is not literal; a query parameter such as ``versionId=3`` is not a credential."""
+    found: list[str] = []
+    if "://" not in text:
+        return found
+    for token in _URL_IN_TEXT.findall(text):
+        first = re.search(_SCHEME, token)
+        scheme = first.group(0)[:-3].lower()
+        cut = _query_start(token, scheme, first.end())
+        if cut >= 0:
+            for part in re.split(r"[#&;]", token[cut + 1:]):
+                name, _, value = part.partition("=")
+                if value and is_secret_key(unquote(name)) and not is_env_reference(unquote(value)):
+                    found.append(f"the URL's query parameter {unquote(name)}=")
+            token = token[:cut]
+        for _, _, userinfo in _userinfos(token):
+            user, sep, password = userinfo.partition(":")
+            if sep and password and not is_env_reference(unquote(password)):
+                found.append("the password in the URL's user:password@")
+            elif not sep and scheme in _TOKEN_USER_SCHEMES and not is_env_reference(unquote(user)):
+                found.append("the token in the URL's token@")
+    return found
+
+
+def literal_secrets(raw: Any) -> list[str]:
+    """Where a spec mapping *as written* (``${VAR}`` not expanded) holds a credential literally,
+    as ``dotted.key`` (with what it is, for URLs); empty when it may be written to a file.
+
+    A credential is the value of a key :func:`is_secret_key` names (``hf_token``, ``api_key``,
+    ``password``, ``Authorization``, and inside ``storage_options`` ``key``, ``secret``,
+    ``token``, ``account_key``, ``sas_token``, ``connection_string``, ... at any depth), or a
+    URL's password, HTTP(S) ``token@`` or credential query parameter (``sig=``). It is literal
+    unless it is a ``${VAR}`` (:func:`is_env_reference`); null, booleans, empty strings and
+    gcsfs's ``token`` modes (``anon``, ``google_default``, ...) are not credentials. Other
+    ``storage_options`` values (``endpoint_url``, ``region_name``, ``anon``) and other strings
+    are configuration: only the URLs in them are checked."""
+    found: list[str] = []
+    _find_literals(raw, (), False, found)
+    return found
+
+
+def _dotted(path: tuple) -> str:
+    out = ""
+    for part in path:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+def _find_literals(value: Any, path: tuple, secret: bool, found: list[str]) -> None:
+    if isinstance(value, dict):
+        for key, item in value.items():
+            _find_literals(item, (*path, key), secret or is_secret_key(key), found)
+    elif isinstance(value, list | tuple):
+        for i, item in enumerate(value):
+            _find_literals(item, (*path, i), secret, found)
+    elif secret:
+        if value is None or isinstance(value, bool) or value == "" or is_env_reference(value):
+            return
+        last = next((p for p in reversed(path) if isinstance(p, str)), "")
+        if last == "token" and value in GCSFS_TOKEN_MODES:
+            return
+        found.append(_dotted(path))
+    elif isinstance(value, str):
+        found.extend(f"{_dotted(path)} ({what})" for what in url_literal_secrets(value))

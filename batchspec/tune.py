@@ -24,11 +24,13 @@ How it works (README "Choosing speculation: batchspec tune"):
 from __future__ import annotations
 
 import copy
+import fnmatch
 import logging
 import math
 import os
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -40,7 +42,15 @@ import yaml
 
 from batchspec.errors import BatchspecError, InputDataError, RuntimeFailure, SpecError
 from batchspec.prompts import Row
-from batchspec.spec import JobSpec, build_spec
+from batchspec.redact import (
+    literal_secrets,
+    public_spec,
+    sanitize_url,
+    scrub_text,
+    secret_values,
+    url_literal_secrets,
+)
+from batchspec.spec import JobSpec, apply_override, build_spec, load_yaml
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +89,9 @@ class Candidate:
     #: "off", "ngram" or the draft's label: candidates of one family differ only in k.
     family: str
     k: int | None = None
+    #: Whether its config is the job's own speculative section with another k (``--write``
+    #: then writes that section as the job file has it, ``${VAR}`` kept).
+    from_job: bool = False
 
 
 @dataclass
@@ -137,7 +150,7 @@ class Entry:
         lv = self.level
         out: dict[str, Any] = {
             "label": self.candidate.label,
-            "speculative": self.candidate.speculative,
+            "speculative": public_speculative(self.candidate.speculative),
             "max_num_seqs": self.max_num_seqs,
             "concurrency": self.concurrency,
             "output_tokens_per_s": _round(lv.tps) if lv else None,
@@ -309,10 +322,29 @@ def batch_size_schedule(levels: dict[int, tuple[dict | None, int]], max_num_seqs
 # --------------------------------------------------------------------------- candidates
 
 
+def public_speculative(config: dict | None) -> dict | None:
+    """A speculative config as tune's outputs show it: the public view ``run`` persists (URLs
+    without ``user:password@`` or query, credential-named keys ``***``)."""
+    return None if config is None else public_spec({"speculative": config})["speculative"]
+
+
 def draft_label(model: str, taken: set[str]) -> str:
-    """A short name for a draft: its directory name, the whole path where two share one."""
-    name = Path(str(model).rstrip("/")).name or str(model)
-    return str(model) if name in taken or name in ("off", "ngram") else name
+    """A short name for a draft, never holding a credential: its directory name, the whole
+    path where two share one, numbered where even that is taken. URLs pass through the
+    sanitiser ``run`` uses (no ``user:password@``, no query such as ``?sig=``)."""
+    shown = sanitize_url(str(model)).rstrip("/") or sanitize_url(str(model))
+    reserved = {"off", "ngram", *taken}
+    name = Path(shown).name or shown
+    if name in reserved:
+        name = shown
+    return _unique(name, reserved)
+
+
+def _unique(name: str, taken: set[str]) -> str:
+    out, n = name, 2
+    while out in taken:
+        out, n = f"{name} ({n})", n + 1
+    return out
 
 
 def candidates(spec: JobSpec, drafts: list[str], ks: list[int], ngram: bool
@@ -328,7 +360,8 @@ def candidates(spec: JobSpec, drafts: list[str], ks: list[int], ngram: bool
         ngram_ks = sorted(set(NGRAM_K) | ({job["num_speculative_tokens"]}
                                           if base is job and "num_speculative_tokens" in job else set()))
         for k in ngram_ks:
-            fixed.append(Candidate(f"ngram k={k}", {**base, "num_speculative_tokens": k}, "ngram", k))
+            fixed.append(Candidate(f"ngram k={k}", {**base, "num_speculative_tokens": k}, "ngram", k,
+                                   from_job=base is job))
     bases: list[dict] = []
     if job and job.get("method") != "ngram":
         bases.append(job)
@@ -340,8 +373,10 @@ def candidates(spec: JobSpec, drafts: list[str], ks: list[int], ngram: bool
     for base in bases:
         name = draft_label(base.get("model") or base.get("method", "draft"), set(families))
         if base.get("method") not in (None, "draft_model"):
-            name = f"{base['method']}:{name}" if base.get("model") else base["method"]
-        families[name] = [Candidate(f"{name} k={k}", {**base, "num_speculative_tokens": k}, name, k)
+            method = sanitize_url(str(base["method"]))
+            name = _unique(f"{method}:{name}" if base.get("model") else method, set(families))
+        families[name] = [Candidate(f"{name} k={k}", {**base, "num_speculative_tokens": k}, name, k,
+                                    from_job=base is job)
                           for k in sorted(set(ks))]
     return fixed, families
 
@@ -562,8 +597,10 @@ class _Progress:
     """A bar over engines (candidates) with an estimate of the time left at a terminal; a line
     per candidate otherwise. Writes to batchspec's own stream (stderr)."""
 
-    def __init__(self, stream, total: int, bar: bool):
+    def __init__(self, stream, total: int, bar: bool, public: Callable[[str], str] = str):
         self.stream, self.total, self.done = stream, total, 0
+        #: What every line passes through: the sanitiser of the job's secrets.
+        self.public = public
         self.started = time.monotonic()
         self.bar = None
         if bar:
@@ -594,7 +631,7 @@ class _Progress:
             self.bar.update(1)
         else:
             left = self.left_s()
-            print(f"batchspec tune: [{self.done}/{self.total}] {label}: {what}"
+            print(f"batchspec tune: [{self.done}/{self.total}] {label}: {self.public(what)}"
                   + (f" (~{left:.0f}s left)" if left and self.done < self.total else ""),
                   file=self.stream, flush=True)
 
@@ -626,6 +663,12 @@ def run_tune(spec: JobSpec, options: TuneOptions, job: str = "", stream=None,
     check_vllm_keys(spec)
     max_num_seqs = max(concurrency)
     fixed, families = candidates(spec, options.drafts, options.ks, options.ngram)
+    secrets = tune_secrets(spec, options.drafts)
+
+    def public(text: str) -> str:
+        """Free text for the report (a skip reason quoting vLLM): secrets out, URLs sanitised."""
+        return scrub_text(text, secrets)
+
     # every candidate's spec is checked before any engine starts: a bad key exits 2 at once
     specs: dict[str, JobSpec] = {}
     for cand in fixed + [c for fam in families.values() for c in fam]:
@@ -643,9 +686,12 @@ def run_tune(spec: JobSpec, options: TuneOptions, job: str = "", stream=None,
                          f"requests than that were ever in flight (raise --sample)")
 
     entries: list[Entry] = []
-    progress = _Progress(stream, len(fixed) + sum(1 + options.top for _ in families), progress_bar)
+    progress = _Progress(stream, len(fixed) + sum(1 + options.top for _ in families), progress_bar,
+                         public)
 
     def entry(cand: Candidate, c: int, **kw) -> Entry:
+        if kw.get("skipped"):
+            kw["skipped"] = public(kw["skipped"])
         e = Entry(cand, c, max_num_seqs, **kw)
         entries.append(e)
         return e
@@ -722,8 +768,14 @@ def run_tune(spec: JobSpec, options: TuneOptions, job: str = "", stream=None,
     if sampled:
         notes.append(f"{len(rows) - len(greedy)} sampled rows (temperature > 0) are not checked "
                      "for losslessness: only greedy rows must match speculation off")
-    return TuneReport(job, options, concurrency, len(rows), seen, len(greedy), entries, recommended,
-                      noise, mismatches, time.monotonic() - started, notes)
+    return TuneReport(scrub_text(job), options, concurrency, len(rows), seen, len(greedy), entries,
+                      recommended, noise, mismatches, time.monotonic() - started, notes)
+
+
+def tune_secrets(spec: JobSpec, drafts: list[str] | tuple[str, ...] = ()) -> set[str]:
+    """What tune's outputs must never show: the values the job's public view hides (expanded
+    ``${VAR}`` included) and the credentials in ``--draft`` URLs."""
+    return secret_values(spec.raw) | secret_values({"draft": list(drafts)})
 
 
 def measure_family(family: list[Candidate], run: Callable, record: Callable, skip_all: Callable,
@@ -854,24 +906,113 @@ def render_table(report: TuneReport) -> str:
     return "\n".join(lines) + "\n"
 
 
+# --------------------------------------------------------------------------- --write
+
+
+class _Quoted(str):
+    """A quoted scalar holding ``${VAR}``: written quoted again, so it stays a string when the
+    written job is loaded (a plain ``${N}`` is typed by what it expands to)."""
+
+
+class _AsWrittenLoader(yaml.SafeLoader):
+    """SafeLoader that leaves ``${VAR}`` unexpanded and remembers which ones were quoted."""
+
+
+def _construct_str(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> str:
+    value = loader.construct_scalar(node)
+    return _Quoted(value) if node.style and "${" in value else value
+
+
+_AsWrittenLoader.add_constructor("tag:yaml.org,2002:str", _construct_str)
+
+
+class _WrittenDumper(yaml.SafeDumper):
+    """SafeDumper that writes :class:`_Quoted` single-quoted."""
+
+
+_WrittenDumper.add_representer(
+    _Quoted, lambda dumper, value: dumper.represent_scalar("tag:yaml.org,2002:str", str(value),
+                                                           style="'"))
+
+
+def _as_written(text: str, source: str, key_path: str = "") -> Any:
+    # the spec loader first, with nothing in its environment: its alias and size limits, its
+    # errors; then the same text with every ${VAR} left as written
+    load_yaml(text, source, {}, key_path)
+    return _unshared(yaml.load(text, Loader=_AsWrittenLoader))  # noqa: S506 (a SafeLoader)
+
+
+def _unshared(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _unshared(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_unshared(v) for v in value]
+    return value
+
+
+def spec_as_written(job_path: str, overrides: tuple[str, ...] | list[str] = ()) -> dict:
+    """The job file's mapping as the user wrote it, ``${VAR}`` not expanded (in the file and in
+    the ``--set`` values alike), with the ``--set`` overrides applied."""
+    raw = _as_written(Path(job_path).read_text(), str(job_path)) or {}
+    if not isinstance(raw, dict):
+        raise SpecError(None, f"{job_path}: the job spec must be a mapping of keys")
+    for item in overrides:
+        apply_override(copy.deepcopy(raw), item, {})  # its checks: KEY=VALUE, a mapping on the way
+        key, _, value = item.partition("=")
+        parts = key.strip().split(".")
+        node = raw
+        for part in parts[:-1]:
+            if node.get(part) is None:
+                node[part] = {}
+            node = node[part]
+        node[parts[-1]] = _as_written(value, f"--set {key.strip()}", key.strip()) \
+            if value.strip() else ""
+    return raw
+
+
+def check_writable(raw: dict, drafts: list[str] | tuple[str, ...] = ()) -> None:
+    """Refuse (exit 2) a ``--write`` whose file would hold a literal credential: the job as
+    written (``raw``, from :func:`spec_as_written`), or a ``--draft`` URL that could become its
+    ``speculative.model``. Each place is named, with the ``${VAR}`` form to use instead."""
+    found = literal_secrets(raw)
+    found += [f"--draft {sanitize_url(d)!r} ({what})" for d in drafts
+              for what in url_literal_secrets(str(d))]
+    if not found:
+        return
+    raise SpecError("--write", "refused: the written job would hold a literal secret at "
+                    + "; ".join(found) + ". tune never writes a credential: give it as an "
+                    "environment variable, written as ${VAR} (in the job file, e.g. "
+                    "hf_token: ${HF_TOKEN}, or single-quoted on the command line, e.g. "
+                    "--set 'model.engine.hf_token=${HF_TOKEN}'; a draft URL with a credential "
+                    "as --set 'speculative.model=https://host/draft?sig=${DRAFT_SIG}'). "
+                    "Nothing was measured")
+
+
 def written_spec(job_path: str, overrides: tuple[str, ...], report: TuneReport,
                  max_num_seqs: int | None) -> str:
     """The job file with the recommended ``speculative`` section, as ``--write`` writes it.
 
-    The job's own YAML (``${VAR}`` left as written) with the ``--set`` overrides applied; a
-    comment at the top says which concurrency the choice is for."""
-    from batchspec.spec import apply_override
-
-    raw = yaml.safe_load(Path(job_path).read_text()) or {}
-    for item in overrides:
-        apply_override(raw, item)
+    The job's own YAML as written (``${VAR}`` never expanded, in the file and in ``--set``
+    values) with the ``--set`` overrides applied; the section is the job's own as written when
+    the recommendation is the job's draft at another k. A comment at the top says which
+    concurrency the choice is for. Raises SpecError rather than write a literal credential."""
+    raw = spec_as_written(job_path, overrides)
     measured = [c for c in report.concurrency if c in report.recommended]
     if not measured:
         raise RuntimeFailure("--write: nothing was recommended (speculation off was not measured)")
+    job_section = raw.get("speculative")
+
+    def section(c: int) -> tuple[dict | None, int | None]:
+        e = report.entry(report.recommended[c], c)
+        cand = e.candidate if e else None
+        if cand is None or cand.speculative is None:
+            return None, None
+        if cand.from_job and isinstance(job_section, dict):
+            return {**copy.deepcopy(job_section), "num_speculative_tokens": cand.k}, cand.k
+        return copy.deepcopy(cand.speculative), cand.k
+
     recs = "; ".join(f"{k}: {v}" for k, v in sorted(report.recommended.items()))
-    schedule = batch_size_schedule(
-        {c: (report.recommended_speculative(c), report.entry(report.recommended[c], c).candidate.k)
-         for c in measured}, max_num_seqs)
+    schedule = batch_size_schedule({c: section(c) for c in measured}, max_num_seqs)
     if schedule is not None:
         raw["speculative"] = schedule
         header = ["# Written by batchspec tune from " + Path(job_path).name + ": one speculative "
@@ -880,7 +1021,7 @@ def written_spec(job_path: str, overrides: tuple[str, ...], report: TuneReport,
                   "(num_speculative_tokens_per_batch_size; k 0 = speculation off there)."]
     else:
         c = write_concurrency(measured, max_num_seqs)
-        raw["speculative"] = report.recommended_speculative(c)
+        raw["speculative"] = section(c)[0]
         why = ("the only concurrency measured" if len(measured) == 1 else
                f"the measured level nearest the job's max_num_seqs ({max_num_seqs})"
                if max_num_seqs is not None else
@@ -889,11 +1030,130 @@ def written_spec(job_path: str, overrides: tuple[str, ...], report: TuneReport,
                   f"{report.recommended[c]},", f"# recommended for concurrency {c} ({why})."]
         if len(measured) > 1:
             header.append(f"# Recommended per concurrency: {recs}.")
+    check_writable(raw)
     header.append(f"# Objective {report.options.objective}; sample of {report.sample_rows} rows, "
                   f"seed {report.options.seed}.")
-    if overrides:
-        header.append(f"# --set applied: {', '.join(overrides)}")
-    return "\n".join(header) + "\n" + yaml.safe_dump(raw, sort_keys=False)
+    if overrides:  # their keys: the values are in the body, written once
+        keys = ", ".join(dict.fromkeys(item.partition("=")[0].strip() for item in overrides))
+        header.append(f"# --set applied: {keys}")
+    header = [scrub_text(line) for line in header]
+    return "\n".join(header) + "\n" + yaml.dump(raw, Dumper=_WrittenDumper, sort_keys=False)
+
+
+# --------------------------------------------------------------------------- output files
+
+
+def check_output_files(job: str, spec: JobSpec, files: dict[str, str | None]) -> None:
+    """Exit 2 naming the option, before anything is measured, for an output file tune could
+    not write or should not: ``files`` maps an option (``--html``, ``--write``) to its path.
+
+    Refused: a directory, anything but a regular file, a directory that does not exist or
+    cannot be written to, an existing file that cannot be written, two options naming one file,
+    the job file itself, a file inside the job's (local) output path, one an input pattern
+    matches or inside an input directory."""
+    seen: dict[str, str] = {}
+    job_real = os.path.realpath(job)
+    for option, value in files.items():
+        if not value:
+            continue
+        path = Path(value)
+        real = os.path.realpath(value)
+        if value.endswith(("/", os.sep)) or path.is_dir():
+            raise SpecError(option, f"{value!r} is a directory; name a file")
+        parent = path.parent
+        if not parent.is_dir():
+            raise SpecError(option, f"{value!r}: the directory {str(parent)!r} does not exist")
+        if path.exists() and not path.is_file():
+            raise SpecError(option, f"{value!r} exists and is not a regular file")
+        if path.exists() and not os.access(path, os.W_OK):
+            raise SpecError(option, f"{value!r} exists and is not writable")
+        try:
+            fd, probe = tempfile.mkstemp(prefix=".batchspec-tune-", dir=parent)
+        except OSError as exc:
+            raise SpecError(option, f"{value!r}: cannot write in {str(parent)!r}: "
+                                    f"{exc.strerror or exc}") from None
+        os.close(fd)
+        os.unlink(probe)
+        if real == job_real:
+            raise SpecError(option, f"{value!r} is the job file itself; write to another file "
+                                    "(and move it over the job if that is what you want)")
+        if real in seen:
+            raise SpecError(option, f"{value!r} is also the file of {seen[real]}")
+        seen[real] = option
+        where = _job_location(real, spec)
+        if where:
+            raise SpecError(option, f"{value!r} {where}; write it elsewhere")
+
+
+def _local(url: str) -> str | None:
+    """The local path of a job location, None for a remote store."""
+    if url.startswith("file://"):
+        return url[len("file://"):]
+    return None if "://" in url or "::" in url else url
+
+
+def _inside(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
+
+
+def _job_location(real: str, spec: JobSpec) -> str | None:
+    """How ``real`` (a resolved local path) is one of the job's own locations, or None."""
+    out = _local(spec.output.path)
+    if out is not None and _inside(real, os.path.realpath(out)):
+        return f"lies in the job's output path {spec.output.path!r}"
+    for url in spec.input.paths:
+        path = _local(url)
+        if path is None:
+            continue
+        parts = path.split("/")
+        wild = next((i for i, part in enumerate(parts) if any(ch in part for ch in "*?[")), None)
+        if wild is not None:
+            base = os.path.realpath("/".join(parts[:wild]) or ("/" if path.startswith("/") else "."))
+            pattern = os.path.join(base, *parts[wild:])
+            if fnmatch.fnmatchcase(real, pattern):
+                return f"matches the job's input pattern {url!r}"
+        elif _inside(real, os.path.realpath(path)):
+            return f"is the job's input {url!r}" if real == os.path.realpath(path) else \
+                f"lies in the job's input directory {url!r}"
+    return None
+
+
+def _umask() -> int:
+    """This process's umask, read without changing it where Linux says it (a thread of vLLM's
+    creating a file meanwhile would otherwise get it wide open)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    umask = os.umask(0o077)
+    os.umask(umask)
+    return umask
+
+
+def write_output(path: str, text: str, like: str) -> None:
+    """Write ``text`` to ``path`` whole or not at all (a private temporary file beside it,
+    fsynced, renamed over it), readable by no one the job file ``like`` is not readable by:
+    mode 0666 less the umask, and never wider than ``like``'s."""
+    umask = _umask()
+    try:
+        like_mode = os.stat(like).st_mode & 0o666
+    except OSError:
+        like_mode = 0o600
+    mode = 0o666 & ~umask & like_mode
+    target = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fchmod(f.fileno(), mode)
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 # --------------------------------------------------------------------------- command line
@@ -957,6 +1217,13 @@ def tune(job, overrides, sample, seed, concurrency, drafts, ks, top, repeats, ob
                           repeats=repeats, objective=objective, top=top, max_minutes=max_minutes,
                           ngram=ngram)
     spec = cli._load(job, overrides)
+    secrets = tune_secrets(spec, drafts)
+    try:  # everything tune will write is checked before any engine starts: a bad one exits 2
+        check_output_files(job, spec, {"--html": html_file, "--write": write_file})
+        if write_file:
+            check_writable(spec_as_written(job, overrides), drafts)
+    except BatchspecError as exc:
+        _fail_to(sys.stderr, exc, secrets)
     out = sys.stdout
     stream = sys.stderr
     if not verbose:
@@ -979,9 +1246,9 @@ def tune(job, overrides, sample, seed, concurrency, drafts, ks, top, repeats, ob
         print("batchspec: interrupted", file=stream)
         sys.exit(130)
     except BatchspecError as exc:
-        _fail_to(stream, exc)
+        _fail_to(stream, exc, secrets)
     except Exception as exc:
-        _fail_to(stream, RuntimeFailure(f"unexpected {type(exc).__name__}: {exc}"))
+        _fail_to(stream, RuntimeFailure(f"unexpected {type(exc).__name__}: {exc}"), secrets)
     if as_json:
         import json
 
@@ -989,12 +1256,15 @@ def tune(job, overrides, sample, seed, concurrency, drafts, ks, top, repeats, ob
     else:
         out.write(render_table(report))
     out.flush()
-    if page is not None:
-        Path(html_file).write_text(page, encoding="utf-8")
-        print(f"batchspec tune: wrote {html_file}", file=stream)
-    if text is not None:
-        Path(write_file).write_text(text, encoding="utf-8")
-        print(f"batchspec tune: wrote {write_file}", file=stream)
+    for option, path, content in (("--html", html_file, page), ("--write", write_file, text)):
+        if content is None:
+            continue
+        try:
+            write_output(path, content, like=job)
+        except OSError as exc:
+            _fail_to(stream, RuntimeFailure(f"{option}: cannot write {path!r}: "
+                                            f"{exc.strerror or exc}"), secrets)
+        print(f"batchspec tune: wrote {path}", file=stream)
     if report.mismatches:
         for m in report.mismatches:
             print(f"batchspec tune: NOT LOSSLESS: row {m['row']}: {m['candidate']} at concurrency "
@@ -1011,13 +1281,13 @@ def _isatty(stream) -> bool:
         return False
 
 
-def _fail_to(stream, exc: BatchspecError) -> None:
-    from batchspec.redact import scrub_text
-
-    print(f"batchspec: {exc.kind}: {scrub_text(str(exc))}", file=stream, flush=True)
+def _fail_to(stream, exc: BatchspecError, secrets: set[str] | frozenset[str] = frozenset()
+             ) -> None:
+    print(f"batchspec: {exc.kind}: {scrub_text(str(exc), secrets)}", file=stream, flush=True)
     sys.exit(exc.exit_code)
 
 
 __all__ = ["tune", "run_tune", "TuneOptions", "TuneReport", "Entry", "Level", "Candidate",
            "predict_tokens_per_s", "tokens_per_step", "pick_ks", "recommend", "spread",
-           "relative_error", "candidates", "sample_rows", "written_spec"]
+           "relative_error", "candidates", "sample_rows", "written_spec", "spec_as_written",
+           "check_writable", "check_output_files", "write_output", "public_speculative"]

@@ -1,5 +1,9 @@
 """``batchspec tune --html``: a self-contained page with a chart of output tok/s against
-concurrency per candidate (the style of :mod:`batchspec.html_report`)."""
+concurrency per candidate (the style of :mod:`batchspec.html_report`).
+
+Every label, path and reason on the page passes through the sanitiser ``run`` uses
+(:func:`batchspec.redact.scrub_text`: no ``user:password@``, no query such as ``?sig=``), even
+when the report handed in was not already public."""
 
 from __future__ import annotations
 
@@ -9,6 +13,7 @@ from html import escape
 from typing import Any
 
 from batchspec.html_report import CSS, Plot, _card, _legend, nice_ticks, tick_label
+from batchspec.redact import scrub_text
 
 #: Line colours, one per candidate (off is always the first, dark slate).
 PALETTE = ("#334155", "#2563eb", "#16a34a", "#d97706", "#db2777", "#7c3aed", "#0891b2", "#dc2626",
@@ -22,7 +27,8 @@ def throughput_chart(candidates: list[dict[str, Any]]) -> tuple[str, list[tuple[
     series: dict[str, list[tuple[int, float]]] = {}
     for c in candidates:
         if c.get("output_tokens_per_s") is not None:
-            series.setdefault(c["label"], []).append((c["concurrency"], c["output_tokens_per_s"]))
+            series.setdefault(scrub_text(str(c["label"])), []).append(
+                (c["concurrency"], c["output_tokens_per_s"]))
     levels = sorted({x for pts in series.values() for x, _ in pts})
     if not levels:
         return '<div class="off">Nothing was measured: no chart.</div>', []
@@ -64,17 +70,18 @@ def _table(data: dict[str, Any]) -> str:
     rows = []
     for c in data["candidates"]:
         star = " ★" if rec.get(str(c["concurrency"])) == c["label"] else ""
+        label = scrub_text(str(c["label"]))
         err = c.get("prediction_error")
         rows.append("<tr>" + "".join([
             f'<td class="r">{c["concurrency"]}</td>',
-            f'<td class="l">{escape(c["label"])}{star}</td>',
+            f'<td class="l">{escape(label)}{star}</td>',
             f'<td class="r">{cell(c["output_tokens_per_s"], 1)}</td>',
             f'<td class="r">{cell(c["predicted_output_tokens_per_s"], 1)}</td>',
             f'<td class="r">{"" if err is None else f"{err * 100:.0f}%"}</td>',
             f'<td class="r">{cell(c["acceptance_rate"])}</td>',
             f'<td class="r">{cell(c["mean_acceptance_length"])}</td>',
             f'<td class="r">{cell(c["e2e_p50_s"], 3)}</td>',
-            f'<td class="l">{escape(c["skipped"] or "")}</td>']) + "</tr>")
+            f'<td class="l">{escape(scrub_text(c["skipped"] or ""))}</td>']) + "</tr>")
     ths = "".join(f'<th class="{"l" if h in ("candidate", "skipped") else "r"}">{h}</th>' for h in head)
     return f'<div class="scroll"><table><tr>{ths}</tr>{"".join(rows)}</table></div>'
 
@@ -82,7 +89,8 @@ def _table(data: dict[str, Any]) -> str:
 def render_tune_html(data: dict[str, Any]) -> str:
     """The page for a tune report (the ``--json`` object)."""
     svg, legend = throughput_chart(data["candidates"])
-    rec = ", ".join(f"concurrency {c}: {label}" for c, label in data["recommended"].items()) or "none"
+    rec = ", ".join(f"concurrency {c}: {scrub_text(str(label))}"
+                    for c, label in data["recommended"].items()) or "none"
     noise = ", ".join(f"{c}: {v['threshold'] * 100:.1f}%" for c, v in data["noise"].items())
     pred = data["prediction"]
     sub = (f"Dashed: speculation off. Recommended ({escape(data['objective'])}): {escape(rec)}. "
@@ -94,12 +102,13 @@ def render_tune_html(data: dict[str, Any]) -> str:
                   f"{'n/a' if err is None else f'{err * 100:.0f}%'}.", _table(data), wide=True)
     generated = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
     lossless = data["lossless"]
+    job = escape(scrub_text(str(data["job"])))
     return f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8">
 <meta name="viewport" content="width=device-width, initial-scale=1">
 <title>batchspec tune</title><style>{CSS}</style></head>
 <body><main>
-<header><h1>batchspec tune</h1><div class="meta"><code>{escape(data['job'])}</code> &nbsp;·&nbsp;
+<header><h1>batchspec tune</h1><div class="meta"><code>{job}</code> &nbsp;·&nbsp;
 sample {data['sample']['rows']} rows (seed {data['sample']['seed']}) &nbsp;·&nbsp;
 lossless: {lossless['checked_rows']} greedy rows, {len(lossless['mismatches'])} mismatches</div></header>
 <div class="grid">{body}{table}</div>

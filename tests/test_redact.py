@@ -334,3 +334,71 @@ def test_public_spec_of_every_shape_is_json():
     assert out == {"a": {"when": "2026-01-02", "blob": REDACTED, "set": [1, 2]}, "t": [1, 2]}
     json.dumps(out)
 
+
+
+# ----------------------------------------------------------------------------------- written specs
+# What `tune --write` may write: credentials only as ${VAR} (imported in the tests, so that the
+# module's other tests still run where these helpers are missing).
+
+
+@pytest.mark.parametrize("value, reference", [
+    ("${HF_TOKEN}", True), ("${HF_TOKEN:-}", True), ("Bearer ${TOKEN}", True),
+    ("${USER_A}${USER_B}", True), ("${HF_TOKEN:-hf_default}", False), ("hf_abc", False),
+    ("abc${X}", False), ("${X} tail", False), ("", False), (1234, False),
+])
+def test_env_reference(value, reference):
+    from batchspec.redact import is_env_reference
+
+    assert is_env_reference(value) is reference
+
+
+def test_literal_secrets_names_every_credential_written_literally():
+    from batchspec.redact import literal_secrets
+
+    raw = {
+        "input": {"path": "s3://bucket/in/*.parquet",
+                  "storage_options": {"key": "AKIAEXAMPLE", "secret": "${AWS_SECRET}",
+                                      "endpoint_url": "http://127.0.0.1:9000", "anon": False,
+                                      "client_kwargs": {"aws_session_token": "FQoGZX"}}},
+        "output": {"path": "s3://AKIA:pw99@bucket/out",
+                   "storage_options": {"token": "anon", "project": "p"}},
+        "model": {"target": "https://tok9876@host.example/m", "engine": {"hf_token": 12345678,
+                                                                          "max_num_seqs": 4}},
+        "speculative": {"model": "https://host.example/d?sv=2024&sig=abc%2Bdef",
+                        "num_speculative_tokens": 4},
+        "sampling": {"max_tokens": 8, "stop": ["${STOP}"]},
+        "executor": {"ray": {"runtime_env": {"env_vars": {"HF_TOKEN": "${HF_TOKEN}",
+                                                          "API_KEY": "${API_KEY:-k-123}"}}}},
+    }
+    assert literal_secrets(raw) == [
+        "input.storage_options.key", "input.storage_options.client_kwargs.aws_session_token",
+        "output.path (the password in the URL's user:password@)",
+        "model.target (the token in the URL's token@)", "model.engine.hf_token",
+        "speculative.model (the URL's query parameter sig=)",
+        "executor.ray.runtime_env.env_vars.API_KEY"]
+
+
+@pytest.mark.parametrize("url", [
+    "s3://bucket/in/*.parquet", "s3://bucket/x.parquet?versionId=3", "sftp://me@host/data",
+    "az://container@account.dfs.core.windows.net/x", "https://${USER}:${PW}@host/x?sig=${SIG}",
+    "https://host.example/x?token=${TOKEN}", "gs://bucket/part-?.parquet", "data/local.parquet",
+])
+def test_urls_without_a_literal_credential(url):
+    from batchspec.redact import literal_secrets, url_literal_secrets
+
+    assert url_literal_secrets(url) == [] and literal_secrets({"input": {"path": url}}) == []
+
+
+@pytest.mark.parametrize("url, what", [
+    ("https://u:p4ss@host/x", "the password in the URL's user:password@"),
+    ("s3://AKIA:se/cr/et@bucket/x", "the password in the URL's user:password@"),
+    ("https://ghp_token@host/x", "the token in the URL's token@"),
+    ("https://host/x?X-Amz-Credential=AKIA%2F2024&X-Amz-Signature=ab12",
+     "the URL's query parameter X-Amz-Credential="),
+    ("abfs://c@acct.dfs.core.windows.net/x?sp=r&sig=ab%3D", "the URL's query parameter sig="),
+    ("https://host/x?access_token=ya29", "the URL's query parameter access_token="),
+])
+def test_urls_with_a_literal_credential(url, what):
+    from batchspec.redact import url_literal_secrets
+
+    assert what in url_literal_secrets(url)

@@ -15,6 +15,7 @@ import pytest
 import yaml
 from conftest import ENGINE, MODELS, ROOT, run_cli, write_job, write_parquet
 
+from batchspec.errors import SpecError
 from batchspec.spec import build_spec
 from batchspec.tune import (
     MIN_NOISE,
@@ -410,11 +411,19 @@ def test_cli_registers_tune():
 class _FakeEngine:
     """Stands in for batchspec.engine.Engine where only tune's bookkeeping is under test (the
     real engine runs the same paths in the `engine` tests above). Draft position i is accepted
-    with a fixed rate; ``lossy`` makes speculative candidates change one row's text."""
+    with a fixed rate; ``lossy`` makes speculative candidates change one row's text; ``speedup``
+    divides a speculative candidate's time per row; a draft whose path holds "refuse" is refused
+    as vLLM refuses a config (its message quoting the path)."""
 
     lossy = False
+    speedup = 1.0
 
     def __init__(self, spec):
+        from batchspec.errors import SpecError
+
+        model = str((spec.speculative or {}).get("model", ""))
+        if "refuse" in model:
+            raise SpecError("speculative", f"vLLM cannot load the draft {model}")
         self.spec_enabled = spec.speculative is not None
         self.k = (spec.speculative or {}).get("num_speculative_tokens", 0)
         self.counters = {"spec_decode_num_drafts": 0,
@@ -424,7 +433,8 @@ class _FakeEngine:
         rates = [0.8, 0.6, 0.45, 0.3, 0.2, 0.1][: self.k]
         for row in rows:
             steps = 10
-            time.sleep(0.001 * steps * (1 + 0.1 * self.k) / max_in_flight)
+            time.sleep(0.001 * steps * (1 + 0.1 * self.k) / max_in_flight
+                       / (self.speedup if self.k else 1.0))
             self.counters["spec_decode_num_drafts"] += steps
             for i, r in enumerate(rates):
                 self.counters["spec_decode_num_accepted_tokens_per_pos"][i] += round(steps * r)
@@ -503,3 +513,188 @@ def test_a_candidate_that_changes_greedy_text_is_reported_and_never_recommended(
     assert {m["row"] for m in report.mismatches} <= {f"a{i}" for i in range(10)}
     assert report.recommended == {1: "off"}
     assert f"{len(report.mismatches)} MISMATCHES" in render_table(report)
+
+
+# --------------------------------------------------------------------------- what tune writes
+# The command in-process (click's runner, -v so that stdout/stderr stay the runner's) on the
+# fake engine: no engine starts. run_tune replaced by a tripwire where nothing may be measured.
+
+
+def _tune_cli(*args: str):
+    from click.testing import CliRunner
+
+    from batchspec.tune import tune
+
+    return CliRunner().invoke(tune, [*args, "-v", "--no-progress"], catch_exceptions=False)
+
+
+@pytest.fixture()
+def tripwire(monkeypatch):
+    """Fails the command if anything is measured: a list of the calls run_tune got."""
+    import batchspec.tune
+
+    calls = []
+
+    def measured(*args, **kwargs):
+        calls.append(args)
+        raise AssertionError("tune measured")
+
+    monkeypatch.setattr(batchspec.tune, "run_tune", measured)
+    monkeypatch.setenv("VLLM_LOGGING_LEVEL", "WARNING")
+    return calls
+
+
+HF_VALUE = "hf_FROMtheENVIRONMENT_4242"
+
+
+def test_write_keeps_variables_as_written_and_never_their_values(fake_job, tmp_path, monkeypatch):
+    """`--set 'model.engine.hf_token=${HF_TOKEN}' --write`: the file says ${HF_TOKEN}, never the
+    token; every ${VAR} of the job file stays as written (the recommended section is the job's
+    own draft, ${DRAFT_DIR}), quoted ones stay strings; the file is no wider than the job's."""
+    monkeypatch.setattr(_FakeEngine, "speedup", 4.0)  # the draft wins: its section is written
+    monkeypatch.setenv("VLLM_LOGGING_LEVEL", "WARNING")
+    env = {"HF_TOKEN": HF_VALUE, "DRAFT_DIR": str(tmp_path / "draft"), "OUT_ROOT": str(tmp_path),
+           "MAX_TOKENS": "24", "RUN_NAME": "7"}
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    job = tmp_path / "vars.yaml"
+    job.write_text(f"""name: '${{RUN_NAME}}'
+input:
+  path: {tmp_path}/in/*.parquet
+  prompt_column: prompt
+  id_column: id
+output:
+  path: ${{OUT_ROOT}}/out
+model:
+  target: t
+speculative:
+  method: draft_model
+  model: ${{DRAFT_DIR}}
+  num_speculative_tokens: 4
+sampling:
+  temperature: 0.0
+  max_tokens: ${{MAX_TOKENS}}
+""")
+    job.chmod(0o600)
+    result = _tune_cli(str(job), "--set", "model.engine.hf_token=${HF_TOKEN}", "--concurrency", "1",
+                       "--k", "2", "--top", "0", "--no-ngram", "--repeats", "1", "--sample", "8",
+                       "--json", "--html", str(tmp_path / "t.html"),
+                       "--write", str(tmp_path / "tuned.yaml"))
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["recommended"] == {"1": "draft k=2"}
+    text = (tmp_path / "tuned.yaml").read_text()
+    for where in (text, (tmp_path / "t.html").read_text(), result.stdout, result.stderr):
+        assert HF_VALUE not in where
+    assert str(tmp_path / "draft") not in text and str(tmp_path / "out") not in text
+    written = yaml.safe_load(text)
+    assert written["model"]["engine"] == {"hf_token": "${HF_TOKEN}"}
+    assert written["speculative"] == {"method": "draft_model", "model": "${DRAFT_DIR}",
+                                      "num_speculative_tokens": 2}
+    assert written["output"]["path"] == "${OUT_ROOT}/out"
+    assert "# --set applied: model.engine.hf_token\n" in text and text.count("HF_TOKEN") == 1
+    # loaded as a job, it is the job the user meant: the token from the environment, a quoted
+    # ${VAR} still a string, a plain one typed
+    from batchspec.spec import load_spec
+
+    spec = load_spec(tmp_path / "tuned.yaml")
+    assert spec.model.engine["hf_token"] == HF_VALUE and spec.name == "7"
+    assert spec.sampling["max_tokens"] == 24
+    assert (tmp_path / "tuned.yaml").stat().st_mode & 0o777 == 0o600  # the job file's 0600
+    assert (tmp_path / "t.html").stat().st_mode & 0o077 == 0
+
+
+@pytest.mark.parametrize("args, named", [
+    (("--set", "model.engine.hf_token=hf_LITERALsecret99"), "model.engine.hf_token"),
+    (("--set", "input.storage_options={key: AKIALITERAL99, secret: LITERALsecret99}"),
+     "input.storage_options.key; input.storage_options.secret"),
+    (("--set", "output.path=s3://AKIALITERAL99:LITERALsecret99@bucket/out"), "output.path"),
+    (("--set", "speculative.model=https://host.example/d?sv=1&sig=LITERALsecret99"),
+     "speculative.model (the URL's query parameter sig=)"),
+    (("--draft", "https://host.example/d?sig=LITERALsecret99"), "--draft 'https://host.example/d'"),
+])
+def test_write_refuses_a_literal_secret_before_measuring(fake_job, tmp_path, tripwire, args,
+                                                         named):
+    out = tmp_path / "tuned.yaml"
+    result = _tune_cli(str(fake_job), *args, "--write", str(out))
+    assert result.exit_code == 2, result.output
+    assert "--write: refused" in result.stderr and named in result.stderr
+    assert "${" in result.stderr  # says how to write it instead
+    assert "LITERALsecret99" not in result.output and not out.exists() and tripwire == []
+
+
+def test_a_literal_secret_in_the_job_file_is_refused_too(fake_job, tmp_path, tripwire):
+    raw = yaml.safe_load(fake_job.read_text())
+    raw["model"]["engine"] = {"hf_token": "hf_LITERALsecret99"}
+    fake_job.write_text(yaml.safe_dump(raw))
+    result = _tune_cli(str(fake_job), "--write", str(tmp_path / "tuned.yaml"))
+    assert result.exit_code == 2 and "model.engine.hf_token" in result.stderr, result.output
+    assert "LITERALsecret99" not in result.output and tripwire == []
+    # the library call refuses as well, and ${VAR} with a literal default is a literal
+    report = _report([_entry("off", 1, [50.0])], [1])
+    with pytest.raises(SpecError, match="model.engine.hf_token"):
+        written_spec(str(fake_job), (), report, None)
+    with pytest.raises(SpecError, match="model.engine.hf_token"):
+        written_spec(str(fake_job), ("model.engine.hf_token=${HF_TOKEN:-hf_default}",), report,
+                     None)
+    assert "hf_token: ${HF_TOKEN}" in written_spec(
+        str(fake_job), ("model.engine.hf_token=${HF_TOKEN}",), report, None)
+
+
+def _bad_output(tmp_path: Path, job: Path, case: str) -> tuple[list[str], str]:
+    """(arguments, what the message must say) for one bad output file."""
+    if case == "no directory":
+        return ["--html", str(tmp_path / "nowhere" / "t.html")], "--html"
+    if case == "job file":
+        return ["--write", str(job)], "--write"
+    if case == "same file":
+        return ["--html", str(tmp_path / "x"), "--write", str(tmp_path / "x")], "--write"
+    if case == "output path":
+        (tmp_path / "out").mkdir()
+        return ["--write", str(tmp_path / "out" / "tuned.yaml")], "--write"
+    if case == "input pattern":
+        return ["--set", f"input.path={tmp_path}/in/*", "--html", str(tmp_path / "in" / "t.html")], \
+            "--html"
+    if case == "not a file":
+        import os
+
+        os.mkfifo(tmp_path / "fifo")
+        return ["--html", str(tmp_path / "fifo")], "--html"
+    raise AssertionError(case)
+
+
+@pytest.mark.parametrize("case", ["no directory", "job file", "same file", "output path",
+                                  "input pattern", "not a file"])
+def test_output_files_are_checked_before_measuring(fake_job, tmp_path, tripwire, case):
+    args, option = _bad_output(tmp_path, fake_job, case)
+    before = fake_job.read_text()
+    result = _tune_cli(str(fake_job), *args)
+    assert result.exit_code == 2, result.output
+    assert result.stderr.startswith(f"batchspec: bad job spec: {option}: "), result.stderr
+    assert tripwire == [] and fake_job.read_text() == before
+
+
+def test_url_credentials_never_reach_tunes_table_json_or_html(fake_job, tmp_path, monkeypatch):
+    """Draft URLs with user:password@ and ?sig=: labels, `speculative`, skip reasons and the
+    page carry what run's sanitiser leaves (two drafts both named d keep distinct labels)."""
+    monkeypatch.setenv("VLLM_LOGGING_LEVEL", "WARNING")
+    drafts = ["https://user:PWsecret77@host.example/a/d?sig=SIGsecret77",
+              "https://host.example/b/d?sv=1&sig=SIGsecret78",
+              "https://user:PWsecret79@host.example/refuse/e?sig=SIGsecret79"]
+    args = [str(fake_job), "--concurrency", "1", "--k", "2", "--top", "0", "--no-ngram",
+            "--repeats", "1", "--sample", "4"]
+    for draft in drafts:
+        args += ["--draft", draft]
+    table = _tune_cli(*args)
+    page = tmp_path / "t.html"
+    as_json = _tune_cli(*args, "--json", "--html", str(page))
+    assert table.exit_code == 0 and as_json.exit_code == 0, table.output + as_json.output
+    shown = table.output + as_json.output + page.read_text()
+    for secret in ("PWsecret77", "SIGsecret77", "SIGsecret78", "PWsecret79", "SIGsecret79",
+                   "user:", "sig="):
+        assert secret not in shown
+    data = json.loads(as_json.stdout)
+    by_label = {c["label"]: c for c in data["candidates"]}
+    assert {"d k=2", "https://host.example/b/d k=2", "e k=2"} <= set(by_label)
+    assert by_label["d k=2"]["speculative"]["model"] == "https://host.example/a/d"
+    assert "vLLM cannot load the draft https://host.example/refuse/e" in by_label["e k=2"]["skipped"]
+    assert "https://host.example/b/d k=2" in table.stdout and "d k=2" in page.read_text()
