@@ -979,12 +979,13 @@ def check_writable(raw: dict, drafts: list[str] | tuple[str, ...] = ()) -> None:
               for what in url_literal_secrets(str(d))]
     if not found:
         return
-    raise SpecError("--write", "refused: the written job would hold a literal secret at "
-                    + "; ".join(found) + ". tune never writes a credential: give it as an "
-                    "environment variable, written as ${VAR} (in the job file, e.g. "
-                    "hf_token: ${HF_TOKEN}, or single-quoted on the command line, e.g. "
-                    "--set 'model.engine.hf_token=${HF_TOKEN}'; a draft URL with a credential "
-                    "as --set 'speculative.model=https://host/draft?sig=${DRAFT_SIG}'). "
+    # (no example URL with a query here: the message goes through the URL sanitiser)
+    raise SpecError("--write", "refused: the written job would hold a literal credential: "
+                    + "; ".join(found) + ". tune never writes one: give it as an environment "
+                    "variable, written as ${VAR} (in the job file, e.g. hf_token: ${HF_TOKEN}; "
+                    "single-quoted on the command line, e.g. --set "
+                    "'model.engine.hf_token=${HF_TOKEN}'; a draft URL that holds a credential "
+                    "as the job's own draft, e.g. --set 'speculative.model=${DRAFT_URL}'). "
                     "Nothing was measured")
 
 
