@@ -77,6 +77,101 @@ def test_separate_locations_and_other_stores_are_fine(tmp_path):
     check_no_overlap(["memory://bucket/data/*.parquet"], {}, str(tmp_path / "bucket" / "data"), {})
 
 
+#: An S3-compatible server's endpoint (nothing listens there: no check opens a connection).
+EP = "http://127.0.0.1:9000"
+AZ_KEY = "a2V5LW5vdC1hLXNlY3JldA=="
+
+
+def s3(endpoint=None, where="endpoint_url", **options):
+    """S3 storage options naming ``endpoint`` the way ``where`` says."""
+    if endpoint is None:
+        return dict(options)
+    if where == "client_kwargs":
+        return {**options, "client_kwargs": {"endpoint_url": endpoint}}
+    return {**options, "endpoint_url": endpoint}
+
+
+GS = {"token": "anon"}
+AZ_CONN = (f"DefaultEndpointsProtocol=https;AccountName=acct;AccountKey={AZ_KEY};"
+           "EndpointSuffix=core.windows.net")
+
+
+@pytest.mark.parametrize("inp, in_opts, out, out_opts", [
+    # the attack: the same server spelled with and without a trailing slash
+    ("s3://b/data", s3(f"{EP}/"), "s3://b/data", s3(EP)),
+    ("s3://b/data/*.parquet", s3(f"{EP}/", "client_kwargs"), "s3://b/data", s3(EP)),
+    ("s3://b/data", s3("HTTP://127.0.0.1:9000"), "s3://b/data/out", s3(EP, "client_kwargs")),
+    ("s3://b/data", s3("http://Minio.Example.COM./"), "s3://b/data", s3("http://minio.example.com:80")),
+    ("s3://b/data", s3("https://minio.example.com:443/"), "s3://b/data", s3("https://minio.example.com")),
+    ("s3://b/data", s3(f"{EP}/some/path/"), "s3://b/data", s3(EP)),  # the endpoint's path
+    # an explicit default AWS endpoint on one side only; regional and global endpoints
+    ("s3://b/data", s3("https://s3.amazonaws.com"), "s3://b/data", s3()),
+    ("s3://b/data", s3(), "s3://b/data/out", s3("https://s3.eu-west-1.amazonaws.com/")),
+    ("s3://b/data", s3("https://s3.us-east-2.amazonaws.com"), "s3://b/data", s3("https://s3.amazonaws.com")),
+    # one name for one scheme family, and bucket and key paths normalised
+    ("s3://b/data", s3(EP), "s3a://b/data", s3(EP)),
+    ("s3://b/data/", s3(EP), "s3://b//data//", s3(EP)),
+    ("s3://b/data", s3(EP), "s3://B/data", s3(EP)),
+    ("s3://b/x/../data", s3(EP), "s3://b/data", s3(EP)),
+    ("s3://b/x/../data", s3(EP), "s3://b/x", s3(EP)),   # or, kept literally, a key under x/
+    ("gs://b/data", GS, "gcs://b/data", GS),
+    ("gs://b/data", GS, "gs://b/data/out", {**GS, "endpoint_url": "https://storage.googleapis.com/"}),
+    ("az://c/data", {"account_name": "acct"}, "abfs://c/data", {"account_name": "acct"}),
+    ("abfss://c@acct.dfs.core.windows.net/data", {}, "az://c/data", {"connection_string": AZ_CONN}),
+    ("az://c/data", {"account_name": "acct"}, "az://c/data",
+     {"account_name": "acct", "account_host": "ACCT.blob.core.windows.net."}),
+    # could be one: a named server against none, an IP against a host name on one port,
+    # two spellings of the endpoint that disagree
+    ("s3://b/data", s3(EP), "s3://b/data", s3()),
+    ("s3://b/data", s3("http://localhost:9000"), "s3://b/data", s3(EP)),
+    ("s3://b/data", {"endpoint_url": EP, "client_kwargs": {"endpoint_url": "http://127.0.0.1:9001"}},
+     "s3://b/data", s3("http://127.0.0.1:9001")),
+    ("s3://b/data", s3("https://s3.amazonaws.com"), "s3://b/data", s3("https://s3.example.com")),
+    # an https URL to an object of the output's bucket
+    ("https://b.s3.amazonaws.com/data/p0.parquet?X-Amz-Signature=SIG", {}, "s3://b/data", s3()),
+    (f"{EP}/b/data/p0.parquet", {}, "s3://b/data", s3(EP)),
+    # local paths: ./ and duplicate slashes
+    ("{tmp}/./data//*.parquet", {}, "{tmp}/data/", {}),
+    ("file://{tmp}/data", {}, "local://{tmp}/data/out", {}),
+])
+def test_one_store_spelled_two_ways_is_refused(tmp_path, inp, in_opts, out, out_opts):
+    inp, out = inp.format(tmp=tmp_path), out.format(tmp=tmp_path)
+    with pytest.raises(SpecError) as err:
+        check_no_overlap([inp], in_opts, out, out_opts)
+    message = str(err.value)
+    assert err.value.key == "output.path" and err.value.exit_code == 2
+    assert shards_mod.sanitize_url(out) in message and shards_mod.sanitize_url(inp) in message
+    assert "separate directory or bucket prefix" in message
+    assert "SIG" not in message and AZ_KEY not in message
+    # listing agrees: the output's store is the input's, so its files are skipped
+    from batchspec.shards import OutputDir, same_store
+    if not out.startswith(("gs", "gcs", "az", "abfs")):  # adlfs/gcsfs would log in to list
+        assert same_store([inp], in_opts, OutputDir(out, out_opts))
+
+
+@pytest.mark.parametrize("inp, in_opts, out, out_opts", [
+    ("s3://b/data", s3(EP), "s3://c/data", s3(EP)),                        # another bucket
+    ("s3://b/data", s3(EP), "s3://b/data2", s3(EP)),                       # a sibling prefix
+    ("s3://b/data", s3(EP), "s3://b/data", s3("http://127.0.0.1:9001")),   # another server
+    ("s3://b/data", s3(EP), "s3://b/data", s3("https://s3.amazonaws.com")),
+    ("s3://b/data", s3(EP), "{tmp}/b/data", {}),                           # local against s3
+    ("{tmp}/b/data", {}, "s3://b/data/out", s3(EP)),
+    ("az://c/data", {"account_name": "acct"}, "az://c/data", {"account_name": "other"}),
+    ("gs://b/data", GS, "s3://b/data", s3("https://s3.amazonaws.com")),    # two clouds
+])
+def test_separate_stores_pass(tmp_path, inp, in_opts, out, out_opts):
+    check_no_overlap([inp.format(tmp=tmp_path)], in_opts, out.format(tmp=tmp_path), out_opts)
+
+
+def test_an_unresolvable_store_is_refused_with_how_to_tell_them_apart():
+    with pytest.raises(SpecError) as err:
+        check_no_overlap(["s3://b/data/*.parquet"], s3("http://user:PASSWORD@127.0.0.1:9000/"),
+                         "s3://b/data", s3())
+    message = str(err.value)
+    assert "PASSWORD" not in message and "cannot be told apart" in message
+    assert "127.0.0.1:9000" in message and "endpoint_url" in message
+
+
 def test_cli_refuses_overlap_before_writing_anything(tmp_path):
     write_parquet(tmp_path / "data" / "p0.parquet", {"prompt": ["a", "b"]})
     before = sorted(p.name for p in (tmp_path / "data").iterdir())
@@ -401,3 +496,43 @@ def test_a_shard_held_by_a_silent_worker_on_object_storage_is_taken_over(tmp_pat
     assert set(result.summary["shards"]) == {"s0", "s1"} and not result.summary["busy_shards"]
     names = [e for e, _ in events]
     assert names.count("shards_waiting") == 1 and "shard_busy" in names
+
+
+def test_s3_overlap_spelled_with_another_endpoint_is_refused_before_any_work(tmp_path, s3_server):
+    """The attack that replaced an input object: the input's endpoint with a trailing slash, the
+    output's without, output.path the input directory. `validate` and `run` exit 2 naming
+    output.path before anything is listed, read or written, and no engine is started (the model
+    does not even exist: an engine start-up could not get past it)."""
+    import s3fs
+
+    endpoint, options = s3_server
+    creds = {"key": options["key"], "secret": options["secret"]}
+    fs = s3fs.S3FileSystem(**options, skip_instance_cache=True)
+    fs.mkdir("overlap-attack")
+    write_parquet(tmp_path / "p0.parquet", {"prompt": ["a", "b"]})
+    fs.put_file(str(tmp_path / "p0.parquet"), "overlap-attack/data/p0.parquet")
+    before = fs.cat_file("overlap-attack/data/p0.parquet")
+    keys_before = fs.find("overlap-attack")
+    job = write_job(tmp_path / "job.yaml",
+                    input={"path": "s3://overlap-attack/data", "prompt_column": "prompt",
+                           "storage_options": {**creds, "endpoint_url": f"{endpoint}/"}},
+                    output={"path": "s3://overlap-attack/data",
+                            "storage_options": {**creds, "endpoint_url": endpoint}},
+                    model={"target": str(tmp_path / "no-such-model")},
+                    sampling={"temperature": 0.0, "max_tokens": 4})
+    checked = run_cli("validate", str(job), timeout=300)
+    assert checked.returncode == 2, checked.stdout + checked.stderr
+    assert "output.path" in checked.stderr and "input location" in checked.stderr
+    assert options["secret"] not in checked.stderr
+    result = run_cli("run", str(job), "--log-format", "json", timeout=300)
+    assert result.returncode == 2, result.stderr
+    assert options["secret"] not in result.stderr
+    events = [json.loads(line) for line in result.stderr.splitlines() if line.startswith("{")]
+    names = [e["event"] for e in events]
+    assert "engine_starting" not in names and "run_started" not in names, names
+    errors = [e for e in events if e["event"] == "error"]
+    assert len(errors) == 1 and errors[0]["exit_code"] == 2
+    assert "output.path" in errors[0]["message"] and "input location" in errors[0]["message"]
+    fs.invalidate_cache()
+    assert fs.find("overlap-attack") == keys_before  # no summary, no lock, no output
+    assert fs.cat_file("overlap-attack/data/p0.parquet") == before

@@ -120,3 +120,33 @@ def test_shard_state(tmp_path):
     assert out.shard_state(shard) == "partial"  # the input changed since
     (tmp_path / "out" / "a.parquet").unlink()
     assert out.shard_state(shard) == "partial"  # record without a file
+
+
+def test_listing_skips_the_output_however_its_store_is_spelled(tmp_path, s3_server):
+    """`same_store` judges stores as the overlap check does, so a run's listing (which passes
+    the output's path when the stores agree) and tune's sample (which passes output.path as
+    written) both skip the output's files under an input directory, whatever the spelling of
+    the endpoint."""
+    import s3fs
+
+    from batchspec.shards import same_store
+
+    endpoint, options = s3_server
+    creds = {"key": options["key"], "secret": options["secret"]}
+    fs = s3fs.S3FileSystem(**options, skip_instance_cache=True)
+    fs.mkdir("listing-skip")
+    data = _shard(tmp_path / "p0.parquet").read_bytes()
+    for key in ("d/p0.parquet", "d/out/p0.parquet", "d/outside/p1.parquet"):
+        fs.pipe_file(f"listing-skip/{key}", data)
+    in_opts = {**creds, "endpoint_url": f"{endpoint}/"}
+    out = OutputDir("s3a://listing-skip//d/out/", {**creds, "client_kwargs": {"endpoint_url": endpoint}})
+    assert same_store(["s3://listing-skip/d"], in_opts, out)
+    for exclude in (out.path, "s3a://listing-skip//d/out/"):
+        names = [s.name for s in discover_shards(["s3://listing-skip/d"], in_opts, exclude=exclude)]
+        assert names == ["outside/p1", "p0"], exclude
+    # another server's output path says nothing about this one's files
+    elsewhere = OutputDir("s3://listing-skip/d/out",
+                          {**creds, "endpoint_url": endpoint.rsplit(":", 1)[0] + ":1"})
+    assert not same_store(["s3://listing-skip/d"], in_opts, elsewhere)
+    # a local output path never hides a bucket's keys
+    assert len(discover_shards(["s3://listing-skip/d"], in_opts, exclude="/listing-skip/d/out")) == 3
