@@ -2,9 +2,12 @@
 and the target's continuations of the training rows, generated through the engine and kept in
 Parquet chunks so that a killed run restarts where it stopped.
 
-Generated rows live in ``<out>/_work/generated-<key>/part-NNNNN.parquet``; ``key`` hashes what
+Generated rows live in ``<work>/generated-<key>/part-NNNNN-<unique>.parquet`` (``<work>`` is the
+private directory beside ``--out``, see :func:`batchspec.distill.work_dir`); ``key`` hashes what
 the rows depend on (target, sampling, top-K, the sampled request ids), so a run with other
-settings never mixes its rows with these.
+settings never mixes its rows with these. Each chunk is written under a temporary name of its
+own, fsynced and renamed, so two writers never share a file; a chunk that cannot be read back
+(a torn file) is deleted with a warning and its rows are generated again.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import pyarrow.parquet as pq
 
 from batchspec import prompts
 from batchspec.prompts import Row
+from batchspec.shards import fsync_dir, replace_durably
 from batchspec.spec import JobSpec
 
 #: Generated rows committed per Parquet chunk: what a killed run can lose at most.
@@ -72,25 +76,66 @@ def generation_key(spec: JobSpec, rows: list[Row], logprobs: int) -> str:
     return h.hexdigest()[:16]
 
 
-def read_generated(directory: Path) -> pa.Table | None:
-    """All committed chunks of a generation folder as one table (None if there are none)."""
+def _warn(msg: str) -> None:
+    print(f"batchspec distill: {msg}", file=sys.stderr, flush=True)
+
+
+def read_generated(directory: Path, warn: Callable[[str], None] | None = None) -> pa.Table | None:
+    """All committed chunks of a generation folder as one table (None if there are none).
+
+    A chunk that cannot be read back as generated rows (torn, truncated, another schema) is
+    deleted with a warning: its rows are missing again and the next generation makes them.
+    A request id found in two chunks counts once (the first chunk by name)."""
+    warn = warn or _warn
     parts = sorted(directory.glob("part-*.parquet")) if directory.is_dir() else []
-    if not parts:
+    tables = []
+    for part in parts:
+        try:
+            tables.append(pq.read_table(part, schema=GENERATED_SCHEMA))
+        except FileNotFoundError:
+            continue
+        except Exception as exc:  # pyarrow raises ArrowInvalid, OSError, ... for a torn file
+            warn(f"generated chunk {part} cannot be read ({type(exc).__name__}: {exc}): "
+                 "deleted, its rows will be generated again")
+            part.unlink(missing_ok=True)
+    if not tables:
         return None
-    return pa.concat_tables([pq.read_table(p, schema=GENERATED_SCHEMA) for p in parts])
+    table = pa.concat_tables(tables)
+    ids = table.column("request_id").to_pylist()
+    seen: set[str] = set()
+    keep = [i for i, rid in enumerate(ids) if not (rid in seen or seen.add(rid))]
+    if len(keep) < table.num_rows:
+        table = table.take(pa.array(keep, pa.int64()))
+    return table
+
+
+def remove_temporary_files(directory: Path) -> int:
+    """Delete chunk files that were never committed (a killed run's ``.part-*.tmp``). Only for
+    the holder of the ``--out`` lock: nobody else writes there."""
+    removed = 0
+    if directory.is_dir():
+        for tmp in directory.glob(".part-*.tmp"):
+            tmp.unlink(missing_ok=True)
+            removed += 1
+    return removed
 
 
 def _write_chunk(directory: Path, rows: list[dict]) -> Path:
-    """Commit one chunk: written under a temporary name, then renamed (a reader never sees half)."""
-    directory.mkdir(parents=True, exist_ok=True)
-    index = len(list(directory.glob("part-*.parquet")))
-    path = directory / f"part-{index:05d}.parquet"
-    while path.exists():  # a chunk removed by hand leaves a gap: never overwrite a later one
-        index += 1
-        path = directory / f"part-{index:05d}.parquet"
+    """Commit one chunk: written under a temporary name no other writer uses, fsynced, renamed
+    to a name no other writer uses, and the rename made durable (a reader never sees half, and
+    two writers never write, rename or overwrite each other's file)."""
+    if not directory.is_dir():
+        directory.mkdir(parents=True, exist_ok=True)
+        fsync_dir(str(directory.parent))
+    index = len(list(directory.glob("part-*.parquet")))  # for people: roughly in order
+    path = directory / f"part-{index:05d}-{os.getpid()}-{os.urandom(6).hex()}.parquet"
     tmp = directory / f".{path.name}.tmp"
-    pq.write_table(pa.Table.from_pylist(rows, schema=GENERATED_SCHEMA), tmp)
-    os.replace(tmp, path)
+    try:
+        pq.write_table(pa.Table.from_pylist(rows, schema=GENERATED_SCHEMA), tmp)
+        replace_durably(str(tmp), str(path))
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     return path
 
 
@@ -112,9 +157,11 @@ def generate(spec: JobSpec, rows: list[Row], directory: Path, logprobs: int,
              chunk_rows: int = CHUNK_ROWS) -> Generated:
     """Generate the target's continuations of ``rows`` with speculation off and the job's
     sampling, through the same streaming engine loop as ``run``; rows already committed in
-    ``directory`` are not generated again."""
+    ``directory`` are not generated again (a torn chunk's rows are). The caller holds the
+    ``--out`` lock. The table comes back in the order of ``rows``, whatever the chunks'."""
     say = progress or (lambda msg: None)
-    done = read_generated(directory)
+    remove_temporary_files(directory)
+    done = read_generated(directory, warn=say)
     done_ids = set(done.column("request_id").to_pylist()) if done is not None else set()
     todo = [r for r in rows if r.request_id not in done_ids]
     started = time.monotonic()
@@ -125,14 +172,15 @@ def generate(spec: JobSpec, rows: list[Row], directory: Path, logprobs: int,
         failed = _generate_missing(spec, todo, directory, logprobs, say, interval_s, chunk_rows)
     else:
         say(f"all {len(done_ids)} continuations already generated in {directory}: reused")
-    table = read_generated(directory)
+    table = read_generated(directory, warn=say)
     if table is None:
         table = GENERATED_SCHEMA.empty_table()
-    wanted = {r.request_id for r in rows}
-    keep = [i for i, rid in enumerate(table.column("request_id").to_pylist()) if rid in wanted]
+    wanted = {r.request_id: i for i, r in enumerate(rows)}
+    ids = table.column("request_id").to_pylist()
+    keep = sorted((i for i, rid in enumerate(ids) if rid in wanted), key=lambda i: wanted[ids[i]])
     table = table.take(pa.array(keep, pa.int64()))
-    return Generated(table=table, generated_rows=table.num_rows - len(done_ids & wanted),
-                     reused_rows=len(done_ids & wanted), failed_rows=failed,
+    return Generated(table=table, generated_rows=table.num_rows - len(done_ids & wanted.keys()),
+                     reused_rows=len(done_ids & wanted.keys()), failed_rows=failed,
                      wall_s=time.monotonic() - started, directory=directory)
 
 
