@@ -15,6 +15,19 @@ A replica that dies (actor killed, node lost, its engine failed) loses only its 
 its uncommitted temporary file is never committed, and the shard goes back to the front of the
 queue for another replica; a replacement replica is started while work remains. A shard whose
 replica died on each of ``executor.max_shard_attempts`` tries is reported failed (exit 1).
+
+A shard a replica finds held by another process (on object stores: a replica of this run that
+died holding it, a crashed earlier run, or a live other run) follows the local runner's rule,
+:class:`batchspec.leases.BusyRetry`: the driver keeps what the replica saw of the holder, waits
+until its heartbeat could have been still for ``execution.lease_s``, and hands the shard out
+once more with that observation, so whichever replica gets it takes a dead holder's lease over;
+a shard still held then is busy (exit 1 naming its holder). No shard waits for ever.
+
+Environment: the driver's settings (``VLLM_*``, ``HF_HOME``, thread counts, ...) go to the
+replicas in Ray's ``runtime_env``, which Ray records in its job and actor metadata and shows on
+its dashboard; credential variables (``AWS_SECRET_ACCESS_KEY``, ``HF_TOKEN``, any name
+:func:`batchspec.redact.is_secret_key` calls a credential) never do: they are a constructor
+argument of each replica, set in its process's environment before its engine starts.
 """
 
 from __future__ import annotations
@@ -29,7 +42,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from batchspec.errors import BatchspecError, InputDataError, RuntimeFailure, SpecError
-from batchspec.redact import sanitize_url
+from batchspec.leases import BusyRetry
+from batchspec.redact import is_secret_key, sanitize_url
 from batchspec.shards import OutputDir, Shard
 from batchspec.spec import JobSpec
 from batchspec.stages import ShardPipeline, new_outcome, per_position
@@ -37,7 +51,8 @@ from batchspec.stages import ShardPipeline, new_outcome, per_position
 log = logging.getLogger(__name__)
 
 #: Environment the engine and storage need, passed to every replica (the driver's values):
-#: vLLM and Hugging Face settings, thread counts, cloud credentials read from the environment.
+#: vLLM and Hugging Face settings, thread counts, cloud settings and credentials read from the
+#: environment (credentials never through Ray's runtime_env: see :func:`replica_secrets`).
 ENV_PREFIXES = ("VLLM_", "BATCHSPEC_", "HF_", "HUGGING_FACE_", "TRANSFORMERS_", "TOKENIZERS_",
                 "OMP_", "MKL_", "AWS_", "GOOGLE_", "AZURE_", "FSSPEC_")
 #: Test-only: a replica given this shard name exits (like a crash) on the shard's first result.
@@ -55,10 +70,21 @@ def _import_ray():
     return ray
 
 
-def replica_env(environ: dict[str, str] | None = None) -> dict[str, str]:
-    """The driver's environment variables a replica needs (see :data:`ENV_PREFIXES`)."""
+def _wanted_env(environ: dict[str, str] | None) -> dict[str, str]:
     environ = os.environ if environ is None else environ
     return {k: v for k, v in environ.items() if k.startswith(ENV_PREFIXES)}
+
+
+def replica_env(environ: dict[str, str] | None = None) -> dict[str, str]:
+    """The driver's environment variables a replica needs (see :data:`ENV_PREFIXES`) that are no
+    credentials: these go in Ray's ``runtime_env``, which Ray records and shows."""
+    return {k: v for k, v in _wanted_env(environ).items() if not is_secret_key(k)}
+
+
+def replica_secrets(environ: dict[str, str] | None = None) -> dict[str, str]:
+    """The credential variables among them (``AWS_SECRET_ACCESS_KEY``, ``HF_TOKEN``, ...): passed
+    to each replica's constructor, kept in memory, never in a ``runtime_env``."""
+    return {k: v for k, v in _wanted_env(environ).items() if is_secret_key(k)}
 
 
 def actor_options(resources: dict[str, float]) -> dict[str, Any]:
@@ -138,7 +164,10 @@ class Replica:
     """One Ray actor's work: one vLLM engine, and the per-shard stages for each shard the
     driver hands it (one at a time). Errors come back as data, never as a dead actor."""
 
-    def __init__(self, spec: JobSpec, index: int, engine_factory=None):
+    def __init__(self, spec: JobSpec, index: int, engine_factory=None,
+                 secrets: dict[str, str] | None = None):
+        # the driver's credential variables, before anything reads the environment
+        os.environ.update(secrets or {})
         self.index = index
         self.error: dict | None = None
         self.engine = None
@@ -188,26 +217,25 @@ class Replica:
                         shard=s.name)
 
         leases = ShardLeases(out, owner, spec.execution.lease_s)
+        for name, (key, seen_s) in (task.get("seen") or {}).items():
+            leases.note_observation(name, key, seen_s)  # the driver's watch of a silent holder
         pipeline = ShardPipeline(spec, task["run_id"], out, leases, buffer, buffer, outcome,
                                  task["spec_fingerprint"], self.vllm_version, task["overwrite"],
                                  stop=self._stop.is_set, grace_s=task["grace_s"],
                                  bad_shard=bad_shard)
         error = None
-        own_busy: list[str] = []
         with leases:
             try:
                 pipeline.generate(self.engine, [shard], {shard.name: task["rows"]})
-                for name in outcome["busy_shards"]:
-                    # held by this run: a replica of it died holding the lease (object stores)
-                    if (leases.holder(name) or {}).get("run_id") == task["run_id"]:
-                        own_busy.append(name)
             except BaseException as exc:
                 error = _error_record(exc)
             finally:
                 pipeline.discard_uncommitted()
                 leases.release_all()
         result = buffer.drain()
-        result.update(outcome=outcome, error=error, own_busy=own_busy,
+        # what this replica saw of each busy shard's holder, for the driver's BusyRetry
+        observed = {name: leases.observation(name) for name in outcome["busy_shards"]}
+        result.update(outcome=outcome, error=error, observed=observed,
                       fatal=[_error_record(e) for e in pipeline.fatal],
                       counters=self.engine.spec_counters())
         return result
@@ -271,6 +299,8 @@ class RayExecutor:
         ray = self.ray
         if not ray.is_initialized():
             # no address: ray.init() starts a local cluster, as `ray start --head` would
+            # no credentials here: Ray records a job's runtime_env (replica_secrets go to each
+            # replica's constructor instead)
             ray.init(address=self.address, runtime_env={"env_vars": replica_env()},
                      log_to_driver=True)
             self._started_ray = True
@@ -303,10 +333,10 @@ class RayExecutor:
         actor = self._actor_class.options(
             max_concurrency=2,  # process() and the driver's poll() at once
             max_restarts=0, max_task_retries=0,  # the driver redoes lost shards itself
-            runtime_env={"env_vars": replica_env()},
+            runtime_env={"env_vars": replica_env()},  # recorded and shown by Ray: no secrets
             name=f"batchspec-replica-{os.getpid()}-{index}",
             **actor_options(self.spec.executor.resources_per_replica),
-        ).remote(self.spec, index, self.engine_factory)
+        ).remote(self.spec, index, self.engine_factory, replica_secrets())
         return _Handle(index, actor, ready_ref=actor.ready.remote())
 
     def _await_ready(self, h: _Handle) -> None:
@@ -352,6 +382,8 @@ class RayExecutor:
                                "replica_deaths": []}
         deaths = summary["executor"]["replica_deaths"]
         failed: dict[str, str] = {}
+        by_name = {s.name: s for s in shards}
+        waits = BusyRetry(spec.execution.lease_s)
         queue = collections.deque(shards)
         attempts: collections.Counter = collections.Counter()
         not_before: dict[str, float] = {}
@@ -388,6 +420,7 @@ class RayExecutor:
                 events.emit("shard_failed", f"shard {name} failed: {failed[name]}", level="error",
                             shard=name, attempts=attempts[name])
             else:
+                waits.rearm(name)  # on object stores its lease stays: a new holder to wait for
                 queue.appendleft(shard)
                 events.emit("replica_died", f"Ray replica {h.index} died while on shard {name} "
                             f"({why}); the shard is handed to another replica", level="warning",
@@ -421,9 +454,11 @@ class RayExecutor:
                 h = idle.pop(0)
                 attempts[shard.name] += 1
                 h.shard, h.rows_done = shard, 0
+                seen = waits.observation(shard.name)
                 task = {"spec": spec, "shard": shard, "run_id": job.run_id,
                         "spec_fingerprint": spec_fingerprint, "overwrite": job.overwrite,
-                        "grace_s": job.grace_s, "rows": row_counts[shard.name], "die_on": die_on}
+                        "grace_s": job.grace_s, "rows": row_counts[shard.name], "die_on": die_on,
+                        "seen": {shard.name: seen} if seen is not None else {}}
                 running[h.actor.process.remote(task)] = h
             if not running and not starting:
                 if queue and not stopping:
@@ -459,21 +494,27 @@ class RayExecutor:
                     continue
                 apply(h, data)
                 self._counters[h.index][1] = data["counters"]
-                name = h.shard.name
-                for key in ("shards", "bad_shards", "busy_shards", "lost_shards"):
+                for key in ("shards", "bad_shards", "lost_shards"):
                     for shard_name, value in data["outcome"][key].items():
-                        if key == "busy_shards" and shard_name in data["own_busy"]:
-                            continue
                         summary[key][shard_name] = value
                         if key == "shards":
                             progress.shard_done()
-                if name in data["own_busy"]:
-                    # a dead replica of this run still holds the lease (object stores): it runs
-                    # out after lease_s, then another replica takes the shard over
-                    progress.rows_dropped(-row_counts[name])
-                    not_before[name] = time.monotonic() + spec.execution.lease_s + 1.0
-                    attempts[name] -= 1
-                    queue.append(h.shard)
+                for shard_name, holder in data["outcome"]["busy_shards"].items():
+                    wait_s = None if stopping else waits.after(shard_name,
+                                                               data["observed"].get(shard_name))
+                    if wait_s is None:  # held by a live process, or already waited for
+                        summary["busy_shards"][shard_name] = holder
+                        continue
+                    # a holder that may be dead (object stores): once its heartbeat has been
+                    # still for lease_s, the shard is tried again, and taken over if it was
+                    progress.rows_dropped(-row_counts[shard_name])
+                    not_before[shard_name] = time.monotonic() + wait_s
+                    attempts[shard_name] -= 1  # not a try: nothing of it ran
+                    queue.append(by_name[shard_name])
+                    events.emit("shards_waiting", f"shard {shard_name} is held by {holder} and "
+                                f"its lease was not seen renewed; taking it over in {wait_s:.0f}s "
+                                "unless it is", shards=[shard_name], wait_s=round(wait_s, 1),
+                                replica=h.index)
                 for record in data["fatal"]:
                     job.fatal.append(_rebuild(record))
                 err = data["error"]

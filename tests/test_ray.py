@@ -1,12 +1,14 @@
 """``--executor ray`` on a real local Ray cluster (2 CPUs) with 2 replicas of the tiny pair.
 
 One Ray cluster and one set of replicas (a caller-owned RayExecutor) serve the whole module:
-a clean run compared with a local run of the same job (greedy: identical text), a run in which
-one replica's actor is killed (``ray.kill``) while it is on a shard, a run with a shard that
+a clean run compared with a local run of the same job (greedy: identical text), a run on S3
+(moto on 127.0.0.1, a short lease) in which one replica's actor is killed (``ray.kill``) while it
+is on a shard, so that another replica must take its lease over, a run with a shard that
 kills every replica it is given (the test-only hook) and ends failed, exit 1, and the CLI
 (``--executor ray --ray-address``) finishing that run, then a replica whose engine vLLM refuses
 ending a CLI run with exit 2. Before them, the driver's scheduling with
-a stand-in engine (seconds, no vLLM).
+a stand-in engine (seconds, no vLLM), on local disk and on S3 (dead and live lease holders,
+credentials kept out of Ray's runtime_env), and a replica's successive tasks without Ray.
 
 Engine starts: 1 local, 2 replicas, 1 to replace the killed one, 1 in the CLI's replica, 1
 refused (replacements started for the poison shard's victims are stopped when the run ends).
@@ -14,10 +16,13 @@ refused (replacements started for the poison shard's victims are stopped when th
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import sys
 import time
+import uuid
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -26,27 +31,91 @@ from conftest import DRAFT, ENGINE, MODELS, read_output, run_cli, write_job
 
 from batchspec.errors import BatchspecError, SpecError
 from batchspec.events import EventLog
+from batchspec.leases import ShardLeases
 from batchspec.runner import plan, run_job
+from batchspec.shards import OutputDir
 from batchspec.spec import build_spec
 
 SHARDS, ROWS = 4, 16
 MAX_TOKENS = 24
+#: execution.lease_s of the runs on S3: short, so that a dead replica's lease is taken over soon
+LEASE_S = 1.5
 
 
-def _spec(inputs, out, **executor):
+def _spec(inputs, out, storage_options=None, lease_s=None, **executor):
     raw = {
         "name": "ray-test",
         "input": {"path": str(inputs / "*.parquet"), "prompt_column": "prompt", "id_column": "id"},
-        "output": {"path": str(out)},
+        "output": {"path": str(out), "storage_options": storage_options or {}},
         "model": {"target": str(MODELS / "target"), "engine": dict(ENGINE)},
         "speculative": dict(DRAFT),
         "sampling": {"temperature": 0.0, "max_tokens": MAX_TOKENS},
         # few in flight: a shard takes a few seconds, so a kill lands while one is on it
-        "execution": {"max_in_flight": 4},
+        "execution": {"max_in_flight": 4, **({"lease_s": lease_s} if lease_s else {})},
         "executor": {"kind": "ray", "replicas": 2, "resources_per_replica": {"CPU": 1},
                      **executor},
     }
     return build_spec(raw)
+
+
+def _s3_output(s3_server) -> tuple[str, dict]:
+    """A fresh bucket on the session's S3 server (moto): (output URL, storage options)."""
+    import s3fs
+
+    _, options = s3_server
+    bucket = f"ray-{uuid.uuid4().hex[:10]}"
+    s3fs.S3FileSystem(**options, skip_instance_cache=True).mkdir(bucket)
+    return f"s3://{bucket}/out", options
+
+
+@contextlib.contextmanager
+def _deadline(seconds: int, what: str):
+    """Fail, rather than hang, a run that does not end (SIGALRM in the test's main thread)."""
+    def expire(signum, frame):
+        raise TimeoutError(f"{what} still running after {seconds}s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def _as_if_on_another_host(url: str, options: dict, shard: str, pid: int) -> None:
+    """After a replica's process was killed holding ``shard``'s lease: make its record name
+    another machine's pid space, as a replica on another node would leave it, so that only its
+    heartbeat can tell it is dead (on this machine its gone pid would free the lease at once).
+    Token and heartbeat are kept: the record's holder key is what it was."""
+    import s3fs
+
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.05)
+    else:
+        raise AssertionError(f"replica process {pid} still runs")
+    from batchspec.leases import _S3Store
+
+    fs = s3fs.S3FileSystem(**options, skip_instance_cache=True)
+    path = OutputDir(url, options).lock_path(shard)
+    record, etag = _S3Store(fs).read(path)
+    assert record["pid"] == pid, record
+    record["pid_space"] = "another-machine:4026531836"
+    bucket, key, _ = fs.split_path(path)
+    fs.call_s3("put_object", Bucket=bucket, Key=key, Body=json.dumps(record).encode(),
+               IfMatch=etag)
+
+
+def _dead_holder(url: str, options: dict, shard: str, run_id: str) -> None:
+    """A lease on ``shard`` as a worker that died on another host leaves it: never renewed."""
+    dead = ShardLeases(OutputDir(url, options), {"run_id": run_id, "host": "gone.example",
+                                                 "pid": 4242, "started_at": "then"}, LEASE_S)
+    assert dead.acquire(shard) is None  # its keeper never starts: the heartbeat stays still
 
 
 class _Events(EventLog):
@@ -82,13 +151,24 @@ def test_executor_section_is_checked():
 
 
 def test_actor_options_and_env():
-    from batchspec.ray_executor import actor_options, replica_env
+    """Settings go in Ray's runtime_env (recorded in Ray's job and actor metadata, shown on its
+    dashboard); credentials only in replica_secrets, the replicas' constructor argument."""
+    from batchspec.ray_executor import actor_options, replica_env, replica_secrets
 
     assert actor_options({"CPU": 1}) == {"num_cpus": 1}
     assert actor_options({"CPU": 4, "GPU": 1, "accelerator_type:H100": 0.01}) == {
         "num_cpus": 4, "num_gpus": 1, "resources": {"accelerator_type:H100": 0.01}}
-    env = replica_env({"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HOME": "h", "PATH": "/bin", "HOME": "x"})
-    assert env == {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HOME": "h"}
+    settings = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HOME": "h", "AWS_REGION": "eu-west-1",
+                "AWS_ENDPOINT_URL": "http://s3.example", "AZURE_STORAGE_ACCOUNT_NAME": "acct",
+                "OMP_NUM_THREADS": "2", "TOKENIZERS_PARALLELISM": "false"}
+    secrets = {"AWS_ACCESS_KEY_ID": "AKIA1", "AWS_SECRET_ACCESS_KEY": "s3cr3t",
+               "AWS_SESSION_TOKEN": "sess", "HF_TOKEN": "hf_x", "HUGGING_FACE_HUB_TOKEN": "hf_y",
+               "AZURE_STORAGE_KEY": "k", "AZURE_STORAGE_CONNECTION_STRING": "c",
+               "AZURE_STORAGE_SAS_TOKEN": "sv=1", "AZURE_CLIENT_SECRET": "cs",
+               "GOOGLE_APPLICATION_CREDENTIALS": "/keys/sa.json", "VLLM_API_KEY": "v"}
+    environ = {**settings, **secrets, "PATH": "/bin", "HOME": "x"}
+    assert replica_env(environ) == settings
+    assert replica_secrets(environ) == secrets
 
 
 @pytest.fixture(scope="module")
@@ -130,6 +210,16 @@ class _SlowEcho:
         pass
 
 
+def _echo_inputs(root, shards=SHARDS, rows=20):
+    """Shards of ``rows`` prompts; what _SlowEcho answers to each."""
+    root.mkdir(exist_ok=True)
+    for i in range(shards):
+        pq.write_table(pa.table({"id": [f"r{i}-{j}" for j in range(rows)],
+                                 "prompt": [f"p {i} {j}" for j in range(rows)]}),
+                       root / f"s{i}.parquet")
+    return {f"r{i}-{j}": f"P {i} {j}" for i in range(shards) for j in range(rows)}
+
+
 def test_scheduling_kill_and_poison_with_a_stand_in_engine(ray_cluster, tmp_path, monkeypatch):
     """The driver's side with a stand-in engine (seconds, no vLLM): shards spread over both
     replicas; a killed replica's shard is redone elsewhere; a shard that kills its replica
@@ -137,12 +227,7 @@ def test_scheduling_kill_and_poison_with_a_stand_in_engine(ray_cluster, tmp_path
     from batchspec.ray_executor import DIE_ON_SHARD_ENV, RayExecutor
 
     inputs = tmp_path / "in"
-    inputs.mkdir()
-    for i in range(SHARDS):
-        pq.write_table(pa.table({"id": [f"r{i}-{j}" for j in range(20)],
-                                 "prompt": [f"p {i} {j}" for j in range(20)]}),
-                       inputs / f"s{i}.parquet")
-    expected = {f"r{i}-{j}": f"P {i} {j}" for i in range(SHARDS) for j in range(20)}
+    expected = _echo_inputs(inputs)
     executor = RayExecutor(_spec(inputs, tmp_path / "unused"), engine_factory=_SlowEcho)
     try:
         events = _Events()
@@ -175,6 +260,145 @@ def test_scheduling_kill_and_poison_with_a_stand_in_engine(ray_cluster, tmp_path
         executor.shutdown()
 
 
+def test_a_replicas_successive_tasks_take_a_dead_replicas_lease_over(s3_server, tmp_path):
+    """Without Ray: one replica's tasks on S3, as the driver hands them out. Each task has its
+    own lease set; what a task saw of a busy shard's holder goes back to the driver's rule
+    (BusyRetry), which waits, and the shard's next task, seeded with that watch, takes over a
+    lease whose heartbeat stayed still for lease_s (a replica of this run that died holding it)
+    and commits every row once. A shard whose holder stays alive is busy after one wait, and
+    the rule never waits on it again (it used to be re-queued for ever)."""
+    from batchspec.leases import BusyRetry
+    from batchspec.ray_executor import Replica
+
+    expected = _echo_inputs(tmp_path / "in", shards=2, rows=4)
+    url, options = _s3_output(s3_server)
+    spec = _spec(tmp_path / "in", url, options, lease_s=LEASE_S)
+    p = plan(spec)
+    shards = {s.name: s for s in p.shards}
+    _dead_holder(url, options, "s0", "this-run")
+    replica, rule = Replica(spec, 0, engine_factory=_SlowEcho), BusyRetry(LEASE_S)
+
+    def task(name):
+        seen = rule.observation(name)
+        return {"spec": spec, "shard": shards[name], "run_id": "this-run",
+                "spec_fingerprint": p.spec_fingerprint, "overwrite": False, "grace_s": 1.0,
+                "rows": 4, "die_on": None, "seen": {name: seen} if seen is not None else {}}
+
+    live = ShardLeases(OutputDir(url, options), {"run_id": "live-run", "host": "elsewhere",
+                                                 "pid": 1, "started_at": "now"}, LEASE_S)
+    with live:
+        assert live.acquire("s1") is None  # renewed every lease_s / 4 from here on
+        waits = {}
+        for name, holder in (("s0", "this-run"), ("s1", "live-run")):
+            result = replica.process(task(name))
+            assert result["error"] is None and list(result["outcome"]["busy_shards"]) == [name]
+            assert holder in result["outcome"]["busy_shards"][name]
+            waits[name] = rule.after(name, result["observed"][name])
+            assert LEASE_S <= waits[name] <= LEASE_S + 1.5, waits
+        time.sleep(max(waits.values()))
+        taken = replica.process(task("s0"))
+        assert taken["error"] is None and not taken["outcome"]["busy_shards"], taken["outcome"]
+        assert taken["outcome"]["shards"]["s0"]["rows"] == 4
+        still = replica.process(task("s1"))
+        assert "live-run" in still["outcome"]["busy_shards"]["s1"]
+        assert rule.after("s1", still["observed"]["s1"]) is None  # busy: the run ends
+    texts = _texts(url, options)
+    assert texts == {k: v for k, v in expected.items() if k.startswith("r0-")}
+
+
+def _replica_env(self):
+    """Run inside a replica (``__ray_call__``): what Ray recorded, and what the process has."""
+    import ray
+
+    recorded = ray.get_runtime_context().runtime_env.get("env_vars") or {}
+    return dict(recorded), {k: os.environ.get(k) for k in ("AWS_SECRET_ACCESS_KEY", "HF_TOKEN",
+                                                          "HF_HUB_DISABLE_TELEMETRY")}
+
+
+def test_on_s3_dead_replicas_and_crashed_runs_are_taken_over_and_live_holders_end_the_run(
+        ray_cluster, s3_server, tmp_path, monkeypatch):
+    """The driver on S3 with a stand-in engine (no vLLM), lease_s 1.5. A replica killed while on
+    a shard leaves its lease behind: another replica takes it over once its heartbeat has been
+    still for lease_s, and every row is written once. A rerun after an earlier run's worker died
+    holding a shard takes it over too (it used to exit 1 "busy"). A shard held by a live other
+    run ends the run with exit 1 naming it, after one wait. Credentials reach the replicas,
+    never the runtime_env Ray records."""
+    from batchspec.ray_executor import RayExecutor
+
+    expected = _echo_inputs(tmp_path / "in")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "ray-secret-not-in-runtime-env")
+    monkeypatch.setenv("HF_TOKEN", "hf_not_in_runtime_env")
+    monkeypatch.setenv("HF_HUB_DISABLE_TELEMETRY", "1")
+    executor = RayExecutor(_spec(tmp_path / "in", tmp_path / "unused"), engine_factory=_SlowEcho)
+    try:
+        killed, problems = [], []
+        url, options = _s3_output(s3_server)
+
+        def kill(event, fields):
+            """Runs in the driver's loop: the driver sees the death only after it returns."""
+            if event == "shard_started" and not killed:
+                killed.append(fields)
+                victim = next(h for h in executor.handles if h.index == fields["replica"])
+                ray_cluster.kill(victim.actor)
+                try:  # (the driver's poll would swallow an error here)
+                    _as_if_on_another_host(url, options, fields["shard"], victim.info["pid"])
+                except Exception as exc:
+                    problems.append(exc)
+
+        events = _Events(kill)
+        with _deadline(120, "the run with a killed replica"):
+            result = run_job(_spec(tmp_path / "in", url, options, lease_s=LEASE_S),
+                             executor=executor, events=events)
+        assert not problems, problems
+        deaths = result.summary["executor"]["replica_deaths"]
+        assert [(d["replica"], d["shard"]) for d in deaths] == [(killed[0]["replica"],
+                                                                killed[0]["shard"])]
+        assert _texts(url, options) == expected
+        assert not result.summary["busy_shards"]
+        waited = [f for e, f in events.seen if e == "shards_waiting"]
+        assert [f["shards"] for f in waited] == [[killed[0]["shard"]]], waited
+        redone_by = [f["replica"] for e, f in events.seen
+                     if e == "shard_committed" and f["shard"] == killed[0]["shard"]]
+        assert len(redone_by) == 1 and redone_by[0] != killed[0]["replica"]
+
+        # credentials: in every replica's environment, not in what Ray records and shows
+        for h in executor.handles:
+            recorded, environ = ray_cluster.get(h.actor.__ray_call__.remote(_replica_env))
+            assert environ == {"AWS_SECRET_ACCESS_KEY": "ray-secret-not-in-runtime-env",
+                               "HF_TOKEN": "hf_not_in_runtime_env", "HF_HUB_DISABLE_TELEMETRY": "1"}
+            assert recorded.get("HF_HUB_DISABLE_TELEMETRY") == "1"
+            assert "AWS_SECRET_ACCESS_KEY" not in recorded and "HF_TOKEN" not in recorded
+            assert "not-in-runtime-env" not in json.dumps(recorded)
+
+        # a rerun after a crash: an earlier run's worker died holding s2 (shorter shards now)
+        expected = _echo_inputs(tmp_path / "short", rows=5)
+        url, options = _s3_output(s3_server)
+        _dead_holder(url, options, "s2", "crashed-run")
+        with _deadline(120, "the rerun after a crash"):
+            result = run_job(_spec(tmp_path / "short", url, options, lease_s=LEASE_S),
+                             executor=executor, events=_Events())
+        assert result.summary["status"] == "ok" and not result.summary["busy_shards"]
+        assert _texts(url, options) == expected
+
+        # a live other run holds s0: one wait, then exit 1 naming it; the rest committed
+        url, options = _s3_output(s3_server)
+        with ShardLeases(OutputDir(url, options), {"run_id": "live-run", "host": "elsewhere",
+                                                   "pid": 1, "started_at": "now"}, LEASE_S) as live:
+            assert live.acquire("s0") is None
+            started = time.monotonic()
+            with _deadline(120, "the run beside a live holder"), \
+                    pytest.raises(BatchspecError) as err:
+                run_job(_spec(tmp_path / "short", url, options, lease_s=LEASE_S),
+                        executor=executor, events=_Events())
+            assert time.monotonic() - started < 60
+        assert err.value.exit_code == 1
+        assert "s0" in str(err.value) and "live-run" in str(err.value), str(err.value)
+        assert _texts(url, options) == {k: v for k, v in expected.items()
+                                        if not k.startswith("r0-")}
+    finally:
+        executor.shutdown()
+
+
 # ---------------------------------------------------------------------------- on Ray (engine)
 
 
@@ -189,8 +413,18 @@ def inputs(tmp_path_factory, models):
     return root
 
 
-def _texts(out) -> dict[str, str]:
-    table = read_output(out)
+def _texts(out, storage_options=None) -> dict[str, str]:
+    """Every committed row's text by request id, from a local directory or an s3:// URL."""
+    if storage_options is None:
+        table = read_output(out)
+    else:
+        import s3fs
+
+        fs = s3fs.S3FileSystem(**storage_options, skip_instance_cache=True)
+        files = sorted(fs.glob(str(out).removeprefix("s3://") + "/*.parquet"))
+        assert files, f"no output files in {out}"
+        table = pa.concat_tables([pq.read_table(f, filesystem=fs) for f in files],
+                                 promote_options="default")
     ids = table["request_id"].to_pylist()
     assert len(ids) == len(set(ids)), "a row is in the output twice"
     return dict(zip(ids, table["generated_text"].to_pylist(), strict=True))
@@ -240,21 +474,33 @@ def test_ray_run_writes_what_a_local_run_writes(replicas, inputs, local_texts, t
 
 
 @pytest.mark.engine
-def test_killed_replica_loses_only_its_shard(replicas, inputs, local_texts, tmp_path):
+def test_killed_replica_loses_only_its_shard(replicas, inputs, local_texts, s3_server):
+    """On S3: the killed replica's lease stays behind (as a replica on another node leaves it);
+    another replica takes it over once its heartbeat has been still for lease_s and redoes the
+    shard, every row exactly once (the driver used to re-queue it for ever)."""
     import ray
 
     killed: list[dict] = []
+    problems: list[Exception] = []
+    url, options = _s3_output(s3_server)
+    lease_s = 4.0  # renewed every second by replicas that share 2 CPUs with their engines
 
     def kill_first_replica_on_a_shard(event, fields):
         if event == "shard_started" and not killed:
             victim = next(h for h in replicas.handles if h.index == fields["replica"])
             killed.append({"replica": victim.index, "shard": fields["shard"]})
             ray.kill(victim.actor)
+            try:  # (the driver's poll would swallow an error here)
+                _as_if_on_another_host(url, options, fields["shard"], victim.info["pid"])
+            except Exception as exc:
+                problems.append(exc)
 
-    out = tmp_path / "out"
     events = _Events(kill_first_replica_on_a_shard)
-    result = run_job(_spec(inputs, out), executor=replicas, events=events, progress_bars=False)
+    with _deadline(400, "the run with a killed replica"):
+        result = run_job(_spec(inputs, url, options, lease_s=lease_s), executor=replicas,
+                         events=events, progress_bars=False)
     assert killed, "no shard started"
+    assert not problems, problems
     deaths = result.summary["executor"]["replica_deaths"]
     # the kill landed while the replica was on that shard, which another replica then redid
     assert [(d["replica"], d["shard"]) for d in deaths] == [(killed[0]["replica"],
@@ -264,8 +510,10 @@ def test_killed_replica_loses_only_its_shard(replicas, inputs, local_texts, tmp_
     redone_by = [f["replica"] for e, f in events.seen
                  if e == "shard_committed" and f["shard"] == killed[0]["shard"]]
     assert len(redone_by) == 1 and redone_by[0] != killed[0]["replica"]
-    assert _texts(out) == local_texts  # every row exactly once, the same text
-    assert result.summary["status"] == "ok"
+    # it was found held by the dead replica, waited for once, then taken over
+    assert [f["shards"] for e, f in events.seen if e == "shards_waiting"] == [[killed[0]["shard"]]]
+    assert _texts(url, options) == local_texts  # every row exactly once, the same text
+    assert result.summary["status"] == "ok" and not result.summary["busy_shards"]
 
 
 def _cli_job(path, inputs, out, **sections):
