@@ -20,6 +20,10 @@ sys.path.insert(0, str(ROOT / "tools"))
 #: Engine settings every end-to-end job uses: eager mode starts in ~20 s on a CPU.
 ENGINE = {"max_model_len": 512, "enforce_eager": True, "dtype": "float32"}
 DRAFT = {"method": "draft_model", "model": str(MODELS / "draft"), "num_speculative_tokens": 4}
+#: n-gram lookup from a single matching token on (so that it proposes at most steps): the jobs
+#: and probes with n-gram speculation share one engine (tests/shared_engines.py).
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
+         "prompt_lookup_max": 4}
 
 
 def pytest_collection_modifyitems(items):
@@ -92,3 +96,59 @@ def s3_server():
     endpoint = f"http://127.0.0.1:{port}"
     yield endpoint, {"key": S3_KEY, "secret": S3_SECRET, "client_kwargs": {"endpoint_url": endpoint}}
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def shared_engines(models):
+    """Real engines shared by the session's tests, one per (target, engine arguments, speculative
+    config), each started the first time a test needs it (see tests/shared_engines.py):
+    ``shared_engines.run(spec)`` runs a job on one through the library."""
+    from shared_engines import SharedEngines
+
+    engines = SharedEngines(plugin_env=_PLUGIN_ENV_AT_START)
+    yield engines
+    engines.close()
+
+
+# ---------------------------------------------------------------------- engine start-ups
+
+#: With this variable naming a file, every vLLM engine the tests build, in this process or in a
+#: subprocess, appends a line to it (tests/engine_counter), and pytest prints the start-ups per
+#: test file at the end: `BATCHSPEC_TEST_ENGINE_LOG=$PWD/engines.jsonl make test`.
+ENGINE_LOG_ENV = "BATCHSPEC_TEST_ENGINE_LOG"
+import time as _time  # noqa: E402
+
+_SESSION_STARTED = _time.time()
+#: batchspec's vLLM plugin switches as the session found them (before any test set its own)
+_PLUGIN_ENV_AT_START = {k: os.environ.get(k) for k in ("BATCHSPEC_DISABLE_VLLM_PLUGIN", "VLLM_PLUGINS")}
+if os.environ.get(ENGINE_LOG_ENV):
+    import importlib.util as _importlib_util
+
+    _COUNTER_DIR = Path(__file__).resolve().parent / "engine_counter"
+    os.environ[ENGINE_LOG_ENV] = str(Path(os.environ[ENGINE_LOG_ENV]).resolve())
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(_COUNTER_DIR), os.environ.get("PYTHONPATH")) if p)
+    _counter_spec = _importlib_util.spec_from_file_location("batchspec_engine_counter",
+                                                            _COUNTER_DIR / "sitecustomize.py")
+    _counter = _importlib_util.module_from_spec(_counter_spec)
+    _counter_spec.loader.exec_module(_counter)
+    _counter.install()
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Engine start-ups per test file and per test, when they were counted."""
+    import collections
+    import json
+
+    path = os.environ.get(ENGINE_LOG_ENV)
+    if not path or not Path(path).exists():
+        return
+    records = [r for r in map(json.loads, Path(path).read_text().splitlines())
+               if r["time"] >= _SESSION_STARTED - 1]
+    by_file = collections.Counter(r["test"].split("::")[0] for r in records)
+    by_test = collections.Counter(r["test"] for r in records)
+    terminalreporter.section(f"engine start-ups: {len(records)}")
+    for name, count in sorted(by_file.items()):
+        terminalreporter.write_line(f"{count:4d}  {name}")
+    for name, count in sorted(by_test.items()):
+        terminalreporter.write_line(f"{count:4d}    {name}")

@@ -1,10 +1,15 @@
 """A fake engine for fast unit tests of the runner's I/O logic (never the only test of a
 user-visible behaviour: tests/test_e2e.py and tests/test_cli_e2e.py run the same paths on
-real vLLM)."""
+real vLLM), and ``batchspec`` as a process with it in place of vLLM."""
 
 from __future__ import annotations
 
+import os
 import random
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 from batchspec.columns import empty_result, error_result
 
@@ -12,9 +17,11 @@ from batchspec.columns import empty_result, error_result
 class FakeEngine:
     """Echoes prompts upper-cased, finishing requests out of order like a real engine."""
 
-    def __init__(self, seed: int = 0, fail_after: int | None = None):
+    def __init__(self, seed: int = 0, fail_after: int | None = None, delay_s: float = 0.0):
         self.rng = random.Random(seed)
         self.fail_after = fail_after
+        #: Seconds each request takes (a process to kill mid-run has to be slow enough).
+        self.delay_s = delay_s
         self.max_seen_in_flight = 0
         self.finished = 0
 
@@ -45,6 +52,8 @@ class FakeEngine:
 
                 raise RuntimeFailure("the vLLM engine failed: EngineDeadError: fake")
             self.finished += 1
+            if self.delay_s:
+                time.sleep(self.delay_s)
             result = empty_result()
             text = (row.prompt or str(row.messages)).upper()
             result.update(generated_text=text, finish_reason="stop", num_prompt_tokens=len(text),
@@ -56,3 +65,35 @@ class FakeEngine:
 
     def shutdown(self):
         pass
+
+
+#: ``batchspec`` in a new Python process with :class:`FakeEngine` in place of vLLM: no model
+#: loads, no engine starts. For tests of what a process does with its store (exit codes, kills,
+#: flags) where the engine's own work is not the point. argv: this folder, then the command line.
+#: ``BATCHSPEC_FAKE_ENGINE_DELAY_S`` sets :attr:`FakeEngine.delay_s`.
+FAKE_ENGINE_CLI = """
+import os, sys
+sys.path.insert(0, sys.argv[1])
+import batchspec.engine
+from fakes import FakeEngine
+delay_s = float(os.environ.get("BATCHSPEC_FAKE_ENGINE_DELAY_S", "0"))
+batchspec.engine.Engine = lambda spec: FakeEngine(delay_s=delay_s)
+batchspec.engine.check_vllm_keys = lambda spec: None
+batchspec.engine.vllm_version = lambda: "none (fake engine)"
+from batchspec.cli import main
+sys.argv = ["batchspec", *sys.argv[2:]]
+main()
+"""
+
+
+def fake_cli_command(*args: str) -> list[str]:
+    """The command line of ``batchspec ARGS`` with the fake engine (see FAKE_ENGINE_CLI)."""
+    return [sys.executable, "-c", FAKE_ENGINE_CLI, str(Path(__file__).resolve().parent), *args]
+
+
+def run_fake_cli(*args: str, env: dict | None = None, timeout: float = 300
+                 ) -> subprocess.CompletedProcess:
+    """Run ``batchspec ARGS`` with the fake engine, capturing its output."""
+    return subprocess.run(fake_cli_command(*args), capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})},
+                          cwd=Path(__file__).resolve().parent.parent)

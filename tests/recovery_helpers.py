@@ -14,17 +14,19 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 from conftest import ROOT
+from fakes import fake_cli_command
 
 
 class Job:
     """A `batchspec run` process in its own process group, with its JSON log lines readable
-    while it runs."""
+    while it runs; with ``fake_engine`` its engine is tests/fakes.py's (no vLLM start-up)."""
 
-    def __init__(self, job: Path, *extra: str, env: dict | None = None):
-        exe = Path(sys.executable).with_name("batchspec")
+    def __init__(self, job: Path, *extra: str, env: dict | None = None, fake_engine: bool = False):
+        args = ["run", str(job), "--log-format", "json", "--no-progress", *extra]
+        command = fake_cli_command(*args) if fake_engine else \
+            [str(Path(sys.executable).with_name("batchspec")), *args]
         self.proc = subprocess.Popen(
-            [str(exe), "run", str(job), "--log-format", "json", "--no-progress", *extra],
-            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
             start_new_session=True, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", **(env or {})})
         self.lines: list[str] = []
         self.events: queue.Queue = queue.Queue()

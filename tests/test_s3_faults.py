@@ -13,23 +13,21 @@ import io
 import logging
 import os
 import re
-import subprocess
-import sys
 import uuid
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import yaml
-from conftest import DRAFT, ROOT, run_cli, write_job
-from fakes import FakeEngine
+from conftest import DRAFT, write_job
+from fakes import FakeEngine, run_fake_cli
 from faultproxy import FaultProxy
 
 from batchspec import storage
 from batchspec.errors import InputDataError
 from batchspec.events import EventLog
 from batchspec.runner import RunResult, run_job
-from batchspec.spec import JobSpec, build_spec
+from batchspec.spec import JobSpec, build_spec, load_spec
 
 #: 38% of requests faulted, every kind of fault.
 HEAVY = {"drop": 0.07, "drop_mid_body": 0.05, "reset_mid_body": 0.04, "error_500": 0.08,
@@ -315,23 +313,6 @@ def _client_error(status: int, code: str):
                         "ResponseMetadata": {"HTTPStatusCode": status}}, "PutObject")
 
 
-# A `batchspec run` process with the fake engine in place of vLLM (and vLLM never imported):
-# the real CLI, exit codes and all, in a process of its own, so that a failed run's leases
-# belong to a process that is gone, as after a real failure.
-FAKE_ENGINE_CLI = """
-import sys
-sys.path.insert(0, sys.argv[1])
-import batchspec.engine
-from fakes import FakeEngine
-batchspec.engine.Engine = lambda spec: FakeEngine()
-batchspec.engine.check_vllm_keys = lambda spec: None
-batchspec.engine.vllm_version = lambda: "none (fake engine)"
-from batchspec.cli import main
-sys.argv = ["batchspec", "run", sys.argv[2], "--no-progress"]
-main()
-"""
-
-
 @pytest.mark.parametrize("where", ["upload", "read"])
 def test_a_store_that_keeps_failing_exits_1_naming_the_object_and_a_rerun_finishes(
         buckets, proxy, tmp_path, where):
@@ -358,9 +339,11 @@ def test_a_store_that_keeps_failing_exits_1_naming_the_object_and_a_rerun_finish
         return bool(manifests_put) and method == "GET" and path.startswith(f"/{in_bucket}/")
 
     proxy.faults_on(only=down, error_500=0.5, slowdown_503=0.5)
-    env = {**os.environ, "BATCHSPEC_STORAGE_ATTEMPTS": "3", "BATCHSPEC_STORAGE_BACKOFF_S": "0.01"}
-    failed = subprocess.run([sys.executable, "-c", FAKE_ENGINE_CLI, str(ROOT / "tests"), str(job)],
-                            capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    # `batchspec run` with the fake engine in place of vLLM (tests/fakes.py): the real CLI, exit
+    # codes and all, in a process of its own, so that a failed run's leases belong to a process
+    # that is gone, as after a real failure
+    env = {"BATCHSPEC_STORAGE_ATTEMPTS": "3", "BATCHSPEC_STORAGE_BACKOFF_S": "0.01"}
+    failed = run_fake_cli("run", str(job), "--no-progress", env=env)
 
     assert failed.returncode == 1, failed.stderr[-3000:]
     if where == "upload":
@@ -383,8 +366,7 @@ def test_a_store_that_keeps_failing_exits_1_naming_the_object_and_a_rerun_finish
     before = fs.info(visible[0])["ETag"]
 
     proxy.faults_off()
-    rerun = subprocess.run([sys.executable, "-c", FAKE_ENGINE_CLI, str(ROOT / "tests"), str(job)],
-                           capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    rerun = run_fake_cli("run", str(job), "--no-progress", env=env)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     check_exactly_once(fs, out_bucket, inputs)
     fs.invalidate_cache()
@@ -392,9 +374,11 @@ def test_a_store_that_keeps_failing_exits_1_naming_the_object_and_a_rerun_finish
 
 
 @pytest.mark.engine
-def test_real_engine_run_through_the_cli_survives_storage_faults(buckets, proxy, tmp_path, models):
-    """`batchspec run` on the tiny model pair, input and output on s3:// through the proxy with
-    botocore's default retries, 15% of requests faulted."""
+def test_real_engine_run_survives_storage_faults(buckets, proxy, tmp_path, shared_engines,
+                                                 monkeypatch):
+    """A run on the tiny model pair (the session's shared engine, through the library), input
+    and output on s3:// through the proxy with botocore's default retries, 15% of requests
+    faulted."""
     from demo_data import prompt_table
 
     fs, options, in_bucket, out_bucket = buckets
@@ -414,11 +398,12 @@ def test_real_engine_run_through_the_cli_survives_storage_faults(buckets, proxy,
         output={"path": f"s3://{out_bucket}/run", "storage_options": opts, "row_group_rows": 8},
         speculative=DRAFT, sampling={"temperature": 0.0, "max_tokens": 16},
         execution={"max_in_flight": 8})
+    monkeypatch.setattr(storage, "BACKOFF_S", 0.05)
     proxy.faults_on(drop=0.03, drop_mid_body=0.03, error_500=0.03, slowdown_503=0.03, slow=0.03)
-    result = run_cli("run", str(job), env={"BATCHSPEC_STORAGE_BACKOFF_S": "0.05"}, timeout=400)
+    run = shared_engines.run(load_spec(job))
     proxy.faults_off()
 
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert run.exit_code == 0, run.log[-3000:]
     fs.invalidate_cache()
     keys = fs.find(f"{out_bucket}/run")
     assert sorted(k for k in keys if "/_batchspec/" not in k) == \

@@ -1,0 +1,217 @@
+"""Real vLLM engines shared by a test session, and jobs run through the library on them.
+
+An engine start-up costs about 20 s on the tiny models (more under load), and most end-to-end
+tests need "a run of job X on the real engine", not a process of their own. So one
+:class:`batchspec.engine.Engine` per (target model, engine arguments, speculative config) is
+started the first time a test asks for it and reused, as ``run_job(spec, engine=...)`` allows, by
+every later job with that key; the ``shared_engines`` fixture (conftest.py) holds them for the
+session. Tests of what a process does (exit codes, signals, kills, the CLI's flags and output)
+keep running ``batchspec`` as a subprocess.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from batchspec.errors import BatchspecError
+from batchspec.events import EventLog
+from batchspec.runner import RunResult
+from batchspec.spec import JobSpec
+
+#: Environment that turns batchspec's vLLM plugin off. A shared engine's processes get it as it
+#: was when the session started (so BATCHSPEC_DISABLE_VLLM_PLUGIN=1 pytest ... turns the plugin
+#: off everywhere), never as a test set it for itself, which would change later tests' engine.
+PLUGIN_ENV = ("BATCHSPEC_DISABLE_VLLM_PLUGIN", "VLLM_PLUGINS")
+
+
+@dataclass
+class LibraryRun:
+    """One ``run_job`` call, with what ``batchspec run`` would have logged and exited with."""
+
+    spec: JobSpec
+    run_id: str
+    result: RunResult | None
+    error: BatchspecError | None
+    #: The run's events, as the CLI would print them (``fmt``: json or text).
+    log: str
+    elapsed_s: float
+
+    @property
+    def exit_code(self) -> int:
+        return 0 if self.error is None else self.error.exit_code
+
+    @property
+    def records(self) -> list[dict]:
+        """The JSON events (a json-format run)."""
+        return [json.loads(line) for line in self.log.splitlines() if line.startswith("{")]
+
+    def events(self, name: str) -> list[dict]:
+        return [r for r in self.records if r["event"] == name]
+
+    @property
+    def summary(self) -> dict:
+        """The summary the run wrote (a failed run's too)."""
+        if self.result is not None:
+            return self.result.summary
+        from batchspec.shards import BOOKKEEPING_DIR, OutputDir
+
+        out = OutputDir(self.spec.output.path, self.spec.output.storage_options)
+        return out.read_json(out.join(BOOKKEEPING_DIR, "runs", f"{self.run_id}.json"))
+
+
+def run_library(spec: JobSpec, engine, *, fmt: str = "json", progress_bars: bool = False,
+                **kwargs) -> LibraryRun:
+    """``run_job(spec, engine=engine)`` with its events captured; a failed run is returned, not
+    raised (its ``error`` carries the exit code the CLI would exit with)."""
+    from batchspec.runner import new_run_id, run_job
+
+    run_id = new_run_id()
+    stream = io.StringIO()
+    started = time.monotonic()
+    result = error = None
+    try:
+        result = run_job(spec, engine=engine, events=EventLog(run_id, fmt, stream),
+                         progress_bars=progress_bars, run_id=run_id, **kwargs)
+    except BatchspecError as exc:
+        error = exc
+    return LibraryRun(spec, run_id, result, error, stream.getvalue(), time.monotonic() - started)
+
+
+class NoEngine:
+    """An engine for runs that must end before any row is generated (bad input is found
+    first): handing it a row fails the test."""
+
+    max_model_len = None
+
+    def stream(self, *args, **kwargs):
+        raise AssertionError("a row reached the engine: the run should have ended before")
+
+    def spec_counters(self) -> dict:
+        return {}
+
+    def shutdown(self) -> None:
+        pass
+
+
+class SharedEngines:
+    """Started engines by (target, engine arguments, speculative config); at most ``keep``
+    stay up at once (the least recently used is shut down first)."""
+
+    def __init__(self, keep: int = 3, plugin_env: dict[str, str | None] | None = None):
+        self.keep = keep
+        #: PLUGIN_ENV for the engines' processes (None: unset)
+        self.plugin_env = plugin_env or {}
+        self._engines: OrderedDict[str, object] = OrderedDict()
+        #: How many engines this object started (each one is a start-up the suite paid for).
+        self.started = 0
+
+    @staticmethod
+    def key(spec: JobSpec) -> str:
+        return json.dumps([spec.model.target, spec.model.engine, spec.speculative], sort_keys=True,
+                          default=str)
+
+    def engine(self, spec: JobSpec):
+        """The started engine for ``spec``'s model, engine arguments and speculation, ready to
+        generate with ``spec``'s sampling."""
+        from batchspec.engine import refuses_random_sampling
+
+        key = self.key(spec)
+        if key in self._engines:
+            self._engines.move_to_end(key)
+        else:
+            while len(self._engines) >= self.keep:
+                self._stop(next(iter(self._engines)))
+            self._engines[key] = self._start(spec)
+        engine = self._engines[key]
+        # an Engine keeps the sampling of the spec it was built from; run_job(spec, engine=...)
+        # generates with the engine's, so each job's own goes in here
+        engine.base_sampling = dict(spec.sampling)
+        engine.refuse_random_sampling = refuses_random_sampling(spec)
+        return engine
+
+    @staticmethod
+    def probe_spec(target, engine_args: dict, speculative: dict | None = None) -> JobSpec:
+        """A spec that names only an engine: for probes that call ``vllm.LLM`` directly
+        (``engine(spec).llm``: built as batchspec builds it, with seed 0, log stats on and, with
+        speculation, per-request acceptance)."""
+        from batchspec.spec import build_spec
+
+        return build_spec({"name": "probe", "input": {"path": "unused/*.parquet",
+                                                      "prompt_column": "prompt"},
+                           "output": {"path": "unused-output"},
+                           "model": {"target": str(target), "engine": dict(engine_args)},
+                           "speculative": speculative, "sampling": {"temperature": 0.0}})
+
+    def run(self, spec: JobSpec, **kwargs) -> LibraryRun:
+        """Run ``spec`` on its shared engine (see :func:`run_library`)."""
+        run = run_library(spec, self.engine(spec), **kwargs)
+        if run.error is not None and "the vLLM engine failed" in str(run.error):
+            self._stop(self.key(spec))  # a dead engine serves no later test
+        return run
+
+    def release(self, spec: JobSpec) -> None:
+        """Shut ``spec``'s engine down now (one no later test needs)."""
+        if self.key(spec) in self._engines:
+            self._stop(self.key(spec))
+
+    def close(self) -> None:
+        for key in list(self._engines):
+            self._stop(key)
+
+    def _start(self, spec: JobSpec):
+        import psutil
+
+        from batchspec.engine import Engine, child_pids, kill_new_children
+
+        before = child_pids()
+        wanted = {k: self.plugin_env.get(k) for k in PLUGIN_ENV}
+        wanted["VLLM_CPU_KVCACHE_SPACE"] = "1"  # GiB, as run_cli gives a `batchspec` process
+        saved = {k: os.environ.get(k) for k in wanted}
+        _set_env(wanted)
+        # the engine's watchdog watches this process's children as it finds them at start-up:
+        # show it only the engine's own, not a test's subprocesses that end before the engine
+        children = psutil.Process.children
+        psutil.Process.children = lambda proc, recursive=False: [
+            p for p in children(proc, recursive) if p.pid not in before]
+        try:
+            engine = Engine(spec)
+        except BaseException:
+            kill_new_children(before)
+            raise
+        finally:
+            psutil.Process.children = children
+            _set_env(saved)
+        engine._shared_pids = child_pids() - before
+        self.started += 1
+        return engine
+
+    def _stop(self, key: str) -> None:
+        import psutil
+
+        engine = self._engines.pop(key)
+        engine.shutdown()
+        procs = []
+        for pid in engine._shared_pids:  # whatever the shutdown left behind
+            try:
+                procs.append(psutil.Process(pid))
+            except psutil.Error:
+                pass
+        for p in procs:
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
+        psutil.wait_procs(procs, timeout=10)
+
+
+def _set_env(values: dict[str, str | None]) -> None:
+    for key, value in values.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
