@@ -7,6 +7,10 @@ started the first time a test asks for it and reused, as ``run_job(spec, engine=
 every later job with that key; the ``shared_engines`` fixture (conftest.py) holds them for the
 session. Tests of what a process does (exit codes, signals, kills, the CLI's flags and output)
 keep running ``batchspec`` as a subprocess.
+
+vLLM keeps its metrics (``LLM.get_metrics()``, which batchspec reads for a run's per-position
+acceptance) in prometheus_client's process-wide registry, and each new engine takes the registry
+over: so the engine a run uses gets the registry back first (:func:`_own_metrics`).
 """
 
 from __future__ import annotations
@@ -128,6 +132,7 @@ class SharedEngines:
                 self._stop(next(iter(self._engines)))
             self._engines[key] = self._start(spec)
         engine = self._engines[key]
+        _own_metrics(engine)
         # an Engine keeps the sampling of the spec it was built from; run_job(spec, engine=...)
         # generates with the engine's, so each job's own goes in here
         engine.base_sampling = dict(spec.sampling)
@@ -187,6 +192,7 @@ class SharedEngines:
             psutil.Process.children = children
             _set_env(saved)
         engine._shared_pids = child_pids() - before
+        engine._shared_metrics = _vllm_collectors()  # the ones its start-up registered
         self.started += 1
         return engine
 
@@ -215,3 +221,24 @@ def _set_env(values: dict[str, str | None]) -> None:
             os.environ.pop(key, None)
         else:
             os.environ[key] = value
+
+
+def _vllm_collectors() -> list:
+    from prometheus_client import REGISTRY
+
+    return [c for c in list(REGISTRY._collector_to_names)
+            if getattr(c, "_name", "").startswith("vllm:")]
+
+
+def _own_metrics(engine) -> None:
+    """Put ``engine``'s metrics in the registry ``get_metrics()`` reads, in place of those of the
+    engine started last (vLLM unregisters every earlier engine's when it starts one)."""
+    from prometheus_client import REGISTRY
+
+    current = _vllm_collectors()
+    if {id(c) for c in current} == {id(c) for c in engine._shared_metrics}:
+        return
+    for collector in current:
+        REGISTRY.unregister(collector)
+    for collector in engine._shared_metrics:
+        REGISTRY.register(collector)

@@ -1,10 +1,13 @@
-"""The runner's behaviours from test_runner.py (fake engine), once more through the CLI on the real
-vLLM engine, several behaviours to each engine start.
+"""The runner's behaviours from test_runner.py (fake engine), once more on the real vLLM engine,
+and the command line that reaches them.
 
-Engine starts (each ~20-30 s on a 2-core CPU): the features job (1), the same job failing with
-exit 3 (1), the same job again with changed input and --overwrite (1), two workers (2); the
-missing-column run exits 3 before starting one. The three runs of the features job build on each
-other, in this order, through their fixtures; each fixture keeps what its run left behind.
+The features job runs three times through the library on the session's shared engine
+(tests/shared_engines.py): as written, failing with exit 3, and again with changed input and
+overwrite; the three runs build on each other, in this order, through their fixtures, and each
+fixture keeps what its run left behind. Two workers share a job: worker 0 is `batchspec run
+--worker-index 0 --num-workers 2 --set ... --progress` (this file's one engine start-up), worker 1
+runs through the library. The missing-column run exits 3 before starting an engine, and
+`--overwrite` is checked with the fake engine (tests/fakes.py).
 """
 
 from __future__ import annotations
@@ -12,7 +15,6 @@ from __future__ import annotations
 import datetime as dt
 import json
 import re
-import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,8 +22,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from conftest import DRAFT, read_output, run_cli, write_job
+from fakes import run_fake_cli
 
 from batchspec.sink import read_metadata
+from batchspec.spec import load_spec
 
 pytestmark = pytest.mark.engine
 
@@ -74,27 +78,41 @@ def _garble_row_group(path: Path, group: int) -> None:
 
 @dataclass
 class Run:
-    """One `batchspec run`, with what it left behind read at once (later runs change it)."""
+    """One run of a job (`batchspec run` or through the library), with what it left behind read
+    at once (later runs change it)."""
 
-    result: subprocess.CompletedProcess
+    exit_code: int
+    #: The command's stderr; a library run's events.
+    log: str
     records: list[dict] = field(default_factory=list)
     summary: dict | None = None
     tables: dict[str, pa.Table] = field(default_factory=dict)
     mtimes: dict[str, int] = field(default_factory=dict)
 
 
-def _run(job: Path, out: Path, *args: str) -> Run:
-    result = run_cli("run", str(job), *args)
-    records = [json.loads(line) for line in result.stderr.splitlines() if line.startswith("{")]
-    run_id = next((r["run_id"] for r in records), None)
+def _collect(exit_code: int, log: str, out: Path, run_id: str | None = None) -> Run:
+    records = [json.loads(line) for line in log.splitlines() if line.startswith("{")]
+    run_id = run_id or next((r["run_id"] for r in records), None)
     if run_id is None:  # text logs: the run that wrote the newest output file
         newest = max(out.glob("*.parquet"), key=lambda p: p.stat().st_mtime_ns, default=None)
         run_id = newest and read_metadata(str(newest))["run_id"]
     summary_path = out / "_batchspec" / "runs" / f"{run_id}.json"
-    return Run(result, records,
+    return Run(exit_code, log, records,
                json.loads(summary_path.read_text()) if summary_path.exists() else None,
                {p.stem: pq.read_table(p) for p in sorted(out.glob("*.parquet"))},
                {p.stem: p.stat().st_mtime_ns for p in sorted(out.glob("*.parquet"))})
+
+
+def _run(job: Path, out: Path, *args: str) -> Run:
+    """`batchspec run JOB ARGS`."""
+    result = run_cli("run", str(job), *args)
+    return _collect(result.returncode, result.stderr, out)
+
+
+def _library_run(shared_engines, job: Path, out: Path, *overrides: str, **kwargs) -> Run:
+    """The job (with ``--set``-style overrides) through the library, JSON events."""
+    run = shared_engines.run(load_spec(job, overrides), **kwargs)
+    return _collect(run.exit_code, run.log, out, run.run_id)
 
 
 @dataclass
@@ -124,35 +142,34 @@ def features(tmp_path_factory, models) -> Features:
 
 
 @pytest.fixture(scope="module")
-def first_run(features) -> Run:
+def first_run(features, shared_engines) -> Run:
     """The features job: duplicate ids, a zero-row shard, two bad shards skipped, keep_columns,
-    JSON logs with a progress event every 0.1 s."""
-    return _run(features.job, features.out, "--no-progress", "--log-format", "json",
-                "--progress-interval", "0.1")
+    a progress event every 0.1 s."""
+    return _library_run(shared_engines, features.job, features.out,
+                        "execution.progress_interval_s=0.1")
 
 
 @pytest.fixture(scope="module")
-def failing_run(features, first_run) -> Run:
-    """The same job with `--set input.on_bad_shard=fail`: only the shard with the corrupt row
-    group is still to do (the unreadable one is removed, so that the engine starts)."""
+def failing_run(features, first_run, shared_engines) -> Run:
+    """The same job with `input.on_bad_shard=fail`: only the shard with the corrupt row group
+    is still to do (the unreadable one is removed, so that it gets that far)."""
     (features.inputs / "garbage.parquet").unlink()
-    return _run(features.job, features.out, "--no-progress", "--log-format", "json",
-                "--set", "input.on_bad_shard=fail")
+    return _library_run(shared_engines, features.job, features.out, "input.on_bad_shard=fail")
 
 
 @pytest.fixture(scope="module")
-def overwrite_run(features, failing_run) -> Run:
-    """The same job once more after shard b changed, with --overwrite and progress bars."""
+def overwrite_run(features, failing_run, shared_engines) -> Run:
+    """The same job once more after shard b changed, with overwrite."""
     (features.inputs / "midbad.parquet").unlink()
     _shard(features.inputs / "b.parquet", ["b10", "b11", "b12", "b13"], seed=320)
-    return _run(features.job, features.out, "--overwrite", "--progress")
+    return _library_run(shared_engines, features.job, features.out, overwrite=True)
 
 
 # ------------------------------------------------------------------------ the features job
 
 
 def test_bad_shards_are_skipped_and_the_rest_committed(features, first_run):
-    assert first_run.result.returncode == 0, first_run.result.stderr[-3000:]
+    assert first_run.exit_code == 0, first_run.log[-3000:]
     assert sorted(first_run.tables) == ["a", "b", "empty", "z"]
     bad = first_run.summary["bad_shards"]
     assert sorted(bad) == ["garbage", "midbad"]
@@ -231,10 +248,9 @@ def test_progress_events_every_interval(first_run):
 
 
 def test_corrupt_row_group_with_on_bad_shard_fail_exits_3(features, first_run, failing_run):
-    result = failing_run.result
-    assert result.returncode == 3, result.stderr[-3000:]
-    events = [r["event"] for r in failing_run.records]
-    assert "engine_starting" in events  # the failure came mid-run, not from the up-front check
+    assert failing_run.exit_code == 3, failing_run.log[-3000:]
+    # the failure came mid-run, not from the up-front check
+    assert [r["shard"] for r in failing_run.records if r["event"] == "shard_started"] == ["midbad"]
     error = next(r for r in failing_run.records if r["event"] == "error")
     assert error["exit_code"] == 3
     assert error["message"].startswith(
@@ -266,11 +282,11 @@ def test_missing_column_exits_3_before_the_engine_starts(tmp_path, models):
     assert not list((tmp_path / "out").glob("*.parquet"))
 
 
-# ------------------------------------------------------------------------ --overwrite, bars
+# ------------------------------------------------------------------------ overwrite
 
 
 def test_overwrite_redoes_every_shard_after_input_changed(features, first_run, overwrite_run):
-    assert overwrite_run.result.returncode == 0, overwrite_run.result.stderr[-3000:]
+    assert overwrite_run.exit_code == 0, overwrite_run.log[-3000:]
     summary = overwrite_run.summary
     # without --overwrite only the changed shard b would be redone
     assert sorted(summary["shards"]) == ["a", "b", "empty", "z"]
@@ -287,20 +303,26 @@ def test_overwrite_redoes_every_shard_after_input_changed(features, first_run, o
     assert after == before
 
 
-def test_progress_bars_with_progress_flag(overwrite_run):
-    """`--progress` draws tqdm bars even when stderr is no terminal; their last state carries the
-    run's figures."""
-    segments = re.split(r"[\r\n]", overwrite_run.result.stderr)
-    shard_bars = [s for s in segments if s.startswith("shards:")]
-    row_bars = [s for s in segments if s.startswith("rows:")]
-    assert shard_bars and row_bars, overwrite_run.result.stderr[-2000:]
-    rows = sum(t.num_rows for t in overwrite_run.tables.values())
-    assert re.search(r"\| 4/4 \[", shard_bars[-1]), shard_bars[-1]
-    assert re.search(rf"\| {rows}/{rows} \[.*tok/s", row_bars[-1]), row_bars[-1]
-    assert "progress" not in [r.get("event") for r in overwrite_run.records]
+def test_overwrite_flag_redoes_committed_shards(tmp_path):
+    """`run --overwrite` reaches the run: a committed shard is redone (with the fake engine; what
+    overwriting does on the real engine: the test above)."""
+    _shard(tmp_path / "in" / "a.parquet", ["a0", "a1"], seed=340)
+    out = tmp_path / "out"
+    job = write_job(tmp_path / "again.yaml",
+                    input={"path": str(tmp_path / "in" / "*.parquet"), "prompt_column": "prompt",
+                           "id_column": "id"},
+                    output={"path": str(out)}, sampling={"temperature": 0.0, "max_tokens": 8})
+    first = run_fake_cli("run", str(job), "--no-progress")
+    assert first.returncode == 0, first.stderr[-3000:]
+    before = read_metadata(str(out / "a.parquet"))["run_id"]
+    again = run_fake_cli("run", str(job), "--no-progress", "--log-format", "json", "--overwrite")
+    assert again.returncode == 0, again.stderr[-3000:]
+    records = [json.loads(line) for line in again.stderr.splitlines() if line.startswith("{")]
+    assert [r["shard"] for r in records if r["event"] == "shard_committed"] == ["a"]
+    assert read_metadata(str(out / "a.parquet"))["run_id"] == records[0]["run_id"] != before
 
 
-# ------------------------------------------------------------------------ two workers, --set
+# ------------------------------------------------------------------------ two workers, --set, bars
 
 
 WORKER_SHARDS = [f"w{i}" for i in range(6)]
@@ -326,8 +348,9 @@ def _status(job: Path, *args: str) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def workers(tmp_path_factory, models) -> Workers:
-    """Two workers of one job, one after the other, with `--set sampling.max_tokens=5`."""
+def workers(tmp_path_factory, shared_engines) -> Workers:
+    """Two workers of one job, one after the other, with `--set sampling.max_tokens=5`: worker 0
+    a `batchspec run` with progress bars, worker 1 through the library."""
     root = tmp_path_factory.mktemp("workers")
     for i, name in enumerate(WORKER_SHARDS):
         _shard(root / "in" / f"{name}.parquet", [f"{name}-{j}" for j in range(3)], seed=400 + i)
@@ -341,17 +364,15 @@ def workers(tmp_path_factory, models) -> Workers:
     same = ("--set", "sampling.max_tokens=5")
     before = _status(job, *same)
     worker0 = _status(job, *same, "--worker-index", "0", "--num-workers", "2")
-    runs = [_run(job, out, "--no-progress", "--log-format", "json", "--worker-index", "0",
-                 "--num-workers", "2", *same)]
+    runs = [_run(job, out, "--progress", "--worker-index", "0", "--num-workers", "2", *same)]
     between = _status(job, *same)
-    runs.append(_run(job, out, "--no-progress", "--log-format", "json", "--worker-index", "1",
-                     "--num-workers", "2", *same))
+    runs.append(_library_run(shared_engines, job, out, same[1], worker_index=1, num_workers=2))
     return Workers(root / "in", out, job, before, worker0, runs, between, _status(job, *same))
 
 
 def test_two_workers_do_every_shard_exactly_once(workers):
     for run in workers.runs:
-        assert run.result.returncode == 0, run.result.stderr[-3000:]
+        assert run.exit_code == 0, run.log[-3000:]
     done = [sorted(run.summary["shards"]) for run in workers.runs]
     assert done[0] and done[1], f"a worker had nothing to do: {done}"
     assert not set(done[0]) & set(done[1])
@@ -388,3 +409,17 @@ def test_status_json_rows(workers):
     assert workers.status_between == [row(n, "committed" if n in done0 else "pending")
                                       for n in WORKER_SHARDS]
     assert workers.status_after == [row(n, "committed") for n in WORKER_SHARDS]
+
+
+def test_progress_bars_with_progress_flag(workers):
+    """`--progress` draws tqdm bars even when stderr is no terminal; their last state carries the
+    run's figures, and no progress event is logged beside them."""
+    run = workers.runs[0]
+    segments = re.split(r"[\r\n]", run.log)
+    shard_bars = [s for s in segments if s.startswith("shards:")]
+    row_bars = [s for s in segments if s.startswith("rows:")]
+    assert shard_bars and row_bars, run.log[-2000:]
+    shards, rows = len(run.tables), sum(t.num_rows for t in run.tables.values())
+    assert re.search(rf"\| {shards}/{shards} \[", shard_bars[-1]), shard_bars[-1]
+    assert re.search(rf"\| {rows}/{rows} \[.*tok/s", row_bars[-1]), row_bars[-1]
+    assert not re.search(r"\[batchspec\] progress \d+/\d+ rows", run.log), run.log[-2000:]

@@ -1,23 +1,20 @@
 """Sampled speculative decoding and seeded rows on vLLM's CPU build, with batchspec's vLLM plugin
 (batchspec/vllm_plugin.py; the bugs it works around: docs/vllm-cpu-rejection-sampler.md).
 
-The engine tests run bare ``vllm.LLM`` in a subprocess (this file run as a script: ``probe``),
-once without speculation, once with a draft model and once with n-gram lookup; each engine
-serves every check. Set BATCHSPEC_DISABLE_VLLM_PLUGIN=1 to watch them fail without the plugin.
+The engine tests call ``vllm.LLM`` directly (``probe``) on the session's shared engines
+(tests/shared_engines.py: built as batchspec builds them), one without speculation, one with a
+draft model and one with n-gram lookup; each engine serves every check, and the jobs of other
+test files with the same model, engine arguments and speculation. Run pytest with
+BATCHSPEC_DISABLE_VLLM_PLUGIN=1 to watch them fail without the plugin.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
-from conftest import DRAFT, ENGINE, MODELS, read_output, run_cli, write_job, write_parquet
+from conftest import DRAFT, ENGINE, MODELS, NGRAM, read_output, write_job, write_parquet
 
 from batchspec import vllm_plugin
+from batchspec.spec import load_spec
 
 SAMPLED = {"temperature": 0.8, "top_p": 0.95}
 #: Greedy rows batched with as many sampled rows, tokens each.
@@ -29,9 +26,6 @@ DIST_SAMPLES, DIST_POSITIONS = 400, range(1, 6)
 SEEDED_ROWS, SEEDED_PROMPT_TOKENS, SEEDED_TOKENS, SEEDED_WAVE = 48, 109, 16, 4
 #: Below this the spec-on and spec-off samples are taken to come from different distributions.
 MIN_P_VALUE = 0.01
-#: n-gram lookup from a single matching token on, so that it proposes at most steps.
-NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
-         "prompt_lookup_max": 4}
 #: The prompt of the distribution test: code in the style the tiny models learnt, which repeats
 #: itself, so that n-gram lookup keeps proposing and the rejection sampler runs for the n-gram
 #: method too (the draft model proposes on any prompt).
@@ -205,25 +199,16 @@ def test_permutation_test_tells_distributions_apart():
 # ---------------------------------------------------------------------------------- the probe
 
 
-def probe(config: dict, out_path: Path) -> None:
-    """Start one engine and run every check's requests on it; results go to ``out_path`` (JSON),
-    rewritten after each phase so a crash keeps what came before it."""
-    from vllm import LLM, SamplingParams
+def probe(llm, config: dict) -> dict:
+    """Run every check's requests on one engine (a ``vllm.LLM``); returns the results."""
+    from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     from batchspec import vllm_plugin
 
-    kwargs = dict(config["engine"], disable_log_stats=False)
-    if config["speculative"]:
-        kwargs.update(speculative_config=config["speculative"],
-                      per_request_spec_decode_metrics="summary")
-    llm = LLM(model=config["model"], seed=0, **kwargs)
     result: dict = {"plugin_active": vllm_plugin.active(),
                     "max_num_batched_tokens":
                         llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens}
-
-    def save() -> None:
-        out_path.write_text(json.dumps(result))
 
     def generate(prompts: list[list[int]], params: list) -> tuple[list, int]:
         """The completions, in prompt order, and the draft tokens proposed for them."""
@@ -246,7 +231,6 @@ def probe(config: dict, out_path: Path) -> None:
     outputs, result["batch_drafted"] = generate(batch, params)
     result["batch_greedy"] = [list(o.token_ids) for o in outputs[0::2]]
     result["batch_greedy_text"] = [o.text for o in outputs[0::2]]
-    save()
 
     # (b) seeded samples of one prompt, in waves whose prompts fit in one engine step: no prompt
     # is split, so this part does not depend on the chunked-prefill fix
@@ -261,7 +245,6 @@ def probe(config: dict, out_path: Path) -> None:
         samples += token_ids(got)
         result["dist_drafted"] += drafted
     result["dist_samples"] = samples
-    save()
 
     # (c) seeded long prompts: a few at a time (no prompt split), then all at once (split)
     seeded = config["seeded_prompts"]
@@ -272,12 +255,11 @@ def probe(config: dict, out_path: Path) -> None:
         alone += token_ids(generate(seeded[start:start + SEEDED_WAVE],
                                     seeded_params[start:start + SEEDED_WAVE])[0])
     result["seeded_alone"] = alone
-    save()
     try:
         result["seeded_together"] = token_ids(generate(seeded, seeded_params)[0])
     except Exception as exc:  # the bug kills the engine: record it for the test to report
         result["seeded_error"] = f"{type(exc).__name__}: {exc}"
-    save()
+    return result
 
 
 def _prompts() -> dict:
@@ -297,34 +279,30 @@ def _prompts() -> dict:
             "dist_prompt": tokenizer.encode(DIST_PROMPT)}
 
 
-def run_probe(tmp_path: Path, name: str, speculative: dict | None, dist_seed: int) -> dict:
-    """Run :func:`probe` in a subprocess (vLLM's spawned workers need a __main__ guard).
+def run_probe(shared_engines, speculative: dict | None, dist_seed: int) -> dict:
+    """Run :func:`probe` on the session's shared engine for the tiny target and ``speculative``.
 
     ``dist_seed`` is the first seed of the distribution samples: each engine gets its own, or
     samples that drew no drafts would be the same on both sides and make them look alike."""
-    config = {"model": str(MODELS / "target"), "engine": dict(ENGINE), "speculative": speculative,
-              "dist_seed": dist_seed, **_prompts()}
-    config_path, out_path = tmp_path / f"{name}.json", tmp_path / f"{name}-out.json"
-    config_path.write_text(json.dumps(config))
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
-    proc = subprocess.run([sys.executable, __file__, str(config_path), str(out_path)],
-                          capture_output=True, text=True, timeout=900, env=env)
-    assert out_path.exists() and proc.returncode == 0, proc.stderr[-4000:]
-    result = json.loads(out_path.read_text())
-    result["log"] = proc.stderr[-4000:]
+    spec = shared_engines.probe_spec(MODELS / "target", ENGINE, speculative)
+    config = {"dist_seed": dist_seed, **_prompts()}
+    result = probe(shared_engines.engine(spec).llm, config)
+    if "seeded_error" in result:
+        shared_engines.release(spec)  # the engine died: no later test may use it
+    result["log"] = "(the engine's own output: pytest's captured stderr)"
     return result
 
 
 @pytest.fixture(scope="module")
-def spec_off(tmp_path_factory, models) -> dict:
-    return run_probe(tmp_path_factory.mktemp("off"), "off", None, dist_seed=0)
+def spec_off(shared_engines) -> dict:
+    return run_probe(shared_engines, None, dist_seed=0)
 
 
 @pytest.fixture(scope="module", params=["draft_model", "ngram"])
-def spec_on(request, tmp_path_factory, models) -> tuple[str, dict]:
+def spec_on(request, shared_engines) -> tuple[str, dict]:
     method = request.param
     config, dist_seed = {"draft_model": (DRAFT, 10_000), "ngram": (NGRAM, 20_000)}[method]
-    return method, run_probe(tmp_path_factory.mktemp(method), method, config, dist_seed)
+    return method, run_probe(shared_engines, config, dist_seed)
 
 
 # ---------------------------------------------------------------------------------- engine tests
@@ -366,7 +344,7 @@ def test_seeded_rows_survive_chunked_prefill_and_keep_their_seed(which, spec_off
 
 
 @pytest.mark.engine
-def test_job_with_sampling_and_speculation_runs(tmp_path, spec_off):
+def test_job_with_sampling_and_speculation_runs(tmp_path, spec_off, shared_engines):
     """The user's path: a job with temperature 0.8 / top_p 0.95 and speculation on (refused on
     the CPU build before the plugin), per-row seeds on long prompts all in flight, and greedy
     rows among them."""
@@ -393,8 +371,8 @@ def test_job_with_sampling_and_speculation_runs(tmp_path, spec_off):
                                                 "max_tokens": "max_tokens", "seed": "seed"}},
                     output={"path": str(tmp_path / "out")}, speculative=DRAFT,
                     sampling={**SAMPLED, "max_tokens": SEEDED_TOKENS})
-    result = run_cli("run", str(job), "--no-progress")
-    assert result.returncode == 0, result.stderr[-3000:]
+    run = shared_engines.run(load_spec(job))
+    assert run.exit_code == 0, run.log[-3000:]
     rows = {r["request_id"]: r for r in read_output(tmp_path / "out").to_pylist()}
     assert set(rows) == set(ids)
     for r in rows.values():
@@ -409,6 +387,3 @@ def test_job_with_sampling_and_speculation_runs(tmp_path, spec_off):
         assert rows[f"g{i}"]["num_output_tokens"] == len(tokens), i
         assert rows[f"g{i}"]["generated_text"] == text, i
 
-
-if __name__ == "__main__":
-    probe(json.loads(Path(sys.argv[1]).read_text()), Path(sys.argv[2]))

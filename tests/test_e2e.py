@@ -1,8 +1,11 @@
-"""End to end through the CLI on the real vLLM engine and the tiny model pair.
+"""End to end on the real vLLM engine and the tiny model pair.
 
-Each module-scoped fixture runs one job (one engine start); the tests read what it wrote.
-Engine starts here: spec_run, plain_run, ngram and chat (4), plus one where the engine accepts
-random sampling with speculative decoding (not vLLM's CPU build, where that job exits 2 first).
+Each module-scoped fixture runs one job; the tests read what it wrote. The job with speculation
+runs as `batchspec run` (JSON logs, a progress event every 0.2 s): one engine start-up. The same
+job without speculation, with n-gram speculation and a chat job run through the library on the
+session's shared engines (tests/shared_engines.py), as does the job whose temperature the
+engine accepts with speculative decoding (not vLLM's CPU build without batchspec's plugin, where
+it exits 2 before any engine).
 
 Expected values come from CONTRACT.md (written out below, not taken from batchspec.columns), from
 the inputs the fixtures write, and from sources independent of the column under test: vLLM's
@@ -15,7 +18,6 @@ import datetime as dt
 import json
 import math
 import re
-import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,9 +25,10 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from conftest import DRAFT, MODELS, read_output, run_cli, write_job, write_parquet
+from conftest import DRAFT, MODELS, NGRAM, read_output, run_cli, write_job, write_parquet
 
 from batchspec.sink import read_metadata
+from batchspec.spec import load_spec
 
 pytestmark = pytest.mark.engine
 
@@ -105,16 +108,23 @@ def inputs(tmp_path_factory, models):
 
 @dataclass
 class JobRun:
-    """One `batchspec run` of a job, as the fixtures leave it."""
+    """One run of a job (`batchspec run` or through the library), as the fixtures leave it."""
 
-    result: subprocess.CompletedProcess
+    exit_code: int
+    #: What the run logged (the command's stderr; a library run's events).
+    log: str
     out: Path
     job: Path
-    #: The test's own clock around the whole command (process start to exit).
+    #: The test's own clock around the whole run (for the command: process start to exit).
     elapsed_s: float
 
+    @property
+    def records(self) -> list[dict]:
+        return [json.loads(line) for line in self.log.splitlines() if line.startswith("{")]
 
-def _job(tmp_path_factory, inputs, name, speculative, *cli_args, **extra) -> JobRun:
+
+def _write_job(tmp_path_factory, inputs, name, speculative, **extra) -> tuple[Path, Path]:
+    """A job over every shard of ``inputs``: (job file, output folder)."""
     root, _ = inputs
     work = tmp_path_factory.mktemp(name)
     out = work / "out"
@@ -129,9 +139,22 @@ def _job(tmp_path_factory, inputs, name, speculative, *cli_args, **extra) -> Job
         execution={"max_in_flight": MAX_IN_FLIGHT},
         **extra,
     )
+    return job, out
+
+
+def _job(tmp_path_factory, inputs, name, speculative, *cli_args, **extra) -> JobRun:
+    """`batchspec run` of the job."""
+    job, out = _write_job(tmp_path_factory, inputs, name, speculative, **extra)
     started = time.monotonic()
     result = run_cli("run", str(job), "--no-progress", *cli_args)
-    return JobRun(result, out, job, time.monotonic() - started)
+    return JobRun(result.returncode, result.stderr, out, job, time.monotonic() - started)
+
+
+def _library_job(tmp_path_factory, inputs, shared_engines, name, speculative, **extra) -> JobRun:
+    """The job run through the library on the session's shared engine for it."""
+    job, out = _write_job(tmp_path_factory, inputs, name, speculative, **extra)
+    run = shared_engines.run(load_spec(job))
+    return JobRun(run.exit_code, run.log, out, job, run.elapsed_s)
 
 
 def run_summary(out: Path) -> dict:
@@ -185,30 +208,31 @@ def check_acceptance_against_engine_counters(rows: list[dict], summary: dict, k:
 
 @pytest.fixture(scope="module")
 def spec_run(tmp_path_factory, inputs) -> JobRun:
-    return _job(tmp_path_factory, inputs, "spec", DRAFT)
+    return _job(tmp_path_factory, inputs, "spec", DRAFT, "--log-format", "json",
+                "--progress-interval", "0.2")
 
 
 @pytest.fixture(scope="module")
-def plain_run(tmp_path_factory, inputs) -> JobRun:
-    return _job(tmp_path_factory, inputs, "plain", None, "--log-format", "json",
-                "--progress-interval", "0.2")
+def plain_run(tmp_path_factory, inputs, shared_engines) -> JobRun:
+    return _library_job(tmp_path_factory, inputs, shared_engines, "plain", None)
 
 
 # ---------------------------------------------------------------------------------- tests
 
 
 def test_run_succeeds_and_commits_one_file_per_shard(spec_run, inputs):
-    result, out = spec_run.result, spec_run.out
-    assert result.returncode == 0, result.stderr[-3000:]
+    out = spec_run.out
+    assert spec_run.exit_code == 0, spec_run.log[-3000:]
     assert sorted(p.name for p in out.glob("*.parquet")) == [
         "odd.parquet", "part-0.parquet", "part-1.parquet", "part-2.parquet"]
     assert not list((out / "_batchspec" / "tmp").glob("*")), "temporary files left behind"
-    # the last line a person reads carries the run's figures: check them against the files
+    # the last line carries the run's figures (as text: test_limits_e2e.py): check them against
+    # the files
     table = read_output(out)
-    last = result.stderr.splitlines()[-1]
-    m = re.search(r"\] ok: (\d+) shards committed, (\d+) rows, (\d+) errors, (\d+) output tokens",
-                  last)
-    assert m, last
+    last = spec_run.records[-1]
+    m = re.match(r"ok: (\d+) shards committed, (\d+) rows, (\d+) errors, (\d+) output tokens",
+                 last["message"])
+    assert last["event"] == "run_finished" and m, last
     assert [int(g) for g in m.groups()] == [
         4, table.num_rows, len(table) - table["error"].null_count,
         sum(table["num_output_tokens"].to_pylist())]
@@ -236,7 +260,7 @@ def test_columns_and_types_match_the_contract(spec_run, inputs):
 
 
 def test_acceptance_columns_add_up_to_vllms_run_counters(spec_run):
-    assert spec_run.result.returncode == 0, spec_run.result.stderr[-3000:]
+    assert spec_run.exit_code == 0, spec_run.log[-3000:]
     rows = read_output(spec_run.out).to_pylist()
     check_acceptance_against_engine_counters(rows, run_summary(spec_run.out), K, full_drafts=True)
     for r in rows:
@@ -395,7 +419,7 @@ def test_run_summary(spec_run, inputs):
 
 
 def test_greedy_output_identical_with_and_without_speculation(spec_run, plain_run):
-    assert plain_run.result.returncode == 0, plain_run.result.stderr[-3000:]
+    assert plain_run.exit_code == 0, plain_run.log[-3000:]
     spec_rows = {r["request_id"]: r for r in read_output(spec_run.out).to_pylist()}
     plain_rows = {r["request_id"]: r for r in read_output(plain_run.out).to_pylist()}
     assert spec_rows.keys() == plain_rows.keys()
@@ -491,13 +515,12 @@ def test_rerun_skips_committed_shards(spec_run, inputs):
         for name in ("odd", "part-0", "part-1", "part-2")]
 
 
-def test_ngram_method(tmp_path_factory, inputs, plain_run):
-    run = _job(tmp_path_factory, inputs, "ngram",
-               {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2,
-                "prompt_lookup_max": 4})
-    assert run.result.returncode == 0, run.result.stderr[-3000:]
+def test_ngram_method(tmp_path_factory, inputs, plain_run, shared_engines):
+    run = _library_job(tmp_path_factory, inputs, shared_engines, "ngram", NGRAM)
+    assert run.exit_code == 0, run.log[-3000:]
     rows = read_output(run.out).to_pylist()
-    check_acceptance_against_engine_counters(rows, run_summary(run.out), 3, full_drafts=False)
+    check_acceptance_against_engine_counters(rows, run_summary(run.out),
+                                             NGRAM["num_speculative_tokens"], full_drafts=False)
     plain = {r["request_id"]: r for r in read_output(plain_run.out).to_pylist()}
     compared = 0
     for r in rows:
@@ -508,7 +531,7 @@ def test_ngram_method(tmp_path_factory, inputs, plain_run):
     assert read_metadata(str(run.out / "part-0.parquet"))["speculative_method"] == "ngram"
 
 
-def test_chat_messages(tmp_path, models):
+def test_chat_messages(tmp_path, shared_engines):
     messages_type = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
     conversations = [
         [{"role": "system", "content": "You write Python."},
@@ -522,10 +545,10 @@ def test_chat_messages(tmp_path, models):
     job = write_job(tmp_path / "chat.yaml",
                     input={"path": str(tmp_path / "in"), "messages_column": "messages"},
                     output={"path": str(tmp_path / "out")},
-                    speculative={"model": DRAFT["model"], "num_speculative_tokens": 2},
+                    speculative={"model": DRAFT["model"], "num_speculative_tokens": K},
                     sampling={"temperature": 0.0, "max_tokens": 16})
-    result = run_cli("run", str(job), "--no-progress")
-    assert result.returncode == 0, result.stderr[-3000:]
+    run = shared_engines.run(load_spec(job))
+    assert run.exit_code == 0, run.log[-3000:]
     rows = pq.read_table(tmp_path / "out" / "chat.parquet").to_pylist()
     by_n = {r["n"]: r for r in rows}
     assert [r["request_id"] for r in sorted(rows, key=lambda r: r["n"])] == \
@@ -533,7 +556,7 @@ def test_chat_messages(tmp_path, models):
     assert "messages" not in rows[0]
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(models / "target"))
+    tok = AutoTokenizer.from_pretrained(str(MODELS / "target"))
     for n in (1, 2):
         r = by_n[n]
         assert r["error"] is None and r["num_output_tokens"] > 0
@@ -541,13 +564,17 @@ def test_chat_messages(tmp_path, models):
                                            add_generation_prompt=True)
         expected = expected["input_ids"] if hasattr(expected, "keys") else expected
         assert r["num_prompt_tokens"] == len(expected)
-        assert len(r["spec_acceptance_histogram"]) == 3  # shorthand -> draft_model, k=2
+        assert len(r["spec_acceptance_histogram"]) == K + 1  # shorthand -> draft_model
     assert by_n[3]["error"] == "empty messages" and by_n[4]["error"] == "empty messages"
+    # the summary's counters are this run's engine's, on an engine shared in one process with
+    # others (vLLM keeps its metrics process-wide)
+    check_acceptance_against_engine_counters(rows, run_summary(tmp_path / "out"), K,
+                                             full_drafts=True)
 
 
-def test_json_logs_one_object_per_line(plain_run, inputs):
-    result, out = plain_run.result, plain_run.out
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
+def test_json_logs_one_object_per_line(spec_run, inputs):
+    out = spec_run.out
+    lines = [line for line in spec_run.log.splitlines() if line.strip()]
     records = [json.loads(line) for line in lines]  # every line parses
     for r in records:
         assert {"ts", "level", "event", "run_id"} <= r.keys()
@@ -568,10 +595,10 @@ def test_json_logs_one_object_per_line(plain_run, inputs):
     assert finished["errors"] == table.num_rows - table["error"].null_count
 
 
-def test_progress_events_at_the_requested_interval(plain_run, inputs):
+def test_progress_events_at_the_requested_interval(spec_run, inputs):
     """Not at a terminal: a `progress` event every --progress-interval (0.2 s) seconds."""
     _, ids = inputs
-    records = [json.loads(line) for line in plain_run.result.stderr.splitlines() if line.strip()]
+    records = [json.loads(line) for line in spec_run.log.splitlines() if line.strip()]
     progress = [r for r in records if r["event"] == "progress"]
     assert len(progress) >= 3, "the default interval (30 s) would give none in this short run"
     done = [r["rows"] for r in progress]
@@ -581,7 +608,7 @@ def test_progress_events_at_the_requested_interval(plain_run, inputs):
     stamps = [dt.datetime.fromisoformat(r["ts"]).timestamp() for r in progress]
     gaps = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
     assert min(gaps) >= 0.2 - 0.01, gaps  # never more often than asked (ms-rounded stamps)
-    table = read_output(plain_run.out)
+    table = read_output(spec_run.out)
     assert progress[-1]["output_tokens"] <= sum(table["num_output_tokens"].to_pylist())
 
 

@@ -98,13 +98,20 @@ def test_validate_counts_exactly_the_rows_the_run_refused(limits):
 
 
 def test_text_mode_terminal_shows_only_batchspec_lines(limits):
-    """vLLM's own output goes to the engine log the first line names, not the terminal."""
+    """vLLM's own output goes to the engine log the first line names, not the terminal; the
+    last line a person reads carries the run's figures."""
     import re
 
-    stderr, stdout = limits[4], limits[5]
+    _, rows, _, _, stderr, stdout = limits
     assert stdout == "", stdout[-2000:]  # vLLM logs to stdout: that goes to the engine log too
     lines = stderr.splitlines()
     assert lines and all(re.match(r"^\d\d:\d\d:\d\d \[batchspec\] ", line) for line in lines), stderr
+    m = re.search(r"\] ok: (\d+) shards committed, (\d+) rows, (\d+) errors, (\d+) output tokens",
+                  lines[-1])
+    assert m, lines[-1]
+    assert [int(g) for g in m.groups()] == [
+        1, len(rows), sum(r["error"] is not None for r in rows.values()),
+        sum(r["num_output_tokens"] for r in rows.values())]
     log_path = re.search(r"vLLM's own output goes to (\S+)", lines[0]).group(1)
     import os
     import stat

@@ -4,15 +4,14 @@
 Growth is checked three ways: its arithmetic on random Llamas (no models needed; a large RMSNorm
 eps makes a wrong eps or weight scaling visible), the built `.models/target-large` against the
 tiny target with transformers, and once on the real engine, where the grown target with
-`draft-large` speculating must give the tiny target's greedy tokens. The engine runs bare
-``vllm.LLM`` in a subprocess (this file run as a script: ``probe``), one engine per process.
+`draft-large` speculating must give the tiny target's greedy tokens. The probe calls ``vllm.LLM``
+directly, on the session's shared engines (tests/shared_engines.py): the tiny target's is the one
+other tests' jobs without speculation use; the grown pair's is shut down after its one use.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -23,7 +22,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
 import grow_model  # noqa: E402
 import tiny_models  # noqa: E402
 
-HERE = Path(__file__).resolve()
 #: Held-out prompts and tokens for the checks on the built models.
 CHECK_PROMPTS = 8
 CHECK_TOKENS = 32
@@ -246,17 +244,11 @@ def test_draft_large_agrees_with_the_target_more_than_the_draft(tiers):
 # ------------------------------------------------------------------------------ the real engine
 
 
-def probe(config: dict, out_path: Path) -> None:
-    """Start one engine, generate greedily, write token ids and draft totals to ``out_path``."""
-    from vllm import LLM, SamplingParams
+def probe(llm, prompts: list[str]) -> dict:
+    """Generate greedily on one engine (a ``vllm.LLM``): token ids and draft totals."""
+    from vllm import SamplingParams
 
-    kwargs = dict(config["engine"])
-    if config["speculative"]:
-        kwargs.update(speculative_config=config["speculative"], disable_log_stats=False,
-                      per_request_spec_decode_metrics="summary")
-    llm = LLM(model=config["model"], seed=0, **kwargs)
-    outputs = llm.generate(config["prompts"], SamplingParams(temperature=0.0,
-                                                             max_tokens=config["max_tokens"]),
+    outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=CHECK_TOKENS),
                            use_tqdm=False)
     drafted = accepted = 0
     for out in outputs:
@@ -264,32 +256,24 @@ def probe(config: dict, out_path: Path) -> None:
         if metrics is not None:
             drafted += metrics.to_dict()["num_draft_tokens"]
             accepted += metrics.to_dict()["num_accepted_draft_tokens"]
-    out_path.write_text(json.dumps({"token_ids": [list(o.outputs[0].token_ids) for o in outputs],
-                                    "drafted": drafted, "accepted": accepted}))
-
-
-def run_probe(tmp_path: Path, name: str, model: Path, speculative: dict | None,
-              prompts: list[str]) -> dict:
-    from conftest import ENGINE
-
-    config = {"model": str(model), "engine": dict(ENGINE), "speculative": speculative,
-              "prompts": prompts, "max_tokens": CHECK_TOKENS}
-    config_path, out_path = tmp_path / f"{name}.json", tmp_path / f"{name}-out.json"
-    config_path.write_text(json.dumps(config))
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
-    proc = subprocess.run([sys.executable, str(HERE), str(config_path), str(out_path)],
-                          capture_output=True, text=True, timeout=900, env=env)
-    assert proc.returncode == 0 and out_path.exists(), proc.stderr[-4000:]
-    return json.loads(out_path.read_text())
+    return {"token_ids": [list(o.outputs[0].token_ids) for o in outputs],
+            "drafted": drafted, "accepted": accepted}
 
 
 @pytest.mark.engine
 def test_vllm_target_large_with_draft_large_gives_the_tiny_targets_greedy_tokens(
-        tiers, held_out_prompts, tmp_path):
-    tiny = run_probe(tmp_path, "tiny", tiers / "target", None, held_out_prompts)
-    large = run_probe(tmp_path, "large", tiers / "target-large",
-                      {"method": "draft_model", "model": str(tiers / "draft-large"),
-                       "num_speculative_tokens": 4}, held_out_prompts)
+        tiers, held_out_prompts, shared_engines):
+    from conftest import ENGINE
+
+    tiny = probe(shared_engines.engine(shared_engines.probe_spec(tiers / "target", ENGINE)).llm,
+                 held_out_prompts)
+    grown = shared_engines.probe_spec(tiers / "target-large", ENGINE,
+                                      {"method": "draft_model", "model": str(tiers / "draft-large"),
+                                       "num_speculative_tokens": 4})
+    try:
+        large = probe(shared_engines.engine(grown).llm, held_out_prompts)
+    finally:
+        shared_engines.release(grown)  # no other test uses the grown pair
     assert all(len(ids) == CHECK_TOKENS for ids in tiny["token_ids"])
     for i, (want, got) in enumerate(zip(tiny["token_ids"], large["token_ids"], strict=True)):
         assert got == want, f"prompt {i}: {held_out_prompts[i]!r}"
@@ -297,6 +281,3 @@ def test_vllm_target_large_with_draft_large_gives_the_tiny_targets_greedy_tokens
     assert large["drafted"] > 0
     assert large["accepted"] / large["drafted"] > 0.4, large
 
-
-if __name__ == "__main__":
-    probe(json.loads(Path(sys.argv[1]).read_text()), Path(sys.argv[2]))
