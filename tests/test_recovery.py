@@ -1,5 +1,11 @@
 """Every row exactly once: SIGKILL at random moments, SIGTERM/SIGINT, engine death, and two
-processes on one job, all on the real engine."""
+runs on one job, all on the real engine.
+
+What is killed or signalled is a `batchspec run` process of its own (an engine start-up each);
+what needs no process of its own (the reference texts, the reruns that finish a job, the second
+run racing a process) runs through the library on the session's shared engine
+(tests/shared_engines.py).
+"""
 
 from __future__ import annotations
 
@@ -15,10 +21,14 @@ import pytest
 from conftest import DRAFT, read_output, run_cli, write_job
 from recovery_helpers import Job, check_output, input_ids
 
+from batchspec.spec import load_spec
+
 pytestmark = pytest.mark.engine
-#: Two kills during start-up (listing, reading footers, the engine coming up) and four while
-#: generating, writing row groups or committing: each kill costs an engine start-up.
-KILLS = 6
+#: Where the SIGKILLs land, one process each (each costs an engine start-up): during start-up
+#: (listing, reading footers, the engine coming up), a random moment into generating (requests
+#: in flight, row groups being written), and a random moment after a shard's commit (others
+#: mid-way, committing).
+KILL_MOMENTS = ("start-up", "generating", "committing")
 
 
 @pytest.fixture(scope="module")
@@ -48,29 +58,29 @@ def make_job(root, name, out=None):
 
 
 @pytest.fixture(scope="module")
-def reference(workload):
-    job = make_job(workload, "reference")
-    result = run_cli("run", str(job), "--no-progress")
-    assert result.returncode == 0, result.stderr[-3000:]
+def reference(workload, shared_engines):
+    run = shared_engines.run(load_spec(make_job(workload, "reference")))
+    assert run.exit_code == 0, run.log[-3000:]
     table = read_output(workload / "reference")
     return dict(zip(table["request_id"].to_pylist(), table["generated_text"].to_pylist(), strict=True))
 
 
-def test_sigkill_at_random_moments_then_rerun(workload, reference):
+def test_sigkill_at_random_moments_then_rerun(workload, reference, shared_engines):
     rng = random.Random(20261122)
     expected = input_ids(workload / "in")
     out = workload / "killed"
     job = make_job(workload, "killed")
     kills, rounds, moments = 0, 0, []
-    while kills < KILLS:
+    while kills < len(KILL_MOMENTS):
         run = Job(job)
-        if kills % 3 == 0:
-            delay, moment = rng.uniform(2, 22), "start-up"  # start-up, listing, reading footers
+        moment = KILL_MOMENTS[kills]
+        if moment == "start-up":
+            delay = rng.uniform(2, 15)
             time.sleep(delay)
-        else:  # generating, writing row groups, committing
-            started = run.wait_for("shard_started")
-            delay, moment = rng.uniform(0, 3.0), "running"
-            if started is not None:
+        else:
+            reached = run.wait_for("shard_started" if moment == "generating" else "shard_committed")
+            delay = rng.uniform(0, 3.0 if moment == "generating" else 1.0)
+            if reached is not None:
                 time.sleep(delay)
         if run.proc.poll() is None:
             run.kill_group()
@@ -81,8 +91,8 @@ def test_sigkill_at_random_moments_then_rerun(workload, reference):
         if len(visible) == len(expected):  # everything done: verify, then start over
             rounds += 1
             shutil.rmtree(out)
-    final = Job(job)
-    assert final.wait() == 0, final.stderr[-3000:]
+    final = shared_engines.run(load_spec(job))  # the rerun
+    assert final.exit_code == 0, final.log[-3000:]
     check_output(out, expected, reference)
     table = read_output(out)
     ids = table["request_id"].to_pylist()
@@ -98,38 +108,40 @@ def test_sigkill_at_random_moments_then_rerun(workload, reference):
     assert "4 committed, 0 partial, 0 pending" in status.stdout
 
 
-@pytest.mark.parametrize("sig, to_group, code", [(signal.SIGTERM, False, 143),
-                                                  (signal.SIGINT, True, 130)])
-def test_signal_stops_cleanly(workload, reference, sig, to_group, code):
-    expected = input_ids(workload / "in")
-    name = f"signal-{sig.name}"
-    job = make_job(workload, name)
-    run = Job(job)
-    assert run.wait_for("shard_started") is not None
-    time.sleep(1.0)
-    sent = time.monotonic()
-    if to_group:  # Ctrl-C at a terminal reaches the whole process group
-        run.kill_group(sig)
-    else:  # Kubernetes and Airflow signal the main process
-        run.proc.send_signal(sig)
-    rc = run.wait(timeout=60)
-    elapsed = time.monotonic() - sent
-    assert rc == code, run.stderr[-3000:]
-    assert elapsed < 20, f"took {elapsed:.1f}s to stop"
+def check_stopped_cleanly(run: Job, out) -> None:
+    """What a stopped run leaves: no process of its group, a summary saying `interrupted`, and
+    nothing a rerun would have to clean up (no temp files, every lease given back)."""
     deadline = time.monotonic() + 15  # exited children are reaped by init within seconds
     while run.group_alive() and time.monotonic() < deadline:
         time.sleep(0.5)
     assert not run.group_alive(), "engine processes left behind"
     finished = [r for r in run.records() if r["event"] == "run_finished"]
-    assert finished and finished[0]["status"] == "interrupted"
-    check_output(workload / name, expected, reference)  # nothing partial visible
-    # what a rerun would otherwise have to clean up: no temp files, every lease given back
-    assert not list((workload / name / "_batchspec" / "tmp").glob("*"))
-    assert not list((workload / name / "_batchspec" / "locks").glob("*.json"))
-    if sig == signal.SIGTERM:  # and the rerun finishes the job (once: an engine start each)
-        rerun = Job(job)
-        assert rerun.wait() == 0, rerun.stderr[-3000:]
-        assert len(check_output(workload / name, expected, reference)) == 4
+    assert finished and finished[0]["status"] == "interrupted", run.stderr[-3000:]
+    assert json.loads(open(finished[0]["summary"]).read())["status"] == "interrupted"
+    assert not list((out / "_batchspec" / "tmp").glob("*"))
+    assert not list((out / "_batchspec" / "locks").glob("*.json"))
+
+
+def test_sigint_to_the_group_stops_cleanly_and_a_rerun_finishes(workload, reference,
+                                                                  shared_engines):
+    """Ctrl-C at a terminal reaches the whole process group, the engine's processes too.
+    (SIGTERM to the main process, as Kubernetes and Airflow send it: the grace-period tests.)"""
+    expected = input_ids(workload / "in")
+    job = make_job(workload, "sigint")
+    run = Job(job)
+    assert run.wait_for("shard_started") is not None, run.stderr[-3000:]
+    time.sleep(1.0)
+    sent = time.monotonic()
+    run.kill_group(signal.SIGINT)
+    rc = run.wait(timeout=60)
+    elapsed = time.monotonic() - sent
+    assert rc == 130, run.stderr[-3000:]
+    assert elapsed < 20, f"took {elapsed:.1f}s to stop"
+    check_stopped_cleanly(run, workload / "sigint")
+    check_output(workload / "sigint", expected, reference)  # nothing partial visible
+    rerun = shared_engines.run(load_spec(job))
+    assert rerun.exit_code == 0, rerun.log[-3000:]
+    assert len(check_output(workload / "sigint", expected, reference)) == 4
 
 
 def test_engine_death_exits_1_and_gives_its_shards_back(workload, reference):
@@ -155,23 +167,29 @@ def test_engine_death_exits_1_and_gives_its_shards_back(workload, reference):
     assert finished and finished[0]["status"] == "failed", run.stderr[-3000:]
 
 
-def test_two_processes_on_one_job_never_clobber(workload, reference):
+def test_two_runs_on_one_job_never_clobber(workload, reference, shared_engines):
+    """A `batchspec run` and, once it generates, a second run of the same job (through the
+    library, its engine warm): each shard is committed by one of them, once."""
     expected = input_ids(workload / "in")
     job = make_job(workload, "twice")
-    first, second = Job(job), Job(job)
-    rcs = sorted([first.wait(), second.wait()])
+    first = Job(job)
+    assert first.wait_for("shard_started") is not None, first.stderr[-3000:]
+    second = shared_engines.run(load_spec(job))
+    runs = [(first.wait(), first.records(), first.stderr), (second.exit_code, second.records,
+                                                            second.log)]
     committed = {}
-    for run in (first, second):
-        for r in run.records():
+    for _, records, _ in runs:
+        for r in records:
             if r["event"] == "shard_committed":
                 assert r["shard"] not in committed, f"{r['shard']} committed twice"
                 committed[r["shard"]] = r["run_id"]
     assert sorted(committed) == sorted(expected)
+    assert len(set(committed.values())) == 2, f"one run did everything: {committed}"
     check_output(workload / "twice", expected, reference)
-    busy = [r for run in (first, second) for r in run.records() if r["event"] == "shard_busy"]
-    if rcs != [0, 0]:  # a process that found shards held by the other says so and exits 1
-        assert rcs[1] == 1 and busy
-        assert "being processed by another run" in (first.stderr + second.stderr)
+    for code, records, log in runs:
+        if code != 0:  # a run that found shards held by the other says so and exits 1
+            assert code == 1 and [r for r in records if r["event"] == "shard_busy"], log[-3000:]
+            assert "being processed by another run" in log
 
 
 def test_sigterm_during_engine_start_up_writes_summary(workload):
@@ -212,9 +230,10 @@ def long_requests(tmp_path_factory, models):
 
 @pytest.mark.parametrize("grace_s", [1, 120])
 def test_sigterm_drain_is_bounded_by_the_grace_period(long_requests, grace_s):
-    """After SIGTERM the requests of fully read shards may finish for --grace-seconds; then the
-    rest are aborted, so a Kubernetes grace period is kept. With enough grace, every shard in
-    flight is committed before the run exits 143."""
+    """SIGTERM to the main process, as Kubernetes and Airflow send it: the requests of fully read
+    shards may finish for --grace-seconds; then the rest are aborted, so a Kubernetes grace
+    period is kept. With enough grace, every shard in flight is committed before the run exits
+    143. Either way the run stops cleanly (nothing partial, no process, lease or temp file)."""
     name = f"grace-{grace_s}"
     job = write_job(long_requests / f"{name}.yaml",
                     input={"path": str(long_requests / "in" / "*.parquet"), "prompt_column": "prompt",
@@ -230,10 +249,12 @@ def test_sigterm_drain_is_bounded_by_the_grace_period(long_requests, grace_s):
     rc = run.wait(timeout=300)
     elapsed = time.monotonic() - sent
     assert rc == 143, run.stderr[-3000:]
+    check_stopped_cleanly(run, long_requests / name)
     committed = [r["shard"] for r in run.records() if r["event"] == "shard_committed"]
     if grace_s == 1:
         assert elapsed < grace_s + 10, f"took {elapsed:.1f}s to stop with {grace_s}s of grace"
         assert committed == [], "the requests needed more than 1 s: nothing could be committed"
+        assert not list((long_requests / name).glob("*.parquet"))  # nothing partial visible
     else:
         assert sorted(committed) == ["g-0", "g-1"], run.stderr[-3000:]
         table = read_output(long_requests / name)
