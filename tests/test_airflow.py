@@ -164,8 +164,10 @@ def test_nightly_dag_maps_two_workers_and_covers_every_row_once(airflow, models,
                             "AIRFLOW_VAR_BATCHSPEC_BIN"}, (name, sorted(names))
         extra = sorted(n for n in names if not ALLOWED_ENV.fullmatch(n))
         assert not extra, f"{name}: batchspec was given {extra}"
-    logged = re.findall(r"environment passed: (.*)", log)  # the task log names what it passed
-    assert len(logged) >= 3 and all(ALLOWED_ENV.fullmatch(n) for line in logged for n in line.split())
+    # the task log names what it passed (Airflow appends " [logger] loc=FILE:LINE")
+    logged = [line.split(" [")[0].split() for line in re.findall(r"environment passed: (.*)", log)]
+    assert len(logged) >= 3 and {"PATH", "DS", "AWS_ACCESS_KEY_ID"} <= set(logged[0]), logged
+    assert all(ALLOWED_ENV.fullmatch(n) for names in logged for n in names), logged
 
 
 def test_bad_spec_fails_the_mapped_tasks_at_once_without_retry(airflow, tmp_path):

@@ -447,16 +447,16 @@ def test_kubernetes_indexed_job_covers_every_row_once(tmp_path, models, s3_serve
     etc.mkdir()
     for name, text in config["data"].items():
         (etc / name).write_text(text)
-    # stand-ins for what the manifest gives, here: its emptyDirs, the Secret, the store, the models
-    local = {"TMPDIR": str(tmp_path / "tmp"), "HOME": str(tmp_path / "home"),
+    # stand-ins for what the manifest gives, here: its emptyDir /tmp, the Secret, the store, the
+    # models; HOME stays this machine's, whose caches spare vLLM a model inspection at start-up
+    local = {"TMPDIR": str(tmp_path / "tmp"), "HOME": os.environ["HOME"],
              "S3_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": S3_KEY,
              "AWS_SECRET_ACCESS_KEY": S3_SECRET, "BATCHSPEC_TARGET": str(MODELS / "target"),
              "BATCHSPEC_DRAFT": DRAFT["model"], "BATCHSPEC_MAX_MODEL_LEN": str(ENGINE["max_model_len"]),
              "BATCHSPEC_ENFORCE_EAGER": "true", "BATCHSPEC_DTYPE": ENGINE["dtype"],
-             "VLLM_CPU_KVCACHE_SPACE": "1",
+             "BATCHSPEC_MAX_TOKENS": "16", "VLLM_CPU_KVCACHE_SPACE": "1",
              "PATH": f"{Path(BATCHSPEC).parent}{os.pathsep}{os.environ['PATH']}"}
-    for var in ("TMPDIR", "HOME"):
-        Path(local[var]).mkdir()
+    Path(local["TMPDIR"]).mkdir()
 
     def pod(c: dict, **extra: str) -> subprocess.CompletedProcess:
         env = {k: v for k, v in _container_env(c, workers).items() if v is not None}
