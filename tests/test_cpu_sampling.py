@@ -1,5 +1,5 @@
 """Sampled speculative decoding and seeded rows on vLLM's CPU build, with batchspec's vLLM plugin
-(batchspec/vllm_plugin.py; the bugs it works around: docs/vllm-cpu-rejection-sampler.md).
+(batchspec/engine/cpu_plugin.py; the bugs it works around: docs/vllm-cpu-rejection-sampler.md).
 
 The engine tests run bare ``vllm.LLM`` in a subprocess (this file run as a script: ``probe``),
 once without speculation, once with a draft model and once with n-gram lookup; each engine
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from conftest import DRAFT, ENGINE, MODELS, read_output, run_cli, write_job, write_parquet
 
-from batchspec import vllm_plugin
+from batchspec.engine import cpu_plugin as vllm_plugin
 
 SAMPLED = {"temperature": 0.8, "top_p": 0.95}
 #: Greedy rows batched with as many sampled rows, tokens each.
@@ -145,8 +145,8 @@ def test_refusal_follows_the_plugin(monkeypatch, tmp_path):
     pytest.importorskip("vllm")
     from vllm.platforms import current_platform
 
-    from batchspec.engine import refuses_random_sampling
-    from batchspec.spec import load_spec
+    from batchspec.engine.checks import refuses_random_sampling
+    from batchspec.spec.load import load_spec
 
     job = write_job(tmp_path / "j.yaml",
                     input={"path": str(tmp_path / "*.parquet"), "prompt_column": "prompt"},
@@ -211,7 +211,7 @@ def probe(config: dict, out_path: Path) -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from batchspec import vllm_plugin
+    from batchspec.engine import cpu_plugin as vllm_plugin
 
     kwargs = dict(config["engine"], disable_log_stats=False)
     if config["speculative"]:
