@@ -10,7 +10,6 @@ import click
 
 from batchspec.cli.common import engine_log_file, fail, load_job, quiet_vllm, set_option
 from batchspec.errors import BatchspecError, SpecError
-from batchspec.redact import sanitize_url
 from batchspec.run.events import LOG_FORMATS, EventLog
 
 
@@ -108,35 +107,27 @@ def status(job, overrides, worker_index, num_workers, fmt):
     """Which of JOB's shards are committed, stale, partial or pending, and which outputs have no
     current input (orphans: never counted as done)."""
     spec = load_job(job, overrides)
-    from batchspec.run.stages import plan
+    from batchspec.run.status import job_status, state_counts
 
     try:
-        p = plan(spec, worker_index, num_workers)
+        status_ = job_status(spec, worker_index, num_workers)
     except Exception as exc:
         fail(exc)
-    rows = [{"shard": s.name, "state": p.states[s.name], "input": sanitize_url(s.url),
-             "output": sanitize_url(p.out.output_path(s)) if p.states[s.name] == "committed"
-             else None, "changed": p.stale.get(s.name, [])}
-            for s in p.shards]
+    rows, orphan_names = status_["shards"], status_["orphans"]
     if fmt == "json":  # one object a shard, then one a orphan output (state "orphan")
         orphans = [{"shard": n, "state": "orphan", "input": None, "output": n, "changed": []}
-                   for n in p.orphans]
+                   for n in orphan_names]
         click.echo(json.dumps(rows + orphans, indent=2))
         return
     width = max([len(r["shard"]) for r in rows] + [5])
     for r in rows:
         changed = f"  (changed: {', '.join(r['changed'])})" if r["changed"] else ""
         click.echo(f"{r['shard']:<{width}}  {r['state']:<9}  {r['input']}{changed}")
-    for name in p.orphans:
+    for name in orphan_names:
         click.echo(f"{name:<{width}}  {'orphan':<9}  (output with no current input)")
-    counts = _state_counts(rows)
+    counts = state_counts(rows)
     click.echo(f"{len(rows)} shards: " + ", ".join(f"{v} {k}" for k, v in counts.items())
-               + (f"; {len(p.orphans)} orphan outputs" if p.orphans else ""))
-
-
-def _state_counts(rows: list[dict]) -> dict[str, int]:
-    return {k: sum(1 for r in rows if r["state"] == k)
-            for k in ("committed", "partial", "pending", "stale")}
+               + (f"; {len(orphan_names)} orphan outputs" if orphan_names else ""))
 
 
 @click.command()
