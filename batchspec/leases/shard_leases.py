@@ -535,10 +535,6 @@ def _lease_s_of(record: dict | None) -> float:
 
 
 
-def read_holder(out: OutputDir, shard_name: str) -> dict | None:
-    """Who holds a shard's lease, without taking part (for ``status`` and messages)."""
-    return ShardLeases(out, {}, LEASE_S).holder(shard_name)
-
-
 def holder_text(lock: dict) -> str:
+    """A lease holder in words: its run, host and pid."""
     return f"run {lock.get('run_id')} on {lock.get('host')} pid {lock.get('pid')}"

@@ -53,9 +53,6 @@ class Plan:
     orphans: list[str]
     spec_fingerprint: dict[str, str]
 
-    def __iter__(self):  # out, shards, states = plan(...) keeps working
-        return iter((self.out, self.shards, self.states))
-
 
 
 

@@ -62,7 +62,8 @@ def validate_job(spec: JobSpec, worker_index: int = 0, num_workers: int = 1) -> 
     from batchspec.engine.checks import check_vllm_keys
 
     check_vllm_keys(spec)
-    out, shards, states = plan(spec, worker_index, num_workers)
+    p = plan(spec, worker_index, num_workers)
+    shards, states = p.shards, p.states
     # code shipped with a model runs only when the spec asks for it, as vLLM does
     tokenizer = AutoTokenizer.from_pretrained(
         spec.model.engine.get("tokenizer") or spec.model.target,
