@@ -36,7 +36,7 @@ FINISH_REASONS = ("stop", "length", "abort", "error")
 
 def output_schema(kept: list[pa.Field]) -> pa.Schema:
     """The schema of an output shard: request_id, the kept input columns (chosen by
-    :class:`batchspec.prompts.ShardReader`, never clashing with ``OUTPUT_NAMES``), the result
+    :class:`batchspec.io.reader.ShardReader`, never clashing with ``OUTPUT_NAMES``), the result
     columns."""
     return pa.schema([pa.field(REQUEST_ID, pa.string()), *kept, *RESULT_FIELDS])
 

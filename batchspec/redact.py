@@ -294,7 +294,7 @@ def _collect(value: Any, path: tuple, hidden: bool, found: set[str]) -> None:
 # user wrote it, ``${VAR}`` not expanded. It may hold a credential only as a reference to the
 # environment; :func:`literal_secrets` finds every place where it holds one literally.
 
-#: ``${NAME}`` or ``${NAME:-default}``, as the job spec expands them (:mod:`batchspec.spec`).
+#: ``${NAME}`` or ``${NAME:-default}``, as the job spec expands them (:mod:`batchspec.spec.load`).
 _ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 #: What may stand beside references in a credential's value: one scheme word (``Bearer ${T}``).
 _AUTH_SCHEME = re.compile(r"\s*(?:[A-Za-z][A-Za-z0-9-]*\s+)?")

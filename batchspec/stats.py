@@ -21,3 +21,17 @@ def mean_acceptance_length(accepted: int | None, steps: int | None) -> float | N
 def tokens_per_s(tokens: int | None, seconds: float | None) -> float | None:
     """A rate, None when no time passed."""
     return tokens / seconds if tokens is not None and seconds and seconds > 0 else None
+
+
+def acceptance_per_position(before: dict, after: dict) -> dict | None:
+    """vLLM's per-position acceptance over an interval, from its engine counters taken before and
+    after: {num_drafts, accepted: [per position], rate: [accepted / num_drafts]}; None without
+    speculation."""
+    per_pos = after.get("spec_decode_num_accepted_tokens_per_pos")
+    if per_pos is None:
+        return None
+    old = before.get("spec_decode_num_accepted_tokens_per_pos") or []
+    drafts = (after.get("spec_decode_num_drafts") or 0) - (before.get("spec_decode_num_drafts") or 0)
+    accepted = [a - (old[i] if i < len(old) else 0) for i, a in enumerate(per_pos)]
+    return {"num_drafts": drafts, "accepted": accepted,
+            "rate": [acceptance_rate(a, drafts) for a in accepted]}

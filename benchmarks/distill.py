@@ -55,9 +55,9 @@ def write_job(work: Path, models: Path, target: str, draft: Path, max_tokens: in
 
 def large_tier(job: Path, models: Path, distilled: Path, args: argparse.Namespace) -> dict:
     """Starting vs distilled draft on the large target at concurrency 1 (held-out prompts)."""
-    from batchspec.distill import evaluate
-    from batchspec.distill_data import sample_rows
-    from batchspec.spec import load_spec
+    from batchspec.distill.data import sample_rows
+    from batchspec.distill.session import evaluate
+    from batchspec.spec.load import load_spec
 
     spec = load_spec(str(job))
     large = dataclasses.replace(spec, model=dataclasses.replace(

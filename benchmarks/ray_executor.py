@@ -36,9 +36,9 @@ def main() -> int:
     import ray
     from throughput import workload, write_shards
 
-    from batchspec.events import EventLog
-    from batchspec.runner import run_job
-    from batchspec.spec import build_spec
+    from batchspec.run.events import EventLog
+    from batchspec.run.job import run_job
+    from batchspec.spec.build import build_spec
 
     prompts, lengths = workload(args.prompts)
     work = Path(tempfile.mkdtemp(prefix="batchspec-bench-ray-"))

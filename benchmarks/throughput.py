@@ -70,10 +70,10 @@ def main() -> int:
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args()
 
-    from batchspec.engine import Engine
-    from batchspec.events import EventLog
-    from batchspec.runner import run_job
-    from batchspec.spec import build_spec
+    from batchspec.engine.llm import Engine
+    from batchspec.run.events import EventLog
+    from batchspec.run.job import run_job
+    from batchspec.spec.build import build_spec
 
     prompts, lengths = workload(args.prompts)
     work = Path(tempfile.mkdtemp(prefix="batchspec-bench-"))

@@ -74,12 +74,13 @@ class FakeEngine:
 FAKE_ENGINE_CLI = """
 import os, sys
 sys.path.insert(0, sys.argv[1])
-import batchspec.engine
+import batchspec.engine.llm
+import batchspec.engine.checks
 from fakes import FakeEngine
 delay_s = float(os.environ.get("BATCHSPEC_FAKE_ENGINE_DELAY_S", "0"))
-batchspec.engine.Engine = lambda spec: FakeEngine(delay_s=delay_s)
-batchspec.engine.check_vllm_keys = lambda spec: None
-batchspec.engine.vllm_version = lambda: "none (fake engine)"
+batchspec.engine.llm.Engine = lambda spec: FakeEngine(delay_s=delay_s)
+batchspec.engine.checks.check_vllm_keys = lambda spec: None
+batchspec.engine.checks.vllm_version = lambda: "none (fake engine)"
 from batchspec.cli import main
 sys.argv = ["batchspec", *sys.argv[2:]]
 main()

@@ -2,7 +2,7 @@
 
 An engine start-up costs about 20 s on the tiny models (more under load), and most end-to-end
 tests need "a run of job X on the real engine", not a process of their own. So one
-:class:`batchspec.engine.Engine` per (target model, engine arguments, speculative config) is
+:class:`batchspec.engine.llm.Engine` per (target model, engine arguments, speculative config) is
 started the first time a test asks for it and reused, as ``run_job(spec, engine=...)`` allows, by
 every later job with that key; the ``shared_engines`` fixture (conftest.py) holds them for the
 session. Tests of what a process does (exit codes, signals, kills, the CLI's flags and output)
@@ -23,9 +23,9 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from batchspec.errors import BatchspecError
-from batchspec.events import EventLog
-from batchspec.runner import RunResult
-from batchspec.spec import JobSpec
+from batchspec.run.events import EventLog
+from batchspec.run.job import RunResult
+from batchspec.spec.model import JobSpec
 
 #: Environment that turns batchspec's vLLM plugin off. A shared engine's processes get it as it
 #: was when the session started (so BATCHSPEC_DISABLE_VLLM_PLUGIN=1 pytest ... turns the plugin
@@ -62,7 +62,8 @@ class LibraryRun:
         """The summary the run wrote (a failed run's too)."""
         if self.result is not None:
             return self.result.summary
-        from batchspec.shards import BOOKKEEPING_DIR, OutputDir
+        from batchspec.io.output_dir import OutputDir
+        from batchspec.io.paths import BOOKKEEPING_DIR
 
         out = OutputDir(self.spec.output.path, self.spec.output.storage_options)
         return out.read_json(out.join(BOOKKEEPING_DIR, "runs", f"{self.run_id}.json"))
@@ -72,7 +73,7 @@ def run_library(spec: JobSpec, engine, *, fmt: str = "json", progress_bars: bool
                 **kwargs) -> LibraryRun:
     """``run_job(spec, engine=engine)`` with its events captured; a failed run is returned, not
     raised (its ``error`` carries the exit code the CLI would exit with)."""
-    from batchspec.runner import new_run_id, run_job
+    from batchspec.run.job import new_run_id, run_job
 
     run_id = new_run_id()
     stream = io.StringIO()
@@ -122,7 +123,7 @@ class SharedEngines:
     def engine(self, spec: JobSpec):
         """The started engine for ``spec``'s model, engine arguments and speculation, ready to
         generate with ``spec``'s sampling."""
-        from batchspec.engine import refuses_random_sampling
+        from batchspec.engine.checks import refuses_random_sampling
 
         key = self.key(spec)
         if key in self._engines:
@@ -144,7 +145,7 @@ class SharedEngines:
         """A spec that names only an engine: for probes that call ``vllm.LLM`` directly
         (``engine(spec).llm``: built as batchspec builds it, with seed 0, log stats on and, with
         speculation, per-request acceptance)."""
-        from batchspec.spec import build_spec
+        from batchspec.spec.build import build_spec
 
         return build_spec({"name": "probe", "input": {"path": "unused/*.parquet",
                                                       "prompt_column": "prompt"},
@@ -171,7 +172,7 @@ class SharedEngines:
     def _start(self, spec: JobSpec):
         import psutil
 
-        from batchspec.engine import Engine, child_pids, kill_new_children
+        from batchspec.engine.llm import Engine, child_pids, kill_new_children
 
         before = child_pids()
         wanted = {k: self.plugin_env.get(k) for k in PLUGIN_ENV}

@@ -24,12 +24,12 @@ import pytest
 from conftest import DRAFT, read_output, run_cli, write_job
 from fakes import run_fake_cli
 
-from batchspec.sink import read_metadata
-from batchspec.spec import load_spec
+from batchspec.io.writer import read_metadata
+from batchspec.spec.load import load_spec
 
 pytestmark = pytest.mark.engine
 
-#: CONTRACT.md "Output columns" after request_id and the kept input columns, in its order.
+#: docs/contract.md "Output columns" after request_id and the kept input columns, in its order.
 CONTRACT_RESULT_NAMES = [
     "generated_text", "finish_reason", "num_prompt_tokens", "num_output_tokens", "spec_num_steps",
     "spec_num_draft_tokens", "spec_num_accepted_tokens", "spec_acceptance_rate",
@@ -341,7 +341,7 @@ class Workers:
 
 
 def _status(job: Path, *args: str) -> list[dict]:
-    """`status --format json`: the fields CONTRACT.md's status reports, for each shard."""
+    """`status --format json`: the fields docs/contract.md's status reports, for each shard."""
     result = run_cli("status", str(job), "--format", "json", *args, timeout=120)
     assert result.returncode == 0, result.stderr
     return [{k: r[k] for k in ("shard", "state", "input", "output")} for r in json.loads(result.stdout)]

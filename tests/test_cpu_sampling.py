@@ -1,5 +1,5 @@
 """Sampled speculative decoding and seeded rows on vLLM's CPU build, with batchspec's vLLM plugin
-(batchspec/vllm_plugin.py; the bugs it works around: docs/vllm-cpu-rejection-sampler.md).
+(batchspec/engine/cpu_plugin.py; the bugs it works around: docs/vllm-cpu-rejection-sampler.md).
 
 The engine tests call ``vllm.LLM`` directly (``probe``) on the session's shared engines
 (tests/shared_engines.py: built as batchspec builds them), one without speculation, one with a
@@ -13,8 +13,8 @@ from __future__ import annotations
 import pytest
 from conftest import DRAFT, ENGINE, MODELS, NGRAM, read_output, write_job, write_parquet
 
-from batchspec import vllm_plugin
-from batchspec.spec import load_spec
+from batchspec.engine import cpu_plugin as vllm_plugin
+from batchspec.spec.load import load_spec
 
 SAMPLED = {"temperature": 0.8, "top_p": 0.95}
 #: Greedy rows batched with as many sampled rows, tokens each.
@@ -139,8 +139,8 @@ def test_refusal_follows_the_plugin(monkeypatch, tmp_path):
     pytest.importorskip("vllm")
     from vllm.platforms import current_platform
 
-    from batchspec.engine import refuses_random_sampling
-    from batchspec.spec import load_spec
+    from batchspec.engine.checks import refuses_random_sampling
+    from batchspec.spec.load import load_spec
 
     job = write_job(tmp_path / "j.yaml",
                     input={"path": str(tmp_path / "*.parquet"), "prompt_column": "prompt"},
@@ -204,7 +204,7 @@ def probe(llm, config: dict) -> dict:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from batchspec import vllm_plugin
+    from batchspec.engine import cpu_plugin as vllm_plugin
 
     result: dict = {"plugin_active": vllm_plugin.active(),
                     "max_num_batched_tokens":

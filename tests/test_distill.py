@@ -31,20 +31,17 @@ import pytest
 from conftest import DRAFT, ROOT, run_cli, write_job
 from domain_data import write_shards
 
-import batchspec.distill as distill_mod
-import batchspec.distill_data as distill_data
-import batchspec.distill_train as distill_train
-from batchspec.distill import CARD_NAME, DistillOptions, OutLock, check_options, check_out, work_dir
-from batchspec.distill_data import (
-    GENERATED_SCHEMA,
-    _write_chunk,
-    generate,
-    read_generated,
-    topk_lists,
-)
-from batchspec.distill_train import _batch, prepare_examples
+import batchspec.distill.data as distill_data
+import batchspec.distill.session as distill_mod
+import batchspec.distill.train as distill_train
+from batchspec.distill import outdir as outdir_mod
+from batchspec.distill.data import GENERATED_SCHEMA, _write_chunk, generate, read_generated, topk_lists
+from batchspec.distill.options import DistillOptions
+from batchspec.distill.outdir import CARD_NAME, OutLock, work_dir
+from batchspec.distill.session import check_options, check_out
+from batchspec.distill.train import _batch, prepare_examples
 from batchspec.errors import RuntimeFailure, SpecError
-from batchspec.spec import load_spec
+from batchspec.spec.load import load_spec
 
 K = 2
 
@@ -133,7 +130,7 @@ def _spec_job(tmp: Path, **extra) -> Path:
 
 def _holder_process(out: Path) -> subprocess.Popen:
     """Another process holding --out's lock until it is killed."""
-    code = ("import sys, time\nfrom batchspec.distill import OutLock\n"
+    code = ("import sys, time\nfrom batchspec.distill.outdir import OutLock\n"
             "OutLock.take(sys.argv[1])\nprint('held', flush=True)\ntime.sleep(120)\n")
     proc = subprocess.Popen([sys.executable, "-c", code, str(out)], stdout=subprocess.PIPE,
                             text=True, cwd=ROOT)
@@ -403,7 +400,7 @@ def test_the_new_draft_is_built_aside_and_renamed_in_with_its_card_last(
         seen["built_in"] = directory
         seen["out_while_building"] = {p.name: p.read_bytes() for p in out.iterdir()}
 
-    real_exchange, real_rename = distill_mod._exchange, os.rename
+    real_exchange, real_rename = outdir_mod._exchange, os.rename
 
     def spy_exchange(a, b):
         seen.setdefault("card_at_swap", (Path(a) / CARD_NAME).exists())
@@ -414,7 +411,7 @@ def test_the_new_draft_is_built_aside_and_renamed_in_with_its_card_last(
             seen.setdefault("card_at_swap", (Path(src) / CARD_NAME).exists())
         return real_rename(src, dst)
 
-    monkeypatch.setattr(distill_mod, "_exchange", spy_exchange)
+    monkeypatch.setattr(outdir_mod, "_exchange", spy_exchange)
     monkeypatch.setattr(distill_mod.os, "rename", spy_rename)
     fake_pipeline.on_save = on_save
     result = distill_mod.distill(spec, DistillOptions(out=out, init="target", evaluate=False))

@@ -7,7 +7,7 @@ session's shared engines (tests/shared_engines.py), as does the job whose temper
 engine accepts with speculative decoding (not vLLM's CPU build without batchspec's plugin, where
 it exits 2 before any engine).
 
-Expected values come from CONTRACT.md (written out below, not taken from batchspec.columns), from
+Expected values come from docs/contract.md (written out below, not taken from batchspec.columns), from
 the inputs the fixtures write, and from sources independent of the column under test: vLLM's
 run-wide counters for acceptance, the test's own clock for timings, the tokenizer for lengths.
 """
@@ -27,8 +27,8 @@ import pyarrow.parquet as pq
 import pytest
 from conftest import DRAFT, MODELS, NGRAM, read_output, run_cli, write_job, write_parquet
 
-from batchspec.sink import read_metadata
-from batchspec.spec import load_spec
+from batchspec.io.writer import read_metadata
+from batchspec.spec.load import load_spec
 
 pytestmark = pytest.mark.engine
 
@@ -37,7 +37,7 @@ JOB_MAX_TOKENS = 32
 MAX_IN_FLIGHT = 16
 K = DRAFT["num_speculative_tokens"]
 
-#: CONTRACT.md "Output columns", after request_id and the kept input columns, in its order.
+#: docs/contract.md "Output columns", after request_id and the kept input columns, in its order.
 CONTRACT_RESULT_COLUMNS: list[tuple[str, pa.DataType]] = [
     ("generated_text", pa.string()),
     ("finish_reason", pa.string()),
@@ -166,11 +166,11 @@ def run_summary(out: Path) -> dict:
 
 def refuses_sampling(job: Path) -> bool:
     """Whether this engine build refuses random sampling with this job's speculation: vLLM's CPU
-    build corrupts sampled requests there (see batchspec.engine.CPU_SAMPLING_REFUSAL), its GPU
+    build corrupts sampled requests there (see batchspec.engine.checks.CPU_SAMPLING_REFUSAL), its GPU
     build does not. Where it is not refused, test_greedy_output_identical_with_and_without_
     speculation checks that the greedy rows batched with sampled ones still come out right."""
-    from batchspec.engine import refuses_random_sampling
-    from batchspec.spec import load_spec
+    from batchspec.engine.checks import refuses_random_sampling
+    from batchspec.spec.load import load_spec
 
     return refuses_random_sampling(load_spec(job))
 

@@ -362,7 +362,7 @@ def test_kubernetes_spool_is_where_the_manifest_gives_room(tmp_path):
     manifest's size-limited emptyDir: checked against batchspec itself, not taken on trust."""
     spool = tmp_path / "tmp"
     spool.mkdir()
-    code = ("import tempfile; from batchspec.shards import spool_dir; "
+    code = ("import tempfile; from batchspec.io.output_dir import spool_dir; "
             "print(spool_dir()); print(tempfile.mkstemp(prefix='batchspec-')[1])")
     done = subprocess.run([sys.executable, "-c", code], env={**os.environ, "TMPDIR": str(spool)},
                           capture_output=True, text=True, timeout=60, check=True)

@@ -16,9 +16,11 @@ import pytest
 from conftest import run_cli, write_job
 from test_runner import run, shards
 
-from batchspec import fingerprint as fingerprint_mod
 from batchspec.errors import SpecError
-from batchspec.fingerprint import (
+from batchspec.run.stages import plan
+from batchspec.spec import fingerprint as fingerprint_mod
+from batchspec.spec.build import build_spec
+from batchspec.spec.fingerprint import (
     COMPONENTS,
     FINGERPRINT_VERSION,
     DigestCache,
@@ -26,8 +28,6 @@ from batchspec.fingerprint import (
     model_identity,
     spec_fingerprint,
 )
-from batchspec.runner import plan
-from batchspec.spec import build_spec
 
 
 @pytest.fixture(autouse=True)

@@ -19,9 +19,9 @@ import uuid
 
 import pytest
 
-from batchspec.leases import ShardLeases
-from batchspec.shards import OutputDir
-from batchspec.storage import this_host
+from batchspec.io.host import this_host
+from batchspec.io.output_dir import OutputDir
+from batchspec.leases.shard_leases import ShardLeases
 
 CTX = multiprocessing.get_context("spawn")
 SHARDS = ["a", "b", "c", "d"]
@@ -370,11 +370,11 @@ def test_storage_errors_for_half_a_lease_mark_it_lost(s3_out, monkeypatch):
 
 
 def test_a_store_without_conditional_writes_is_best_effort_and_says_so(caplog, monkeypatch):
-    from batchspec import leases
+    from batchspec.leases import stores as leases
 
     monkeypatch.setattr(leases, "_warned_best_effort", set())
     url = f"memory://leases-{uuid.uuid4().hex[:8]}/out"
-    with caplog.at_level(logging.WARNING, logger="batchspec.leases"):
+    with caplog.at_level(logging.WARNING, logger="batchspec.leases.stores"):
         first = ShardLeases(OutputDir(url, {}), owner("first"))
         second = ShardLeases(OutputDir(url, {}), owner("second"))
         assert first.acquire("a") is None
@@ -390,7 +390,7 @@ def test_a_store_without_conditional_writes_is_best_effort_and_says_so(caplog, m
 def test_the_s3_server_honours_conditional_writes(s3_out):
     """The probe that picks compare-and-swap on S3: moto's server (as pinned) honours
     If-None-Match and If-Match on PutObject, so the S3 tests above test real CAS."""
-    from batchspec.leases import _S3Store
+    from batchspec.leases.s3 import _S3Store
 
     url, _, fs = s3_out
     assert _S3Store(fs).honours_conditions(url.removeprefix("s3://") + "/_batchspec/locks")
@@ -427,7 +427,7 @@ def test_a_dead_holder_is_taken_over_by_the_next_task_and_a_live_one_is_waited_f
     the observation a task reports travels with the shard's retry, so the next task, whichever
     lease object makes it, takes a dead holder over once its heartbeat has been still for
     lease_s; a live holder (renewing) leaves the shard busy after one wait, never again."""
-    from batchspec.leases import BusyRetry
+    from batchspec.leases.shard_leases import BusyRetry
 
     if store == "s3":
         url, options, _ = request.getfixturevalue("s3_out")
@@ -469,7 +469,7 @@ def test_a_dead_holder_is_taken_over_by_the_next_task_and_a_live_one_is_waited_f
 
 
 def test_a_watch_that_travels_never_overstates_how_long_a_holder_was_still():
-    from batchspec.leases import HolderWatch
+    from batchspec.leases.shard_leases import HolderWatch
 
     here, there = HolderWatch(), HolderWatch()
     key = ("token", 3, 2.0)

@@ -30,11 +30,12 @@ import pytest
 from conftest import DRAFT, ENGINE, MODELS, read_output, run_cli, write_job
 
 from batchspec.errors import BatchspecError, SpecError
-from batchspec.events import EventLog
-from batchspec.leases import ShardLeases
-from batchspec.runner import plan, run_job
-from batchspec.shards import OutputDir
-from batchspec.spec import build_spec
+from batchspec.io.output_dir import OutputDir
+from batchspec.leases.shard_leases import ShardLeases
+from batchspec.run.events import EventLog
+from batchspec.run.job import run_job
+from batchspec.run.stages import plan
+from batchspec.spec.build import build_spec
 
 SHARDS, ROWS = 4, 16
 MAX_TOKENS = 24
@@ -99,7 +100,7 @@ def _as_if_on_another_host(url: str, options: dict, shard: str, pid: int) -> Non
         time.sleep(0.05)
     else:
         raise AssertionError(f"replica process {pid} still runs")
-    from batchspec.leases import _S3Store
+    from batchspec.leases.s3 import _S3Store
 
     fs = s3fs.S3FileSystem(**options, skip_instance_cache=True)
     path = OutputDir(url, options).lock_path(shard)
@@ -153,7 +154,7 @@ def test_executor_section_is_checked():
 def test_actor_options_and_env():
     """Settings go in Ray's runtime_env (recorded in Ray's job and actor metadata, shown on its
     dashboard); credentials only in replica_secrets, the replicas' constructor argument."""
-    from batchspec.ray_executor import actor_options, replica_env, replica_secrets
+    from batchspec.run.executors.ray import actor_options, replica_env, replica_secrets
 
     assert actor_options({"CPU": 1}) == {"num_cpus": 1}
     assert actor_options({"CPU": 4, "GPU": 1, "accelerator_type:H100": 0.01}) == {
@@ -224,7 +225,7 @@ def test_scheduling_kill_and_poison_with_a_stand_in_engine(ray_cluster, tmp_path
     """The driver's side with a stand-in engine (seconds, no vLLM): shards spread over both
     replicas; a killed replica's shard is redone elsewhere; a shard that kills its replica
     on every try ends failed (exit 1) after executor.max_shard_attempts, the rest committed."""
-    from batchspec.ray_executor import DIE_ON_SHARD_ENV, RayExecutor
+    from batchspec.run.executors.ray import DIE_ON_SHARD_ENV, RayExecutor
 
     inputs = tmp_path / "in"
     expected = _echo_inputs(inputs)
@@ -267,8 +268,8 @@ def test_a_replicas_successive_tasks_take_a_dead_replicas_lease_over(s3_server, 
     lease whose heartbeat stayed still for lease_s (a replica of this run that died holding it)
     and commits every row once. A shard whose holder stays alive is busy after one wait, and
     the rule never waits on it again (it used to be re-queued for ever)."""
-    from batchspec.leases import BusyRetry
-    from batchspec.ray_executor import Replica
+    from batchspec.leases.shard_leases import BusyRetry
+    from batchspec.run.executors.ray import Replica
 
     expected = _echo_inputs(tmp_path / "in", shards=2, rows=4)
     url, options = _s3_output(s3_server)
@@ -323,7 +324,7 @@ def test_on_s3_dead_replicas_and_crashed_runs_are_taken_over_and_live_holders_en
     holding a shard takes it over too (it used to exit 1 "busy"). A shard held by a live other
     run ends the run with exit 1 naming it, after one wait. Credentials reach the replicas,
     never the runtime_env Ray records."""
-    from batchspec.ray_executor import RayExecutor
+    from batchspec.run.executors.ray import RayExecutor
 
     expected = _echo_inputs(tmp_path / "in")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "ray-secret-not-in-runtime-env")
@@ -442,7 +443,7 @@ def local_texts(inputs, tmp_path_factory):
 @pytest.fixture(scope="module")
 def replicas(ray_cluster, local_texts, inputs, tmp_path_factory):
     """One executor (2 replicas of the tiny pair) every test below shares."""
-    from batchspec.ray_executor import RayExecutor
+    from batchspec.run.executors.ray import RayExecutor
 
     executor = RayExecutor(_spec(inputs, tmp_path_factory.mktemp("unused")))
     yield executor
@@ -541,7 +542,7 @@ def test_shard_that_kills_every_replica_fails_after_bounded_tries(replicas, inpu
                                                                   poisoned_out, monkeypatch):
     """s3, the last shard handed out, kills whichever replica runs it (the test-only hook exits
     the actor's process on its first result): after 2 tries it is failed, the run exits 1."""
-    from batchspec.ray_executor import DIE_ON_SHARD_ENV
+    from batchspec.run.executors.ray import DIE_ON_SHARD_ENV
 
     monkeypatch.setenv(DIE_ON_SHARD_ENV, "s3")
     out = poisoned_out

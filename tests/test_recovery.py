@@ -21,7 +21,7 @@ import pytest
 from conftest import DRAFT, read_output, run_cli, write_job
 from recovery_helpers import Job, check_output, input_ids
 
-from batchspec.spec import load_spec
+from batchspec.spec.load import load_spec
 
 pytestmark = pytest.mark.engine
 #: Where the SIGKILLs land, one process each (each costs an engine start-up): during start-up

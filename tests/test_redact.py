@@ -15,7 +15,7 @@ import pytest
 from conftest import write_parquet
 from fakes import FakeEngine
 
-from batchspec.events import EventLog
+from batchspec.io.writer import read_metadata
 from batchspec.redact import (
     REDACTED,
     is_secret_key,
@@ -24,9 +24,10 @@ from batchspec.redact import (
     scrub_text,
     secret_values,
 )
-from batchspec.runner import run_job
-from batchspec.sink import read_metadata
-from batchspec.spec import build_spec, redact
+from batchspec.run.events import EventLog
+from batchspec.run.job import run_job
+from batchspec.spec.build import build_spec
+from batchspec.spec.load import redact
 
 # ----------------------------------------------------------------------------------- URLs
 

@@ -1,7 +1,7 @@
 """`batchspec report` on small outputs written by hand: every figure checked against numbers
 worked out by hand in this file (percentiles too), never against report's own helpers.
 
-No engine: the output files are built with pyarrow, with the output schema of CONTRACT.md
+No engine: the output files are built with pyarrow, with the output schema of docs/contract.md
 written out here (not taken from batchspec.columns), so that a drift in either shows.
 """
 
@@ -25,24 +25,18 @@ from click.testing import CliRunner
 
 from batchspec.cli import main
 from batchspec.errors import InputDataError, SpecError
-from batchspec.html_report import nice_ticks, render_html
-from batchspec.report import (
-    build_comparison,
-    build_report,
-    compare,
-    load_output,
-    markdown_text,
-    parse_storage_options,
-    render,
-    summarize,
-)
+from batchspec.report.comparison import build_comparison, compare
+from batchspec.report.html import nice_ticks, render_html
+from batchspec.report.metrics import build_report, summarize
+from batchspec.report.read import load_output, parse_storage_options
+from batchspec.report.text import markdown_text, render
 
 RUN_ID = "20260101T000000Z-aaaaaa"
 META = {"run_id": RUN_ID, "job": "t", "target_model": "tgt", "draft_model": "dft",
         "speculative_method": "draft_model", "vllm_version": "0.32.0", "batchspec_version": "0.1.0",
         "spec": {"speculative": {"method": "draft_model", "num_speculative_tokens": 3}}}
 
-#: CONTRACT.md's output columns, in order, with one kept input column (``topic``).
+#: docs/contract.md's output columns, in order, with one kept input column (``topic``).
 SCHEMA = pa.schema([
     ("request_id", pa.string()), ("topic", pa.string()),
     ("generated_text", pa.string()), ("finish_reason", pa.string()),

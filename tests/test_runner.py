@@ -21,9 +21,9 @@ from fakes import FakeEngine
 
 from batchspec.columns import RESULT_NAMES
 from batchspec.errors import InputDataError, RuntimeFailure
-from batchspec.events import EventLog
-from batchspec.runner import run_job
-from batchspec.spec import build_spec
+from batchspec.run.events import EventLog
+from batchspec.run.job import run_job
+from batchspec.spec.build import build_spec
 
 
 def make_spec(tmp_path, **input_extra):
@@ -195,7 +195,7 @@ def test_keep_columns_and_metadata(tmp_path):
     table = outputs(tmp_path)["m"]
     assert table.column_names[:3] == ["request_id", "keep", "when"]
     assert table.schema.field("when").type == pa.timestamp("ms")
-    from batchspec.sink import read_metadata
+    from batchspec.io.writer import read_metadata
 
     meta = read_metadata(str(tmp_path / "out" / "m.parquet"))
     assert meta["spec"]["output"]["storage_options"] == {"secret": "***"}
@@ -214,7 +214,7 @@ def test_sample_rows_is_seeded_uniform_over_shards_and_skips_rows_a_run_would_re
     """The sample tune and distill draw (prompts.sample_rows): every shard contributes, rows
     that would be error rows are never drawn, the same seed gives the same rows in the same
     order, another seed another sample."""
-    from batchspec.prompts import sample_rows
+    from batchspec.io.reader import sample_rows
 
     for i in range(3):
         write_parquet(tmp_path / "in" / f"s{i}.parquet",

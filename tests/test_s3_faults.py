@@ -23,11 +23,13 @@ from conftest import DRAFT, write_job
 from fakes import FakeEngine, run_fake_cli
 from faultproxy import FaultProxy
 
-from batchspec import storage
 from batchspec.errors import InputDataError
-from batchspec.events import EventLog
-from batchspec.runner import RunResult, run_job
-from batchspec.spec import JobSpec, build_spec, load_spec
+from batchspec.io import retry as storage
+from batchspec.run.events import EventLog
+from batchspec.run.job import RunResult, run_job
+from batchspec.spec.build import build_spec
+from batchspec.spec.load import load_spec
+from batchspec.spec.model import JobSpec
 
 #: 38% of requests faulted, every kind of fault.
 HEAVY = {"drop": 0.07, "drop_mid_body": 0.05, "reset_mid_body": 0.04, "error_500": 0.08,
@@ -139,7 +141,7 @@ def run(spec: JobSpec, on_event=None) -> RunResult:
 
 def retries_logged(caplog, words: str) -> int:
     return sum(1 for r in caplog.records
-               if r.name == "batchspec.storage" and "storage error on" in r.getMessage()
+               if r.name == "batchspec.io.retry" and "storage error on" in r.getMessage()
                and words in r.getMessage())
 
 
@@ -210,7 +212,7 @@ def test_corrupt_data_on_a_store_exits_3_at_once_without_retries(
         buckets, proxy, fast_retries, monkeypatch, caplog):
     """A garbled page is bad input (exit 3, naming the shard), not a storage fault to retry:
     pyarrow reports it as a bare OSError, which must not be taken for a flaky store."""
-    from batchspec.prompts import ShardReader
+    from batchspec.io.reader import ShardReader
 
     opens = []
     real_open = ShardReader._open

@@ -21,11 +21,13 @@ from conftest import run_cli, write_job, write_parquet
 from fakes import FakeEngine
 from test_runner import outputs, run, shards
 
-from batchspec import shards as shards_mod
+from batchspec import redact as redact_mod
 from batchspec.errors import InputDataError, RuntimeFailure, SpecError
-from batchspec.runner import plan
-from batchspec.shards import check_no_overlap, discover_shards
-from batchspec.spec import build_spec
+from batchspec.io import output_dir as shards_mod
+from batchspec.io.listing import discover_shards
+from batchspec.io.locations import check_no_overlap
+from batchspec.run.stages import plan
+from batchspec.spec.build import build_spec
 
 
 def spec_with(tmp_path, **changes):
@@ -140,11 +142,12 @@ def test_one_store_spelled_two_ways_is_refused(tmp_path, inp, in_opts, out, out_
         check_no_overlap([inp], in_opts, out, out_opts)
     message = str(err.value)
     assert err.value.key == "output.path" and err.value.exit_code == 2
-    assert shards_mod.sanitize_url(out) in message and shards_mod.sanitize_url(inp) in message
+    assert redact_mod.sanitize_url(out) in message and redact_mod.sanitize_url(inp) in message
     assert "separate directory or bucket prefix" in message
     assert "SIG" not in message and AZ_KEY not in message
     # listing agrees: the output's store is the input's, so its files are skipped
-    from batchspec.shards import OutputDir, same_store
+    from batchspec.io.locations import same_store
+    from batchspec.io.output_dir import OutputDir
     assert same_store([inp], in_opts, OutputDir(out, out_opts))
 
 
@@ -284,7 +287,7 @@ def test_spool_is_private_per_process_and_dead_spools_go(tmp_path, monkeypatch):
     assert os.path.dirname(mine) == str(tmp_path) and os.path.basename(mine) != "batchspec-spool"
     assert stat.S_IMODE(os.stat(mine).st_mode) == 0o700
     assert not dead.exists()
-    other = subprocess.run([sys.executable, "-c", "from batchspec.shards import spool_dir; "
+    other = subprocess.run([sys.executable, "-c", "from batchspec.io.output_dir import spool_dir; "
                             "import tempfile,sys; tempfile.tempdir=sys.argv[1]; print(spool_dir())",
                             str(tmp_path)], capture_output=True, text=True, check=True).stdout.strip()
     assert other != mine
@@ -292,8 +295,8 @@ def test_spool_is_private_per_process_and_dead_spools_go(tmp_path, monkeypatch):
 
 def test_engine_log_is_private_and_never_follows_a_planted_link(tmp_path):
     code = ("import os, sys, tempfile; tempfile.tempdir = sys.argv[1]\n"
-            "from batchspec.cli import _engine_log\n"
-            "stream, path = _engine_log('r1')\n"
+            "from batchspec.cli.common import engine_log_file\n"
+            "stream, path = engine_log_file('r1')\n"
             "stream.write(path + '\\n')\n")
     planted = tmp_path / "victim.txt"
     planted.write_text("keep")
@@ -389,8 +392,8 @@ def test_a_shard_skipped_mid_read_gives_its_lease_back(tmp_path):
     assert set(result.summary["bad_shards"]) == {"s1"} and set(result.summary["shards"]) == {"s0"}
     locks = tmp_path / "out" / "_batchspec" / "locks"
     held = [p for p in locks.rglob("*") if p.is_file() and p.read_text().strip()] if locks.exists() else []
-    from batchspec.leases import ShardLeases
-    from batchspec.shards import OutputDir
+    from batchspec.io.output_dir import OutputDir
+    from batchspec.leases.shard_leases import ShardLeases
 
     other = ShardLeases(OutputDir(str(tmp_path / "out"), {}),
                         {"run_id": "other", "host": "h", "pid": 1, "started_at": "x"}, 60)
@@ -419,7 +422,7 @@ def test_empty_input_is_fine_when_allowed(tmp_path):
 def test_unknown_and_error_finish_reasons_are_kept(tmp_path):
     """vLLM's `error` finish reason once became a `stop` row with no error. A stub output is
     enough here: the real engine cannot be made to fail one request on demand."""
-    from batchspec.engine import result_row
+    from batchspec.engine.rows import result_row
 
     def output(reason):
         completion = SimpleNamespace(token_ids=[1, 2], text="ab", finish_reason=reason,
@@ -465,7 +468,7 @@ def test_nested_shards_mirror_their_directories_and_are_reported(tmp_path):
     result, _ = run(spec)
     assert sorted(result.summary["shards"]) == ["day=1/part-0", "day=2/part-0"]
     assert pq.read_table(tmp_path / "out" / "day=2" / "part-0.parquet").num_rows == 2
-    from batchspec.report import build_report
+    from batchspec.report.metrics import build_report
 
     report = build_report(str(tmp_path / "out"))
     assert sorted(report["shards"]) == ["day=1/part-0", "day=2/part-0"]
@@ -478,8 +481,8 @@ def test_a_shard_held_by_a_silent_worker_on_object_storage_is_taken_over(tmp_pat
     out the lease on its own clock and takes the shard over instead of exiting 1."""
     import s3fs
 
-    from batchspec.leases import ShardLeases
-    from batchspec.shards import OutputDir
+    from batchspec.io.output_dir import OutputDir
+    from batchspec.leases.shard_leases import ShardLeases
 
     _, options = s3_server
     fs = s3fs.S3FileSystem(**options)

@@ -9,7 +9,8 @@ import pytest
 from conftest import write_parquet
 
 from batchspec.errors import InputDataError, SpecError
-from batchspec.shards import OutputDir, assign, discover_shards, worker_of
+from batchspec.io.listing import assign, discover_shards, worker_of
+from batchspec.io.output_dir import OutputDir
 
 
 def _shard(path):
@@ -129,7 +130,7 @@ def test_listing_skips_the_output_however_its_store_is_spelled(tmp_path, s3_serv
     the endpoint."""
     import s3fs
 
-    from batchspec.shards import same_store
+    from batchspec.io.locations import same_store
 
     endpoint, options = s3_server
     creds = {"key": options["key"], "secret": options["secret"]}

@@ -9,7 +9,7 @@ import yaml
 from conftest import run_cli
 
 from batchspec.errors import SpecError
-from batchspec.spec import apply_override, load_spec, redact
+from batchspec.spec.load import apply_override, load_spec, redact
 
 BASE = {
     "name": "t",
@@ -337,7 +337,7 @@ def test_new_keys_bad_values(tmp_path, item, key, words):
 
 
 def test_vllm_owned_keys_are_checked_against_vllm(tmp_path):
-    from batchspec.engine import check_vllm_keys
+    from batchspec.engine.checks import check_vllm_keys
 
     check_vllm_keys(load(tmp_path, dict(BASE, speculative={"method": "ngram", "num_speculative_tokens": 3,
                                                            "prompt_lookup_max": 4})))

@@ -1,4 +1,4 @@
-"""The run's stages (batchspec.stages) called one by one, as an executor calls them, without
+"""The run's stages (batchspec.run.stages) called one by one, as an executor calls them, without
 run_job: plan shards, check inputs, then claim, read, generate, write and commit through a
 :class:`ShardPipeline`, then summarise. The fake engine echoes prompts (tests/fakes.py); the
 same stages run on the real engine in test_e2e.py (local) and test_ray.py (Ray replicas)."""
@@ -13,10 +13,11 @@ from conftest import write_parquet
 from fakes import FakeEngine
 
 from batchspec.errors import InputDataError
-from batchspec.events import EventLog, Progress
-from batchspec.leases import ShardLeases
-from batchspec.spec import build_spec
-from batchspec.stages import ShardPipeline, check_inputs, new_outcome, plan, summarise
+from batchspec.leases.shard_leases import ShardLeases
+from batchspec.run.events import EventLog, Progress
+from batchspec.run.outcome import new_outcome, summarise
+from batchspec.run.stages import ShardPipeline, check_inputs, plan
+from batchspec.spec.build import build_spec
 
 
 def _spec(tmp_path):

@@ -19,10 +19,11 @@ from fakes import FakeEngine
 from fsspec.implementations.memory import MemoryFileSystem
 from test_runner import run
 
-from batchspec import storage
 from batchspec.errors import RuntimeFailure
-from batchspec.shards import OutputDir
-from batchspec.spec import build_spec
+from batchspec.io import host as host_mod
+from batchspec.io import retry as storage
+from batchspec.io.output_dir import OutputDir
+from batchspec.spec.build import build_spec
 
 FAILED: set = set()
 
@@ -131,11 +132,11 @@ def test_a_live_lease_keeps_a_second_process_off_the_shard(tmp_path):
     from test_leases import _kill_a_holder
     from test_runner import make_spec, outputs, shards
 
-    from batchspec.leases import ShardLeases
+    from batchspec.leases.shard_leases import ShardLeases
 
     shards(tmp_path, n=3)
     out_url = str(tmp_path / "out")
-    holder = ShardLeases(OutputDir(out_url, {}), {"run_id": "other-run", "host": storage.this_host(),
+    holder = ShardLeases(OutputDir(out_url, {}), {"run_id": "other-run", "host": host_mod.this_host(),
                                                   "pid": os.getpid(), "started_at": "now"})
     assert holder.acquire("s1") is None
     with pytest.raises(RuntimeFailure, match=r"1 shards are being processed by another run.*s1 "
@@ -144,7 +145,7 @@ def test_a_live_lease_keeps_a_second_process_off_the_shard(tmp_path):
     assert sorted(outputs(tmp_path)) == ["s0", "s2"]
     holder.release("s1")
     # a lease whose process is killed is taken over at once
-    child = _kill_a_holder(out_url, {}, "s1", storage.this_host())
+    child = _kill_a_holder(out_url, {}, "s1", host_mod.this_host())
     os.kill(child.pid, signal.SIGKILL)
     child.join(30)
     result, _ = run(make_spec(tmp_path))
@@ -162,10 +163,10 @@ def test_a_live_lease_keeps_a_second_process_off_the_shard(tmp_path):
 
 
 def test_orphan_temp_files_of_dead_processes_are_removed(tmp_path):
-    from batchspec.shards import remove_orphan_tmp_files, tmp_file_name
+    from batchspec.io.output_dir import remove_orphan_tmp_files, tmp_file_name
 
     mine = tmp_file_name("a")
-    dead = f"b~{storage.this_host()}~{2**22 + 99}~abcdef.parquet.tmp"
+    dead = f"b~{host_mod.this_host()}~{2**22 + 99}~abcdef.parquet.tmp"
     other_host = "c~some-other-host~1~abcdef.parquet.tmp"
     for name in (mine, dead, other_host):
         (tmp_path / name).write_bytes(b"x")

@@ -41,11 +41,14 @@ from recovery_helpers import Job
 from shared_engines import NoEngine, run_library
 from test_leases import _race, check_compare_and_swap, owner
 
-from batchspec import leases
 from batchspec.errors import InputDataError
-from batchspec.leases import ShardLeases, _AzureStore, _cas_store_for, _GcsStore
-from batchspec.shards import OutputDir
-from batchspec.spec import load_spec
+from batchspec.io.output_dir import OutputDir
+from batchspec.leases import stores as leases
+from batchspec.leases.azure import _AzureStore
+from batchspec.leases.gcs import _GcsStore
+from batchspec.leases.shard_leases import ShardLeases
+from batchspec.leases.stores import _cas_store_for
+from batchspec.spec.load import load_spec
 
 STORES = ("s3", "gcs", "azure")
 #: The stores whose compare-and-swap leases this suite checks (S3's: test_leases.py, on moto).
@@ -348,7 +351,7 @@ def test_gcs_emulator_without_preconditions_is_best_effort_and_says_so(
     fs.mkdir(bucket)
     url = f"gs://{bucket}/out"
     assert not _GcsStore(fs).honours_conditions(f"{bucket}/out/_batchspec/locks")
-    with caplog.at_level(logging.WARNING, logger="batchspec.leases"):
+    with caplog.at_level(logging.WARNING, logger="batchspec.leases.stores"):
         first = ShardLeases(OutputDir(url, gcs_server.storage_options), owner("first"))
         second = ShardLeases(OutputDir(url, gcs_server.storage_options), owner("second"))
         assert first.acquire("a") is None

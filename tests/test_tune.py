@@ -16,28 +16,30 @@ import yaml
 from conftest import ENGINE, MODELS, ROOT, run_cli, write_job, write_parquet
 
 from batchspec.errors import SpecError
-from batchspec.spec import build_spec
-from batchspec.tune import (
+from batchspec.spec.build import build_spec
+from batchspec.stats import acceptance_per_position
+from batchspec.tune.model import (
     MIN_NOISE,
     Candidate,
-    Entry,
-    Level,
+    CandidateResult,
+    LevelMeasurement,
     TuneOptions,
     TuneReport,
-    batch_size_schedule,
-    candidates,
-    check_lossless,
     level_rows,
-    per_position_delta,
+)
+from batchspec.tune.predict import (
+    batch_size_schedule,
     pick_ks,
     predict_tokens_per_s,
     recommend,
-    render_table,
     spread,
     tokens_per_step,
     write_concurrency,
-    written_spec,
 )
+from batchspec.tune.render import render_table
+from batchspec.tune.search_space import candidates
+from batchspec.tune.session import check_lossless
+from batchspec.tune.written import written_spec
 
 DRAFT_CFG = {"method": "draft_model", "model": "d", "num_speculative_tokens": 3}
 
@@ -82,20 +84,20 @@ def test_pick_ks_unites_the_best_of_each_level():
 def test_per_position_delta_is_the_interval_not_the_engine_lifetime():
     before = {"spec_decode_num_drafts": 10, "spec_decode_num_accepted_tokens_per_pos": [8, 4]}
     after = {"spec_decode_num_drafts": 30, "spec_decode_num_accepted_tokens_per_pos": [18, 9]}
-    assert per_position_delta(before, after) == {"num_drafts": 20, "accepted": [10, 5],
+    assert acceptance_per_position(before, after) == {"num_drafts": 20, "accepted": [10, 5],
                                                  "rate": [0.5, 0.25]}
-    assert per_position_delta({}, {}) is None
+    assert acceptance_per_position({}, {}) is None
 
 
 # --------------------------------------------------------------------------- recommendation
 
 
 def _entry(label: str, c: int, tps: list[float], p50: list[float] | None = None,
-           spec: dict | None = DRAFT_CFG, k: int | None = 3, lossless: bool | None = True) -> Entry:
-    level = Level(concurrency=c, rows=8, tokens_per_s=tps, e2e_p50_s=p50 or [1.0])
+           spec: dict | None = DRAFT_CFG, k: int | None = 3, lossless: bool | None = True) -> CandidateResult:
+    level = LevelMeasurement(concurrency=c, rows=8, tokens_per_s=tps, e2e_p50_s=p50 or [1.0])
     cand = Candidate(label, None if label == "off" else spec, "off" if label == "off" else "d",
                      None if label == "off" else k)
-    return Entry(cand, c, 16, level=level, lossless=None if label == "off" else lossless)
+    return CandidateResult(cand, c, 16, level=level, lossless=None if label == "off" else lossless)
 
 
 def test_spread_is_relative_range():
@@ -176,16 +178,16 @@ def test_candidates_cover_off_ngram_and_every_draft_with_each_k():
 
 
 def test_lossless_check_names_row_and_candidate():
-    off = Level(1, 2, texts={"a": "hello world", "b": "same", "s": "x"})
-    lv = Level(1, 2, texts={"a": "hello there", "b": "same", "s": "y"})
+    off = LevelMeasurement(1, 2, texts={"a": "hello world", "b": "same", "s": "x"})
+    lv = LevelMeasurement(1, 2, texts={"a": "hello there", "b": "same", "s": "y"})
     mismatches: list = []
     assert check_lossless("d k=3", 1, off, lv, {"a", "b"}, mismatches) is False
     assert [(m["row"], m["candidate"], m["first_difference_at_char"]) for m in mismatches] == [
         ("a", "d k=3", 6)]
-    assert check_lossless("d k=3", 1, off, Level(1, 1, texts={"b": "same"}), {"b"}, []) is True
+    assert check_lossless("d k=3", 1, off, LevelMeasurement(1, 1, texts={"b": "same"}), {"b"}, []) is True
 
 
-def _report(entries: list[Entry], concurrency: list[int]) -> TuneReport:
+def _report(entries: list[CandidateResult], concurrency: list[int]) -> TuneReport:
     chosen, noise = recommend(entries)
     return TuneReport("job.yaml", TuneOptions(repeats=2), concurrency, 8, 40, 8, entries, chosen,
                       noise, [], 12.0)
@@ -194,7 +196,7 @@ def _report(entries: list[Entry], concurrency: list[int]) -> TuneReport:
 def test_table_and_write_without_engine(tmp_path):
     entries = [_entry("off", 1, [50.0, 50.5]), _entry("d k=3", 1, [80.0])]
     entries[1].predicted = 76.0
-    entries.append(Entry(Candidate("d k=1", {**DRAFT_CFG, "num_speculative_tokens": 1}, "d", 1),
+    entries.append(CandidateResult(Candidate("d k=1", {**DRAFT_CFG, "num_speculative_tokens": 1}, "d", 1),
                          1, 16, predicted=60.0, skipped="not among the 2 best predicted k (--top)"))
     report = _report(entries, [1])
     table = render_table(report)
@@ -409,7 +411,7 @@ def test_cli_registers_tune():
 
 
 class _FakeEngine:
-    """Stands in for batchspec.engine.Engine where only tune's bookkeeping is under test (the
+    """Stands in for batchspec.engine.llm.Engine where only tune's bookkeeping is under test (the
     real engine runs the same paths in the `engine` tests above). Draft position i is accepted
     with a fixed rate; ``lossy`` makes speculative candidates change one row's text; ``speedup``
     divides a speculative candidate's time per row; a draft whose path holds "refuse" is refused
@@ -455,9 +457,9 @@ class _FakeEngine:
 
 @pytest.fixture()
 def fake_job(tmp_path, monkeypatch):
-    import batchspec.engine
+    import batchspec.engine.llm
 
-    monkeypatch.setattr(batchspec.engine, "Engine", _FakeEngine)
+    monkeypatch.setattr(batchspec.engine.llm, "Engine", _FakeEngine)
     write_parquet(tmp_path / "in" / "a.parquet", {"id": [f"a{i}" for i in range(10)],
                                                  "prompt": [f"prompt {i}" for i in range(10)]})
     job = write_job(tmp_path / "job.yaml",
@@ -472,8 +474,8 @@ def fake_job(tmp_path, monkeypatch):
 
 
 def test_tune_measures_the_largest_k_and_the_best_predicted_ones(fake_job):
-    from batchspec.spec import load_spec
-    from batchspec.tune import run_tune
+    from batchspec.spec.load import load_spec
+    from batchspec.tune.session import run_tune
 
     report = run_tune(load_spec(fake_job), TuneOptions(sample=8, concurrency=[1, 2], ks=[1, 2, 3, 4],
                                                        top=1, ngram=False, repeats=2))
@@ -489,8 +491,9 @@ def test_tune_measures_the_largest_k_and_the_best_predicted_ones(fake_job):
 
 
 def test_time_budget_skips_what_it_has_no_time_for(fake_job):
-    from batchspec.spec import load_spec
-    from batchspec.tune import TIME_BUDGET, run_tune
+    from batchspec.spec.load import load_spec
+    from batchspec.tune.model import TIME_BUDGET
+    from batchspec.tune.session import run_tune
 
     report = run_tune(load_spec(fake_job), TuneOptions(sample=4, concurrency=[1], ks=[2],
                                                        ngram=True, max_minutes=0))
@@ -503,8 +506,8 @@ def test_time_budget_skips_what_it_has_no_time_for(fake_job):
 
 def test_a_candidate_that_changes_greedy_text_is_reported_and_never_recommended(fake_job,
                                                                               monkeypatch):
-    from batchspec.spec import load_spec
-    from batchspec.tune import run_tune
+    from batchspec.spec.load import load_spec
+    from batchspec.tune.session import run_tune
 
     monkeypatch.setattr(_FakeEngine, "lossy", True)
     report = run_tune(load_spec(fake_job), TuneOptions(sample=4, concurrency=[1], ks=[2], top=0,
@@ -523,7 +526,7 @@ def test_a_candidate_that_changes_greedy_text_is_reported_and_never_recommended(
 def _tune_cli(*args: str):
     from click.testing import CliRunner
 
-    from batchspec.tune import tune
+    from batchspec.cli.tune import tune
 
     return CliRunner().invoke(tune, [*args, "-v", "--no-progress"], catch_exceptions=False)
 
@@ -531,7 +534,7 @@ def _tune_cli(*args: str):
 @pytest.fixture()
 def tripwire(monkeypatch):
     """Fails the command if anything is measured: a list of the calls run_tune got."""
-    import batchspec.tune
+    import batchspec.tune.session
 
     calls = []
 
@@ -539,7 +542,7 @@ def tripwire(monkeypatch):
         calls.append(args)
         raise AssertionError("tune measured")
 
-    monkeypatch.setattr(batchspec.tune, "run_tune", measured)
+    monkeypatch.setattr(batchspec.tune.session, "run_tune", measured)
     monkeypatch.setenv("VLLM_LOGGING_LEVEL", "WARNING")
     return calls
 
@@ -594,7 +597,7 @@ sampling:
     assert "# --set applied: model.engine.hf_token\n" in text and text.count("HF_TOKEN") == 1
     # loaded as a job, it is the job the user meant: the token from the environment, a quoted
     # ${VAR} still a string, a plain one typed
-    from batchspec.spec import load_spec
+    from batchspec.spec.load import load_spec
 
     spec = load_spec(tmp_path / "tuned.yaml")
     assert spec.model.engine["hf_token"] == HF_VALUE and spec.name == "7"

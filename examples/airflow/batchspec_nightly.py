@@ -49,7 +49,7 @@ from airflow.sdk.exceptions import AirflowFailException
 
 log = logging.getLogger(__name__)
 
-#: batchspec's exit codes that no retry can fix (CONTRACT.md): fail the task at once.
+#: batchspec's exit codes that no retry can fix (docs/contract.md): fail the task at once.
 NOT_RETRYABLE = {2: "bad job spec or command line", 3: "bad input data"}
 #: Seconds a stopped task gives batchspec to finish its in-flight requests and exit cleanly.
 GRACE_S = 60

@@ -1,0 +1,1 @@
+"""batchspec distill: train a draft on the target's own outputs."""

@@ -1,0 +1,57 @@
+"""distill's options and result."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from batchspec.spec.model import JobSpec
+
+#: Speculative tokens per step when the job names no draft.
+DEFAULT_K = 4
+
+
+@dataclass
+class DistillOptions:
+    """What ``batchspec distill`` was asked to do (its command-line options)."""
+
+    out: Path
+    draft: str | None = None
+    #: "draft": start from ``draft``; "target": a new draft from the target's first ``layers``.
+    init: str = "draft"
+    layers: int = 1
+    sample: int = 2000
+    heldout: int = 200
+    #: Keep the target's top-K log-probabilities per token for the KL term (0: cross-entropy only).
+    logprobs: int = 0
+    steps: int = 300
+    lr: float = 2e-3
+    batch_size: int = 16
+    seed: int = 0
+    #: Speculative tokens per step in the evaluation (None: the job's, else DEFAULT_K).
+    k: int | None = None
+    #: Requests in flight during the evaluation (None: the job's execution.max_in_flight).
+    eval_concurrency: int | None = None
+    evaluate: bool = True
+    #: Generated rows per committed chunk (what a killed run can lose).
+    chunk_rows: int = 128
+    job_path: str | None = None
+    #: The ``--set`` overrides, as given (the card shows them as written).
+    overrides: tuple[str, ...] = ()
+
+
+@dataclass
+class DistillResult:
+    out: str
+    before: dict | None
+    after: dict | None
+    card: dict = field(default_factory=dict)
+
+    def as_json(self) -> dict[str, Any]:
+        return {"before": self.before, "after": self.after, "out": self.out}
+
+
+def _job_k(spec: JobSpec) -> int:
+    spec_cfg = spec.speculative or {}
+    return int(spec_cfg.get("num_speculative_tokens") or DEFAULT_K)

@@ -1,0 +1,306 @@
+"""``batchspec distill``: fit a draft to the job's own prompts.
+
+1. a seeded sample of the job's prompts, part of it held out (:mod:`batchspec.distill.data`);
+2. the target's continuations of the rest, speculation off, the job's sampling, resumable;
+3. training with torch (:mod:`batchspec.distill.train`);
+4. a model directory vLLM loads as a draft, built aside;
+5. evaluation on the held-out prompts with speculation on, the old draft and the new;
+6. the card ``batchspec-model.json`` written last into the new directory, which is then renamed
+   into place as ``--out`` (a previous draft there is swapped out atomically where the kernel can
+   exchange two directories, else moved aside first): ``--out`` is always either a whole draft
+   with its card or no draft at all.
+
+One writer per ``--out``: an flock on ``<work>/lock``, where ``<work>`` is the private directory
+``.<name>.batchspec-distill`` beside ``--out`` (generated data, the draft being built); the kernel
+frees it when its holder dies, and a second distill exits 1 naming the holder.
+
+One vLLM engine at a time: each is shut down before the next starts. Every refusal (options,
+``--out`` overlapping the job's input, output, target or draft, the vocabulary check) comes
+before any of it, so a distill that cannot work exits 2 before any work."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import stat
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from batchspec.distill.card import _public_path, build_card
+from batchspec.distill.options import DistillOptions, DistillResult, _job_k
+from batchspec.distill.outdir import (
+    CARD_NAME,
+    OutLock,
+    _remove_leftovers,
+    build_dir,
+    install,
+    out_dir,
+    work_dir,
+)
+from batchspec.errors import InputDataError, SpecError
+from batchspec.io.locations import location_overlap, store_location
+from batchspec.io.reader import Row
+from batchspec.redact import sanitize_url
+from batchspec.spec.model import JobSpec
+from batchspec.stats import acceptance_rate, mean_acceptance_length
+
+
+def _overlap(out: Path, out_loc, url: str, options: dict, key: str, what: str,
+             pattern: bool = False, local_only: bool = False) -> None:
+    """SpecError("--out") when ``--out`` equals, lies inside or contains ``url``, judged by
+    batchspec.io.output_dir' own rules (:func:`~batchspec.io.locations.store_location`,
+    :func:`~batchspec.io.locations.location_overlap`: what a location names, not how it is spelled)."""
+    if not url:
+        return
+    try:
+        loc = store_location(url, options, key, pattern=pattern)
+    except SpecError:
+        if local_only:
+            return  # a model id or a scheme with no backend here: not a local directory
+        raise
+    where = location_overlap(out_loc, loc)
+    if where is not None:
+        raise SpecError("--out", f"{out} {where} {what} ({sanitize_url(url)}): distill would "
+                                 "write over or into it; write the new draft elsewhere")
+
+
+
+
+def check_out(spec: JobSpec, opts: DistillOptions) -> None:
+    """Refuse an ``--out`` that equals, lies inside or contains one of the job's own locations:
+    its input, its ``output.path``, its target, the current draft (``--draft`` and the spec's
+    ``speculative.model``); containing covers the parent of the draft or the target. Also refuse
+    an ``--out`` that is a link, a file, or a directory that holds something other than a draft
+    batchspec wrote (it would be replaced)."""
+    out = out_dir(opts.out)
+    if out.name in ("", ".", ".."):
+        raise SpecError("--out", f"{opts.out}: name the directory the new draft goes to")
+    out_loc = store_location(str(out), {}, "--out")
+    for url in spec.input.paths:
+        _overlap(out, out_loc, url, spec.input.storage_options, "input.path",
+                 "the job's input location", pattern=True)
+    _overlap(out, out_loc, spec.output.path, spec.output.storage_options, "output.path",
+             "the job's output.path")
+    _overlap(out, out_loc, spec.model.target, {}, "model.target", "the job's target (model.target)",
+             local_only=True)
+    if opts.draft:
+        _overlap(out, out_loc, str(opts.draft), {}, "--draft", "the current draft (--draft)",
+                 local_only=True)
+    spec_draft = (spec.speculative or {}).get("model")
+    if isinstance(spec_draft, str):
+        _overlap(out, out_loc, spec_draft, {}, "speculative.model",
+                 "the job's draft (speculative.model)", local_only=True)
+    try:
+        st = os.lstat(out)
+    except FileNotFoundError:
+        return
+    if stat.S_ISLNK(st.st_mode):
+        raise SpecError("--out", f"{opts.out} is a symbolic link: name the directory itself")
+    if not stat.S_ISDIR(st.st_mode):
+        raise SpecError("--out", f"{opts.out} exists and is not a directory")
+    if any(out.iterdir()) and not (out / CARD_NAME).is_file():
+        raise SpecError("--out", f"{opts.out} exists, is not empty and holds no {CARD_NAME} (it "
+                                 "is not a draft batchspec wrote): distill replaces its --out "
+                                 "whole; choose an empty or new directory")
+
+
+
+
+def check_options(spec: JobSpec, opts: DistillOptions) -> None:
+    """Everything that can be refused before any work: options, the output directory and the
+    draft's vocabulary against the target's (SpecError, exit 2)."""
+    from batchspec.distill.train import check_vocabulary
+
+    if opts.init not in ("draft", "target"):
+        raise SpecError("--init", f"expected 'draft' or 'target', got {opts.init!r}")
+    if opts.init == "draft" and not opts.draft:
+        raise SpecError("--draft", "give the draft to start from, or --init target --layers N")
+    for name, value in (("--sample", opts.sample), ("--steps", opts.steps),
+                        ("--batch-size", opts.batch_size), ("--layers", opts.layers),
+                        ("--chunk-rows", opts.chunk_rows)):
+        if value < 1:
+            raise SpecError(name, f"expected a positive integer, got {value}")
+    if opts.heldout < 0 or opts.logprobs < 0:
+        raise SpecError("--holdout" if opts.heldout < 0 else "--logprobs",
+                        "expected zero or more")
+    if not opts.lr > 0:
+        raise SpecError("--lr", f"expected a positive learning rate, got {opts.lr}")
+    check_out(spec, opts)
+    if opts.draft:
+        check_vocabulary(spec.model.target, opts.draft)
+
+
+
+# --------------------------------------------------------------------------- the whole run
+
+
+def distill(spec: JobSpec, opts: DistillOptions,
+            progress: Callable[[str], None] | None = None,
+            lock: OutLock | None = None) -> DistillResult:
+    """Run the whole distillation (see the module docstring) and return acceptance before and
+    after, with the new draft and its card at ``opts.out``. ``lock``: the caller already
+    checked the options and holds ``opts.out``'s lock (the command line does, to refuse before
+    it redirects the logs); else both happen here."""
+    own_lock = lock is None
+    if own_lock:
+        check_options(spec, opts)
+        lock = OutLock.take(opts.out)
+    try:
+        return _distill(spec, opts, progress or (lambda msg: None))
+    finally:
+        if own_lock:
+            lock.release()
+
+
+
+
+def _distill(spec: JobSpec, opts: DistillOptions, say: Callable[[str], None]) -> DistillResult:
+    from batchspec.distill.data import data_fingerprint, generate, generation_key, sample_rows
+    from batchspec.distill.train import (
+        draft_from_target,
+        load_draft,
+        save_draft,
+        tokenizer_vocab,
+        train_draft,
+    )
+
+    started = time.monotonic()
+    out = out_dir(opts.out)
+    work = work_dir(out)
+    _remove_leftovers(work)
+
+    sample = sample_rows(spec, opts.sample, opts.heldout, opts.seed)
+    if not sample.train:
+        raise InputDataError(", ".join(spec.input.paths),
+                             "no prompts to sample: the input has no row that can be sent")
+    say(f"sample: {len(sample.train)} prompts to train on, {len(sample.heldout)} held out "
+        f"(of {sample.population}, seed {opts.seed})")
+    key = generation_key(spec, sample.train, opts.logprobs)
+    gen = generate(spec, sample.train, work / f"generated-{key}", opts.logprobs, say,
+                   chunk_rows=opts.chunk_rows)
+    examples = gen.table.to_pylist()
+    if not examples:
+        raise SpecError("input.path", "the target generated no usable continuation to train on")
+
+    if opts.init == "target":
+        say(f"new draft: the target's embeddings, first {opts.layers} layer(s) and head")
+        draft = draft_from_target(spec.model.target, opts.layers)
+    else:
+        draft = load_draft(opts.draft)
+    _, special = tokenizer_vocab(spec.model.target)
+    pad_id = next((v for v in (special["pad"], special["eos"], 0) if v is not None), 0)
+    trained = train_draft(draft, examples, opts.steps, opts.lr, opts.batch_size, opts.seed,
+                          pad_id, progress=say)
+    built = build_dir(out)
+    try:
+        save_draft(draft, spec.model.target, built)
+        layers = draft.config.num_hidden_layers
+        parameters = sum(p.numel() for p in draft.parameters())
+        del draft
+        say(f"built the new draft ({parameters / 1e6:.2f}M parameters, {layers} layers); it "
+            f"replaces {opts.out} when distill ends")
+
+        before = after = None
+        if opts.evaluate and sample.heldout:
+            k = opts.k or _job_k(spec)
+            if opts.draft:
+                before = evaluate(spec, opts.draft, sample.heldout, k, opts.eval_concurrency, say)
+                before["draft"] = _public_path(opts.draft)
+            after = evaluate(spec, str(built), sample.heldout, k, opts.eval_concurrency, say)
+            after["draft"] = str(opts.out)  # where it is from now on
+
+        card = build_card(spec, opts, sample=sample, gen=gen, trained=trained, layers=layers,
+                          parameters=parameters, before=before, after=after,
+                          data_fingerprint=data_fingerprint(gen.table), started=started)
+        install(built, out, card)
+    finally:
+        if built.exists():
+            shutil.rmtree(built, ignore_errors=True)
+    say(f"the new draft is in {opts.out}")
+    return DistillResult(out=str(opts.out), before=before, after=after, card=card)
+
+
+
+
+def evaluate(spec: JobSpec, draft: str, rows: list[Row], k: int, concurrency: int | None,
+             progress: Callable[[str], None] | None = None) -> dict:
+    """Acceptance and output tok/s of ``draft`` on ``rows`` with the job's sampling, speculation
+    on (``draft_model``, ``k`` tokens): a fresh engine, shut down before this returns."""
+    from batchspec.engine.llm import Engine
+
+    say = progress or (lambda msg: None)
+    speculative = dict(spec.speculative or {})
+    if speculative.get("method") not in (None, "draft_model"):
+        speculative = {}  # the job's ngram/eagle keys mean nothing for a draft model
+    speculative.update(method="draft_model", model=draft, num_speculative_tokens=k)
+    eval_spec = dataclasses.replace(spec, speculative=speculative)
+    say(f"evaluating {draft} on {len(rows)} held-out prompts (k={k})")
+    engine = Engine(eval_spec)
+    drafted = accepted = steps = tokens = errors = 0
+    try:
+        started = time.monotonic()
+        for _, result in engine.stream(iter(rows), concurrency or spec.execution.max_in_flight):
+            if result.get("error") is not None:
+                errors += 1
+                continue
+            tokens += result["num_output_tokens"] or 0
+            drafted += result.get("spec_num_draft_tokens") or 0
+            accepted += result.get("spec_num_accepted_tokens") or 0
+            steps += result.get("spec_num_steps") or 0
+        wall = time.monotonic() - started
+        counters = engine.spec_counters()
+    finally:
+        engine.shutdown()
+    drafts = counters.get("spec_decode_num_drafts") or 0
+    per_pos = counters.get("spec_decode_num_accepted_tokens_per_pos") or []
+    result = {
+        "draft": draft,
+        "num_speculative_tokens": k,
+        "prompts": len(rows) - errors,
+        "errors": errors,
+        "output_tokens": tokens,
+        "acceptance_rate": _round(acceptance_rate(accepted, drafted)),
+        "mean_acceptance_length": _round(mean_acceptance_length(accepted, steps)),
+        "acceptance_per_position": [_round(acceptance_rate(a, drafts)) for a in per_pos],
+        "output_tokens_per_s": _round(tokens / wall if wall > 0 else None, 1),
+        "wall_s": round(wall, 2),
+    }
+    say(f"  acceptance {result['acceptance_rate']}, mean length "
+        f"{result['mean_acceptance_length']}, {result['output_tokens_per_s']} tok/s")
+    return result
+
+
+
+
+def _round(value: float | None, digits: int = 4) -> float | None:
+    return None if value is None else round(value, digits)
+
+
+
+
+def render_table(result: DistillResult) -> str:
+    """Before and after, side by side, for a terminal."""
+    rows = [("acceptance rate", "acceptance_rate"),
+            ("mean acceptance length", "mean_acceptance_length"),
+            ("output tok/s", "output_tokens_per_s")]
+
+    def cell(side: dict | None, key: str) -> str:
+        if side is None or side.get(key) is None:
+            return "-"
+        return f"{side[key]:.3f}" if key != "output_tokens_per_s" else f"{side[key]:.1f}"
+
+    lines = [f"{'':<26}{'before':>10}{'after':>10}"]
+    for label, key in rows:
+        lines.append(f"{label:<26}{cell(result.before, key):>10}{cell(result.after, key):>10}")
+    width = max(len((result.before or {}).get("acceptance_per_position") or []),
+                len((result.after or {}).get("acceptance_per_position") or []))
+    for i in range(width):
+        b = ((result.before or {}).get("acceptance_per_position") or [])
+        a = ((result.after or {}).get("acceptance_per_position") or [])
+        fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
+        lines.append(f"{f'accepted at position {i + 1}':<26}"
+                     f"{fmt(b[i] if i < len(b) else None):>10}{fmt(a[i] if i < len(a) else None):>10}")
+    lines.append(f"new draft: {result.out}")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,288 @@
+"""Distill's training: build the student draft (an existing draft, or a new one from the target's
+own embeddings, first layers and head), train it on the target's continuations (cross-entropy on
+the target's tokens, plus KL on the target's top-K where kept), and save a model directory vLLM
+loads as a draft.
+
+Imports torch and transformers, never vLLM."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from batchspec.errors import SpecError
+
+#: At most this many CPU threads for training: the machine is shared with the engine's processes.
+MAX_TORCH_THREADS = 2
+
+
+#: Longest training sequence (prompt + continuation); longer prompts lose their beginning.
+MAX_TRAIN_TOKENS = 512
+
+
+
+
+def tokenizer_vocab(path: str) -> tuple[dict[str, int], dict[str, Any]]:
+    """A model directory's tokenizer vocabulary (token -> id, added tokens included) and its
+    special token ids."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path)
+    special = {"bos": tok.bos_token_id, "eos": tok.eos_token_id, "pad": tok.pad_token_id,
+               "unk": tok.unk_token_id}
+    return tok.get_vocab(), special
+
+
+
+
+def check_vocabulary(target: str, draft: str, key: str = "--draft") -> None:
+    """Refuse a draft whose vocabulary size, tokens or special tokens differ from the target's:
+    its proposals would be other tokens than the target verifies. A SpecError (exit 2) that
+    names the first difference."""
+    from transformers import AutoConfig
+
+    if not Path(draft).is_dir():
+        raise SpecError(key, f"{draft}: no such model directory")
+    try:
+        t_cfg, d_cfg = AutoConfig.from_pretrained(target), AutoConfig.from_pretrained(draft)
+        t_vocab, t_special = tokenizer_vocab(target)
+        d_vocab, d_special = tokenizer_vocab(draft)
+    except Exception as exc:  # tokenizers raises a bare Exception for a broken tokenizer.json
+        raise SpecError(key, f"cannot read the tokenizer or config of {draft} or {target}: {exc}") \
+            from exc
+    where = f"the draft {draft} and the target {target}"
+    t_size, d_size = getattr(t_cfg, "vocab_size", None), getattr(d_cfg, "vocab_size", None)
+    if t_size != d_size:
+        raise SpecError(key, f"{where} have different vocabulary sizes ({d_size} vs {t_size}): "
+                             "a draft must share the target's tokenizer")
+    if d_vocab != t_vocab:
+        only_d = sorted(set(d_vocab) - set(t_vocab))[:3]
+        moved = sorted(t for t in set(d_vocab) & set(t_vocab) if d_vocab[t] != t_vocab[t])[:3]
+        detail = (f"tokens only in the draft: {only_d}" if only_d
+                  else f"tokens with other ids: {moved}" if moved
+                  else f"{len(d_vocab)} vs {len(t_vocab)} tokens")
+        raise SpecError(key, f"{where} have different tokenizers ({detail}): a draft must share "
+                             "the target's tokenizer")
+    if d_special != t_special:
+        raise SpecError(key, f"{where} have different special tokens ({d_special} vs "
+                             f"{t_special})")
+
+
+
+
+def init_draft_from_target(draft, target) -> None:
+    """Start the draft as the target's first layers (as many as the draft has) plus its
+    embeddings, final norm and head."""
+    draft.model.embed_tokens.load_state_dict(target.model.embed_tokens.state_dict())
+    draft.model.norm.load_state_dict(target.model.norm.state_dict())
+    draft.lm_head.load_state_dict(target.lm_head.state_dict())
+    for i, layer in enumerate(draft.model.layers):
+        layer.load_state_dict(target.model.layers[i].state_dict())
+
+
+
+
+def draft_from_target(target_dir: str, layers: int):
+    """A new ``layers``-layer draft with the target's architecture, embeddings, first layers,
+    final norm and head."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(target_dir)
+    total = getattr(config, "num_hidden_layers", None)
+    if total is None or not 1 <= layers <= total:
+        raise SpecError("--layers", f"expected 1 to {total} (the target's layers), got {layers}")
+    target = AutoModelForCausalLM.from_pretrained(target_dir, torch_dtype=torch.float32)
+    config.num_hidden_layers = layers
+    draft = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    init_draft_from_target(draft, target)
+    return draft
+
+
+
+
+def lr_at(step: int, steps: int, peak: float, warmup: int = 50) -> float:
+    """Linear warm-up to ``peak``, then a cosine down to a tenth of it."""
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    progress = (step - warmup) / max(1, steps - warmup)
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+
+
+@dataclass
+class TrainResult:
+    steps: int
+    loss: float | None
+    top1_agreement: float | None
+    wall_s: float
+    device: str
+
+
+
+
+@dataclass
+class Example:
+    """One generated row as tensors: prompt + continuation (truncated to MAX_TRAIN_TOKENS), where
+    the continuation starts, and the target's top-K ids and probabilities per output token."""
+
+    tokens: Any
+    prompt_len: int
+    topk_ids: Any = None
+    topk_prob: Any = None
+
+
+
+
+def prepare_examples(rows: list[dict]) -> list[Example]:
+    """Turn generated rows into tensors once (not at every step)."""
+    import torch
+
+    examples = []
+    for row in rows:
+        prompt, output = row["prompt_token_ids"], row["output_token_ids"]
+        prompt = prompt[-max(1, MAX_TRAIN_TOKENS - len(output)):]
+        output = output[: MAX_TRAIN_TOKENS - len(prompt)]
+        ex = Example(torch.tensor(prompt + output, dtype=torch.long), len(prompt))
+        tids, tlps = row.get("topk_token_ids"), row.get("topk_logprobs")
+        if tids:
+            k = max(len(t) for t in tids)
+            ex.topk_ids = torch.zeros((len(output), k), dtype=torch.long)
+            lps = torch.full((len(output), k), float("-inf"))
+            for j, (ids_j, lps_j) in enumerate(zip(tids[: len(output)], tlps, strict=False)):
+                ex.topk_ids[j, : len(ids_j)] = torch.tensor(ids_j, dtype=torch.long)
+                lps[j, : len(lps_j)] = torch.tensor(lps_j).clamp(min=-1e4)
+            # the top-K renormalised: the rest of the target's distribution is unknown
+            ex.topk_prob = torch.softmax(lps, -1)
+        examples.append(ex)
+    return examples
+
+
+
+
+def _batch(examples: list[Example], idx: list[int], pad_id: int, topk: bool):
+    """Right-padded inputs (prompt + continuation, less the last token), the continuation's
+    positions as labels (-100 elsewhere) and, with top-K, the teacher's ids and probabilities
+    at those positions."""
+    import torch
+
+    chosen = [examples[i] for i in idx]
+    width = max(len(ex.tokens) - 1 for ex in chosen)
+    ids = torch.full((len(chosen), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(chosen), width), dtype=torch.long)
+    labels = torch.full((len(chosen), width), -100, dtype=torch.long)
+    k = max((ex.topk_ids.shape[1] for ex in chosen if ex.topk_ids is not None), default=0)
+    teacher = None
+    if topk and k:
+        teacher = (torch.zeros((len(chosen), width, k), dtype=torch.long),
+                   torch.zeros((len(chosen), width, k)))
+    for b, ex in enumerate(chosen):
+        n = len(ex.tokens) - 1
+        ids[b, :n] = ex.tokens[:-1]
+        mask[b, :n] = 1
+        start = ex.prompt_len - 1  # the position whose next token is the first output token
+        labels[b, start:n] = ex.tokens[ex.prompt_len:]
+        if teacher is not None and ex.topk_ids is not None:
+            m, kk = ex.topk_ids.shape
+            teacher[0][b, start:start + m, :kk] = ex.topk_ids
+            teacher[1][b, start:start + m, :kk] = ex.topk_prob
+    return ids, mask, labels, teacher
+
+
+
+
+def train_draft(draft, examples: list[dict], steps: int, lr: float, batch_size: int, seed: int,
+                pad_id: int, kl_weight: float = 1.0, progress: Callable[[str], None] | None = None,
+                interval_s: float = 10.0) -> TrainResult:
+    """Train ``draft`` in place on the target's continuations: cross-entropy on the target's
+    tokens plus ``kl_weight`` x KL(target top-K || draft) where the top-K was kept. bf16 on
+    CUDA when present, fp32 on the CPU (at most :data:`MAX_TORCH_THREADS` threads)."""
+    import torch
+    import torch.nn.functional as F
+
+    say = progress or (lambda msg: None)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(1, min(MAX_TORCH_THREADS, threads)))
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if device == "cuda"
+                else torch.autocast("cpu", enabled=False))
+    started = last = time.monotonic()
+    loss_value = agree = None
+    try:
+        torch.manual_seed(seed)
+        gen = torch.Generator().manual_seed(seed)
+        draft.to(device)
+        draft.train()
+        opt = torch.optim.AdamW(draft.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.95))
+        examples = prepare_examples(examples)
+        topk = any(ex.topk_ids is not None for ex in examples)
+        warmup = max(1, min(50, steps // 10))
+        for step in range(steps):
+            idx = torch.randint(0, len(examples), (batch_size,), generator=gen).tolist()
+            ids, mask, labels, teacher = _batch(examples, idx, pad_id, topk)
+            ids, mask, labels = ids.to(device), mask.to(device), labels.to(device)
+            on = labels != -100
+            with autocast:
+                # Right padding under causal attention: no real token attends to a pad, so no
+                # mask is needed (building one cost a third of each step here). The head runs
+                # on the continuation's positions only: prompts are most of the tokens.
+                if hasattr(draft, "model") and hasattr(draft, "lm_head"):
+                    hidden = draft.model(input_ids=ids).last_hidden_state
+                    logits = draft.lm_head(hidden[on]).float()
+                else:
+                    logits = draft(input_ids=ids, attention_mask=mask).logits[on].float()
+            logp = F.log_softmax(logits, dim=-1)
+            target_tokens = labels[on]
+            loss = F.nll_loss(logp, target_tokens)
+            if teacher is not None and kl_weight:
+                t_ids, t_prob = teacher[0].to(device)[on], teacher[1].to(device)[on]
+                student = logp.gather(-1, t_ids)
+                kl = (t_prob * (torch.log(t_prob.clamp(min=1e-12)) - student)).sum(-1).mean()
+                loss = loss + kl_weight * kl
+            for group in opt.param_groups:
+                group["lr"] = lr_at(step, steps, lr, warmup)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
+            opt.step()
+            loss_value = loss.item()
+            agree = (logp.argmax(-1) == target_tokens).float().mean().item()
+            now = time.monotonic()
+            if now - last >= interval_s or step in (0, steps - 1):
+                last = now
+                say(f"train step {step + 1}/{steps}: loss {loss_value:.3f}, top-1 agreement "
+                    f"{agree:.3f} ({now - started:.0f}s)")
+        draft.eval()
+        draft.to("cpu")
+    finally:
+        torch.set_num_threads(threads)
+    return TrainResult(steps=steps, loss=loss_value, top1_agreement=agree,
+                       wall_s=time.monotonic() - started, device=device)
+
+
+
+
+def save_draft(draft, tokenizer_dir: str, out: Path) -> None:
+    """Write weights (safetensors), config and the tokenizer into ``out``: a directory vLLM
+    loads as a draft."""
+    from transformers import AutoTokenizer
+
+    out.mkdir(parents=True, exist_ok=True)
+    draft.generation_config.do_sample = False
+    draft.save_pretrained(out, safe_serialization=True)
+    AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(out)
+
+
+
+
+def load_draft(path: str):
+    """An existing draft, in fp32, to train further."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32)

@@ -1,0 +1,245 @@
+"""Runtime fixes for vLLM's CPU build, loaded by vLLM itself as a ``vllm.general_plugins`` entry
+point (see ``pyproject.toml`` and docs/vllm-cpu-rejection-sampler.md).
+
+vLLM's CPU platform starts its engine and worker processes with spawn, so a monkeypatch in the
+batchspec process never reaches them. vLLM loads general plugins in every process it starts, and
+in the worker it does so before it registers the CPU replacements of its Triton kernels, which
+is the moment these fixes need:
+
+1. **Rejection sampler** (``expand``): ``vllm/utils/cpu_triton_utils.py``'s
+   ``_expand_kernel_impl`` hands the C++ op an int64 copy of its float output and never copies
+   it back (and truncates the float input to int64). The rejection sampler expands per-request
+   temperature, top_k and top_p to per-token tensors through it, so with speculative decoding
+   every batch that holds a sampled request divides its logits by uninitialised memory: sampled
+   requests get a wrong distribution and greedy requests batched with them get wrong tokens.
+   The fix replaces it with the same expansion written with ``repeat_interleave``.
+2. **Seeded requests and chunked prefill** (``seed``): for a request whose prompt is split over
+   steps, vLLM samples a token it then discards and rewinds the request's generator with
+   ``generator.set_offset(...)``, which a CPU generator refuses ("CPU Generator does not use
+   offset"): the engine dies. The fix saves the generator state of those requests before
+   sampling and restores it afterwards (what the rewind means: a discarded sample consumes no
+   randomness), and hides those generators from vLLM's CUDA-only rewind.
+
+Both act only on vLLM's CPU build and on the vLLM versions they were checked against
+(:data:`CHECKED_VLLM_VERSIONS`); anywhere else the plugin does nothing and says so at debug level.
+Drop this module and its entry point once the vLLM version batchspec pins has the upstream fix
+(vLLM issue #55005, PR #55006).
+
+The batchspec process asks :func:`active` whether engines it starts get the fixes."""
+
+from __future__ import annotations
+
+import logging
+import os
+from importlib import metadata
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+
+#: The entry point's name in the ``vllm.general_plugins`` group (what ``VLLM_PLUGINS`` lists).
+PLUGIN_NAME = "batchspec"
+
+
+#: The entry point's target.
+PLUGIN_TARGET = f"{__name__}:register"
+
+
+#: vLLM versions whose CPU build has both bugs and on which both fixes were checked.
+CHECKED_VLLM_VERSIONS = frozenset({"0.32.0"})
+
+
+#: Set to 1 (true, yes) to turn the plugin off, e.g. to reproduce the bugs it works around.
+DISABLE_ENV = "BATCHSPEC_DISABLE_VLLM_PLUGIN"
+
+
+#: The kernel the rejection-sampler fix replaces (vLLM's dispatcher name for it).
+EXPAND_KERNEL = "vllm.v1.sample.rejection_sampler.expand_kernel"
+
+
+
+_applied: set[str] = set()
+
+
+
+
+def _disabled_by_env() -> bool:
+    return os.environ.get(DISABLE_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+
+
+def _gate() -> str | None:
+    """Why the fixes must not be applied in this process (None: apply them)."""
+    if _disabled_by_env():
+        return f"turned off by {DISABLE_ENV}"
+    try:
+        import vllm
+    except ImportError:
+        return "vLLM is not installed"
+    if vllm.__version__ not in CHECKED_VLLM_VERSIONS:
+        return (f"vLLM {vllm.__version__} is not a version the fixes were checked against "
+                f"({', '.join(sorted(CHECKED_VLLM_VERSIONS))})")
+    # Imported here, not at module level: vLLM calls register() while it is still setting up,
+    # and the batchspec process should not resolve vLLM's platform just by importing batchspec.
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return f"not vLLM's CPU build (platform: {type(current_platform).__name__})"
+    return None
+
+
+
+
+def inactive_reason() -> str | None:
+    """Why engines started from this process would not get the fixes, or None if they would.
+
+    Besides the gate :func:`register` applies in vLLM's processes, checks that vLLM can find
+    the plugin at all: the entry point is installed and ``VLLM_PLUGINS`` does not leave it out."""
+    reason = _gate()
+    if reason is not None:
+        return reason
+    allowed = os.environ.get("VLLM_PLUGINS")
+    if allowed is not None and PLUGIN_NAME not in allowed.split(","):
+        return f"VLLM_PLUGINS={allowed!r} does not list {PLUGIN_NAME!r}"
+    registered = [ep for ep in metadata.entry_points(group="vllm.general_plugins")
+                  if ep.name == PLUGIN_NAME and ep.value == PLUGIN_TARGET]
+    if not registered:
+        return ("batchspec's vllm.general_plugins entry point is not installed "
+                "(reinstall batchspec: pip install -e .)")
+    return None
+
+
+
+
+def active() -> bool:
+    """True if vLLM engines started from this process run with the CPU fixes."""
+    return inactive_reason() is None
+
+
+
+
+def register() -> None:
+    """The entry point vLLM calls in each of its processes; may be called more than once."""
+    reason = _gate()
+    if reason is not None:
+        log.debug("batchspec vLLM plugin does nothing: %s", reason)
+        return
+    if "expand" not in _applied:
+        _fix_expand_kernel()
+        _applied.add("expand")
+    if "seed" not in _applied:
+        _hook_worker_init()
+        _applied.add("seed")
+
+
+
+
+# ------------------------------------------------------------------ 1. rejection sampler
+
+
+def expand_kernel_impl(output: Any, input_val: Any, cu_num_tokens: Any, replace_from: Any,
+                       replace_to: Any, MAX_NUM_TOKENS: int | None = None) -> None:  # noqa: N803
+    """What vLLM's Triton ``expand_kernel`` does, in torch: request ``i``'s value (``replace_to``
+    where it equals ``replace_from``) written to its tokens ``cu[i-1]:cu[i]`` of ``output``, in
+    ``output``'s own dtype. Same parameters as ``cpu_triton_utils._expand_kernel_impl``, which
+    vLLM's kernel dispatcher passes positionally."""
+    import torch
+
+    ends = cu_num_tokens.to(torch.int64)
+    counts = torch.diff(ends, prepend=ends.new_zeros(1))
+    values = torch.where(input_val == replace_from,
+                         torch.as_tensor(replace_to, dtype=input_val.dtype), input_val)
+    expanded = torch.repeat_interleave(values, counts)
+    output[: expanded.numel()].copy_(expanded.to(output.dtype))
+
+
+
+
+def _fix_expand_kernel() -> None:
+    # The worker registers cpu_triton_utils' functions as kernel overrides right after loading
+    # plugins, reading them from the module: replacing the module attribute is enough there.
+    from vllm.utils import cpu_triton_utils
+
+    cpu_triton_utils._expand_kernel_impl = expand_kernel_impl
+    # Where the overrides are already registered (plugins loaded late), rebind the kernel too.
+    from vllm.triton_utils import dispatcher
+
+    if EXPAND_KERNEL in dispatcher._registry:
+        dispatcher.register_kernels({EXPAND_KERNEL: expand_kernel_impl})
+    log.debug("batchspec vLLM plugin: CPU rejection sampler's expand kernel replaced")
+
+
+
+
+# ------------------------------------------------------------------ 2. seeded chunked prefill
+
+
+def _hook_worker_init() -> None:
+    # The model runner is worker-only code that takes seconds to import: patch it when the worker
+    # registers its kernel overrides (right after loading plugins, before it builds the runner)
+    # rather than in every process that loads plugins.
+    from vllm.platforms import current_platform
+
+    platform = type(current_platform)
+    register_overrides = platform.register_triton_kernel_overrides.__func__
+
+    def register_triton_kernel_overrides(cls) -> None:
+        register_overrides(cls)
+        _patch_cpu_model_runner()
+
+    platform.register_triton_kernel_overrides = classmethod(register_triton_kernel_overrides)
+
+
+
+
+def _discarded_generators(runner) -> dict[int, Any]:
+    """{request index: generator} of seeded requests whose sampled token vLLM will discard
+    (a prompt chunk that is not the last one)."""
+    import numpy as np
+
+    generators = runner.input_batch.generators
+    if not generators:
+        return {}
+    num_reqs = runner.input_batch.num_reqs
+    discarded = np.nonzero(runner.discard_request_mask.np[:num_reqs])[0]
+    return {int(i): generators[int(i)] for i in discarded if int(i) in generators}
+
+
+
+
+def _patch_cpu_model_runner() -> None:
+    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+
+    if getattr(CPUModelRunner, "_batchspec_seed_fix", False):
+        return
+    sample = CPUModelRunner._sample
+    bookkeeping_sync = CPUModelRunner._bookkeeping_sync
+
+    def _sample(self, *args, **kwargs):
+        # A discarded sample must not advance its request's generator, or a seeded request's
+        # output would depend on how the scheduler happened to chunk its prompt.
+        saved = {i: gen.get_state() for i, gen in _discarded_generators(self).items()}
+        try:
+            return sample(self, *args, **kwargs)
+        finally:
+            for i, state in saved.items():
+                self.input_batch.generators[i].set_state(state)
+
+    def _bookkeeping_sync(self, *args, **kwargs):
+        # vLLM rewinds these generators with set_offset (CUDA only); _sample already restored
+        # them, so take them out of its sight for this call.
+        hidden = _discarded_generators(self)
+        generators = self.input_batch.generators
+        for i in hidden:
+            del generators[i]
+        try:
+            return bookkeeping_sync(self, *args, **kwargs)
+        finally:
+            generators.update(hidden)
+
+    CPUModelRunner._sample = _sample
+    CPUModelRunner._bookkeeping_sync = _bookkeeping_sync
+    CPUModelRunner._batchspec_seed_fix = True
+    log.debug("batchspec vLLM plugin: CPU model runner keeps seeded generators on chunked prefill")

@@ -1,0 +1,285 @@
+"""The only module that imports vLLM: build the engine, keep it fed, turn its outputs into
+result rows.
+
+Requests go in through ``llm_engine.add_request`` and come out of ``llm_engine.step()`` with a
+bounded number in flight, refilled as requests finish, so that there is no stall at batch or
+shard boundaries: one slow request never holds back the next batch."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from batchspec.columns import error_result
+from batchspec.engine.checks import (
+    CPU_SAMPLING_REFUSAL,
+    _bad_value_errors,
+    _seeded_chunks_crash,
+    check_vllm_keys,
+    refuses_random_sampling,
+)
+from batchspec.engine.rows import result_row
+from batchspec.errors import RuntimeFailure, SpecError
+from batchspec.io.reader import Row, length_error, prompt_token_ids
+from batchspec.spec.model import JobSpec
+
+log = logging.getLogger(__name__)
+
+
+
+#: Engine arguments batchspec sets unless the job spec says otherwise.
+ENGINE_DEFAULTS: dict[str, Any] = {"seed": 0}
+
+
+#: Engine arguments batchspec needs and always sets: per-request timing and acceptance.
+_STATS_ON = {"disable_log_stats": False}
+
+
+
+
+class Engine:
+    """One vLLM engine, reused for every shard of the process."""
+
+    def __init__(self, spec: JobSpec):
+        check_vllm_keys(spec)
+        self.refuse_random_sampling = refuses_random_sampling(spec)
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+        from vllm import LLM, SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        self._SamplingParams = SamplingParams
+        self._final_only = RequestOutputKind.FINAL_ONLY
+        self.spec_enabled = spec.speculative is not None
+        kwargs = {**ENGINE_DEFAULTS, **spec.model.engine, **_STATS_ON}
+        if self.spec_enabled:
+            kwargs["speculative_config"] = dict(spec.speculative)
+            kwargs.setdefault("per_request_spec_decode_metrics", "summary")
+        if _seeded_chunks_crash(spec):
+            # a seeded request whose prompt is split across steps kills this engine (see
+            # batchspec.engine.cpu_plugin); without the plugin's fix, prompts are prefilled whole
+            kwargs.setdefault("enable_chunked_prefill", False)
+        try:
+            self.llm = LLM(model=spec.model.target, **kwargs)
+        except _bad_value_errors() as exc:
+            # vLLM validates its configs here: a bad engine or speculative value is a spec error.
+            raise SpecError("model", f"vLLM refused the engine configuration: {exc}") from exc
+        except Exception as exc:
+            raise RuntimeFailure(f"could not start the vLLM engine: {exc}") from exc
+        self.engine = self.llm.llm_engine
+        self.tokenizer = self.llm.get_tokenizer()
+        self.max_model_len = self.engine.model_config.max_model_len
+        self.base_sampling = dict(spec.sampling)
+        self._ids = itertools.count()
+        self._closed = threading.Event()
+        self._start_watchdog()
+        self._bad_value = _bad_value_errors()
+
+    # ------------------------------------------------------------------ requests
+
+    def sampling_params(self, overrides: dict[str, Any]):
+        """The job's SamplingParams with a row's overrides; ValueError/TypeError if invalid."""
+        params = {**self.base_sampling, **overrides, "output_kind": self._final_only}
+        return self._SamplingParams(**params)
+
+    def _prepare(self, row: Row):
+        """(token ids, SamplingParams) for a row, or an error result row."""
+        try:
+            params = self.sampling_params(row.overrides)
+        except self._bad_value as exc:
+            given = ", ".join(f"{k}={v!r}" for k, v in row.overrides.items())
+            return None, error_result(f"invalid per-row sampling override ({given}): {exc}")
+        try:
+            ids = prompt_token_ids(self.tokenizer, row)
+        except Exception as exc:  # a template or tokenizer failure belongs to this row only
+            return None, error_result(f"cannot render prompt: {exc}")
+        if self.refuse_random_sampling and params.temperature > 0:
+            return None, error_result(f"unsupported sampling: {CPU_SAMPLING_REFUSAL}")
+        too_long = length_error(len(ids), self.max_model_len)
+        if too_long is not None:
+            return None, error_result(too_long, num_prompt_tokens=len(ids))
+        return (ids, params), None
+
+    def stream(self, rows: Iterator[Row], max_in_flight: int, stop: Callable[[], bool] | None = None,
+               grace_s: float = 0.0, keep: Callable[[Row], bool] | None = None
+               ) -> Iterator[tuple[Row, dict]]:
+        """Feed rows to the engine, at most ``max_in_flight`` at a time, and yield each row with
+        its result as it finishes (errors included). Order is completion order.
+
+        ``stop`` is polled between engine steps. Once it is true no new row is taken; requests
+        that ``keep`` rejects (their shard can no longer be committed) are aborted at once, the
+        rest may finish for ``grace_s`` seconds, then whatever is left is aborted."""
+        from vllm.inputs import TokensPrompt
+
+        in_flight: dict[str, Row] = {}
+        added_at: dict[str, float] = {}  # batchspec's own clock: e2e is measured, not summed
+        exhausted = False
+        deadline: float | None = None
+        try:
+            while True:
+                if deadline is None and stop is not None and stop():
+                    deadline = time.monotonic() + max(0.0, grace_s)
+                    exhausted = True
+                    dropped = [rid for rid, row in in_flight.items() if keep is None or not keep(row)]
+                    for rid in dropped:
+                        in_flight.pop(rid)
+                        added_at.pop(rid, None)
+                    if dropped:
+                        self._abort_quietly(dropped)
+                if deadline is not None and (not in_flight or time.monotonic() >= deadline):
+                    return
+                while not exhausted and len(in_flight) < max_in_flight:
+                    row = next(rows, None)
+                    if row is None:
+                        exhausted = True
+                        break
+                    if row.error is not None:
+                        yield row, error_result(row.error)
+                        continue
+                    request, refused = self._prepare(row)
+                    if refused is not None:
+                        yield row, refused
+                        continue
+                    request_id = str(next(self._ids))
+                    started = time.monotonic()  # before add_request, where vLLM's arrival is
+                    try:
+                        self.engine.add_request(request_id,
+                                                TokensPrompt(prompt_token_ids=request[0]),
+                                                request[1])
+                    except self._bad_value as exc:  # refused: empty, too long, ...
+                        yield row, error_result(str(exc), num_prompt_tokens=len(request[0]))
+                        continue
+                    in_flight[request_id] = row
+                    added_at[request_id] = started
+                if not in_flight:
+                    if exhausted:
+                        return
+                    continue
+                try:
+                    outputs = self.engine.step()
+                except Exception as exc:
+                    raise RuntimeFailure(f"the vLLM engine failed: {type(exc).__name__}: {exc}") \
+                        from exc
+                for output in outputs:
+                    if output.finished:
+                        row = in_flight.pop(output.request_id, None)
+                        if row is not None:
+                            e2e = time.monotonic() - added_at.pop(output.request_id)
+                            yield row, self.result(output, e2e)
+        finally:
+            if in_flight:
+                self.abort(list(in_flight))
+
+    def _abort_quietly(self, request_ids: list[str]) -> None:
+        """Abort some requests and leave the rest running."""
+        try:
+            self.engine.abort_request(request_ids)
+        except Exception:
+            log.debug("abort", exc_info=True)
+
+    def abort(self, request_ids: list[str]) -> None:
+        """Abort requests still in the engine (on shutdown or a failed shard)."""
+        try:
+            self.engine.abort_request(request_ids)
+            while self.engine.has_unfinished_requests():
+                self.engine.step()
+        except Exception:  # the engine may already be dead; nothing more to clean up
+            log.debug("abort after engine failure", exc_info=True)
+
+    # ------------------------------------------------------------------ results
+
+    def result(self, output, e2e_s: float | None = None) -> dict:
+        """A finished RequestOutput as a result row (see :func:`result_row`); what :meth:`stream`
+        yields, so a subclass can add what it needs from the output (distill keeps token ids)."""
+        return result_row(output, e2e_s)
+
+    def spec_counters(self) -> dict[str, Any]:
+        """Engine-lifetime speculative-decoding totals from vLLM's own metrics."""
+        out: dict[str, Any] = {}
+        try:
+            metrics = self.llm.get_metrics()
+        except Exception:
+            return out
+        for metric in metrics:
+            name = metric.name.removeprefix("vllm:")
+            if not name.startswith("spec_decode"):
+                continue
+            if hasattr(metric, "values"):
+                out[name] = list(metric.values)
+            elif hasattr(metric, "value"):
+                out[name] = metric.value
+        return out
+
+    def _start_watchdog(self) -> None:
+        """Turn a dead engine process into an error instead of a hang.
+
+        vLLM's synchronous client notices a dead EngineCore process but then blocks for ever in
+        ``step()`` (nothing is put on its output queue). This thread watches the engine's
+        processes and, when one dies, puts EngineDeadError on that queue so ``step()`` raises.
+        """
+        import psutil
+
+        core = self.engine.engine_core
+        outputs = getattr(core, "outputs_queue", None)
+        if outputs is None:
+            return  # in-process engine: a crash raises directly
+        watched = [p for p in psutil.Process().children(recursive=True)
+                   if "EngineCore" in p.name() or "Worker" in p.name()]
+
+        def alive(p) -> bool:
+            try:
+                return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+            except psutil.Error:
+                return False
+
+        def watch() -> None:
+            while not self._closed.wait(0.5):
+                resources = getattr(core, "resources", None)
+                if getattr(resources, "engine_dead", False) or not all(map(alive, watched)):
+                    if self._closed.is_set():
+                        return
+                    from vllm.v1.engine.exceptions import EngineDeadError
+
+                    outputs.put_nowait(EngineDeadError("an engine process died"))
+                    return
+
+        threading.Thread(target=watch, name="batchspec-engine-watchdog", daemon=True).start()
+
+    def shutdown(self) -> None:
+        """Stop the engine's worker processes."""
+        self._closed.set()
+        engine_core = getattr(self.engine, "engine_core", None)
+        if engine_core is not None:
+            try:
+                engine_core.shutdown()
+            except Exception:
+                log.debug("engine shutdown", exc_info=True)
+
+
+
+
+def child_pids() -> set[int]:
+    """This process's descendants now (to tell, later, which processes an engine started)."""
+    import psutil
+
+    return {p.pid for p in psutil.Process().children(recursive=True)}
+
+
+
+
+def kill_new_children(before: set[int]) -> None:
+    """Kill processes started since ``before``: what an engine left behind after its shutdown
+    or a failed or interrupted start-up, so that the next engine has the machine to itself."""
+    import psutil
+
+    procs = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
+    for p in procs:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(procs, timeout=10)

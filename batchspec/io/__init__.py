@@ -1,0 +1,1 @@
+"""Shards on fsspec: listing and naming, reading, writing, the output directory and commits, retries."""

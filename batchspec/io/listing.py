@@ -1,0 +1,197 @@
+"""Input shards over fsspec: find them, name their outputs, assign them to workers, and know
+which are committed.
+
+Bookkeeping lives under ``<output.path>/_batchspec/``:
+
+- ``manifest/<shard>.json``: one small object per committed shard (its row count, the input's
+  fingerprint, the run that committed it). One object per shard, never a shared file, so that
+  workers never read-modify-write the same object.
+- ``runs/<run_id>.json``: the summary of each run.
+- ``locks/<shard>.json``: the lease of the process working on a shard (run id, host, pid,
+  heartbeat), so that a second process started on the same job by mistake leaves it alone
+  (see :mod:`batchspec.leases.stores`).
+- ``tmp/``: files being written (local output only; for object stores they are spooled on
+  local disk and committed with a single put)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import posixpath
+import re
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+from fsspec.core import split_protocol
+
+from batchspec.errors import InputDataError, SpecError
+from batchspec.io.paths import (
+    _FAMILIES,
+    _OBJECT_FAMILIES,
+    BOOKKEEPING_DIR,
+    OUTPUT_SUFFIX,
+    _family,
+    _full_url,
+    _glob_base,
+    _has_glob,
+    _inside,
+    _open_url,
+    _path_forms,
+    _unwrap,
+)
+from batchspec.io.retry import retry
+from batchspec.redact import sanitize_url
+
+
+@dataclass(frozen=True)
+class Shard:
+    """One input Parquet file and the output name it maps to."""
+
+    #: Full fsspec URL of the input file.
+    url: str
+    #: Path on ``fs`` (protocol stripped).
+    path: str
+    #: Unique output stem: the output file is ``<name>.parquet``.
+    name: str
+    fs: Any
+    #: Size, modification time or ETag: changes when the input file changes.
+    fingerprint: dict
+
+    @property
+    def output_file(self) -> str:
+        return self.name + OUTPUT_SUFFIX
+
+
+
+
+def fingerprint(info: dict) -> dict:
+    """What identifies a version of an input file: size plus ETag or modification time."""
+    out: dict[str, Any] = {"size": int(info.get("size") or 0)}
+    for key in ("ETag", "etag", "md5Hash", "content_md5", "mtime", "LastModified", "last_modified",
+                "created"):
+        value = info.get(key)
+        if value is not None:
+            out[key.lower()] = str(value) if not isinstance(value, int | float) else value
+            break
+    return out
+
+
+
+
+def _exclusion(fs, exclude: str) -> frozenset | None:
+    """The spellings of ``exclude`` on ``fs``: a path on ``fs`` (as :func:`plan` passes it) or a
+    URL (as ``output.path`` is written); None when it names another kind of store."""
+    fs, _ = _unwrap(fs, "")
+    last = exclude.rsplit("::", 1)[-1]
+    protocol, _ = split_protocol(last)
+    if protocol:
+        if _FAMILIES.get(protocol, protocol) != _family(fs):
+            return None
+        path = fs._strip_protocol(last)
+    elif _family(fs) in _OBJECT_FAMILIES and os.path.isabs(exclude):
+        return None  # a local output path: bucket keys never start with /
+    else:
+        path = exclude
+    return _path_forms(fs, path)
+
+
+
+
+def discover_shards(paths: tuple[str, ...] | list[str], storage_options: dict,
+                    exclude: str | None = None, allow_empty: bool = False) -> list[Shard]:
+    """List the input shards matched by ``input.path``, sorted by name.
+
+    A shard's output name is its path relative to the pattern's base (the directory before the
+    first wildcard, or the directory given), without ``.parquet``: it depends on that file's own
+    path only, never on its siblings. Files under ``exclude`` (the output path) are never listed."""
+    found: list[tuple[Any, str, str]] = []  # (fs, path, path relative to its base)
+    for url in paths:
+        fs, path = _open_url(url, storage_options, "input.path")
+        shown = sanitize_url(url)
+        skip = _exclusion(fs, exclude) if exclude else None
+        try:
+            if _has_glob(path):
+                base = _glob_base(path)
+                listed = retry(partial(fs.glob, path, detail=True), f"listing {shown}")
+                matches = sorted(p for p, info in listed.items() if info.get("type") != "directory")
+            elif retry(partial(fs.isdir, path), f"listing {shown}"):
+                base = path.rstrip("/")
+                matches = sorted(p for p in retry(partial(fs.find, path), f"listing {shown}")
+                                 if p.endswith(OUTPUT_SUFFIX) and f"/{BOOKKEEPING_DIR}/" not in p)
+            elif retry(partial(fs.exists, path), f"checking {shown}"):
+                base, matches = posixpath.dirname(path), [path]
+            elif allow_empty:
+                continue
+            else:
+                raise InputDataError(shown, "no such input file or directory")
+        except (re.error, ValueError) as exc:  # fsspec: "Invalid pattern: '**' can only be ..."
+            raise SpecError("input.path", f"bad glob pattern {shown!r}: {exc}") from exc
+        if skip:
+            matches = [p for p in matches
+                       if not any(_inside(f, s) for f in _path_forms(*_unwrap(fs, p)) for s in skip)]
+        if not matches and not allow_empty:
+            raise InputDataError(shown, "no input shards matched this path")
+        for p in matches:
+            rel = p[len(base):].lstrip("/") if base and p.startswith(base) else posixpath.basename(p)
+            found.append((fs, p, rel))
+
+    shards: dict[str, Shard] = {}
+    for fs, p, rel in found:
+        url = _full_url(fs, p)
+        if _is_http(fs):  # a presigned URL's query (its signature) never names anything
+            rel = rel.split("#", 1)[0].split("?", 1)[0]
+        name = shard_name(rel)
+        if name in shards:
+            if shards[name].url == url:
+                continue  # the same file matched by two patterns is one shard
+            raise SpecError("input.path",
+                            f"two input files map to one output name {name!r}: "
+                            f"{sanitize_url(shards[name].url)} and {sanitize_url(url)}; list them "
+                            "under one pattern whose base keeps their directories apart (e.g. "
+                            "data/*/*.parquet rather than data/a/*.parquet and data/b/*.parquet)")
+        info = retry(partial(fs.info, p), f"reading the size of {sanitize_url(url)}")
+        shards[name] = Shard(url=url, path=p, name=name, fs=fs, fingerprint=fingerprint(info))
+    return sorted(shards.values(), key=lambda s: s.name)
+
+
+
+
+def _is_http(fs) -> bool:
+    protocols = fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
+    return any(p in ("http", "https") for p in protocols)
+
+
+
+
+def shard_name(rel: str) -> str:
+    """A shard's output name: its path relative to the input base, without ``.parquet``.
+    Subdirectories are kept (``day=1/part-0``), so no two input files can share a name."""
+    if rel.endswith(OUTPUT_SUFFIX):
+        rel = rel[: -len(OUTPUT_SUFFIX)]
+    return rel
+
+
+
+
+def worker_of(shard_name: str, num_workers: int) -> int:
+    """The worker a shard belongs to: stable, whatever the listing order or the other shards."""
+    digest = hashlib.sha256(shard_name.encode()).digest()
+    return int.from_bytes(digest[:8], "big") % num_workers
+
+
+
+
+def check_worker(worker_index: int, num_workers: int) -> None:
+    """Exit 2 unless ``0 <= worker_index < num_workers``."""
+    if num_workers < 1 or not 0 <= worker_index < num_workers:
+        raise SpecError("--worker-index",
+                        f"expected 0 <= I < N, got I={worker_index} N={num_workers}")
+
+
+
+
+def assign(shards: list[Shard], worker_index: int, num_workers: int) -> list[Shard]:
+    """The shards that belong to worker ``worker_index`` of ``num_workers``."""
+    check_worker(worker_index, num_workers)
+    return [s for s in shards if worker_of(s.name, num_workers) == worker_index]

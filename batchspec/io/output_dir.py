@@ -1,0 +1,255 @@
+"""The output directory: committed shards and their manifests, atomic commit, temporary files
+(beside the output, or a local spool), the run summaries."""
+
+from __future__ import annotations
+
+import json
+import os
+import posixpath
+import re
+import shutil
+import stat
+import tempfile
+
+from fsspec.core import url_to_fs
+
+from batchspec.io.host import pid_alive, this_host
+from batchspec.io.listing import Shard
+from batchspec.io.paths import BOOKKEEPING_DIR, OUTPUT_SUFFIX, _full_url, _version, is_local_fs
+from batchspec.io.retry import retry
+
+_TMP_NAME = re.compile(r"^(?P<shard>.+)~(?P<host>[^~]+)~(?P<pid>\d+)~[0-9a-f]+\.parquet\.tmp$")
+
+
+
+
+_SPOOL_PREFIX = "batchspec-spool-"
+
+
+_spool: str | None = None
+
+
+
+
+def spool_dir() -> str:
+    """This process's private directory (0700, from ``mkdtemp``) for files on their way to an
+    object store. Spools of dead processes are removed the next time a process makes one."""
+    global _spool
+    if _spool is None or not os.path.isdir(_spool):
+        _remove_dead_spools()
+        _spool = tempfile.mkdtemp(prefix=f"{_SPOOL_PREFIX}{os.getpid()}-")
+    return _spool
+
+
+
+
+def _remove_dead_spools() -> None:
+    root = tempfile.gettempdir()
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return
+    for name in names:
+        if not name.startswith(_SPOOL_PREFIX):
+            continue
+        pid = name[len(_SPOOL_PREFIX):].split("-", 1)[0]
+        path = os.path.join(root, name)
+        try:
+            st = os.lstat(path)
+        except OSError:
+            continue
+        # only our own real directories, left by a process that is gone
+        if stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and pid.isdigit() \
+                and not pid_alive(int(pid)):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+
+
+def tmp_file_name(shard_name: str) -> str:
+    """A temporary file name that says which process owns it (flat: shard names may hold /)."""
+    flat = shard_name.replace("%", "%25").replace("/", "%2F")
+    return f"{flat}~{this_host()}~{os.getpid()}~{os.urandom(6).hex()}.parquet.tmp"
+
+
+
+
+def fsync_dir(path: str) -> None:
+    """Make a rename or a new file in ``path`` durable (POSIX: fsync the directory)."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+
+
+def replace_durably(src: str, dst: str) -> None:
+    """Rename ``src`` over ``dst`` after its bytes are on disk, then persist the rename."""
+    with open(src, "rb+") as f:
+        os.fsync(f.fileno())
+    os.replace(src, dst)
+    fsync_dir(os.path.dirname(dst) or ".")
+
+
+
+
+def remove_orphan_tmp_files(directory: str) -> int:
+    """Delete temporary files left by dead processes of this host (a SIGKILL, an OOM kill)."""
+    removed = 0
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return 0
+    for name in names:
+        m = _TMP_NAME.match(name)
+        if m and m["host"] == this_host() and not pid_alive(int(m["pid"])):
+            try:
+                os.unlink(os.path.join(directory, name))
+                removed += 1
+            except FileNotFoundError:
+                pass
+    return removed
+
+
+
+
+class OutputDir:
+    """The output directory and its bookkeeping, on any fsspec filesystem."""
+
+    def __init__(self, url: str, storage_options: dict):
+        self.url = url.rstrip("/")
+        self.storage_options = storage_options
+        self.fs, self.path = url_to_fs(self.url, **storage_options)
+        self.path = self.path.rstrip("/")
+        self.display_url = _full_url(self.fs, self.path)
+
+    @property
+    def is_local(self) -> bool:
+        return is_local_fs(self.fs)
+
+    def join(self, *parts: str) -> str:
+        return posixpath.join(self.path, *parts)
+
+    def output_path(self, shard: Shard) -> str:
+        return self.join(shard.output_file)
+
+    def manifest_path(self, shard_name: str) -> str:
+        return self.join(BOOKKEEPING_DIR, "manifest", shard_name + ".json")
+
+    def lock_path(self, shard_name: str) -> str:
+        return self.join(BOOKKEEPING_DIR, "locks", shard_name + ".json")
+
+    def tmp_dir(self) -> str:
+        """Where shards are written before commit: beside the output on local disk (the commit
+        is then an atomic rename), a local spool directory for object stores."""
+        if self.is_local:
+            path = self.join(BOOKKEEPING_DIR, "tmp")
+            os.makedirs(path, mode=0o700, exist_ok=True)
+            return path
+        return spool_dir()
+
+    # ------------------------------------------------------------------ small JSON objects
+
+    def read_json(self, path: str) -> dict | None:
+        """A small JSON object, or None if it is missing or torn."""
+        def read():
+            try:
+                with self.fs.open(path, "rb") as f:
+                    return f.read()
+            except FileNotFoundError:
+                return None
+
+        data = retry(read, f"reading {path}")
+        if data is None:
+            return None
+        try:
+            return json.loads(data)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return None  # a torn record is no record
+
+    def read_manifest(self, shard_name: str) -> dict | None:
+        """The committed record of a shard, or None."""
+        return self.read_json(self.manifest_path(shard_name))
+
+    def write_json(self, path: str, record: dict) -> None:
+        """Write a small JSON object in one put (a rename on local disk)."""
+        data = (json.dumps(record, indent=2, sort_keys=True, default=str) + "\n").encode()
+        if self.is_local:
+            os.makedirs(posixpath.dirname(path), exist_ok=True)
+            tmp = f"{path}.{os.getpid()}.{os.urandom(4).hex()}.tmp"
+            with open(tmp, "wb") as f:
+                f.write(data)
+            replace_durably(tmp, path)
+        else:
+            retry(lambda: self.fs.pipe_file(path, data), f"writing {path}")
+
+    def remove(self, path: str) -> None:
+        def rm():
+            try:
+                self.fs.rm_file(path)
+            except FileNotFoundError:
+                pass
+
+        retry(rm, f"removing {path}")
+
+    def exists(self, path: str) -> bool:
+        return retry(lambda: self.fs.exists(path), f"checking {path}")
+
+    def output_info(self, shard: Shard) -> dict | None:
+        """The committed output file's size and version (ETag, generation), or None if absent."""
+        def info():
+            try:
+                return self.fs.info(self.output_path(shard))
+            except FileNotFoundError:
+                return None
+
+        found = retry(info, f"checking {self.output_path(shard)}")
+        if found is None:
+            return None
+        return {"size": int(found.get("size") or 0), **_version(found)}
+
+    def inspect(self, shard: Shard, spec_fingerprint: dict | None = None) -> tuple[str, list[str]]:
+        """A shard's state and, for ``stale``, the spec components that changed.
+
+        ``committed``: the manifest, the output file (its size and version as recorded) and the
+        current input agree, and the spec fingerprint matches; ``stale``: all that, but written
+        under a different spec; ``partial``: a record or a file without the other, or they
+        disagree (a crash between steps, an input changed since, a truncated upload);
+        ``pending``: nothing yet."""
+        record = self.read_manifest(shard.name)
+        found = self.output_info(shard)
+        if record is None and found is None:
+            return "pending", []
+        if record is None or found is None or record.get("input_fingerprint") != shard.fingerprint:
+            return "partial", []
+        expected = record.get("output_info")
+        if expected and any(found.get(k) != v for k, v in expected.items()):
+            return "partial", []
+        if spec_fingerprint is not None:
+            from batchspec.spec.fingerprint import describe_changes
+
+            changed = describe_changes(record.get("spec_fingerprint") or {}, spec_fingerprint)
+            if changed:
+                return "stale", changed
+        return "committed", []
+
+    def shard_state(self, shard: Shard, spec_fingerprint: dict | None = None) -> str:
+        """``committed``, ``stale``, ``partial`` or ``pending`` (see :meth:`inspect`)."""
+        return self.inspect(shard, spec_fingerprint)[0]
+
+    def list_outputs(self) -> list[str]:
+        """Shard names of the output files present (bookkeeping excluded)."""
+        def find():
+            try:
+                return self.fs.find(self.path)
+            except FileNotFoundError:
+                return []
+
+        names = []
+        for p in retry(find, f"listing {self.display_url}"):
+            rel = p[len(self.path):].lstrip("/")
+            if rel.endswith(OUTPUT_SUFFIX) and not rel.startswith(BOOKKEEPING_DIR + "/"):
+                names.append(rel[: -len(OUTPUT_SUFFIX)])
+        return sorted(names)

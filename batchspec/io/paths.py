@@ -1,0 +1,140 @@
+"""URLs and fsspec paths: store families, globs, local or not, the output's file names."""
+
+from __future__ import annotations
+
+import os
+import posixpath
+import re
+
+import fsspec
+from fsspec.core import url_to_fs
+
+from batchspec.errors import SpecError
+from batchspec.redact import sanitize_url
+
+OUTPUT_SUFFIX = ".parquet"
+
+
+_GLOB_CHARS = set("*?[")
+
+
+def _has_glob(path: str) -> bool:
+    return any(c in _GLOB_CHARS for c in path)
+
+
+def _glob_base(path: str) -> str:
+    """The directory part of a glob before its first wildcard."""
+    parts = path.split("/")
+    for i, part in enumerate(parts):
+        if _has_glob(part):
+            return "/".join(parts[:i])
+    return posixpath.dirname(path)
+
+
+def _full_url(fs, path: str) -> str:
+    if is_local_fs(fs):
+        return path
+    protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
+    return f"{protocol}://{path}"
+
+
+def _version(info: dict) -> dict:
+    """The version tag an object store gives a file (ETag, GCS generation), if any."""
+    for key in ("ETag", "etag", "generation"):
+        if info.get(key) is not None:
+            return {key.lower(): str(info[key])}
+    return {}
+
+
+def is_local_fs(fs) -> bool:
+    """Whether an fsspec filesystem is this machine's own disk (renames are atomic there)."""
+    return isinstance(fs, fsspec.implementations.local.LocalFileSystem)
+
+
+def _open_url(url: str, storage_options: dict, key: str):
+    try:
+        return url_to_fs(url, **storage_options)
+    except ImportError as exc:
+        raise SpecError(key, f"no fsspec backend for {sanitize_url(url)!r}: {exc} "
+                             "(install batchspec[s3], [gcs] or [azure])") from exc
+    except (ValueError, TypeError) as exc:
+        raise SpecError(key, f"cannot open {sanitize_url(url)!r}: {exc}") from exc
+
+
+# ------------------------------------------------------------------ which store a location is on
+#
+# Overlap is judged on what a location names, never on how it is spelled: the kind of store, the
+# server its client talks to, and the bucket and key path, each normalised. Where two locations
+# could be one and nothing proves otherwise, they count as one: a false refusal costs a user one
+# edit, a false acceptance costs their data.
+
+#: fsspec protocol spellings of one store (s3a is s3, gcs is gs, abfs and abfss are az, ...).
+_FAMILIES = {"s3": "s3", "s3a": "s3", "s3n": "s3", "gs": "gs", "gcs": "gs", "az": "az",
+             "abfs": "az", "abfss": "az", "file": "file", "local": "file", "memory": "memory",
+             "http": "http", "https": "http"}
+
+
+#: Stores whose paths are ``bucket/key`` (a container for az) behind an endpoint. They form one
+#: realm: S3 clients reach GCS through its interoperability API, an https URL may name any object.
+_OBJECT_FAMILIES = ("s3", "gs", "az", "http")
+
+
+def _family(fs) -> str:
+    if is_local_fs(fs):
+        return "file"
+    protocols = fs.protocol if isinstance(fs.protocol, tuple | list) else (fs.protocol,)
+    for protocol in protocols:
+        if protocol in _FAMILIES:
+            return _FAMILIES[protocol]
+    return str(protocols[0])
+
+
+def _unwrap(fs, path: str):
+    """The filesystem that stores the bytes, under caches and directory wrappers."""
+    from fsspec.implementations.cached import CachingFileSystem
+    from fsspec.implementations.dirfs import DirFileSystem
+
+    for _ in range(8):
+        if isinstance(fs, DirFileSystem):
+            fs, path = fs.fs, fs._join(path)
+        elif isinstance(fs, CachingFileSystem) and getattr(fs, "fs", None) is not None:
+            fs = fs.fs
+        else:
+            break
+    return fs, path
+
+
+def _key_forms(path: str, bucket_first: bool) -> frozenset:
+    """A store path's spellings: duplicate and trailing slashes dropped, the bucket (or
+    container) lower-cased, and ``.``/``..`` resolved too (a store keeps them literally, so both
+    forms count)."""
+    collapsed = re.sub(r"/+", "/", path)
+    absolute = collapsed.startswith("/") and not bucket_first
+    collapsed = collapsed.strip("/")
+    if bucket_first:
+        bucket, sep, rest = collapsed.partition("/")
+        collapsed = bucket.lower() + sep + rest
+    resolved = posixpath.normpath(collapsed) if collapsed else ""
+    forms = {collapsed, "" if resolved == "." else resolved}
+    return frozenset(("/" + f if absolute else f) or ("/" if absolute else "") for f in forms)
+
+
+def _local_form(path: str) -> str:
+    """A local path with symlinks, ``.`` and ``..`` resolved."""
+    return os.path.realpath(path.rstrip("/") or "/")
+
+
+def _path_forms(fs, path: str) -> frozenset:
+    """The normalised spellings of a path on ``fs`` (see :class:`Location`)."""
+    if is_local_fs(fs):
+        return frozenset({_local_form(path)})
+    return _key_forms(path, _family(fs) in _OBJECT_FAMILIES)
+
+
+def _inside(path: str, root: str) -> bool:
+    if root in ("", "/"):
+        return True
+    return path == root or path.startswith(root.rstrip("/") + "/")
+
+
+BOOKKEEPING_DIR = "_batchspec"

@@ -1,0 +1,297 @@
+"""Turn input rows into engine requests, and spot bad rows before they reach the engine.
+
+A shard is read in record batches (never whole). Its schema is checked first: a missing or
+mistyped column is an :class:`~batchspec.errors.InputDataError` naming shard and column. A bad
+*row* (null or blank prompt, malformed messages) is not an error of the job: it becomes a
+:class:`Row` with ``error`` set, and is written with ``finish_reason = error``."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from batchspec.columns import OUTPUT_NAMES
+from batchspec.errors import InputDataError, SpecError
+from batchspec.io.listing import Shard
+from batchspec.io.paths import is_local_fs
+from batchspec.io.retry import Attempts, is_transient, retry
+from batchspec.spec.model import InputSpec, OutputSpec
+
+
+@dataclass
+class Row:
+    """One input row on its way to the engine."""
+
+    shard: str
+    index: int
+    request_id: str
+    kept: dict[str, Any]
+    prompt: str | None = None
+    messages: list[dict[str, str]] | None = None
+    #: Per-row SamplingParams overrides (only the non-null ones).
+    overrides: dict[str, Any] = field(default_factory=dict)
+    #: Set when the row cannot be sent to the engine; it is written as an error row.
+    error: str | None = None
+
+
+
+
+def _is_text(t: pa.DataType) -> bool:
+    return pa.types.is_string(t) or pa.types.is_large_string(t) or (
+        hasattr(pa.types, "is_string_view") and pa.types.is_string_view(t))
+
+
+
+
+def _is_messages(t: pa.DataType) -> bool:
+    if not (pa.types.is_list(t) or pa.types.is_large_list(t)):
+        return False
+    item = t.value_type
+    if not pa.types.is_struct(item):
+        return False
+    names = {item.field(i).name for i in range(item.num_fields)}
+    return {"role", "content"} <= names
+
+
+
+
+class ShardReader:
+    """Reads one shard's rows in record batches, after checking its schema."""
+
+    def __init__(self, shard: Shard, input_spec: InputSpec, output_spec: OutputSpec,
+                 batch_rows: int = 1024):
+        self.shard = shard
+        self.spec = input_spec
+        self.batch_rows = batch_rows
+        self._file = None
+        self._handle = None
+        self._local = is_local_fs(shard.fs)
+        self._open()
+        schema = self._file.schema_arrow
+        self.num_rows = self._file.metadata.num_rows
+        self.kept_fields = self._check_schema(schema, output_spec)
+
+    def _check_schema(self, schema: pa.Schema, output_spec: OutputSpec) -> list[pa.Field]:
+        spec, url = self.spec, self.shard.url
+        names = set(schema.names)
+
+        def require(column: str, role: str) -> pa.Field:
+            if column not in names:
+                raise InputDataError(url, f"missing {role} column {column!r} "
+                                          f"(columns: {', '.join(schema.names)})", column=column)
+            return schema.field(column)
+
+        text = require(spec.text_column, "prompt" if spec.prompt_column else "messages")
+        if spec.prompt_column and not _is_text(text.type):
+            raise InputDataError(url, f"prompt column {spec.prompt_column!r} has type {text.type}, "
+                                      "expected text (string)", column=spec.prompt_column)
+        if spec.messages_column and not _is_messages(text.type):
+            raise InputDataError(url, f"messages column {spec.messages_column!r} has type "
+                                      f"{text.type}, expected a list of {{role, content}} structs",
+                                 column=spec.messages_column)
+        if spec.id_column:
+            require(spec.id_column, "id")
+        for param, column in spec.sampling_columns.items():
+            require(column, f"sampling_columns.{param}")
+
+        if output_spec.keep_columns is None:
+            kept = [f for f in schema if f.name != spec.text_column and f.name not in OUTPUT_NAMES]
+        else:
+            for column in output_spec.keep_columns:
+                if column in OUTPUT_NAMES:
+                    raise SpecError("output.keep_columns",
+                                    f"{column!r} clashes with an output column of the same name")
+                require(column, "output.keep_columns")
+            kept = [schema.field(c) for c in output_spec.keep_columns]
+        return kept
+
+    def _open(self) -> None:
+        """Open the file and read its footer, retrying transient storage errors."""
+        self.close()
+        shard = self.shard
+
+        def open_file():
+            handle = shard.fs.open(shard.path, "rb")
+            try:
+                return handle, pq.ParquetFile(handle)
+            except BaseException:
+                handle.close()
+                raise
+
+        try:
+            if self._local:
+                self._handle, self._file = open_file()
+            else:
+                self._handle, self._file = retry(open_file, f"opening {shard.url}")
+        except FileNotFoundError as exc:
+            raise InputDataError(shard.url, "input shard disappeared") from exc
+        except (pa.ArrowException, OSError, ValueError) as exc:
+            raise InputDataError(shard.url, f"not a readable Parquet file: {exc}") from exc
+
+    @property
+    def columns(self) -> list[str]:
+        spec = self.spec
+        wanted = [spec.text_column, spec.id_column, *spec.sampling_columns.values(),
+                  *(f.name for f in self.kept_fields)]
+        return list(dict.fromkeys(c for c in wanted if c))
+
+    def rows(self) -> Iterator[Row]:
+        """Yield the shard's rows in order, one record batch in memory at a time.
+
+        A transient storage error re-opens the file and resumes the row group after the last row
+        yielded, under the storage retry policy (:class:`~batchspec.io.retry.Attempts`): when its
+        attempts are spent, :class:`~batchspec.errors.RuntimeFailure` names the shard and row
+        group. Corrupt data raises InputDataError naming the shard."""
+        spec = self.spec
+        index = 0
+        for group in range(self._file.num_row_groups):
+            done_in_group = 0
+            attempts, done_at_failure = None, -1
+            while True:
+                try:
+                    skip = done_in_group
+                    batches = self._file.iter_batches(batch_size=self.batch_rows, row_groups=[group],
+                                                      columns=self.columns)
+                    for batch in batches:
+                        if skip >= batch.num_rows:
+                            skip -= batch.num_rows
+                            continue
+                        data = batch.to_pydict()
+                        for i in range(skip, batch.num_rows):
+                            yield self._row(index, {c: data[c][i] for c in data}, spec)
+                            index += 1
+                            done_in_group += 1
+                        skip = 0
+                    break
+                except Exception as exc:
+                    # botocore and aiohttp errors are no OSError: classify every error, not some
+                    if self._local or not is_transient(exc):
+                        if isinstance(exc, pa.ArrowException | OSError | ValueError):
+                            raise InputDataError(self.shard.url, f"cannot read row group {group} "
+                                                 f"(after row {index}): {exc}") from exc
+                        raise
+                    if done_in_group != done_at_failure:  # rows since the last failure: a new try
+                        attempts = Attempts(f"reading row group {group} of {self.shard.url}")
+                        done_at_failure = done_in_group
+                    attempts.what = (f"reading row group {group} of {self.shard.url} "
+                                     f"(after row {index})")
+                    attempts.failed(exc)  # waits, or raises RuntimeFailure once they are spent
+                    self._open()
+
+    def _row(self, index: int, values: dict[str, Any], spec: InputSpec) -> Row:
+        request_id = values.get(spec.id_column) if spec.id_column else None
+        row = Row(
+            shard=self.shard.name,
+            index=index,
+            request_id=str(request_id) if request_id is not None else f"{self.shard.name}/{index}",
+            kept={f.name: values[f.name] for f in self.kept_fields},
+        )
+        if spec.id_column and request_id is None:
+            row.error = f"null id in column {spec.id_column!r}"
+        text = values[spec.text_column]
+        if spec.prompt_column:
+            row.prompt = text
+            if text is None:
+                row.error = row.error or "null prompt"
+            elif not text.strip():
+                row.error = row.error or "empty prompt"
+        else:
+            row.messages = text
+            row.error = row.error or check_messages(text)
+        for param, column in spec.sampling_columns.items():
+            value = values[column]
+            if value is not None:
+                row.overrides[param] = value
+        return row
+
+    def close(self) -> None:
+        if self._handle is not None:
+            try:
+                self._handle.close()
+            except Exception:
+                pass
+            self._handle = None
+
+
+
+
+def check_messages(messages: Any) -> str | None:
+    """Why a chat messages value cannot be rendered, or None if it can."""
+    if messages is None:
+        return "null messages"
+    if not messages:
+        return "empty messages"
+    for i, message in enumerate(messages):
+        if not message or not isinstance(message.get("role"), str) or not message["role"]:
+            return f"message {i} has no role"
+        if not isinstance(message.get("content"), str):
+            return f"message {i} has no text content"
+    if not any(m["content"].strip() for m in messages):
+        return "empty messages"
+    return None
+
+
+
+
+def prompt_token_ids(tokenizer, row: Row) -> list[int]:
+    """Tokenize a text prompt, or render chat messages with the tokenizer's chat template."""
+    if row.messages is not None:
+        ids = tokenizer.apply_chat_template(row.messages, tokenize=True, add_generation_prompt=True)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return list(ids)
+    return list(tokenizer.encode(row.prompt))
+
+
+
+
+def length_error(num_prompt_tokens: int, max_model_len: int) -> str | None:
+    """Why vLLM would refuse a prompt of this length, or None if it fits.
+
+    vLLM refuses a prompt that leaves no room for one output token (``prompt >= max_model_len``);
+    a prompt that fits but whose ``max_tokens`` would not is generated until ``length``."""
+    if num_prompt_tokens >= max_model_len:
+        return (f"prompt too long: {num_prompt_tokens} prompt tokens leave no room for output "
+                f"within max_model_len {max_model_len}")
+    return None
+
+
+
+
+def sample_rows(spec, n: int, seed: int) -> tuple[list[Row], int]:
+    """A seeded uniform sample of ``n`` sendable rows over every input shard of ``spec`` (a
+    JobSpec), in a seeded random order: reservoir sampling, one pass, ``n`` rows in memory.
+    Returns (rows, rows seen). What `tune` and `distill` measure and train on.
+
+    Rows the run would write as errors (null or empty prompt, ...) are not sampled, and nothing
+    under the output path is read, as in a run."""
+    import random
+
+    from batchspec.io.listing import discover_shards
+
+    rng = random.Random(seed)
+    shards = discover_shards(spec.input.paths, spec.input.storage_options,
+                             exclude=spec.output.path, allow_empty=spec.input.allow_empty)
+    chosen: list[Row] = []
+    seen = 0
+    for shard in shards:
+        reader = ShardReader(shard, spec.input, spec.output, spec.execution.read_batch_rows)
+        try:
+            for row in reader.rows():
+                if row.error is not None:
+                    continue
+                seen += 1
+                if len(chosen) < n:
+                    chosen.append(row)
+                else:
+                    j = rng.randrange(seen)
+                    if j < n:
+                        chosen[j] = row
+        finally:
+            reader.close()
+    rng.shuffle(chosen)
+    return chosen, seen

@@ -1,0 +1,95 @@
+"""Write a shard's rows as they complete and commit the file atomically.
+
+Rows are written in row groups to a temporary file; the output name appears only when the
+whole shard is written: a rename on a local filesystem, a single put on an object store (s3fs
+uploads a large file in parts that become visible together, on completion)."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from batchspec.columns import output_schema
+from batchspec.errors import RuntimeFailure
+from batchspec.io.listing import Shard
+from batchspec.io.output_dir import OutputDir, replace_durably, tmp_file_name
+from batchspec.io.retry import retry
+
+METADATA_KEY = b"batchspec"
+
+
+
+
+class ShardWriter:
+    """Streams one shard's result rows to a temporary Parquet file, then commits it."""
+
+    def __init__(self, out: OutputDir, shard: Shard, kept: list[pa.Field], metadata: dict[str, Any],
+                 row_group_rows: int = 1024, compression: str = "zstd"):
+        self.out = out
+        self.shard = shard
+        self.schema = output_schema(kept).with_metadata(
+            {METADATA_KEY: json.dumps(metadata, sort_keys=True, default=str).encode()})
+        self.row_group_rows = row_group_rows
+        self.rows_written = 0
+        self._buffer: list[dict] = []
+        self.tmp_path = os.path.join(out.tmp_dir(), tmp_file_name(shard.name))
+        self._writer = pq.ParquetWriter(self.tmp_path, self.schema, compression=compression)
+
+    def add(self, row: dict) -> None:
+        """Buffer one output row; a full buffer is written as a row group."""
+        self._buffer.append(row)
+        if len(self._buffer) >= self.row_group_rows:
+            self.flush()
+
+    def flush(self) -> None:
+        if self._buffer:
+            table = pa.Table.from_pylist(self._buffer, schema=self.schema)
+            self._writer.write_table(table, row_group_size=len(self._buffer))
+            self.rows_written += len(self._buffer)
+            self._buffer.clear()
+
+    def commit(self) -> tuple[str, dict]:
+        """Finish the file and make it visible under its output name in one step. Returns the
+        final path and what the store says of it (size, ETag/generation), for the manifest."""
+        self.flush()
+        self._writer.close()
+        final = self.out.output_path(self.shard)
+        if self.out.is_local:
+            os.makedirs(os.path.dirname(final), exist_ok=True)
+            replace_durably(self.tmp_path, final)
+        else:
+            retry(lambda: self.out.fs.put_file(self.tmp_path, final), f"writing {final}")
+            os.unlink(self.tmp_path)
+            self.out.fs.invalidate_cache(final)
+        info = self.out.output_info(self.shard)
+        if info is None:
+            raise RuntimeFailure(f"{final} is not there right after it was written")
+        return final, info
+
+    def discard(self) -> None:
+        """Drop the temporary file: nothing of this shard becomes visible."""
+        try:
+            self._writer.close()
+        except Exception:
+            pass
+        try:
+            os.unlink(self.tmp_path)
+        except FileNotFoundError:
+            pass
+
+
+
+
+def read_metadata(path: str, filesystem=None) -> dict[str, Any]:
+    """The batchspec metadata of an output file (spec, models, versions, run id)."""
+    if filesystem is not None:
+        with filesystem.open(path, "rb") as f:
+            schema = pq.read_schema(f)
+    else:
+        schema = pq.read_schema(path)
+    raw = (schema.metadata or {}).get(METADATA_KEY)
+    return json.loads(raw) if raw else {}

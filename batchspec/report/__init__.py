@@ -1,0 +1,1 @@
+"""batchspec report: statistics of a finished output, comparisons, text and HTML."""

@@ -1,0 +1,210 @@
+"""Reading a finished output: its committed files, their metadata and run summaries (fsspec,
+ranged reads), and ``--storage-option`` parsing."""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import polars as pl
+import pyarrow as pa
+import pyarrow.dataset as ds
+import pyarrow.parquet as pq
+import yaml
+from pyarrow.fs import FSSpecHandler, PyFileSystem
+
+from batchspec.columns import ERROR, REQUEST_ID, RESULT_NAMES
+from batchspec.errors import InputDataError, SpecError
+from batchspec.io.output_dir import OutputDir
+from batchspec.io.paths import BOOKKEEPING_DIR, OUTPUT_SUFFIX, is_local_fs
+from batchspec.io.writer import METADATA_KEY
+from batchspec.redact import sanitize_url
+
+#: Columns every output file must have (checked on its footer, before any row is read).
+REQUIRED_COLUMNS = [REQUEST_ID, *RESULT_NAMES]
+
+
+
+#: Lineage fields taken from each file's ``batchspec`` metadata, in display order.
+LINEAGE_FIELDS = ("run_id", "job", "target_model", "draft_model", "speculative_method",
+                  "num_speculative_tokens", "vllm_version", "batchspec_version")
+
+
+
+
+class _RangeReads(FSSpecHandler):
+    """fsspec files for pyarrow without read-ahead: pyarrow already coalesces the byte ranges
+    of the projected column chunks, and s3fs's default 50 MiB read-ahead would fetch the
+    unread columns (``generated_text``) along with them."""
+
+    def open_input_file(self, path: str):
+        if not self.fs.isfile(path):
+            raise FileNotFoundError(path)
+        return pa.PythonFile(self.fs.open(path, mode="rb", cache_type="none"), mode="r")
+
+
+
+
+@dataclass
+class Output:
+    """One output directory, opened: its files (one per shard), each file's schema and
+    ``batchspec`` metadata, and the run summaries under ``_batchspec/runs/``. Rows stay on
+    storage until a query reads the columns it needs (:meth:`scan`, :meth:`read`)."""
+
+    url: str
+    #: shard name -> path of its output file on ``fs``
+    files: dict[str, str]
+    fs: Any
+    metadata: dict[str, dict] = field(default_factory=dict)
+    runs: list[dict] = field(default_factory=list)
+    schemas: dict[str, pa.Schema] = field(default_factory=dict)
+    #: How files are named in messages: the directory's URL.
+    display_url: str = ""
+
+    @property
+    def shards(self) -> list[str]:
+        return list(self.files)
+
+    @property
+    def is_local(self) -> bool:
+        return is_local_fs(self.fs)
+
+    def file_url(self, shard: str) -> str:
+        """The URL of a shard's output file, for messages (no credentials, no query)."""
+        return sanitize_url(f"{(self.display_url or self.url).rstrip('/')}/{shard}{OUTPUT_SUFFIX}")
+
+    def scan_file(self, shard: str, columns: Sequence[str], text_hash: bool = False) -> pl.LazyFrame:
+        """One file's rows, lazily: ``columns`` (plus ``generated_text_hash`` if asked) and a
+        ``shard`` column. Nothing is read until the frame is collected, then only these columns."""
+        path = self.files[shard]
+        if self.is_local:
+            # glob off: a shard name may hold * or [ ]; hive off: a directory may look like k=v
+            lf = pl.scan_parquet(path, glob=False, hive_partitioning=False)
+        else:
+            arrow_fs = PyFileSystem(_RangeReads(self.fs))
+            dataset = ds.dataset(path, schema=self.schemas.get(shard), format="parquet",
+                                 filesystem=arrow_fs)
+            # polars applies filters itself: pyarrow's null semantics in comparisons differ
+            lf = pl.scan_pyarrow_dataset(dataset, allow_pyarrow_filter=False)
+        exprs: list[Any] = list(columns)
+        if text_hash:
+            exprs.append(pl.col(TEXT).hash(seed=0).alias(TEXT_HASH))
+        return lf.select(exprs).with_columns(shard=pl.lit(shard, dtype=pl.String))
+
+    def scan(self, columns: Sequence[str], text_hash: bool = False) -> pl.LazyFrame:
+        """Every file's rows in shard order, lazily, with only ``columns`` (see :meth:`scan_file`)."""
+        return pl.concat([self.scan_file(s, columns, text_hash) for s in self.shards],
+                         how="vertical")
+
+    def collect(self, queries: list[pl.LazyFrame], columns: Sequence[str],
+                text_hash: bool = False) -> list[pl.DataFrame]:
+        """Run queries over :meth:`scan` frames of these ``columns`` together (a ``cache()``d
+        scan is read once for all of them). An unreadable file raises
+        :class:`InputDataError` naming it."""
+        try:
+            return pl.collect_all(queries)
+        except (pl.exceptions.PolarsError, OSError, pa.ArrowException) as exc:
+            raise self._read_error(exc, columns, text_hash) from exc
+
+    def read(self, columns: Sequence[str], successful: bool = False) -> pl.DataFrame:
+        """``columns`` of every row (only of rows without an ``error`` if ``successful``)."""
+        lf = self.scan([*columns, ERROR] if successful else columns)
+        if successful:
+            lf = lf.filter(pl.col(ERROR).is_null())
+        return self.collect([lf.select(columns)], columns)[0]
+
+    def _read_error(self, exc: BaseException, columns: Sequence[str], text_hash: bool
+                    ) -> InputDataError:
+        """Find the file a failed query could not read: the error of a union rarely says."""
+        for shard in self.shards:
+            try:
+                self.scan_file(shard, columns, text_hash).collect()
+            except (pl.exceptions.PolarsError, OSError, pa.ArrowException) as file_exc:
+                return InputDataError(self.file_url(shard), f"unreadable Parquet: {file_exc}")
+        return InputDataError(sanitize_url(self.display_url or self.url),
+                              f"reading the output failed: {exc}")
+
+
+
+
+def load_output(url: str, storage_options: dict | None = None) -> Output:
+    """Open the output files of an output directory (``*.parquet``, in subdirectories too for
+    shards from nested inputs; never ``_batchspec/``): their footers (schema and metadata) and
+    the run summaries are read now, rows later.
+
+    Raises :class:`InputDataError` (exit 3) when there are none, or one is unreadable or not a
+    batchspec output file."""
+    out = OutputDir(url, storage_options or {})
+    try:
+        names = out.list_outputs()
+    except NotADirectoryError:
+        names = []
+    if not names:
+        raise InputDataError(sanitize_url(url), "no output files (*.parquet) here; is this the output.path "
+                                  "of a finished run?")
+    output = Output(url=url, files={}, fs=out.fs, display_url=out.display_url)
+    # local footers through pyarrow's own filesystem, others without fsspec's read-ahead
+    arrow_fs = None if output.is_local else PyFileSystem(_RangeReads(out.fs))
+    for shard in names:
+        path = out.join(shard + OUTPUT_SUFFIX)
+        output.files[shard] = path
+        name = output.file_url(shard)
+        try:
+            schema = pq.read_schema(path, filesystem=arrow_fs)
+        except (OSError, pa.ArrowException) as exc:
+            raise InputDataError(name, f"unreadable Parquet: {exc}") from exc
+        missing = [c for c in REQUIRED_COLUMNS if c not in schema.names]
+        if missing:
+            raise InputDataError(name, f"column {missing[0]!r} is missing: not a batchspec "
+                                       "output file", column=missing[0])
+        raw = (schema.metadata or {}).get(METADATA_KEY)
+        try:
+            output.metadata[shard] = json.loads(raw) if raw else {}
+        except ValueError as exc:
+            raise InputDataError(name, f"its batchspec metadata is not JSON: {exc}") from exc
+        output.schemas[shard] = schema
+    for path in sorted(out.fs.glob(out.join(BOOKKEEPING_DIR, "runs", "*.json"))):
+        try:
+            output.runs.append(json.loads(out.fs.cat_file(path)))
+        except (OSError, ValueError):
+            continue  # a torn or unreadable summary only loses the per-position counters
+    return output
+
+
+
+
+def parse_storage_options(items: Iterable[str], base: dict | None = None) -> dict[str, Any]:
+    """``base`` (deep-copied) with each ``KEY=VALUE`` of ``--storage-option`` set into it: dotted
+    keys nest (``client_kwargs.endpoint_url=http://...``), values are parsed as YAML.
+
+    Raises :class:`SpecError` (exit 2) naming the item."""
+    options = copy.deepcopy(base or {})
+    for item in items:
+        key, sep, value = item.partition("=")
+        parts = key.strip().split(".")
+        if not sep or not all(p.strip() for p in parts):
+            raise SpecError(None, f"--storage-option {item!r}: expected KEY=VALUE with a dotted "
+                                  "key, e.g. client_kwargs.endpoint_url=http://localhost:9000")
+        try:
+            parsed = yaml.safe_load(value) if value.strip() else ""
+        except yaml.YAMLError as exc:
+            raise SpecError(None, f"--storage-option {key}: value is not valid YAML: {exc}") from exc
+        node = options
+        for i, part in enumerate(parts[:-1]):
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise SpecError(None, f"--storage-option {key}: {'.'.join(parts[: i + 1])} holds "
+                                      f"{type(child).__name__} {child!r}, not a mapping")
+            node = child
+        node[parts[-1]] = parsed
+    return options
+
+
+TEXT = "generated_text"
+
+
+#: The column compare mode reads instead of ``generated_text``: a 64-bit hash of it.
+TEXT_HASH = "generated_text_hash"

@@ -1,0 +1,1 @@
+"""A run: its stages, the executors that run them (local, Ray), events and progress, validate."""

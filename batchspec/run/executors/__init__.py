@@ -1,0 +1,1 @@
+"""Where a run's shards are generated: base.py (the interface), local.py, ray.py."""

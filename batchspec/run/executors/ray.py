@@ -1,0 +1,618 @@
+"""``executor: {kind: ray}`` / ``batchspec run JOB --executor ray``: one job across a Ray cluster.
+
+Each replica is a Ray actor holding one vLLM engine. The driver (the ``batchspec run`` process)
+plans the shards and checks their inputs as a local run does, then hands shards out one at a
+time as replicas free up. A replica runs the same per-shard stages as a local run
+(:class:`batchspec.run.stages.ShardPipeline`: claim the lease, read prompts, generate, write and
+commit with the manifest), so the output is the files a local run writes, and ``status``,
+``report`` and reruns work unchanged. Replicas must reach the input and output at the same URLs:
+on more than one machine, that means object storage (or a shared filesystem).
+
+Progress and events stream back to the driver (it polls each busy replica), which keeps the one
+progress bar and writes the one run summary.
+
+A replica that dies (actor killed, node lost, its engine failed) loses only its in-flight shard:
+its uncommitted temporary file is never committed, and the shard goes back to the front of the
+queue for another replica; a replacement replica is started while work remains. A shard whose
+replica died on each of ``executor.max_shard_attempts`` tries is reported failed (exit 1).
+
+A shard a replica finds held by another process (on object stores: a replica of this run that
+died holding it, a crashed earlier run, or a live other run) follows the local runner's rule,
+:class:`batchspec.leases.shard_leases.BusyRetry`: the driver keeps what the replica saw of the holder, waits
+until its heartbeat could have been still for ``execution.lease_s``, and hands the shard out
+once more with that observation, so whichever replica gets it takes a dead holder's lease over;
+a shard still held then is busy (exit 1 naming its holder). No shard waits for ever.
+
+Environment: the driver's settings (``VLLM_*``, ``HF_HOME``, thread counts, ...) go to the
+replicas in Ray's ``runtime_env``, which Ray records in its job and actor metadata and shows on
+its dashboard; credential variables (``AWS_SECRET_ACCESS_KEY``, ``HF_TOKEN``, any name
+:func:`batchspec.redact.is_secret_key` calls a credential) never do: they are a constructor
+argument of each replica, set in its process's environment before its engine starts."""
+
+from __future__ import annotations
+
+import collections
+import datetime as dt
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from batchspec.errors import BatchspecError, InputDataError, RuntimeFailure, SpecError
+from batchspec.io.listing import Shard
+from batchspec.io.output_dir import OutputDir
+from batchspec.leases.shard_leases import BusyRetry
+from batchspec.redact import is_secret_key, sanitize_url
+from batchspec.run.executors.base import RunContext
+from batchspec.run.outcome import new_outcome
+from batchspec.run.stages import ShardPipeline
+from batchspec.spec.model import JobSpec
+from batchspec.stats import acceptance_per_position
+
+log = logging.getLogger(__name__)
+
+
+
+#: Environment the engine and storage need, passed to every replica (the driver's values):
+#: vLLM and Hugging Face settings, thread counts, cloud settings and credentials read from the
+#: environment (credentials never through Ray's runtime_env: see :func:`replica_secrets`).
+ENV_PREFIXES = ("VLLM_", "BATCHSPEC_", "HF_", "HUGGING_FACE_", "TRANSFORMERS_", "TOKENIZERS_",
+                "OMP_", "MKL_", "AWS_", "GOOGLE_", "AZURE_", "FSSPEC_")
+
+
+#: Test-only: a replica given this shard name exits (like a crash) on the shard's first result.
+DIE_ON_SHARD_ENV = "BATCHSPEC_TEST_RAY_DIE_ON_SHARD"
+
+
+#: Seconds between the driver's progress polls of busy replicas.
+POLL_S = 0.25
+
+
+
+
+def _import_ray():
+    try:
+        import ray
+    except ImportError as exc:
+        raise SpecError("executor.kind", "ray is not installed: pip install 'batchspec[ray]'") \
+            from exc
+    return ray
+
+
+
+
+def _wanted_env(environ: dict[str, str] | None) -> dict[str, str]:
+    environ = os.environ if environ is None else environ
+    return {k: v for k, v in environ.items() if k.startswith(ENV_PREFIXES)}
+
+
+
+
+def replica_env(environ: dict[str, str] | None = None) -> dict[str, str]:
+    """The driver's environment variables a replica needs (see :data:`ENV_PREFIXES`) that are no
+    credentials: these go in Ray's ``runtime_env``, which Ray records and shows."""
+    return {k: v for k, v in _wanted_env(environ).items() if not is_secret_key(k)}
+
+
+
+
+def replica_secrets(environ: dict[str, str] | None = None) -> dict[str, str]:
+    """The credential variables among them (``AWS_SECRET_ACCESS_KEY``, ``HF_TOKEN``, ...): passed
+    to each replica's constructor, kept in memory, never in a ``runtime_env``."""
+    return {k: v for k, v in _wanted_env(environ).items() if is_secret_key(k)}
+
+
+
+
+def actor_options(resources: dict[str, float]) -> dict[str, Any]:
+    """Ray actor options for ``executor.resources_per_replica`` (``CPU``, ``GPU``, custom)."""
+    options: dict[str, Any] = {"num_cpus": resources.get("CPU", 0)}
+    if resources.get("GPU"):
+        options["num_gpus"] = resources["GPU"]
+    custom = {k: v for k, v in resources.items() if k not in ("CPU", "GPU")}
+    if custom:
+        options["resources"] = custom
+    return options
+
+
+
+
+def _error_record(exc: BaseException) -> dict[str, Any]:
+    """An exception as plain data (batchspec's errors do not all pickle by their arguments)."""
+    return {"type": type(exc).__name__, "message": str(exc),
+            "exit_code": getattr(exc, "exit_code", 1),
+            "shard": getattr(exc, "shard", None), "column": getattr(exc, "column", None)}
+
+
+
+
+def _rebuild(record: dict[str, Any]) -> BatchspecError:
+    """The driver's exception for a replica's error record, with the same exit code."""
+    if record["exit_code"] == 3:
+        exc: BatchspecError = InputDataError("", "", record.get("column"))
+        exc.shard = record.get("shard")
+        exc.args = (record["message"],)
+        return exc
+    if record["exit_code"] == 2:
+        return SpecError(None, record["message"])
+    if record["type"] == "RuntimeFailure":
+        return RuntimeFailure(record["message"])
+    return RuntimeFailure(f"unexpected {record['type']} in a Ray replica: {record['message']}")
+
+
+
+
+# ---------------------------------------------------------------------------- the replica
+
+
+class _ReplicaOutbox:
+    """What a replica's stages report, kept until the driver polls: events and result rows."""
+
+    def __init__(self, die_on: str | None, shard: str):
+        self.lock = threading.Lock()
+        self.events: list[tuple] = []
+        self.results: list[dict] = []
+        self.dropped = 0
+        self._die_on = die_on == shard
+
+    # EventLog's emit, for the pipeline
+    def emit(self, event: str, message: str = "", level: str = "info", **fields: Any) -> None:
+        with self.lock:
+            self.events.append((event, message, level, fields))
+
+    # Progress's interface, for the pipeline
+    def row_done(self, result: dict) -> None:
+        if self._die_on:
+            os._exit(1)  # the test-only crash: mid-shard, lease held, temporary file open
+        keep = ("error", "num_output_tokens", "spec_num_draft_tokens", "spec_num_accepted_tokens",
+                "spec_num_steps")
+        with self.lock:
+            self.results.append({k: result.get(k) for k in keep})
+
+    def rows_dropped(self, count: int) -> None:
+        with self.lock:
+            self.dropped += count
+
+    def shard_done(self) -> None:
+        pass  # the driver counts committed shards from the replica's outcome
+
+    def drain(self) -> dict[str, Any]:
+        with self.lock:
+            out = {"events": self.events, "results": self.results, "dropped": self.dropped}
+            self.events, self.results, self.dropped = [], [], 0
+        return out
+
+
+
+
+class Replica:
+    """One Ray actor's work: one vLLM engine, and the per-shard stages for each shard the
+    driver hands it (one at a time). Errors come back as data, never as a dead actor."""
+
+    def __init__(self, spec: JobSpec, index: int, engine_factory=None,
+                 secrets: dict[str, str] | None = None):
+        # the driver's credential variables, before anything reads the environment
+        os.environ.update(secrets or {})
+        self.index = index
+        self.error: dict | None = None
+        self.engine = None
+        self.buffer: _ReplicaOutbox | None = None
+        self._stop = threading.Event()
+        self.counters_before: dict = {}
+        try:
+            from batchspec.engine.checks import vllm_version
+            from batchspec.engine.llm import Engine
+
+            self.engine = (engine_factory or Engine)(spec)
+            self.vllm_version = vllm_version() if engine_factory is None else None
+            self.counters_before = self.engine.spec_counters()
+        except BaseException as exc:  # reported by ready(), so the driver can exit 1 or 2
+            log.error("replica %d could not start its engine", index, exc_info=True)
+            self.error = _error_record(exc)
+
+    def ready(self) -> dict[str, Any]:
+        """How the replica started: its error, or its engine's version, context length, counters."""
+        from batchspec.io.host import this_host
+
+        if self.error is not None:
+            return {"error": self.error}
+        return {"error": None, "vllm_version": self.vllm_version, "host": this_host(),
+                "pid": os.getpid(), "max_model_len": getattr(self.engine, "max_model_len", None),
+                "counters": self.counters_before}
+
+    def process(self, task: dict[str, Any]) -> dict[str, Any]:
+        """Claim, read, generate, write and commit one shard; returns what happened to it."""
+        from batchspec.io.host import this_host
+        from batchspec.leases.shard_leases import ShardLeases
+
+        spec: JobSpec = task["spec"]
+        shard: Shard = task["shard"]
+        self._stop.clear()
+        buffer = self.buffer = _ReplicaOutbox(task.get("die_on"), shard.name)
+        out = OutputDir(spec.output.path, spec.output.storage_options)
+        owner = {"run_id": task["run_id"], "host": this_host(), "pid": os.getpid(),
+                 "started_at": dt.datetime.now(dt.UTC).isoformat(), "replica": self.index}
+        outcome = new_outcome()
+
+        def bad_shard(s: Shard, exc: InputDataError) -> None:
+            if spec.input.on_bad_shard != "skip":
+                buffer.emit("shard_failed", str(exc), level="error", shard=s.name)
+                raise exc
+            outcome["bad_shards"][s.name] = str(exc)
+            buffer.emit("shard_failed", f"skipping bad shard: {exc}", level="warning",
+                        shard=s.name)
+
+        leases = ShardLeases(out, owner, spec.execution.lease_s)
+        for name, (key, seen_s) in (task.get("seen") or {}).items():
+            leases.note_observation(name, key, seen_s)  # the driver's watch of a silent holder
+        pipeline = ShardPipeline(spec, task["run_id"], out, leases, buffer, buffer, outcome,
+                                 task["spec_fingerprint"], self.vllm_version, task["overwrite"],
+                                 stop=self._stop.is_set, grace_s=task["grace_s"],
+                                 bad_shard=bad_shard)
+        error = None
+        with leases:
+            try:
+                pipeline.generate(self.engine, [shard], {shard.name: task["rows"]})
+            except BaseException as exc:
+                error = _error_record(exc)
+            finally:
+                pipeline.discard_uncommitted()
+                leases.release_all()
+        result = buffer.drain()
+        # what this replica saw of each busy shard's holder, for the driver's BusyRetry
+        observed = {name: leases.observation(name) for name in outcome["busy_shards"]}
+        result.update(outcome=outcome, error=error, observed=observed,
+                      fatal=[_error_record(e) for e in pipeline.fatal],
+                      counters=self.engine.spec_counters())
+        return result
+
+    def poll(self) -> dict[str, Any]:
+        """Events and result rows since the last poll (runs beside ``process``)."""
+        buffer = self.buffer
+        return buffer.drain() if buffer is not None else {"events": [], "results": [], "dropped": 0}
+
+    def stop(self) -> None:
+        """Stop taking rows; the shard's fully read rows may finish for the grace period."""
+        self._stop.set()
+
+    def shutdown(self) -> None:
+        if self.engine is not None:
+            self.engine.shutdown()
+
+
+
+
+# ---------------------------------------------------------------------------- the driver
+
+
+@dataclass
+class _ReplicaHandle:
+    index: int
+    actor: Any
+    ready_ref: Any = None
+    info: dict = field(default_factory=dict)
+    shard: Shard | None = None
+    rows_done: int = 0
+
+
+
+
+class RayExecutor:
+    """Runs a job's shards on Ray replicas. :func:`batchspec.run.job.run_job` makes one for
+    ``executor.kind: ray``; a caller may make one and pass it to several runs (of jobs with the
+    same model and engine settings) to keep its replicas, and then shuts it down itself."""
+
+    def __init__(self, spec: JobSpec, ray_address: str | None = None, replicas: int | None = None,
+                 engine_factory=None):
+        self.spec = spec
+        #: builds each replica's engine from the spec (default: batchspec.engine.llm.Engine); tests
+        #: pass a fake one to check the scheduling without vLLM
+        self.engine_factory = engine_factory
+        self.ray = _import_ray()
+        self.address = ray_address
+        self.replicas = replicas or spec.executor.replicas
+        self.handles: list[_ReplicaHandle] = []
+        self.vllm_version: str | None = None
+        self.max_model_len: int | None = None
+        self._counters: dict[int, list[dict]] = {}
+        self._next_index = 0
+        self._started_ray = False
+        self._actor_class = None
+        #: set by run_job: shut down when its run ends
+        self.owned_by_run = False
+
+    # --- start
+
+    def start(self, ctx: RunContext) -> None:
+        """Connect to Ray (or start a local cluster) and make sure ``replicas`` replicas are
+        up, each with its engine started; a replica that cannot start ends the run."""
+        ray = self.ray
+        if not ray.is_initialized():
+            # no address: ray.init() starts a local cluster, as `ray start --head` would
+            # no credentials here: Ray records a job's runtime_env (replica_secrets go to each
+            # replica's constructor instead)
+            ray.init(address=self.address, runtime_env={"env_vars": replica_env()},
+                     log_to_driver=True)
+            self._started_ray = True
+        self.handles = [h for h in self.handles if self._alive(h)]
+        missing = self.replicas - len(self.handles)
+        if missing <= 0:
+            return
+        ctx.events.emit("replicas_starting", f"starting {missing} Ray replica(s), one vLLM engine "
+                        f"each, for {sanitize_url(self.spec.model.target)}", replicas=missing,
+                        resources=self.spec.executor.resources_per_replica,
+                        address=sanitize_url(self.address) if self.address else "local")
+        ctx.stop.raise_now = True  # start-up waits on Ray: a signal ends it at once
+        try:
+            new = [self._launch() for _ in range(missing)]
+            for h in new:
+                self._await_ready(h)
+        finally:
+            ctx.stop.raise_now = False
+        self.handles.extend(new)
+        ctx.events.emit("replicas_started", f"{len(self.handles)} Ray replica(s) ready",
+                        replicas=len(self.handles),
+                        hosts=sorted({h.info.get("host") for h in self.handles}))
+
+    def _launch(self) -> _ReplicaHandle:
+        ray = self.ray
+        if self._actor_class is None:
+            self._actor_class = ray.remote(Replica)
+        index = self._next_index
+        self._next_index += 1
+        actor = self._actor_class.options(
+            max_concurrency=2,  # process() and the driver's poll() at once
+            max_restarts=0, max_task_retries=0,  # the driver redoes lost shards itself
+            runtime_env={"env_vars": replica_env()},  # recorded and shown by Ray: no secrets
+            name=f"batchspec-replica-{os.getpid()}-{index}",
+            **actor_options(self.spec.executor.resources_per_replica),
+        ).remote(self.spec, index, self.engine_factory, replica_secrets())
+        return _ReplicaHandle(index, actor, ready_ref=actor.ready.remote())
+
+    def _await_ready(self, h: _ReplicaHandle) -> None:
+        try:
+            info = self.ray.get(h.ready_ref)
+        except self.ray.exceptions.RayError as exc:
+            raise RuntimeFailure(f"Ray replica {h.index} died while starting its engine: {exc}") \
+                from exc
+        self._accept(h, info)
+
+    def _accept(self, h: _ReplicaHandle, info: dict) -> None:
+        if info["error"] is not None:
+            self._kill(h)
+            raise _rebuild(info["error"])
+        h.info, h.ready_ref = info, None
+        self.vllm_version = self.vllm_version or info["vllm_version"]
+        self.max_model_len = self.max_model_len or info["max_model_len"]
+        self._counters[h.index] = [info["counters"], info["counters"]]
+
+    def _alive(self, h: _ReplicaHandle) -> bool:
+        try:
+            self.ray.get(h.actor.poll.remote(), timeout=30)
+            return True
+        except Exception:
+            return False
+
+    def _kill(self, h: _ReplicaHandle) -> None:
+        try:
+            self.ray.kill(h.actor)
+        except Exception:
+            log.debug("killing a replica", exc_info=True)
+
+    # --- generate
+
+    def generate(self, ctx: RunContext, shards: list[Shard], row_counts: dict[str, int],
+                 spec_fingerprint: dict[str, str]) -> None:
+        """Hand shards to replicas as they free up until every shard is committed, skipped or
+        failed; merge what each replica did into the run summary."""
+        ray, spec, events, summary = self.ray, ctx.spec, ctx.events, ctx.summary
+        progress = ctx.new_progress(sum(row_counts.values()), len(shards))
+        summary["executor"] = {"kind": "ray", "replicas": self.replicas,
+                               "resources_per_replica": spec.executor.resources_per_replica,
+                               "replica_deaths": []}
+        deaths = summary["executor"]["replica_deaths"]
+        failed: dict[str, str] = {}
+        by_name = {s.name: s for s in shards}
+        waits = BusyRetry(spec.execution.lease_s)
+        queue = collections.deque(shards)
+        attempts: collections.Counter = collections.Counter()
+        not_before: dict[str, float] = {}
+        idle = list(self.handles)
+        running: dict[Any, _ReplicaHandle] = {}
+        starting: dict[Any, _ReplicaHandle] = {}
+        stopping = False
+        start_failures = 0
+        die_on = os.environ.get(DIE_ON_SHARD_ENV)
+
+        def apply(h: _ReplicaHandle, data: dict) -> None:
+            for event, message, level, fields in data["events"]:
+                events.emit(event, message, level=level, replica=h.index, **fields)
+            for result in data["results"]:
+                h.rows_done += 1
+                progress.row_done(result)
+            if data["dropped"]:
+                progress.rows_dropped(data["dropped"])
+
+        def died(h: _ReplicaHandle, why: str) -> None:
+            self.handles = [x for x in self.handles if x is not h]
+            self._kill(h)
+            shard = h.shard
+            if shard is None:
+                return
+            name = shard.name
+            deaths.append({"replica": h.index, "shard": name, "attempt": attempts[name],
+                           "rows_done": h.rows_done, "why": why})
+            progress.rows_dropped(-h.rows_done)  # they will be done again
+            if attempts[name] >= spec.executor.max_shard_attempts:
+                failed[name] = (f"its replica died on each of {attempts[name]} tries "
+                                f"(executor.max_shard_attempts); last: {why}")
+                progress.rows_dropped(row_counts[name])
+                events.emit("shard_failed", f"shard {name} failed: {failed[name]}", level="error",
+                            shard=name, attempts=attempts[name])
+            else:
+                waits.rearm(name)  # on object stores its lease stays: a new holder to wait for
+                queue.appendleft(shard)
+                events.emit("replica_died", f"Ray replica {h.index} died while on shard {name} "
+                            f"({why}); the shard is handed to another replica", level="warning",
+                            replica=h.index, shard=name, attempt=attempts[name])
+
+        while queue or running:
+            if ctx.stop and not stopping:
+                stopping = True
+                queue.clear()
+                for h in running.values():
+                    h.actor.stop.remote()
+            if ctx.fatal and not stopping:
+                stopping = True  # stop handing out; shards in flight finish and commit
+                queue.clear()
+            # replacements for replicas that died, while there is work for them
+            live = len(idle) + len(running) + len(starting)
+            if queue and not stopping and live < self.replicas and start_failures < self.replicas:
+                h = self._launch()
+                starting[h.ready_ref] = h
+                events.emit("replica_starting", f"starting replacement Ray replica {h.index}",
+                            replica=h.index)
+            now = time.monotonic()
+            while idle and queue and not stopping:
+                ready_at = not_before.get(queue[0].name, 0.0)
+                if ready_at > now:
+                    queue.rotate(-1)
+                    if all(not_before.get(s.name, 0.0) > now for s in queue):
+                        break
+                    continue
+                shard = queue.popleft()
+                h = idle.pop(0)
+                attempts[shard.name] += 1
+                h.shard, h.rows_done = shard, 0
+                seen = waits.observation(shard.name)
+                task = {"spec": spec, "shard": shard, "run_id": ctx.run_id,
+                        "spec_fingerprint": spec_fingerprint, "overwrite": ctx.overwrite,
+                        "grace_s": ctx.grace_s, "rows": row_counts[shard.name], "die_on": die_on,
+                        "seen": {shard.name: seen} if seen is not None else {}}
+                running[h.actor.process.remote(task)] = h
+            if not running and not starting:
+                if queue and not stopping:
+                    if any(not_before.get(s.name, 0.0) > now for s in queue) and idle:
+                        time.sleep(POLL_S)
+                        continue
+                    for s in queue:  # no replica left to run them
+                        failed[s.name] = "no Ray replica left to run it"
+                        progress.rows_dropped(row_counts[s.name])
+                    queue.clear()
+                break
+            refs = list(running) + list(starting)
+            done, _ = ray.wait(refs, num_returns=1, timeout=POLL_S)
+            for ref in done:
+                if ref in starting:
+                    h = starting.pop(ref)
+                    try:
+                        self._accept(h, ray.get(ref))
+                    except Exception as exc:
+                        events.emit("replica_failed", f"replacement Ray replica {h.index} could "
+                                    f"not start: {exc}", level="warning", replica=h.index)
+                        self._kill(h)
+                        start_failures += 1
+                        continue
+                    self.handles.append(h)
+                    idle.append(h)
+                    continue
+                h = running.pop(ref)
+                try:
+                    data = ray.get(ref)
+                except ray.exceptions.RayError as exc:
+                    died(h, type(exc).__name__)
+                    continue
+                apply(h, data)
+                self._counters[h.index][1] = data["counters"]
+                for key in ("shards", "bad_shards", "lost_shards"):
+                    for shard_name, value in data["outcome"][key].items():
+                        summary[key][shard_name] = value
+                        if key == "shards":
+                            progress.shard_done()
+                for shard_name, holder in data["outcome"]["busy_shards"].items():
+                    wait_s = None if stopping else waits.after(shard_name,
+                                                               data["observed"].get(shard_name))
+                    if wait_s is None:  # held by a live process, or already waited for
+                        summary["busy_shards"][shard_name] = holder
+                        continue
+                    # a holder that may be dead (object stores): once its heartbeat has been
+                    # still for lease_s, the shard is tried again, and taken over if it was
+                    progress.rows_dropped(-row_counts[shard_name])
+                    not_before[shard_name] = time.monotonic() + wait_s
+                    attempts[shard_name] -= 1  # not a try: nothing of it ran
+                    queue.append(by_name[shard_name])
+                    events.emit("shards_waiting", f"shard {shard_name} is held by {holder} and "
+                                f"its lease was not seen renewed; taking it over in {wait_s:.0f}s "
+                                "unless it is", shards=[shard_name], wait_s=round(wait_s, 1),
+                                replica=h.index)
+                for record in data["fatal"]:
+                    ctx.fatal.append(_rebuild(record))
+                err = data["error"]
+                if err is not None and err["exit_code"] == 1 and not stopping:
+                    # its engine failed: like a dead replica, the shard goes to another one
+                    died(h, err["message"])
+                    continue
+                if err is not None:
+                    ctx.fatal.append(_rebuild(err))
+                h.shard = None
+                idle.append(h)
+            # progress from the busy replicas
+            busy = list(running.values())
+            if busy:
+                polls = [h.actor.poll.remote() for h in busy]
+                for h, ref in zip(busy, polls, strict=True):
+                    try:
+                        apply(h, ray.get(ref, timeout=30))
+                    except Exception:
+                        pass  # a dead replica shows when its process() call fails
+        for h in starting.values():
+            self._kill(h)
+        if failed:
+            summary["failed_shards"] = failed
+
+    # --- summarise
+
+    def engine_info(self) -> tuple[str, int | None] | None:
+        """(vLLM version, max_model_len) of the replicas; None when none started."""
+        if self.vllm_version is None:
+            return None
+        return self.vllm_version, self.max_model_len
+
+    def abort(self) -> None:
+        """Nothing to do here: each replica drops its uncommitted files and gives its leases
+        back when its shard ends."""
+
+    def acceptance_per_position(self) -> dict | None:
+        """Per-position acceptance over every replica's engine during this run."""
+        total: dict | None = None
+        for before, after in self._counters.values():
+            p = acceptance_per_position(before, after)
+            if p is None:
+                continue
+            if total is None:
+                total = {"num_drafts": 0, "accepted": [0] * len(p["accepted"])}
+            total["num_drafts"] += p["num_drafts"]
+            for i, a in enumerate(p["accepted"]):
+                if i < len(total["accepted"]):
+                    total["accepted"][i] += a
+        if total is None:
+            return None
+        from batchspec.stats import acceptance_rate
+
+        total["rate"] = [acceptance_rate(a, total["num_drafts"]) for a in total["accepted"]]
+        return total
+
+    def shutdown(self) -> None:
+        """Stop every replica (and the local Ray cluster, if this executor started it)."""
+        for h in self.handles:
+            try:
+                self.ray.get(h.actor.shutdown.remote(), timeout=30)
+            except Exception:
+                log.debug("replica shutdown", exc_info=True)
+            self._kill(h)
+        self.handles = []
+        if self._started_ray:
+            self.ray.shutdown()
+            self._started_ray = False

@@ -1,0 +1,337 @@
+"""A run, stage by stage: plan shards -> check inputs -> start the engine -> claim, read prompts,
+generate, write and commit each shard -> summarise. The stages live in :mod:`batchspec.run.stages`;
+this module runs them in order for one worker, locally or across a Ray cluster's replicas
+(:mod:`batchspec.run.executors.ray`, ``executor.kind: ray``), and handles how a run ends.
+
+Locally, one request stream runs across all of a worker's pending shards, so the next shard's rows
+enter the engine while the previous shard's last requests still generate. A shard is committed
+the moment its last row's result arrives, while this process still holds its lease.
+
+Every way a run ends (success, bad spec or input, engine failure, a signal, a bug) writes the
+run summary (when the output location can be reached) and a ``run_finished`` event.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import os
+import signal
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import batchspec
+from batchspec.errors import BatchspecError, InputDataError, Interrupted, RuntimeFailure, SpecError
+from batchspec.io.host import this_host
+from batchspec.io.listing import Shard
+from batchspec.io.locations import check_no_overlap
+from batchspec.io.output_dir import OutputDir, remove_orphan_tmp_files
+from batchspec.run.events import EventLog, Progress
+from batchspec.run.executors.base import Executor, RunContext
+from batchspec.run.executors.local import LocalExecutor
+from batchspec.run.outcome import human_summary, summarise, write_summary
+from batchspec.run.stages import check_inputs, plan, stale_error
+from batchspec.spec.model import JobSpec
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RunResult:
+    """What a run did; ``summary`` is what was written to ``_batchspec/runs/<run_id>.json``."""
+
+    run_id: str
+    summary: dict[str, Any]
+    summary_path: str | None
+
+
+class StopFlag:
+    """Set by SIGTERM/SIGINT: stop taking rows, drain for the grace period, commit nothing
+    partial. While the engine starts (a long, uninterruptible call) a signal raises at once."""
+
+    def __init__(self):
+        self.signal: int | None = None
+        self.raise_now = False
+
+    def __bool__(self) -> bool:
+        return self.signal is not None
+
+    def install(self):
+        """Install the handlers; returns a function that restores the previous ones."""
+        if threading.current_thread() is not threading.main_thread():
+            return lambda: None
+        previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+
+        def handler(signum, frame):
+            if self.signal is not None and signum == signal.SIGINT:
+                raise KeyboardInterrupt  # a second Ctrl-C: stop at once
+            self.signal = signum
+            if self.raise_now:
+                raise _interrupted(signum)
+
+        for s in previous:
+            signal.signal(s, handler)
+        return lambda: [signal.signal(s, h) for s, h in previous.items()]
+
+
+def new_run_id() -> str:
+    return dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ") + "-" + uuid.uuid4().hex[:6]
+
+
+def run_job(spec: JobSpec, *, worker_index: int = 0, num_workers: int = 1, overwrite: bool = False,
+            engine=None, events: EventLog | None = None, progress_bars: bool | None = None,
+            run_id: str | None = None, grace_s: float | None = None,
+            executor=None, ray_address: str | None = None) -> RunResult:
+    """Run a job: every pending shard of this worker becomes one committed output shard.
+
+    ``engine`` lets a caller reuse a started :class:`batchspec.engine.llm.Engine` across jobs.
+    ``grace_s`` (default ``execution.grace_s``) bounds the drain after SIGTERM/SIGINT.
+    ``executor`` (``local`` or ``ray``) and ``ray_address`` override the spec's ``executor``
+    section: with ``ray``, Ray replicas (one engine each) generate the shards. A started
+    :class:`batchspec.run.executors.ray.RayExecutor` may be passed instead, to reuse its replicas."""
+    stop = StopFlag()
+    restore_signals = stop.install()  # first: a signal during planning or start-up is ours
+    run_id = run_id or new_run_id()
+    events = events or EventLog(run_id)
+    events.add_secrets(spec.secret_values())
+    grace_s = spec.execution.grace_s if grace_s is None else grace_s
+    job = _Job(spec, run_id, events, stop, worker_index, num_workers, overwrite, progress_bars,
+               grace_s)
+    owns_executor = isinstance(executor, str | None)
+    try:
+        if owns_executor:  # a caller's executor, with its replicas started: it shuts it down
+            executor = _executor(spec, executor, ray_address, engine)
+        job.executor = executor
+        job.run()
+    except BaseException as exc:
+        raise job.fail(exc) from None
+    finally:
+        restore_signals()
+        if owns_executor and job.executor is not None:
+            job.executor.shutdown()
+    return RunResult(run_id=run_id, summary=job.summary, summary_path=job.summary_path)
+
+
+def _executor(spec: JobSpec, kind: str | None, ray_address: str | None, engine=None) -> Executor:
+    """The executor the run asks for (the command line's ``--executor`` wins over
+    ``executor.kind``): local, on ``engine`` when the caller gave one, or Ray."""
+    from batchspec.spec.model import EXECUTOR_KINDS
+
+    kind = kind or spec.executor.kind
+    if kind not in EXECUTOR_KINDS:
+        raise SpecError("executor.kind", f"expected one of {', '.join(EXECUTOR_KINDS)}, got {kind!r}")
+    if kind == "local":
+        return LocalExecutor(engine)
+    from batchspec.run.executors.ray import RayExecutor
+
+    return RayExecutor(spec, ray_address or spec.executor.ray_address)
+
+
+class _Job:
+    """One run of one worker, from plan to summary."""
+
+    def __init__(self, spec: JobSpec, run_id: str, events: EventLog, stop: StopFlag,
+                 worker_index: int, num_workers: int, overwrite: bool,
+                 progress_bars: bool | None, grace_s: float):
+        self.spec, self.run_id, self.events, self.stop = spec, run_id, events, stop
+        self.worker_index, self.num_workers, self.overwrite = worker_index, num_workers, overwrite
+        self.progress_bars, self.grace_s = progress_bars, grace_s
+        self.executor: Executor | None = None
+        self.out: OutputDir | None = None
+        self.progress: Progress | None = None
+        self.t0 = time.monotonic()
+        self.gen_started: float | None = None
+        self.gen_ended: float | None = None
+        self.summary_path: str | None = None
+        self.fatal: list[BaseException] = []
+        started_at = dt.datetime.now(dt.UTC)
+        self.owner = {"run_id": run_id, "host": this_host(), "pid": os.getpid(),
+                      "started_at": started_at.isoformat()}
+        self.summary: dict[str, Any] = {
+            "run_id": run_id,
+            "job": spec.name,
+            "spec": spec.public(),
+            "versions": {"batchspec": batchspec.__version__},
+            "worker": {"index": worker_index, "count": num_workers},
+            "started_at": started_at.isoformat(),
+            "shards": {},
+            "bad_shards": {},
+            "busy_shards": {},
+            "lost_shards": {},
+        }
+
+    # ------------------------------------------------------------------ the flow
+
+    def run(self) -> None:
+        """Every stage in order; each one checks for a stop signal before the next."""
+        from batchspec.engine.checks import check_vllm_keys
+
+        spec = self.spec
+        # cheap checks first: overlapping locations, then a misspelled vLLM key, both exit 2
+        # before any input is listed or read
+        check_no_overlap(spec.input.paths, spec.input.storage_options, spec.output.path,
+                         spec.output.storage_options)
+        check_vllm_keys(spec)
+        # known before listing, so that a run that fails to plan still leaves its summary
+        self.out = OutputDir(spec.output.path, spec.output.storage_options)
+        todo, fingerprint = self.plan_shards()
+        self._check_stop()
+        shards, row_counts = check_inputs(spec, todo, self.bad_shard)
+        self._check_stop()
+        ctx = self.context()
+        if shards:
+            self.executor.start(ctx)
+        self.record_engine()
+        self._check_stop()
+        if shards:
+            self.gen_started = time.monotonic()
+            try:
+                self.executor.generate(ctx, shards, row_counts, fingerprint)
+            finally:
+                self.gen_ended = time.monotonic()
+        if self.stop:
+            raise _interrupted(self.stop.signal)
+        if self.fatal:
+            raise self.fatal[0]
+        for key, what in (("busy_shards", "are being processed by another run and were left "
+                                          "alone"),
+                          ("lost_shards", "lost their lease to another run and were not "
+                                          "committed by this one"),
+                          ("failed_shards", "failed on every try")):
+            if self.summary.get(key):
+                raise RuntimeFailure(f"{len(self.summary[key])} shards {what}: " + "; ".join(
+                    f"{k} ({v})" for k, v in sorted(self.summary[key].items())))
+        self.summary["status"] = "ok"
+        self.finish(None)
+
+    # ------------------------------------------------------------------ stages
+
+    def plan_shards(self) -> tuple[list[Shard], dict[str, str]]:
+        """Stage 1: this worker's shards and their states; returns the ones to do and the spec
+        fingerprint. Stale output exits 2; committed shards are skipped."""
+        spec, events = self.spec, self.events
+        p = plan(spec, self.worker_index, self.num_workers, self.overwrite, self.out)
+        self.summary["spec_fingerprint"] = p.spec_fingerprint
+        if p.stale:
+            raise stale_error(p)
+        todo = [s for s in p.shards if p.states[s.name] != "committed"]
+        events.emit("run_started", f"run {self.run_id} of job {spec.name!r}: {len(todo)} of "
+                    f"{len(p.shards)} shards to do", job=spec.name, shards=len(p.shards),
+                    pending=len(todo), output=p.out.display_url,
+                    worker=f"{self.worker_index}/{self.num_workers}")
+        if p.orphans:
+            self.summary["orphan_outputs"] = p.orphans
+            events.emit("orphan_outputs", f"{len(p.orphans)} output file(s) have no current input "
+                        f"and are not part of this job's result (e.g. {p.orphans[0]!r}); "
+                        "`batchspec status` lists them", level="warning", count=len(p.orphans))
+        for s in p.shards:
+            if p.states[s.name] == "committed":
+                events.emit("shard_skipped", f"shard {s.name} already committed", shard=s.name,
+                            reason="committed")
+        remove_orphan_tmp_files(p.out.tmp_dir())  # beside the output, or the local spool
+        return todo, p.spec_fingerprint
+
+    def bad_shard(self, shard: Shard, exc: InputDataError) -> None:
+        """Record an unreadable shard; raise unless ``on_bad_shard: skip``."""
+        if self.spec.input.on_bad_shard != "skip":
+            self.events.emit("shard_failed", str(exc), level="error", shard=shard.name)
+            raise exc
+        self.summary["bad_shards"][shard.name] = str(exc)
+        self.events.emit("shard_failed", f"skipping bad shard: {exc}", level="warning",
+                         shard=shard.name)
+
+    def context(self) -> RunContext:
+        return RunContext(spec=self.spec, run_id=self.run_id, out=self.out, owner=self.owner,
+                          events=self.events, stop=self.stop, overwrite=self.overwrite,
+                          grace_s=self.grace_s, summary=self.summary, bad_shard=self.bad_shard,
+                          new_progress=self.new_progress, fatal=self.fatal)
+
+    def record_engine(self) -> None:
+        """The engine's version and context length, for the summary."""
+        info = self.executor.engine_info()
+        if info is not None:
+            self.summary["versions"]["vllm"] = info[0]
+            self.summary["engine"] = {"max_model_len": info[1]}
+
+    def _check_stop(self) -> None:
+        if self.stop:
+            raise _interrupted(self.stop.signal)
+
+    def new_progress(self, total_rows: int, total_shards: int) -> Progress:
+        """Live progress for the driver: bars at a terminal, else periodic events."""
+        bars = _isatty(self.events.stream) if self.progress_bars is None else self.progress_bars
+        self.progress = Progress(self.events, total_rows, total_shards, bars,
+                                 self.spec.execution.progress_interval_s)
+        return self.progress
+
+    # ------------------------------------------------------------------ endings
+
+    def fail(self, exc: BaseException) -> BaseException:
+        """Clean up after a failed or stopped run, write its summary, and return the exception
+        to raise: a :class:`BatchspecError` with its exit code (a bug becomes exit 1)."""
+        if self.stop and not isinstance(exc, Interrupted):
+            exc = _interrupted(self.stop.signal)  # e.g. Ctrl-C also reached the engine's processes
+        elif isinstance(exc, KeyboardInterrupt):
+            exc = _interrupted(signal.SIGINT)
+        elif not isinstance(exc, BatchspecError):
+            log.error("unexpected error", exc_info=exc)
+            wrapped = RuntimeFailure(f"unexpected {type(exc).__name__}: {exc}")
+            wrapped.__cause__ = exc
+            exc = wrapped
+        if self.executor is not None:
+            self.executor.abort()
+        if isinstance(exc, RuntimeFailure) and self.events.engine_log and "engine" in str(exc) \
+                and "engine log:" not in str(exc):
+            exc.args = (f"{exc} (engine log: {self.events.engine_log})",)
+        self.summary["status"] = "interrupted" if isinstance(exc, Interrupted) else "failed"
+        self.summary["error"] = self.events.scrub(str(exc))
+        self.summary["exit_code"] = exc.exit_code
+        self.events.emit("error", f"{exc.kind}: {exc}", level="error", exit_code=exc.exit_code,
+                         kind=exc.kind)
+        exc.logged = True
+        self.finish(exc)
+        return exc
+
+    def finish(self, exc: BaseException | None) -> None:
+        """Stage summarise: totals, per-position acceptance, the summary JSON and the last
+        human line."""
+        summary, events = self.summary, self.events
+        if self.progress is not None:
+            self.progress.close()
+        wall = time.monotonic() - self.t0
+        gen_wall = ((self.gen_ended or time.monotonic()) - self.gen_started
+                    if self.gen_started is not None else 0.0)
+        positions = self.executor.acceptance_per_position() if self.executor is not None else None
+        summarise(summary, wall, gen_wall, positions)
+        path = None
+        if self.out is not None:
+            try:
+                path = write_summary(self.out, self.run_id, summary)
+            except Exception as write_exc:  # never hide the run's own failure behind this one
+                events.emit("summary_failed", f"could not write the run summary: {write_exc}",
+                            level="warning")
+                path = None
+        self.summary_path = path
+        t = summary["totals"]
+        events.emit("run_finished", human_summary(summary),
+                    level="info" if exc is None else "error", status=summary.get("status"),
+                    exit_code=summary["exit_code"], summary=path,
+                    **{k: t[k] for k in ("rows", "errors", "output_tokens", "wall_s")})
+
+
+def _isatty(stream) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+
+def _interrupted(signum: int) -> Interrupted:
+    name = signal.Signals(signum).name
+    return Interrupted(f"stopped by {name}: committed shards stay committed; uncommitted shards "
+                       f"were discarded and will be redone", signum=signum)
+
+

@@ -1,0 +1,98 @@
+"""``batchspec validate``: check a job without loading model weights.
+
+Checks the spec's keys against vLLM's own config classes, lists the shards and their state,
+checks each shard's columns, and tokenizes every prompt with the target's tokenizer to count
+the rows vLLM would refuse (empty, or too long to leave room for one output token within the
+``max_model_len`` vLLM itself would use)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from batchspec.columns import error_reason
+from batchspec.engine.checks import max_model_len
+from batchspec.errors import InputDataError
+from batchspec.io.reader import ShardReader, length_error, prompt_token_ids
+from batchspec.run.stages import plan
+from batchspec.spec.model import JobSpec
+
+
+@dataclass
+class ShardCheck:
+    name: str
+    url: str
+    state: str
+    rows: int = 0
+    bad_rows: dict[str, int] = field(default_factory=dict)
+    max_prompt_tokens: int = 0
+    problem: str | None = None
+
+
+
+
+@dataclass
+class ValidationReport:
+    job: str
+    max_model_len: int
+    shards: list[ShardCheck]
+    exit_code: int = 0
+
+    def render(self) -> str:
+        lines = [f"job {self.job!r}: spec OK; max_model_len {self.max_model_len}"]
+        for s in self.shards:
+            if s.problem:
+                lines.append(f"  {s.name}: BAD: {s.problem}")
+                continue
+            bad = ", ".join(f"{n} {reason}" for reason, n in sorted(s.bad_rows.items()))
+            lines.append(f"  {s.name}: {s.state}, {s.rows} rows, longest prompt "
+                         f"{s.max_prompt_tokens} tokens" + (f"; rows to be refused: {bad}"
+                                                             if bad else ""))
+        rows = sum(s.rows for s in self.shards)
+        refused = sum(sum(s.bad_rows.values()) for s in self.shards)
+        lines.append(f"{len(self.shards)} shards, {rows} rows, {refused} rows would get an error")
+        return "\n".join(lines)
+
+
+
+
+def validate_job(spec: JobSpec, worker_index: int = 0, num_workers: int = 1) -> ValidationReport:
+    """Check everything a run would check before generating, without loading weights."""
+    from transformers import AutoTokenizer
+
+    from batchspec.engine.checks import check_vllm_keys
+
+    check_vllm_keys(spec)
+    p = plan(spec, worker_index, num_workers)
+    shards, states = p.shards, p.states
+    # code shipped with a model runs only when the spec asks for it, as vLLM does
+    tokenizer = AutoTokenizer.from_pretrained(
+        spec.model.engine.get("tokenizer") or spec.model.target,
+        trust_remote_code=spec.model.engine.get("trust_remote_code") is True)
+    max_len = max_model_len(spec)
+    report = ValidationReport(spec.name, max_len, [])
+    for shard in shards:
+        check = ShardCheck(shard.name, shard.url, states[shard.name])
+        report.shards.append(check)
+        try:
+            reader = ShardReader(shard, spec.input, spec.output, spec.execution.read_batch_rows)
+        except InputDataError as exc:
+            check.problem = str(exc)
+            report.exit_code = 3
+            continue
+        try:
+            for row in reader.rows():
+                check.rows += 1
+                reason = row.error
+                if reason is None:
+                    ids = prompt_token_ids(tokenizer, row)
+                    check.max_prompt_tokens = max(check.max_prompt_tokens, len(ids))
+                    reason = length_error(len(ids), max_len)
+                if reason is not None:
+                    key = error_reason(reason)
+                    check.bad_rows[key] = check.bad_rows.get(key, 0) + 1
+        except InputDataError as exc:
+            check.problem = str(exc)
+            report.exit_code = 3
+        finally:
+            reader.close()
+    return report

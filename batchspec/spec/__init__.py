@@ -1,0 +1,1 @@
+"""The job spec: typed sections with their defaults, YAML loading, validation, fingerprints."""

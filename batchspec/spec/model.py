@@ -1,0 +1,161 @@
+"""The job spec as typed objects: one dataclass per section, each field with its default and
+meaning. Every default lives here (spec/build.py reads them from these fields)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from batchspec.redact import public_spec
+from batchspec.redact import secret_values as _secret_values
+
+#: SamplingParams fields a row may override from its own column (``input.sampling_columns``).
+ROW_OVERRIDABLE = (
+    "max_tokens",
+    "min_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "stop",
+)
+
+
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    """Where the prompts are and how to read them."""
+
+    #: fsspec URLs of the input shards: paths or globs (local, s3://, gs://, az://, memory://).
+    paths: tuple[str, ...]
+    #: Column holding the text prompt (exclusive with ``messages_column``).
+    prompt_column: str | None = None
+    #: Column holding chat messages (list of {role, content}), rendered by the chat template.
+    messages_column: str | None = None
+    #: Column holding a row's id; default id is ``<shard name>/<row index>``.
+    id_column: str | None = None
+    #: SamplingParams field -> input column that overrides it per row (null keeps the job value).
+    sampling_columns: dict[str, str] = field(default_factory=dict)
+    #: Handed to fsspec as is (endpoint, credentials, ...).
+    storage_options: dict[str, Any] = field(default_factory=dict)
+    #: ``fail``: an unreadable shard exits 3; ``skip``: it is recorded in the run summary.
+    on_bad_shard: str = "fail"
+    #: An input path or glob that matches no file is fine: the run exits 0 with a summary
+    #: (for scheduled jobs whose input may be empty some days). False: it is bad input data.
+    allow_empty: bool = False
+
+    @property
+    def text_column(self) -> str:
+        """The column the prompt comes from, whichever kind it is."""
+        return self.prompt_column or self.messages_column  # type: ignore[return-value]
+
+
+
+
+@dataclass(frozen=True)
+class OutputSpec:
+    """Where results go."""
+
+    #: Directory URL; may be on another filesystem than the input.
+    path: str
+    #: Input columns copied to the output; None keeps all but the prompt/messages column.
+    keep_columns: tuple[str, ...] | None = None
+    #: Handed to fsspec as is.
+    storage_options: dict[str, Any] = field(default_factory=dict)
+    #: Rows per Parquet row group; results are written as they complete, in groups this size.
+    row_group_rows: int = 1024
+    #: Parquet compression codec.
+    compression: str = "zstd"
+
+
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The target model and how vLLM runs it."""
+
+    #: Local path or model id, as ``vllm.LLM(model=...)`` takes it.
+    target: str
+    #: ``vllm.LLM`` keyword arguments (max_model_len, dtype, tensor_parallel_size, ...).
+    engine: dict[str, Any] = field(default_factory=dict)
+
+
+
+
+@dataclass(frozen=True)
+class ExecutionSpec:
+    """How the runner feeds the engine."""
+
+    #: Requests handed to the engine at once; refilled as requests finish.
+    max_in_flight: int = 512
+    #: Rows per record batch read from a shard.
+    read_batch_rows: int = 1024
+    #: Seconds between progress log lines when not at a terminal.
+    progress_interval_s: float = 30.0
+    #: Seconds a run stopped by SIGTERM may spend finishing its in-flight requests (and
+    #: committing the shards they complete) before it aborts them; 0 aborts at once.
+    grace_s: float = 30.0
+    #: Seconds after which a shard lease that was not renewed counts as abandoned and another
+    #: process may take the shard over.
+    lease_s: float = 120.0
+
+
+
+
+#: Where a job's shards run: ``local`` (this process's one engine) or ``ray`` (replicas).
+EXECUTOR_KINDS = ("local", "ray")
+
+
+
+
+@dataclass(frozen=True)
+class ExecutorSpec:
+    """Where the shards run (``executor:``); never part of the output's fingerprint: a job run
+    locally and on Ray writes the same files, and either may resume the other."""
+
+    #: ``local``: one engine in this process; ``ray``: ``replicas`` Ray actors, one engine each.
+    kind: str = "local"
+    #: Ray actors, each holding one vLLM engine (tensor/pipeline parallel stay engine args).
+    replicas: int = 1
+    #: Ray resources each replica reserves: ``CPU``, ``GPU``, or custom resource names.
+    resources_per_replica: dict[str, float] = field(default_factory=lambda: {"CPU": 1})
+    #: The Ray cluster to join (``ray://host:10001``, ``auto``); unset starts a local one.
+    ray_address: str | None = None
+    #: Tries a shard gets when the replica running it dies, before it is reported failed.
+    max_shard_attempts: int = 3
+
+
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """A whole job, validated. ``raw`` is the resolved YAML mapping it was built from."""
+
+    name: str
+    input: InputSpec
+    output: OutputSpec
+    model: ModelSpec
+    #: vLLM ``speculative_config``; None turns speculative decoding off.
+    speculative: dict[str, Any] | None
+    #: ``vllm.SamplingParams`` keyword arguments.
+    sampling: dict[str, Any]
+    execution: ExecutionSpec
+    raw: dict[str, Any] = field(repr=False, compare=False)
+    executor: ExecutorSpec = field(default_factory=ExecutorSpec)
+
+    def public(self) -> dict[str, Any]:
+        """The resolved spec as it may be persisted or logged (:func:`batchspec.redact.public_spec`):
+        no storage options, credentials, URL userinfo or query strings."""
+        return public_spec(self.raw)
+
+    def secret_values(self) -> set[str]:
+        """The values :meth:`public` hides, for :func:`batchspec.redact.scrub_text`."""
+        return _secret_values(self.raw)
+
+    def redacted(self) -> dict[str, Any]:
+        """Same as :meth:`public` (the older name)."""
+        return self.public()

@@ -1,0 +1,1 @@
+"""batchspec tune: measure speculation candidates on a job's prompts and recommend one."""

@@ -1,0 +1,129 @@
+"""Measuring one candidate: an engine, the sampled rows at each concurrency level, timings and
+vLLM's acceptance counters."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+from batchspec.errors import InputDataError, SpecError
+from batchspec.io.reader import Row
+from batchspec.spec.model import JobSpec
+from batchspec.stats import acceptance_per_position
+from batchspec.tune.model import TIME_BUDGET, WARMUP_ROWS, LevelMeasurement, SkipCandidate, level_rows
+
+# --------------------------------------------------------------------------- sampling
+
+
+def sample_rows(spec: JobSpec, n: int, seed: int) -> tuple[list[Row], int]:
+    """``prompts.sample_rows`` (seeded, uniform over every shard, error rows left out), and bad
+    input (exit 3) when there is nothing to sample."""
+    from batchspec.io import reader as prompts
+
+    chosen, seen = prompts.sample_rows(spec, n, seed)
+    if not chosen:
+        where = ", ".join(spec.input.paths)
+        raise InputDataError(where, "no prompts to sample: the input has no row that can be sent")
+    return chosen, seen
+
+
+
+
+def row_temperatures(spec: JobSpec, rows: list[Row]) -> dict[str, float | None]:
+    """request_id -> the temperature the row is sampled with (None: its overrides are invalid,
+    it becomes an error row in every candidate alike)."""
+    from batchspec.engine.checks import sampling_temperature
+
+    out: dict[str, float | None] = {}
+    for row in rows:
+        try:
+            out[row.request_id] = sampling_temperature({**spec.sampling, **row.overrides})
+        except Exception:
+            out[row.request_id] = None
+    return out
+
+
+
+
+# --------------------------------------------------------------------------- measuring
+
+
+
+
+def _p50(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+
+
+def measure_level(engine, rows: list[Row], concurrency: int,
+                  level: LevelMeasurement | None = None) -> LevelMeasurement:
+    """Send ``rows`` through ``engine`` with ``concurrency`` in flight and time it."""
+    first = level is None
+    level = level or LevelMeasurement(concurrency=concurrency, rows=len(rows))
+    before = engine.spec_counters() if engine.spec_enabled else {}
+    started = time.monotonic()
+    results = list(engine.stream(iter(rows), max_in_flight=concurrency))
+    wall = time.monotonic() - started
+    after = engine.spec_counters() if engine.spec_enabled else {}
+    tokens, e2e = 0, []
+    for row, res in results:
+        if res.get("error"):
+            level.errors.setdefault(row.request_id, res["error"])
+        else:
+            tokens += res["num_output_tokens"] or 0
+            if res.get("time_e2e_s") is not None:
+                e2e.append(res["time_e2e_s"])
+        if first:
+            level.texts[row.request_id] = res.get("generated_text")
+            level.drafted += res.get("spec_num_draft_tokens") or 0
+            level.accepted += res.get("spec_num_accepted_tokens") or 0
+            level.steps += res.get("spec_num_steps") or 0
+    level.tokens_per_s.append(tokens / wall if wall > 0 else 0.0)
+    level.wall_s.append(wall)
+    if e2e:
+        level.e2e_p50_s.append(_p50(e2e))
+    if first:
+        level.output_tokens = tokens
+        if engine.spec_enabled:
+            level.per_position = acceptance_per_position(before, after)
+    return level
+
+
+
+
+def measure_candidate(spec: JobSpec, rows: list[Row], concurrencies: list[int], repeats: int,
+                      deadline: float | None) -> tuple[dict[int, LevelMeasurement], dict[int, str]]:
+    """Start one engine for ``spec``, time every level, shut it down.
+
+    Returns (levels measured, levels skipped -> reason). Raises SkipCandidate when the engine
+    refuses the config (the reason names vLLM's error) and RuntimeFailure for an engine that
+    died (the caller decides whether that ends the tune)."""
+    from batchspec.engine.llm import Engine, child_pids, kill_new_children
+
+    before = child_pids()
+    try:
+        engine = Engine(spec)
+    except SpecError as exc:
+        kill_new_children(before)
+        raise SkipCandidate(str(exc)) from exc
+    except BaseException:
+        kill_new_children(before)
+        raise
+    levels: dict[int, LevelMeasurement] = {}
+    skipped: dict[int, str] = {}
+    try:
+        warm = rows[:min(WARMUP_ROWS, len(rows))]
+        list(engine.stream(iter(warm), max_in_flight=max(concurrencies)))
+        for c in sorted(concurrencies):
+            for _ in range(repeats):
+                if deadline is not None and time.monotonic() >= deadline and c in levels:
+                    break  # at least one repeat of a level that started; the rest is noise
+                if deadline is not None and time.monotonic() >= deadline:
+                    skipped[c] = TIME_BUDGET
+                    break
+                levels[c] = measure_level(engine, level_rows(rows, c), c, levels.get(c))
+    finally:
+        engine.shutdown()
+        kill_new_children(before)  # the next engine gets the machine to itself
+    return levels, skipped

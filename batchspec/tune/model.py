@@ -1,0 +1,259 @@
+"""tune's data model: a candidate, its measurement at one concurrency level, a result line of the
+report, the options and the report itself."""
+
+from __future__ import annotations
+
+import copy
+import statistics
+from dataclasses import dataclass, field
+from typing import Any
+
+from batchspec.redact import public_spec
+
+#: num_speculative_tokens tried for each draft model unless ``--k`` says otherwise.
+DEFAULT_K = (1, 2, 3, 4, 5, 6)
+
+
+#: num_speculative_tokens tried for n-gram (prompt lookup) speculation.
+NGRAM_K = (2, 4)
+
+
+#: The n-gram speculative config, without its k.
+NGRAM_BASE = {"method": "ngram", "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+
+
+#: The smallest relative noise the recommendation rule uses: two or three repeats can agree by
+#: chance far more closely than runs on a shared machine do.
+MIN_NOISE = 0.02
+
+
+#: Rows each engine runs before it is timed (first steps are slower: allocation, warm caches).
+WARMUP_ROWS = 4
+
+
+OBJECTIVES = ("throughput", "latency")
+
+
+#: How the prediction is made, as the report states it.
+COST_MODEL = ("tokens per step tau(k) = 1 + sum of the first k per-position acceptance rates of "
+              "the largest-k run; time per sequence step linear in k between speculation off "
+              "(1 / tok/s) and the largest k (tau / tok/s), per concurrency; predicted tok/s = "
+              "tau(k) / step time(k)")
+
+
+TIME_BUDGET = "time budget (--max-minutes) spent before it was measured"
+
+
+
+
+# --------------------------------------------------------------------------- data
+
+
+@dataclass
+class Candidate:
+    """One speculative configuration (or off)."""
+
+    label: str
+    #: vLLM speculative_config; None is speculation off.
+    speculative: dict[str, Any] | None
+    #: "off", "ngram" or the draft's label: candidates of one family differ only in k.
+    family: str
+    k: int | None = None
+    #: Whether its config is the job's own speculative section with another k (``--write``
+    #: then writes that section as the job file has it, ``${VAR}`` kept).
+    from_job: bool = False
+
+
+
+
+@dataclass
+class LevelMeasurement:
+    """One candidate measured at one concurrency level (``repeats`` times for off)."""
+
+    concurrency: int
+    rows: int
+    tokens_per_s: list[float] = field(default_factory=list)
+    e2e_p50_s: list[float] = field(default_factory=list)
+    wall_s: list[float] = field(default_factory=list)
+    output_tokens: int = 0
+    #: request_id -> generated text (None for an error row), from the first repeat.
+    texts: dict[str, str | None] = field(default_factory=dict)
+    #: request_id -> error, rows the engine refused or failed.
+    errors: dict[str, str] = field(default_factory=dict)
+    drafted: int = 0
+    accepted: int = 0
+    steps: int = 0
+    #: vLLM's per-position counters over this level: {num_drafts, accepted, rate}.
+    per_position: dict | None = None
+
+    @property
+    def tps(self) -> float:
+        return statistics.fmean(self.tokens_per_s)
+
+    @property
+    def p50(self) -> float | None:
+        return statistics.fmean(self.e2e_p50_s) if self.e2e_p50_s else None
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return self.accepted / self.drafted if self.drafted else None
+
+    @property
+    def mean_acceptance_length(self) -> float | None:
+        return 1 + self.accepted / self.steps if self.steps else None
+
+
+
+
+@dataclass
+class CandidateResult:
+    """A line of the report: one candidate at one concurrency, measured, predicted or skipped."""
+
+    candidate: Candidate
+    concurrency: int
+    max_num_seqs: int
+    level: LevelMeasurement | None = None
+    predicted: float | None = None
+    #: True for the largest-k run the prediction is calibrated on (its prediction is a fit).
+    calibration: bool = False
+    skipped: str | None = None
+    lossless: bool | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        """The entry as ``--json`` prints it."""
+        lv = self.level
+        out: dict[str, Any] = {
+            "label": self.candidate.label,
+            "speculative": public_speculative(self.candidate.speculative),
+            "max_num_seqs": self.max_num_seqs,
+            "concurrency": self.concurrency,
+            "output_tokens_per_s": _round(lv.tps) if lv else None,
+            "acceptance_rate": _round(lv.acceptance_rate, 4) if lv else None,
+            "mean_acceptance_length": _round(lv.mean_acceptance_length, 3) if lv else None,
+            "acceptance_per_position": ([_round(r, 4) for r in lv.per_position["rate"]]
+                                        if lv and lv.per_position else None),
+            "predicted_output_tokens_per_s": _round(self.predicted),
+            "prediction_error": _round(relative_error(self.predicted, lv.tps), 4)
+            if lv and self.predicted and not self.calibration else None,
+            "e2e_p50_s": _round(lv.p50, 4) if lv else None,
+            "skipped": self.skipped,
+        }
+        if lv:
+            out.update(rows=lv.rows, output_tokens=lv.output_tokens,
+                       wall_s=_round(statistics.fmean(lv.wall_s), 3), lossless=self.lossless)
+            if len(lv.tokens_per_s) > 1:
+                out["repeats"] = [_round(v) for v in lv.tokens_per_s]
+        if self.calibration:
+            out["calibration"] = True
+        return out
+
+
+
+
+def _round(value: float | None, digits: int = 2) -> float | None:
+    return None if value is None else round(value, digits)
+
+
+
+
+class SkipCandidate(Exception):
+    """A candidate that cannot be measured; the message is the reason the report gives."""
+
+
+
+
+# --------------------------------------------------------------------------- the tune
+
+
+@dataclass
+class TuneOptions:
+    """What ``batchspec tune`` was asked to do."""
+
+    sample: int = 64
+    seed: int = 0
+    concurrency: list[int] | None = None
+    drafts: list[str] = field(default_factory=list)
+    ks: list[int] = field(default_factory=lambda: list(DEFAULT_K))
+    repeats: int = 2
+    objective: str = "throughput"
+    top: int = 2
+    max_minutes: float | None = None
+    ngram: bool = True
+
+
+
+
+@dataclass
+class TuneReport:
+    """Everything ``tune`` measured, predicted and recommends."""
+
+    job: str
+    options: TuneOptions
+    concurrency: list[int]
+    sample_rows: int
+    rows_seen: int
+    greedy_rows: int
+    entries: list[CandidateResult]
+    recommended: dict[int, str]
+    noise: dict[int, dict[str, float]]
+    mismatches: list[dict[str, Any]]
+    wall_s: float
+    notes: list[str] = field(default_factory=list)
+
+    def entry(self, label: str, concurrency: int) -> CandidateResult | None:
+        return next((e for e in self.entries
+                     if e.candidate.label == label and e.concurrency == concurrency), None)
+
+    def recommended_speculative(self, concurrency: int) -> dict | None:
+        label = self.recommended.get(concurrency, "off")
+        e = self.entry(label, concurrency)
+        return copy.deepcopy(e.candidate.speculative) if e else None
+
+    def as_dict(self) -> dict[str, Any]:
+        """The ``--json`` object."""
+        errors = [e.as_dict()["prediction_error"] for e in self.entries]
+        errors = [x for x in errors if x is not None]
+        return {
+            "job": self.job,
+            "objective": self.options.objective,
+            "concurrency": self.concurrency,
+            "sample": {"rows": self.sample_rows, "seed": self.options.seed,
+                       "rows_in_input": self.rows_seen, "greedy_rows": self.greedy_rows,
+                       "rows_per_concurrency": {str(c): min(self.sample_rows, len(level_rows(
+                           range(self.sample_rows), c))) for c in self.concurrency}},
+            "candidates": [e.as_dict() for e in self.entries],
+            "recommended": {str(c): label for c, label in self.recommended.items()},
+            "noise": {str(c): v for c, v in self.noise.items()},
+            "prediction": {"cost_model": COST_MODEL,
+                           "max_relative_error": max(errors) if errors else None,
+                           "mean_relative_error": round(statistics.fmean(errors), 4)
+                           if errors else None},
+            "lossless": {"checked_rows": self.greedy_rows, "mismatches": self.mismatches},
+            "wall_s": round(self.wall_s, 1),
+            "notes": self.notes,
+        }
+
+
+def relative_error(predicted: float | None, measured: float | None) -> float | None:
+    """|predicted - measured| / measured, or None."""
+    if predicted is None or not measured:
+        return None
+    return abs(predicted - measured) / measured
+
+
+def level_rows(rows: list, concurrency: int) -> list:
+    """The sampled rows timed at a concurrency level: enough for a few waves of requests."""
+    return rows[:max(MIN_LEVEL_ROWS, LEVEL_WAVES * concurrency)]
+
+
+# --------------------------------------------------------------------------- candidates
+
+
+def public_speculative(config: dict | None) -> dict | None:
+    """A speculative config as tune's outputs show it: the public view ``run`` persists (URLs
+    without ``user:password@`` or query, credential-named keys ``***``)."""
+    return None if config is None else public_spec({"speculative": config})["speculative"]
+
+
+#: A concurrency level c is timed on the first max(MIN_LEVEL_ROWS, LEVEL_WAVES * c) sampled rows.
+MIN_LEVEL_ROWS, LEVEL_WAVES = 8, 4

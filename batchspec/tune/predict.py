@@ -1,0 +1,151 @@
+"""How tune predicts: tokens per step from per-position acceptance, tok/s at k from one measured
+k, the recommendation per concurrency and the batch sizes to write."""
+
+from __future__ import annotations
+
+import math
+import statistics
+
+import yaml
+
+from batchspec.tune.model import (
+    MIN_NOISE,
+    OBJECTIVES,
+    CandidateResult,
+)
+
+# --------------------------------------------------------------------------- pure logic
+
+
+def tokens_per_step(rates: list[float], k: int) -> float:
+    """Expected tokens per target step with k draft tokens: the bonus token plus the chance that
+    each of the first k positions is accepted (vLLM counts position i only when every earlier
+    one was accepted, so these are already the cumulative probabilities)."""
+    return 1.0 + sum(rates[:k])
+
+
+
+
+def predict_tokens_per_s(off_tps: float, big_tps: float, big_tau: float, rates: list[float],
+                         big_k: int, k: int) -> float:
+    """Predicted output tok/s at k from speculation off and the run at ``big_k`` (same level).
+
+    Time per sequence step: ``1 / off_tps`` at k = 0, ``big_tau / big_tps`` at ``big_k``,
+    linear in between (the draft runs k times per step, the target verifies k + 1 tokens)."""
+    if off_tps <= 0 or big_tps <= 0 or big_k <= 0:
+        raise ValueError("predict_tokens_per_s needs positive rates and k")
+    step_off = 1.0 / off_tps
+    step_big = big_tau / big_tps
+    step = step_off + (step_big - step_off) * k / big_k
+    return tokens_per_step(rates, k) / step
+
+
+
+
+def pick_ks(predicted: dict[int, dict[int, float]], top: int) -> list[int]:
+    """The k to measure: the ``top`` best predicted k at each concurrency level, united.
+
+    ``predicted`` maps concurrency -> k -> predicted tok/s."""
+    chosen: set[int] = set()
+    for by_k in predicted.values():
+        ranked = sorted(by_k, key=lambda k: (-by_k[k], k))
+        chosen.update(ranked[:max(0, top)])
+    return sorted(chosen)
+
+
+
+
+def spread(values: list[float]) -> float:
+    """Relative spread of repeated measurements: (max - min) / mean; 0 for one value."""
+    values = [v for v in values if v is not None]
+    if len(values) < 2:
+        return 0.0
+    mean = statistics.fmean(values)
+    return (max(values) - min(values)) / mean if mean else 0.0
+
+
+
+
+def recommend(entries: list[CandidateResult], objective: str = "throughput",
+              min_noise: float = MIN_NOISE) -> tuple[dict[int, str], dict[int, dict[str, float]]]:
+    """Per concurrency: the fastest measured, lossless candidate if it beats off by more than the
+    noise (off's relative spread over its repeats, at least ``min_noise``), else "off".
+
+    ``objective`` "throughput" compares output tok/s (higher is better), "latency" e2e p50
+    (lower is better). Returns (concurrency -> label, concurrency -> noise figures). A level
+    where off was not measured gets no recommendation."""
+    if objective not in OBJECTIVES:
+        raise ValueError(f"objective must be one of {OBJECTIVES}, not {objective!r}")
+    chosen: dict[int, str] = {}
+    noise: dict[int, dict[str, float]] = {}
+    for c in sorted({e.concurrency for e in entries}):
+        here = [e for e in entries if e.concurrency == c and e.level is not None and not e.skipped]
+        off = next((e for e in here if e.candidate.speculative is None), None)
+        if off is None:
+            continue
+        tps_noise = spread(off.level.tokens_per_s)
+        p50_noise = spread(off.level.e2e_p50_s)
+        used = max(tps_noise if objective == "throughput" else p50_noise, min_noise)
+        noise[c] = {"output_tokens_per_s": round(tps_noise, 4), "e2e_p50_s": round(p50_noise, 4),
+                    "threshold": round(used, 4)}
+        rivals = [e for e in here if e is not off and e.lossless is not False]
+        chosen[c] = "off"
+        if objective == "throughput":
+            rivals = [e for e in rivals if e.level.tokens_per_s]
+            if rivals:
+                best = max(rivals, key=lambda e: e.level.tps)
+                if best.level.tps > off.level.tps * (1 + used):
+                    chosen[c] = best.candidate.label
+        else:
+            rivals = [e for e in rivals if e.level.p50 is not None]
+            if rivals and off.level.p50 is not None:
+                best = min(rivals, key=lambda e: e.level.p50)
+                if best.level.p50 < off.level.p50 * (1 - used):
+                    chosen[c] = best.candidate.label
+    return chosen, noise
+
+
+
+
+def write_concurrency(measured: list[int], max_num_seqs: int | None) -> int:
+    """The level whose recommendation ``--write`` uses: the only one, else the job's
+    ``max_num_seqs`` (or the measured level nearest it; the largest if the job sets none)."""
+    if len(measured) == 1 or max_num_seqs is None:
+        return max(measured)
+    return min(measured, key=lambda c: (abs(c - max_num_seqs), -c))
+
+
+
+
+def batch_size_schedule(levels: dict[int, tuple[dict | None, int]], max_num_seqs: int | None
+                        ) -> dict | None:
+    """One speculative section for every measured level, with vLLM's dynamic k
+    (``num_speculative_tokens_per_batch_size``), or None where no single one fits.
+
+    ``levels`` maps concurrency -> (the recommended speculative config, or None for off; its k).
+    Every recommended config must be the same draft model apart from k; off becomes k = 0 for
+    those batch sizes. Concurrency level c_i covers the batch sizes from just above the geometric midpoint
+    with the level below to the midpoint with the level above; the last one runs on (vLLM
+    carries the last k forward up to max_num_seqs)."""
+    if len(levels) < 2:
+        return None
+    bases = {yaml.safe_dump({k: v for k, v in cfg.items() if k != "num_speculative_tokens"})
+             for cfg, _ in levels.values() if cfg is not None}
+    configs = [cfg for cfg, _ in levels.values() if cfg is not None]
+    if len(bases) != 1 or configs[0].get("method") != "draft_model":
+        return None  # off everywhere, two different drafts, or a method the CPU check did not cover
+    ks = {c: (k if cfg is not None else 0) for c, (cfg, k) in levels.items()}
+    if len(set(ks.values())) == 1:
+        return None  # one k everywhere: a plain section says it
+    order = sorted(ks)
+    schedule: list[list[int]] = []
+    lo = 1
+    for i, c in enumerate(order):
+        if i + 1 < len(order):
+            hi = max(lo, math.isqrt(c * order[i + 1]))
+        else:
+            hi = max(lo, c, max_num_seqs or c)
+        schedule.append([lo, hi, ks[c]])
+        lo = hi + 1
+    return {**configs[0], "num_speculative_tokens": max(ks.values()),
+            "num_speculative_tokens_per_batch_size": schedule}

@@ -1,0 +1,327 @@
+"""``batchspec tune JOB.yaml``: measure speculation off and candidate speculative configs on a
+seeded sample of the job's own prompts, predict before measuring, recommend per concurrency.
+
+How it works (README "Choosing speculation: batchspec tune"):
+
+- A seeded sample of the job's rows (reservoir sampling over every shard, so each row is equally
+  likely), sent with the job's sampling and each row's own overrides, as ``run`` sends them.
+- One engine per speculative config (never two alive at once), ``max_num_seqs`` = the largest
+  concurrency; a concurrency level is the number of requests kept in flight
+  (:meth:`batchspec.engine.llm.Engine.stream`'s ``max_in_flight``). Level ``c`` uses the first
+  ``max(8, 4 c)`` sampled rows (all of them if the sample is smaller).
+- Speculation off is measured first, ``--repeats`` times per level: the relative spread of its
+  tok/s (and e2e p50) is the noise. A candidate is recommended at a level only if it beats off by
+  more than the noise (never less than :data:`MIN_NOISE`); otherwise off is.
+- Prediction (Leviathan et al. 2023): each draft runs once at its largest k. vLLM's per-position
+  acceptance counters give a_i, the chance that draft position i is accepted, hence
+  tokens per step ``tau(k) = 1 + sum_{i<k} a_i`` for every smaller k. Cost model: the time a
+  sequence spends per target step is linear in k, from off's (k = 0: ``1 / tok/s``) to the
+  largest k's (``tau(K) / tok/s``), per concurrency level. Predicted ``tok/s(k) = tau(k) /
+  step_time(k)``. The best ``--top`` k per level are then measured, predicted beside measured.
+- Losslessness: every greedy row's text from each candidate must equal off's at the same level."""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+from batchspec.errors import RuntimeFailure, SpecError
+from batchspec.redact import (
+    scrub_text,
+    secret_values,
+)
+from batchspec.spec.model import JobSpec
+from batchspec.tune.measure import (
+    measure_candidate,
+    row_temperatures,
+    sample_rows,
+)
+from batchspec.tune.model import (
+    OBJECTIVES,
+    TIME_BUDGET,
+    Candidate,
+    CandidateResult,
+    LevelMeasurement,
+    SkipCandidate,
+    TuneOptions,
+    TuneReport,
+)
+from batchspec.tune.predict import (
+    pick_ks,
+    predict_tokens_per_s,
+    recommend,
+)
+from batchspec.tune.search_space import (
+    candidate_spec,
+    candidates,
+    missing_local_draft,
+)
+
+
+class _Progress:
+    """A bar over engines (candidates) with an estimate of the time left at a terminal; a line
+    per candidate otherwise. Writes to batchspec's own stream (stderr)."""
+
+    def __init__(self, stream, total: int, bar: bool, public: Callable[[str], str] = str):
+        self.stream, self.total, self.done = stream, total, 0
+        #: What every line passes through: the sanitiser of the job's secrets.
+        self.public = public
+        self.started = time.monotonic()
+        self.bar = None
+        if bar:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, file=stream, unit="engine", desc="tune", leave=False,
+                            bar_format="{desc}: {n}/{total} engines |{bar}| {postfix}")
+
+    def grow(self, extra: int) -> None:
+        self.total += extra
+        if self.bar is not None:
+            self.bar.total = self.total
+            self.bar.refresh()
+
+    def left_s(self) -> float | None:
+        if not self.done:
+            return None
+        return (time.monotonic() - self.started) / self.done * max(0, self.total - self.done)
+
+    def start(self, label: str) -> None:
+        if self.bar is not None:
+            left = self.left_s()
+            self.bar.set_postfix_str(f"{label}" + (f", ~{left:.0f}s left" if left is not None else ""))
+
+    def finish(self, label: str, what: str) -> None:
+        self.done += 1
+        if self.bar is not None:
+            self.bar.update(1)
+        else:
+            left = self.left_s()
+            print(f"batchspec tune: [{self.done}/{self.total}] {label}: {self.public(what)}"
+                  + (f" (~{left:.0f}s left)" if left and self.done < self.total else ""),
+                  file=self.stream, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+
+
+def _levels_text(levels: dict[int, LevelMeasurement]) -> str:
+    return "; ".join(f"c={c}: {lv.tps:.1f} tok/s" for c, lv in sorted(levels.items())) or "nothing"
+
+
+
+
+def run_tune(spec: JobSpec, options: TuneOptions, job: str = "", stream=None,
+             progress_bar: bool = False) -> TuneReport:
+    """Sample, measure, predict and recommend (see the module docstring)."""
+    from batchspec.engine.checks import CPU_SAMPLING_REFUSAL, check_vllm_keys, refuses_random_sampling
+
+    started = time.monotonic()
+    stream = stream or sys.stderr
+    deadline = started + options.max_minutes * 60 if options.max_minutes is not None else None
+    if options.objective not in OBJECTIVES:
+        raise SpecError(None, f"--objective must be one of {', '.join(OBJECTIVES)}")
+    concurrency = sorted(set(options.concurrency or [_default_concurrency(spec)]))
+    if any(c < 1 for c in concurrency):
+        raise SpecError(None, "--concurrency: levels must be positive integers")
+    if options.sample < 1 or options.repeats < 1 or options.top < 0 or not options.ks \
+            or any(k < 1 for k in options.ks):
+        raise SpecError(None, "--sample, --repeats and --k must be positive, --top at least 0")
+    check_vllm_keys(spec)
+    max_num_seqs = max(concurrency)
+    fixed, families = candidates(spec, options.drafts, options.ks, options.ngram)
+    secrets = tune_secrets(spec, options.drafts)
+
+    def public(text: str) -> str:
+        """Free text for the report (a skip reason quoting vLLM): secrets out, URLs sanitised."""
+        return scrub_text(text, secrets)
+
+    # every candidate's spec is checked before any engine starts: a bad key exits 2 at once
+    specs: dict[str, JobSpec] = {}
+    for cand in fixed + [c for fam in families.values() for c in fam]:
+        specs[cand.label] = candidate_spec(spec, cand.speculative, max_num_seqs)
+    rows, seen = sample_rows(spec, options.sample, options.seed)
+    temps = row_temperatures(spec, rows)
+    greedy = {rid for rid, t in temps.items() if t == 0}
+    sampled = any(t is not None and t > 0 for t in temps.values())
+    notes: list[str] = []
+    if len(rows) < options.sample:
+        notes.append(f"the input has {len(rows)} sendable rows: all of them are the sample")
+    for c in concurrency:
+        if len(rows) < c:
+            notes.append(f"concurrency {c}: the sample has only {len(rows)} rows, so fewer "
+                         f"requests than that were ever in flight (raise --sample)")
+
+    entries: list[CandidateResult] = []
+    progress = _Progress(stream, len(fixed) + sum(1 + options.top for _ in families), progress_bar,
+                         public)
+
+    def entry(cand: Candidate, c: int, **kw) -> CandidateResult:
+        if kw.get("skipped"):
+            kw["skipped"] = public(kw["skipped"])
+        e = CandidateResult(cand, c, max_num_seqs, **kw)
+        entries.append(e)
+        return e
+
+    def skip_all(cand: Candidate, reason: str) -> None:
+        for c in concurrency:
+            entry(cand, c, skipped=reason)
+        progress.finish(cand.label, f"skipped: {reason}")
+
+    off_levels: dict[int, LevelMeasurement] = {}
+
+    def run(cand: Candidate, repeats: int = 1) -> dict[int, LevelMeasurement]:
+        """Measure one candidate at every level; its entries are added by the caller."""
+        if deadline is not None and time.monotonic() >= deadline:
+            raise SkipCandidate(TIME_BUDGET)
+        reason = missing_local_draft(cand.speculative)
+        if reason:
+            raise SkipCandidate(reason)
+        cspec = specs[cand.label]
+        if sampled and refuses_random_sampling(cspec):
+            raise SkipCandidate(f"the sample has rows with temperature > 0: {CPU_SAMPLING_REFUSAL}")
+        progress.start(cand.label)
+        try:
+            levels, late = measure_candidate(cspec, rows, concurrency, repeats, deadline)
+        except RuntimeFailure as exc:
+            if cand.speculative is None:
+                raise
+            raise SkipCandidate(f"the engine failed: {exc}") from exc
+        for c, lv in levels.items():
+            refused = {rid: err for rid, err in lv.errors.items()
+                       if rid not in off_levels.get(c, LevelMeasurement(c, 0)).errors}
+            if cand.speculative is not None and refused:
+                rid, err = next(iter(refused.items()))
+                raise SkipCandidate(f"the engine refused {len(refused)} row(s) that off ran, e.g. "
+                                    f"{rid}: {err}")
+        cand_late.update({(cand.label, c): why for c, why in late.items()})
+        return levels
+
+    cand_late: dict[tuple[str, int], str] = {}
+
+    def record(cand: Candidate, levels: dict[int, LevelMeasurement],
+               predicted: dict[int, float] | None = None, calibration: bool = False) -> None:
+        for c in concurrency:
+            lv = levels.get(c)
+            e = entry(cand, c, level=lv, predicted=(predicted or {}).get(c), calibration=calibration,
+                      skipped=None if lv else cand_late.get((cand.label, c), TIME_BUDGET))
+            if lv is not None and cand.speculative is not None:
+                e.lossless = check_lossless(cand.label, c, off_levels.get(c), lv, greedy, mismatches)
+        progress.finish(cand.label, _levels_text(levels))
+
+    mismatches: list[dict[str, Any]] = []
+    try:
+        # speculation off first: the reference for noise, prediction and losslessness
+        off = fixed[0]
+        try:
+            off_levels = run(off, options.repeats)
+        except SkipCandidate as exc:
+            skip_all(off, str(exc))
+        else:
+            record(off, off_levels)
+        for cand in fixed[1:]:
+            try:
+                record(cand, run(cand))
+            except SkipCandidate as exc:
+                skip_all(cand, str(exc))
+        for family in families.values():
+            measure_family(family, run, record, skip_all, entry, off_levels, concurrency,
+                           options.top, progress)
+    finally:
+        progress.close()
+    order = {id(c): i for i, c in enumerate(fixed + [c for f in families.values() for c in f])}
+    entries.sort(key=lambda e: (e.concurrency, order[id(e.candidate)]))
+    recommended, noise = recommend(entries, options.objective)
+    if sampled:
+        notes.append(f"{len(rows) - len(greedy)} sampled rows (temperature > 0) are not checked "
+                     "for losslessness: only greedy rows must match speculation off")
+    return TuneReport(scrub_text(job), options, concurrency, len(rows), seen, len(greedy), entries,
+                      recommended, noise, mismatches, time.monotonic() - started, notes)
+
+
+
+
+def tune_secrets(spec: JobSpec, drafts: list[str] | tuple[str, ...] = ()) -> set[str]:
+    """What tune's outputs must never show: the values the job's public view hides (expanded
+    ``${VAR}`` included) and the credentials in ``--draft`` URLs."""
+    return secret_values(spec.raw) | secret_values({"draft": list(drafts)})
+
+
+
+
+def measure_family(family: list[Candidate], run: Callable, record: Callable, skip_all: Callable,
+                   entry: Callable, off_levels: dict[int, LevelMeasurement], concurrency: list[int], top: int,
+                   progress: _Progress) -> None:
+    """One draft: run the largest k, predict every k from it, run the best predicted ones."""
+    big = family[-1]
+    try:
+        big_levels = run(big)
+    except SkipCandidate as exc:
+        for cand in family:
+            for c in concurrency:
+                entry(cand, c, skipped=str(exc))
+        progress.finish(big.label, f"skipped: {exc}")
+        progress.grow(-top)
+        return
+    predicted: dict[int, dict[int, float]] = {}  # concurrency -> k -> tok/s
+    for c, lv in big_levels.items():
+        off = off_levels.get(c)
+        if off is None or not lv.per_position or not lv.tps or not lv.mean_acceptance_length:
+            continue
+        rates = [r or 0.0 for r in lv.per_position["rate"]]
+        predicted[c] = {cand.k: predict_tokens_per_s(off.tps, lv.tps, lv.mean_acceptance_length,
+                                                      rates, big.k, cand.k) for cand in family}
+    record(big, big_levels, {c: p[big.k] for c, p in predicted.items()}, calibration=True)
+    chosen = [k for k in pick_ks(predicted, top) if k != big.k]
+    progress.grow(len(chosen) - top)
+    for cand in family[:-1]:
+        preds = {c: p[cand.k] for c, p in predicted.items()}
+        if cand.k not in chosen:
+            for c in concurrency:
+                entry(cand, c, predicted=preds.get(c),
+                      skipped=f"not among the {top} best predicted k (--top)" if preds else
+                      "no prediction (speculation off or the largest k was not measured)")
+            continue
+        try:
+            record(cand, run(cand), preds)
+        except SkipCandidate as exc:
+            for c in concurrency:
+                entry(cand, c, predicted=preds.get(c), skipped=str(exc))
+            progress.finish(cand.label, f"skipped: {exc}")
+
+
+
+
+def check_lossless(label: str, concurrency: int, off: LevelMeasurement | None, lv: LevelMeasurement,
+                   greedy: set[str], mismatches: list[dict[str, Any]]) -> bool | None:
+    """Greedy rows must have the same text as speculation off at the same level; mismatches are
+    appended (row, candidate, both texts' start). None when off was not measured there."""
+    if off is None:
+        return None
+    ok = True
+    for rid, text in lv.texts.items():
+        if rid not in greedy or rid not in off.texts:
+            continue
+        ref = off.texts[rid]
+        if ref is None or text is None:
+            continue
+        if text != ref:
+            ok = False
+            at = next((i for i, (a, b) in enumerate(zip(ref, text, strict=False)) if a != b),
+                      min(len(ref), len(text)))
+            mismatches.append({"row": rid, "candidate": label, "concurrency": concurrency,
+                               "first_difference_at_char": at, "off": ref[max(0, at - 20):at + 40],
+                               "candidate_text": text[max(0, at - 20):at + 40]})
+    return ok
+
+
+
+
+def _default_concurrency(spec: JobSpec) -> int:
+    """The job's own concurrency: model.engine.max_num_seqs, else execution.max_in_flight."""
+    mns = spec.model.engine.get("max_num_seqs")
+    return int(mns) if isinstance(mns, int) and mns > 0 else spec.execution.max_in_flight
