@@ -39,8 +39,9 @@ from batchspec.spec.build import build_spec
 
 SHARDS, ROWS = 4, 16
 MAX_TOKENS = 24
-#: execution.lease_s of the runs on S3: short, so that a dead replica's lease is taken over soon
-LEASE_S = 1.5
+#: execution.lease_s of the runs on S3: short, so that a dead replica's lease is taken over soon,
+#: and long enough that a renewal delayed by a loaded 2-core machine never loses a live lease
+LEASE_S = 4.0
 
 
 def _spec(inputs, out, storage_options=None, lease_s=None, **executor):
@@ -318,7 +319,7 @@ def _replica_env(self):
 
 def test_on_s3_dead_replicas_and_crashed_runs_are_taken_over_and_live_holders_end_the_run(
         ray_cluster, s3_server, tmp_path, monkeypatch):
-    """The driver on S3 with a stand-in engine (no vLLM), lease_s 1.5. A replica killed while on
+    """The driver on S3 with a stand-in engine (no vLLM), lease_s 4. A replica killed while on
     a shard leaves its lease behind: another replica takes it over once its heartbeat has been
     still for lease_s, and every row is written once. A rerun after an earlier run's worker died
     holding a shard takes it over too (it used to exit 1 "busy"). A shard held by a live other
