@@ -24,6 +24,11 @@ class FakeEngine:
         self.delay_s = delay_s
         self.max_seen_in_flight = 0
         self.finished = 0
+        #: The spec of every job run on this engine, in order (``run_job`` binds it to each).
+        self.bound: list = []
+
+    def bind(self, spec):
+        self.bound.append(spec)
 
     def stream(self, rows, max_in_flight, stop=None, grace_s=0.0, keep=None):
         """The real engine's contract: completion order, at most ``max_in_flight`` at once, and

@@ -123,8 +123,6 @@ class SharedEngines:
     def engine(self, spec: JobSpec):
         """The started engine for ``spec``'s model, engine arguments and speculation, ready to
         generate with ``spec``'s sampling."""
-        from batchspec.engine.checks import refuses_random_sampling
-
         key = self.key(spec)
         if key in self._engines:
             self._engines.move_to_end(key)
@@ -134,11 +132,7 @@ class SharedEngines:
             self._engines[key] = self._start(spec)
         engine = self._engines[key]
         _own_metrics(engine)
-        # an Engine keeps the sampling of the spec it was built from; run_job(spec, engine=...)
-        # generates with the engine's, so each job's own goes in here
-        engine.base_sampling = dict(spec.sampling)
-        engine.refuse_random_sampling = refuses_random_sampling(spec)
-        return engine
+        return engine  # run_job(spec, engine=...) binds it to each job's sampling
 
     @staticmethod
     def probe_spec(target, engine_args: dict, speculative: dict | None = None) -> JobSpec:

@@ -20,7 +20,7 @@ from conftest import write_parquet
 from fakes import FakeEngine
 
 from batchspec.columns import RESULT_NAMES
-from batchspec.errors import InputDataError, RuntimeFailure
+from batchspec.errors import InputDataError, RuntimeFailure, SpecError
 from batchspec.run.events import EventLog
 from batchspec.run.job import run_job
 from batchspec.spec.build import build_spec
@@ -231,3 +231,31 @@ def test_sample_rows_is_seeded_uniform_over_shards_and_skips_rows_a_run_would_re
     assert len({p.split("-")[0] for p in prompts}) == 3  # drawn from every shard
     everything, _ = sample_rows(spec, 100, seed=7)
     assert len(everything) == 60 and len({r.request_id for r in everything}) == 60
+
+
+def test_a_reused_engine_generates_with_each_jobs_sampling_and_refuses_another_model(tmp_path):
+    """run_job(spec, engine=...) reuses a started engine across jobs: each job's own sampling is
+    what it generates with (it used to keep the first spec's), and a job for another model,
+    engine arguments or speculative config is a spec error naming the key, before any row."""
+    from batchspec.engine.llm import Engine
+
+    engine = FakeEngine()
+    shards(tmp_path / "a", n=1)
+    shards(tmp_path / "b", n=1)
+    first, second = make_spec(tmp_path / "a"), make_spec(tmp_path / "b")
+    run_job(first, engine=engine, events=EventLog("t", "text"), progress_bars=False)
+    run_job(second, engine=engine, events=EventLog("t", "text"), progress_bars=False)
+    assert [s.output.path for s in engine.bound] == [first.output.path, second.output.path]
+
+    real = Engine.__new__(Engine)  # bind's bookkeeping alone, no vLLM
+    real.serves = (first.model.target, dict(first.model.engine), None)
+    warm = build_spec({**first.raw, "sampling": {"temperature": 0.7, "max_tokens": 9}})
+    real.bind(warm)
+    assert real.base_sampling == {"temperature": 0.7, "max_tokens": 9}
+    for key, change in [("model.target", {"model": {**first.raw["model"], "target": "other"}}),
+                        ("model.engine", {"model": {**first.raw["model"], "engine": {"dtype": "half"}}}),
+                        ("speculative", {"speculative": {"method": "ngram",
+                                                         "num_speculative_tokens": 2}})]:
+        with pytest.raises(SpecError, match=key.replace(".", r"\.")):
+            real.bind(build_spec({**first.raw, **change}))
+    assert real.base_sampling == {"temperature": 0.7, "max_tokens": 9}

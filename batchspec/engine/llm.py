@@ -42,6 +42,12 @@ _STATS_ON = {"disable_log_stats": False}
 
 
 
+def _serves(spec: JobSpec) -> tuple:
+    """What an engine is built from: the target, the engine arguments, the speculative config."""
+    return (spec.model.target, dict(spec.model.engine),
+            dict(spec.speculative) if spec.speculative is not None else None)
+
+
 class Engine:
     """One vLLM engine, reused for every shard of the process."""
 
@@ -73,11 +79,25 @@ class Engine:
         self.engine = self.llm.llm_engine
         self.tokenizer = self.llm.get_tokenizer()
         self.max_model_len = self.engine.model_config.max_model_len
+        self.serves = _serves(spec)
         self.base_sampling = dict(spec.sampling)
         self._ids = itertools.count()
         self._closed = threading.Event()
         self._start_watchdog()
         self._bad_value = _bad_value_errors()
+
+    def bind(self, spec: JobSpec) -> None:
+        """Generate for ``spec`` from now on (``run_job(spec, engine=...)`` reuses an engine across
+        jobs): its sampling and refusals. A spec for another model, engine arguments or
+        speculative config is a spec error: this engine cannot run it."""
+        wanted = _serves(spec)
+        for key, (have, want) in zip(("model.target", "model.engine", "speculative"),
+                                     zip(self.serves, wanted, strict=True), strict=True):
+            if have != want:
+                raise SpecError(key, "the engine given to run_job was started for another "
+                                     f"{key}; start one for this job (or pass none)")
+        self.base_sampling = dict(spec.sampling)
+        self.refuse_random_sampling = refuses_random_sampling(spec)
 
     # ------------------------------------------------------------------ requests
 

@@ -29,6 +29,7 @@ class LocalExecutor:
     def start(self, ctx: RunContext) -> None:
         """One vLLM engine in this process, unless the caller gave one."""
         if self.engine is not None:
+            self.engine.bind(ctx.spec)
             return
         from batchspec.engine.llm import Engine, child_pids, kill_new_children
 
