@@ -3,27 +3,14 @@
 from __future__ import annotations
 
 import os
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
-import yaml
+from helpers.jobs import MODELS, ROOT, S3_KEY, S3_SECRET, free_port
 
-ROOT = Path(__file__).resolve().parent.parent
-MODELS = ROOT / ".models"
 sys.path.insert(0, str(ROOT / "tools"))
 
-#: Engine settings every end-to-end job uses: eager mode starts in ~20 s on a CPU.
-ENGINE = {"max_model_len": 512, "enforce_eager": True, "dtype": "float32"}
-DRAFT = {"method": "draft_model", "model": str(MODELS / "draft"), "num_speculative_tokens": 4}
-#: n-gram lookup from a single matching token on (so that it proposes at most steps): the jobs
-#: and probes with n-gram speculation share one engine (tests/shared_engines.py).
-NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
-         "prompt_lookup_max": 4}
 
 
 def pytest_collection_modifyitems(items):
@@ -41,46 +28,6 @@ def models() -> Path:
         if not (MODELS / name / ".batchspec-complete").exists():
             pytest.fail(f"{MODELS / name} is not built: run `make models` first")
     return MODELS
-
-
-def write_job(path: Path, **sections) -> Path:
-    """Write a job spec YAML from keyword sections (input=..., output=..., ...)."""
-    spec = {"name": path.stem, "model": {"target": str(MODELS / "target"), "engine": dict(ENGINE)}}
-    spec.update(sections)
-    path.write_text(yaml.safe_dump(spec, sort_keys=False))
-    return path
-
-
-def write_parquet(path: Path, columns: dict, schema: pa.Schema | None = None, **kwargs) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    pq.write_table(pa.table(columns, schema=schema), path, **kwargs)
-    return path
-
-
-def run_cli(*args: str, env: dict | None = None, timeout: float = 600, cwd: Path | None = None
-            ) -> subprocess.CompletedProcess:
-    """Run the `batchspec` console script as a scheduler would, capturing its output."""
-    exe = Path(sys.executable).with_name("batchspec")
-    full_env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", **(env or {})}
-    return subprocess.run([str(exe), *args], capture_output=True, text=True, timeout=timeout,
-                          env=full_env, cwd=cwd or ROOT)
-
-
-def read_output(out_dir: Path) -> pa.Table:
-    """All committed output shards of a job, concatenated."""
-    files = sorted(out_dir.glob("*.parquet"))
-    assert files, f"no output files in {out_dir}"
-    return pa.concat_tables([pq.read_table(f) for f in files], promote_options="default")
-
-
-S3_KEY = "AKIABATCHSPECTEST"
-S3_SECRET = "batchspec-test-secret-7f3a"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="session")
@@ -101,9 +48,9 @@ def s3_server():
 @pytest.fixture(scope="session")
 def shared_engines(models):
     """Real engines shared by the session's tests, one per (target, engine arguments, speculative
-    config), each started the first time a test needs it (see tests/shared_engines.py):
+    config), each started the first time a test needs it (see tests/helpers/shared_engines.py):
     ``shared_engines.run(spec)`` runs a job on one through the library."""
-    from shared_engines import SharedEngines
+    from helpers.shared_engines import SharedEngines
 
     engines = SharedEngines(plugin_env=_PLUGIN_ENV_AT_START)
     yield engines
@@ -113,7 +60,7 @@ def shared_engines(models):
 # ---------------------------------------------------------------------- engine start-ups
 
 #: With this variable naming a file, every vLLM engine the tests build, in this process or in a
-#: subprocess, appends a line to it (tests/engine_counter), and pytest prints the start-ups per
+#: subprocess, appends a line to it (tests/helpers/engine_counter), and pytest prints the start-ups per
 #: test file at the end: `BATCHSPEC_TEST_ENGINE_LOG=$PWD/engines.jsonl make test`.
 ENGINE_LOG_ENV = "BATCHSPEC_TEST_ENGINE_LOG"
 import time as _time  # noqa: E402
@@ -124,7 +71,7 @@ _PLUGIN_ENV_AT_START = {k: os.environ.get(k) for k in ("BATCHSPEC_DISABLE_VLLM_P
 if os.environ.get(ENGINE_LOG_ENV):
     import importlib.util as _importlib_util
 
-    _COUNTER_DIR = Path(__file__).resolve().parent / "engine_counter"
+    _COUNTER_DIR = Path(__file__).resolve().parent / "helpers" / "engine_counter"
     os.environ[ENGINE_LOG_ENV] = str(Path(os.environ[ENGINE_LOG_ENV]).resolve())
     os.environ["PYTHONPATH"] = os.pathsep.join(
         p for p in (str(_COUNTER_DIR), os.environ.get("PYTHONPATH")) if p)

@@ -1,0 +1,105 @@
+"""A fake engine for fast unit tests of the runner's I/O logic (never the only test of a
+user-visible behaviour: tests/cli/test_e2e.py and tests/cli/test_cli_e2e.py run the same paths on
+real vLLM), and ``batchspec`` as a process with it in place of vLLM."""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from batchspec.columns import empty_result, error_result
+
+
+class FakeEngine:
+    """Echoes prompts upper-cased, finishing requests out of order like a real engine."""
+
+    def __init__(self, seed: int = 0, fail_after: int | None = None, delay_s: float = 0.0):
+        self.rng = random.Random(seed)
+        self.fail_after = fail_after
+        #: Seconds each request takes (a process to kill mid-run has to be slow enough).
+        self.delay_s = delay_s
+        self.max_seen_in_flight = 0
+        self.finished = 0
+        #: The spec of every job run on this engine, in order (``run_job`` binds it to each).
+        self.bound: list = []
+
+    def bind(self, spec):
+        self.bound.append(spec)
+
+    def stream(self, rows, max_in_flight, stop=None, grace_s=0.0, keep=None):
+        """The real engine's contract: completion order, at most ``max_in_flight`` at once, and
+        after ``stop()`` no new rows and only the ``keep`` ones finish (no grace timing here)."""
+        in_flight = []
+        exhausted = False
+        stopping = False
+        while True:
+            if not stopping and stop is not None and stop():
+                stopping = exhausted = True
+                in_flight = [r for r in in_flight if keep is None or keep(r)]
+            while not exhausted and len(in_flight) < max_in_flight:
+                row = next(rows, None)
+                if row is None:
+                    exhausted = True
+                elif row.error is not None:
+                    yield row, error_result(row.error)
+                else:
+                    in_flight.append(row)
+            self.max_seen_in_flight = max(self.max_seen_in_flight, len(in_flight))
+            if not in_flight:
+                return
+            row = in_flight.pop(self.rng.randrange(len(in_flight)))
+            if self.fail_after is not None and self.finished >= self.fail_after:
+                from batchspec.errors import RuntimeFailure
+
+                raise RuntimeFailure("the vLLM engine failed: EngineDeadError: fake")
+            self.finished += 1
+            if self.delay_s:
+                time.sleep(self.delay_s)
+            result = empty_result()
+            text = (row.prompt or str(row.messages)).upper()
+            result.update(generated_text=text, finish_reason="stop", num_prompt_tokens=len(text),
+                          num_output_tokens=len(text))
+            yield row, result
+
+    def spec_counters(self):
+        return {}
+
+    def shutdown(self):
+        pass
+
+
+#: ``batchspec`` in a new Python process with :class:`FakeEngine` in place of vLLM: no model
+#: loads, no engine starts. For tests of what a process does with its store (exit codes, kills,
+#: flags) where the engine's own work is not the point. argv: the tests folder, then the command line.
+#: ``BATCHSPEC_FAKE_ENGINE_DELAY_S`` sets :attr:`FakeEngine.delay_s`.
+FAKE_ENGINE_CLI = """
+import os, sys
+sys.path.insert(0, sys.argv[1])
+import batchspec.engine.llm
+import batchspec.engine.checks
+from helpers.fakes import FakeEngine
+delay_s = float(os.environ.get("BATCHSPEC_FAKE_ENGINE_DELAY_S", "0"))
+batchspec.engine.llm.Engine = lambda spec: FakeEngine(delay_s=delay_s)
+batchspec.engine.checks.check_vllm_keys = lambda spec: None
+batchspec.engine.checks.vllm_version = lambda: "none (fake engine)"
+from batchspec.cli import main
+sys.argv = ["batchspec", *sys.argv[2:]]
+main()
+"""
+
+
+def fake_cli_command(*args: str) -> list[str]:
+    """The command line of ``batchspec ARGS`` with the fake engine (see FAKE_ENGINE_CLI)."""
+    return [sys.executable, "-c", FAKE_ENGINE_CLI, str(Path(__file__).resolve().parents[1]), *args]
+
+
+def run_fake_cli(*args: str, env: dict | None = None, timeout: float = 300
+                 ) -> subprocess.CompletedProcess:
+    """Run ``batchspec ARGS`` with the fake engine, capturing its output."""
+    return subprocess.run(fake_cli_command(*args), capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})},
+                          cwd=Path(__file__).resolve().parents[2])

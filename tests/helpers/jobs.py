@@ -1,0 +1,65 @@
+"""What tests share besides fixtures: the repository's paths, the engine settings end-to-end
+jobs use, job and Parquet writers, the CLI runner, the test store's credentials."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+MODELS = ROOT / ".models"
+
+#: Engine settings every end-to-end job uses: eager mode starts in ~20 s on a CPU.
+ENGINE = {"max_model_len": 512, "enforce_eager": True, "dtype": "float32"}
+DRAFT = {"method": "draft_model", "model": str(MODELS / "draft"), "num_speculative_tokens": 4}
+#: n-gram lookup from a single matching token on (so that it proposes at most steps): the jobs
+#: and probes with n-gram speculation share one engine (tests/helpers/shared_engines.py).
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
+         "prompt_lookup_max": 4}
+
+
+def write_job(path: Path, **sections) -> Path:
+    """Write a job spec YAML from keyword sections (input=..., output=..., ...)."""
+    spec = {"name": path.stem, "model": {"target": str(MODELS / "target"), "engine": dict(ENGINE)}}
+    spec.update(sections)
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    return path
+
+
+def write_parquet(path: Path, columns: dict, schema: pa.Schema | None = None, **kwargs) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.table(columns, schema=schema), path, **kwargs)
+    return path
+
+
+def run_cli(*args: str, env: dict | None = None, timeout: float = 600, cwd: Path | None = None
+            ) -> subprocess.CompletedProcess:
+    """Run the `batchspec` console script as a scheduler would, capturing its output."""
+    exe = Path(sys.executable).with_name("batchspec")
+    full_env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", **(env or {})}
+    return subprocess.run([str(exe), *args], capture_output=True, text=True, timeout=timeout,
+                          env=full_env, cwd=cwd or ROOT)
+
+
+def read_output(out_dir: Path) -> pa.Table:
+    """All committed output shards of a job, concatenated."""
+    files = sorted(out_dir.glob("*.parquet"))
+    assert files, f"no output files in {out_dir}"
+    return pa.concat_tables([pq.read_table(f) for f in files], promote_options="default")
+
+
+S3_KEY = "AKIABATCHSPECTEST"
+S3_SECRET = "batchspec-test-secret-7f3a"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
