@@ -9,29 +9,31 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from batchspec.io.retry import retry
+from batchspec.leases.azure import _AzureStore
+from batchspec.leases.gcs import _GcsStore
+from batchspec.leases.protocol import SETTLE_S, _CasStore, _encode
+from batchspec.leases.s3 import _S3Store
 
 if TYPE_CHECKING:
     from batchspec.io.output_dir import OutputDir
-from batchspec.leases.azure import _AzureStore
-from batchspec.leases.gcs import _GcsStore
-from batchspec.leases.protocol import SETTLE_S, _CasStore, _decode, _encode
-from batchspec.leases.s3 import _S3Store
 
 log = logging.getLogger(__name__)
 
+#: The compare-and-swap adapters, in the order a filesystem is matched against them.
+_ADAPTERS = (_S3Store, _GcsStore, _AzureStore)
 
 
-
-class _BestEffortStore:
+class _BestEffortStore(_CasStore):
     """For stores without conditional writes: check, write, wait, read back. Two writers that
-    write within ``SETTLE_S`` of each other may both believe they won."""
+    write within ``SETTLE_S`` of each other may both believe they won. The version is the
+    record's SHA-256."""
 
     exclusive = False
 
     def __init__(self, out: OutputDir):
         self.out = out
 
-    def _read_bytes(self, path: str) -> bytes | None:
+    def _fetch(self, path: str) -> tuple[bytes | None, Any]:
         def read():
             try:
                 with self.out.fs.open(path, "rb") as f:
@@ -39,46 +41,29 @@ class _BestEffortStore:
             except FileNotFoundError:
                 return None
 
-        return retry(read, f"reading lease {path}")
+        data = retry(read, f"reading lease {path}")
+        return data, None if data is None else hashlib.sha256(data).hexdigest()
 
-    def read(self, path: str) -> tuple[dict | None, Any]:
-        data = self._read_bytes(path)
-        if data is None:
-            return None, None
-        return _decode(data), hashlib.sha256(data).hexdigest()
-
-    def _write_and_check(self, path: str, record: dict) -> Any | None:
+    def _write(self, path: str, record: dict, version: Any | None, what: str) -> Any | None:
+        if self.read(path)[1] != version:
+            return None
         data = _encode(record)
         retry(lambda: self.out.fs.pipe_file(path, data), f"writing lease {path}")
         time.sleep(SETTLE_S)  # let a racing writer's write land, then see who is last
-        now, version = self.read(path)
+        now, written = self.read(path)
         if now is not None and (now.get("token"), now.get("heartbeat")) == \
                 (record.get("token"), record.get("heartbeat")):
-            return version
+            return written
         return None
 
-    def create_if_absent(self, path: str, record: dict) -> Any | None:
-        if self.read(path)[1] is not None:
-            return None
-        return self._write_and_check(path, record)
-
-    def replace_if_match(self, path: str, record: dict, version: Any) -> Any | None:
-        if self.read(path)[1] != version:
-            return None
-        return self._write_and_check(path, record)
-
-    def delete_if_match(self, path: str, version: Any) -> bool:
+    def _delete(self, path: str, version: Any) -> bool:
         if self.read(path)[1] != version:
             return False
         self.out.remove(path)
         return True
 
 
-
-
 _warned_best_effort: set[str] = set()
-
-
 
 
 def _warn_best_effort(protocol: str, why: str) -> None:
@@ -88,29 +73,18 @@ def _warn_best_effort(protocol: str, why: str) -> None:
                     "moment may both take a shard", protocol, why)
 
 
-
-
 def _cas_store_for(out: OutputDir) -> _CasStore:
-    """The compare-and-swap adapter for the output's store (best effort where none exists)."""
+    """The compare-and-swap adapter for the output's store, once a probe shows the server applies
+    its conditions; best effort (with a warning) where it does not or the store has none."""
     fs = out.fs
     protocols = (fs.protocol,) if isinstance(fs.protocol, str) else tuple(fs.protocol)
-    if hasattr(fs, "_call_s3"):
-        store = _S3Store(fs)
-        if store.honours_conditions(out.join("_batchspec", "locks")):
-            return store
-        _warn_best_effort(protocols[0], "this server ignores conditional writes (If-None-Match)")
-        return _BestEffortStore(out)
-    if {"gs", "gcs"} & set(protocols) and hasattr(fs, "_call"):
-        gcs = _GcsStore(fs)
-        if gcs.honours_conditions(out.join("_batchspec", "locks")):
-            return gcs
-        _warn_best_effort(protocols[0], "this server ignores conditional writes (ifGenerationMatch)")
-        return _BestEffortStore(out)
-    if {"az", "abfs", "abfss"} & set(protocols) and hasattr(fs, "service_client"):
-        azure = _AzureStore(fs)
-        if azure.honours_conditions(out.join("_batchspec", "locks")):
-            return azure
-        _warn_best_effort(protocols[0], "this server ignores conditional writes (If-None-Match)")
-        return _BestEffortStore(out)
+    for adapter in _ADAPTERS:
+        if adapter.serves(fs, set(protocols)):
+            store = adapter(fs)
+            if store.honours_conditions(out.join("_batchspec", "locks")):
+                return store
+            _warn_best_effort(protocols[0], f"this server ignores conditional writes "
+                                            f"({adapter.CONDITIONS})")
+            return _BestEffortStore(out)
     _warn_best_effort(protocols[0], "this store has no conditional writes")
     return _BestEffortStore(out)
