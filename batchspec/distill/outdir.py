@@ -18,6 +18,7 @@ from pathlib import Path
 from batchspec.errors import RuntimeFailure, SpecError
 from batchspec.io.host import this_host
 from batchspec.io.output_dir import fsync_dir, replace_durably
+from batchspec.leases.local import HeldFlock
 
 CARD_NAME = "batchspec-model.json"
 
@@ -27,8 +28,6 @@ WORK_SUFFIX = ".batchspec-distill"
 
 
 LOCK_NAME = "lock"
-
-
 
 
 # --------------------------------------------------------------------------- where it writes
@@ -41,16 +40,12 @@ def out_dir(out: str | os.PathLike) -> Path:
     return Path(os.path.realpath(path.parent)) / path.name
 
 
-
-
 def work_dir(out: str | os.PathLike) -> Path:
     """The private directory beside ``--out``: the lock, the generated data (kept for a
     restart), the draft being built. On the same filesystem as ``--out``, so the finished draft
     is renamed into place, never copied."""
     path = out_dir(out)
     return path.parent / f".{path.name}{WORK_SUFFIX}"
-
-
 
 
 # --------------------------------------------------------------------------- one writer
@@ -73,17 +68,15 @@ def _private_dir(path: Path) -> None:
         os.chmod(path, 0o700)
 
 
-
-
-class OutLock:
+class OutLock(HeldFlock):
     """The one writer of an ``--out``: an flock on ``<work>/lock``, held for the whole distill.
     The kernel frees it when the holder dies (SIGKILL included); the file names the holder
-    (host, pid, start time) for the refusal a second writer prints."""
-
-    _held: list[OutLock] = []
+    (host, pid, start time) for the refusal a second writer prints. A forked child (an engine
+    process) drops its copy of the descriptor (:class:`~batchspec.leases.local.HeldFlock`)."""
 
     def __init__(self, path: Path, fd: int, record: dict):
-        self.path, self.fd, self.record, self.pid = path, fd, record, os.getpid()
+        self.path, self.record = path, record
+        super().__init__(fd)
 
     @classmethod
     def take(cls, out: str | os.PathLike) -> OutLock:
@@ -124,28 +117,21 @@ class OutLock:
         except BaseException:
             os.close(fd)
             raise
-        lock = cls(path, fd, record)
-        cls._held.append(lock)
-        return lock
+        return cls(path, fd, record)
 
     def release(self) -> None:
         """Forget the holder's record, then unlock (the file stays: nobody races on its name)."""
-        if self.fd >= 0 and self.pid == os.getpid():
-            try:
+        try:
+            if self.ours():
                 os.ftruncate(self.fd, 0)
-            finally:
-                os.close(self.fd)
-        self.fd = -1
-        if self in OutLock._held:
-            OutLock._held.remove(self)
+        finally:
+            self.close()
 
     def __enter__(self) -> OutLock:
         return self
 
     def __exit__(self, *exc) -> None:
         self.release()
-
-
 
 
 def _read_holder(fd: int) -> dict | None:
@@ -162,23 +148,6 @@ def _read_holder(fd: int) -> dict | None:
     return None
 
 
-
-
-def _forget_locks_in_child() -> None:
-    """A forked child (an engine process) drops its copy of the descriptor: the lock ends with
-    the process that took it, not with the last of its children."""
-    for lock in OutLock._held:
-        if lock.fd >= 0:
-            try:
-                os.close(lock.fd)
-            except OSError:
-                pass
-        lock.fd = -1
-    OutLock._held.clear()
-
-
-
-
 # --------------------------------------------------------------------------- the model directory
 
 
@@ -188,16 +157,12 @@ def _remove_leftovers(work: Path) -> None:
         shutil.rmtree(leftover, ignore_errors=True)
 
 
-
-
 def build_dir(out: str | os.PathLike) -> Path:
     """A new, empty directory in the work directory for the draft being built (same filesystem
     as ``--out``: it is renamed into place)."""
     path = work_dir(out) / f"model-{os.getpid()}-{os.urandom(6).hex()}"
     os.mkdir(path, 0o777)  # the umask's permissions, as a directory made by mkdir -p
     return path
-
-
 
 
 def _fsync_tree(root: Path) -> None:
@@ -211,14 +176,10 @@ def _fsync_tree(root: Path) -> None:
         fsync_dir(dirpath)
 
 
-
-
 _RENAME_EXCHANGE = 2
 
 
 _AT_FDCWD = -100
-
-
 
 
 def _exchange(a: Path, b: Path) -> bool:
@@ -238,8 +199,6 @@ def _exchange(a: Path, b: Path) -> bool:
     if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EPERM):
         return False
     raise OSError(err, os.strerror(err), str(b))
-
-
 
 
 def install(built: Path, out: str | os.PathLike, card: dict) -> None:
@@ -268,5 +227,3 @@ def install(built: Path, out: str | os.PathLike, card: dict) -> None:
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
 
-
-os.register_at_fork(after_in_child=_forget_locks_in_child)

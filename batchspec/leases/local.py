@@ -6,32 +6,64 @@ from __future__ import annotations
 import fcntl
 import os
 import time
-import weakref
-from typing import TYPE_CHECKING
 
 from batchspec.errors import RuntimeFailure
-
-if TYPE_CHECKING:
-    pass
 from batchspec.leases.protocol import _decode, _encode
+
+# ---------------------------------------------------------------------- an flock this process holds
+
+
+class HeldFlock:
+    """An open file this process holds an flock on. Closed only by the process that took it; a
+    forked child (an engine process, a Ray worker) drops its copy of the descriptor at once, so
+    that the lock ends with the process that took it, not with the last of its children. The
+    shard leases' :class:`_LocalLock` and distill's ``--out`` lock are both one."""
+
+    #: Every flock this process holds, until it is closed.
+    _held: set[HeldFlock] = set()
+
+    def __init__(self, fd: int):
+        self.fd = fd
+        self.pid = os.getpid()
+        HeldFlock._held.add(self)
+
+    def ours(self) -> bool:
+        """Whether the descriptor is open in the process that took the lock."""
+        return self.fd >= 0 and self.pid == os.getpid()
+
+    def close(self) -> None:
+        """Close the descriptor (in the process that took it): the lock is free."""
+        if self.ours():
+            os.close(self.fd)
+        self.fd = -1
+        HeldFlock._held.discard(self)
+
+    @classmethod
+    def _forget_all_in_child(cls) -> None:
+        for held in list(cls._held):
+            if held.fd >= 0:
+                try:
+                    os.close(held.fd)
+                except OSError:
+                    pass
+            held.fd = -1
+        cls._held.clear()
+
+
+os.register_at_fork(after_in_child=HeldFlock._forget_all_in_child)
+
 
 # ---------------------------------------------------------------------- local disk
 
-_open_local_locks: weakref.WeakSet[_LocalLock] = weakref.WeakSet()
 
-
-
-
-class _LocalLock:
+class _LocalLock(HeldFlock):
     """An flock held on a lock file; the file's content names the holder."""
 
     def __init__(self, path: str, fd: int):
-        self.path = path
-        self.fd = fd
         st = os.fstat(fd)
+        self.path = path
         self.inode = (st.st_dev, st.st_ino)
-        self.pid = os.getpid()
-        _open_local_locks.add(self)
+        super().__init__(fd)
 
     @classmethod
     def take(cls, path: str, record: dict) -> _LocalLock | None:
@@ -63,7 +95,7 @@ class _LocalLock:
 
     def still_ours(self) -> bool:
         """Whether the path still names the file we hold locked (nobody removed it)."""
-        if self.fd < 0 or self.pid != os.getpid():
+        if not self.ours():
             return False
         try:
             st = os.stat(self.path)
@@ -81,32 +113,6 @@ class _LocalLock:
                 pass
         self.close()
 
-    def close(self) -> None:
-        if self.fd >= 0 and self.pid == os.getpid():
-            os.close(self.fd)
-        self.fd = -1
-        _open_local_locks.discard(self)
-
-    def forget_after_fork(self) -> None:
-        """In a forked child: drop the child's copy of the descriptor, so the lock ends with the
-        process that took it, not with the last of its children."""
-        if self.fd >= 0:
-            try:
-                os.close(self.fd)
-            except OSError:
-                pass
-        self.fd = -1
-
-
-
-
-def _forget_local_locks_in_child() -> None:
-    for lock in list(_open_local_locks):
-        lock.forget_after_fork()
-    _open_local_locks.clear()
-
-
-
 
 def _read_local_record(path: str) -> dict | None:
     """The holder's record in a local lock file; None if absent or being written."""
@@ -121,5 +127,3 @@ def _read_local_record(path: str) -> dict | None:
         time.sleep(0.01 * (attempt + 1))  # the holder truncates, then writes: give it a moment
     return None
 
-
-os.register_at_fork(after_in_child=_forget_local_locks_in_child)

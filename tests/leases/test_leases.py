@@ -148,12 +148,13 @@ def _hold_then_fork(url, shard, ready, forked_pid):
     leases = ShardLeases(OutputDir(url, {}), {"run_id": "forker", "host": this_host(), "pid": os.getpid(),
                                                "started_at": "now"})
     assert leases.acquire(shard) is None
-    pid = os.fork()  # as multiprocessing or an engine may fork after leases are taken
-    if pid == 0:
+    if os.fork() == 0:  # as multiprocessing or an engine may fork after leases are taken
+        # ready only once the child runs: its after-fork handlers have run by then (on a busy
+        # machine a child may be scheduled late, and the test would see its copy of the lock)
+        forked_pid.value = os.getpid()
+        ready.set()
         time.sleep(600)
         os._exit(0)
-    forked_pid.value = pid
-    ready.set()
     time.sleep(600)
 
 
@@ -181,6 +182,41 @@ def test_a_local_lease_ends_with_its_holder_not_with_a_forked_child(tmp_path):
                 os.kill(forked_pid.value, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+def test_a_forked_child_keeps_neither_a_shard_lease_nor_the_distill_out_lock(tmp_path):
+    """One after-fork rule (HeldFlock) for both flocks this process takes: a child forked while a
+    local shard lease and distill's --out lock are held closes its copies at once, so each lock
+    is free as soon as its taker releases it, with the child still running."""
+    from batchspec.distill.outdir import OutLock
+    from batchspec.leases.local import _LocalLock
+
+    lease_path, out = str(tmp_path / "locks" / "a.json"), tmp_path / "draft"
+    lease, out_lock = _LocalLock.take(lease_path, {"run_id": "me"}), OutLock.take(out)
+    fds = (lease.fd, out_lock.fd)
+    report_r, report_w = os.pipe()
+    go_r, go_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: its copies must be closed already, then it waits for the parent
+        closed = 0
+        for fd in fds:
+            try:
+                os.fstat(fd)
+            except OSError:
+                closed += 1
+        os.write(report_w, bytes([closed]))
+        os.read(go_r, 1)
+        os._exit(0)
+    try:
+        assert os.read(report_r, 1) == bytes([2]), "the child kept a lock's descriptor"
+        lease.release()
+        out_lock.release()
+        OutLock.take(out).release()  # free: not still held through the child's copy
+    finally:
+        os.write(go_w, b"x")
+        os.waitpid(pid, 0)
+        for fd in (report_r, report_w, go_r, go_w):
+            os.close(fd)
 
 
 def test_a_killed_holder_on_this_host_frees_an_s3_lease_at_once(s3_out):
