@@ -9,6 +9,7 @@ from typing import Any
 
 from batchspec.errors import SpecError
 from batchspec.spec.model import (
+    DEFAULT_JOB_NAME,
     EXECUTOR_KINDS,
     ROW_OVERRIDABLE,
     ExecutionSpec,
@@ -25,28 +26,66 @@ _TOP_KEYS = ("name", "input", "output", "model", "speculative", "sampling", "exe
              "executor")
 
 
-
-
 def build_spec(raw: dict[str, Any]) -> JobSpec:
-    """Validate a resolved spec mapping and build the typed :class:`JobSpec`."""
+    """Validate a resolved spec mapping and build the typed :class:`JobSpec`, section by section
+    in the order of :data:`_TOP_KEYS` (the first error found is the one reported)."""
     _check_keys(raw, _TOP_KEYS, "")
-    name = _get(raw, "name", str, "", default="batchspec")
+    return JobSpec(
+        name=_get(raw, "name", str, "", default=DEFAULT_JOB_NAME),
+        input=_input_spec(raw),
+        output=_output_spec(raw),
+        model=_model_spec(raw),
+        speculative=_speculative(raw),
+        sampling=dict(_section(raw, "sampling", required=False)),
+        execution=_execution_spec(raw),
+        raw=raw,
+        executor=_executor_spec(raw),
+    )
 
-    inp = _section(raw, "input", required=True)
-    _check_keys(inp, ("path", *(f.name for f in dataclasses.fields(InputSpec) if f.name != "paths")),
-                "input")
-    paths = _get(inp, "path", (str, list), "input", required=True)
+
+class _Fields:
+    """One section of the spec and the dataclass that types it: each value checked with errors
+    naming ``<section>.<key>``, each default the one the dataclass declares."""
+
+    def __init__(self, raw: dict, name: str, cls: type, required: bool, keys=None):
+        self.values = _section(raw, name, required=required)
+        self.name, self.cls = name, cls
+        _check_keys(self.values, keys or [f.name for f in dataclasses.fields(cls)], name)
+
+    def get(self, key: str, types, required: bool = False) -> Any:
+        return _get(self.values, key, types, self.name, required=required, default=self.default(key))
+
+    def positive(self, key: str) -> int:
+        return _positive(self.values, key, self.name, self.default(key))
+
+    def seconds(self, key: str, allow_zero: bool) -> float:
+        return _seconds(self.values, key, self.name, self.default(key), allow_zero=allow_zero)
+
+    def default(self, key: str) -> Any:
+        """The field's default as its dataclass declares it (a fresh copy for mutable ones);
+        None for a field without one."""
+        f = self.cls.__dataclass_fields__.get(key)
+        if f is None:
+            return None
+        if f.default_factory is not dataclasses.MISSING:
+            return f.default_factory()
+        return None if f.default is dataclasses.MISSING else f.default
+
+
+def _input_spec(raw: dict) -> InputSpec:
+    inp = _Fields(raw, "input", InputSpec, required=True,
+                  keys=("path", *(f.name for f in dataclasses.fields(InputSpec) if f.name != "paths")))
+    paths = inp.get("path", (str, list), required=True)
     paths = [paths] if isinstance(paths, str) else paths
     if not paths or not all(isinstance(p, str) and p.strip() for p in paths):
         raise SpecError("input.path", "expected a non-empty URL or glob, or a list of them")
-    prompt_column = _get(inp, "prompt_column", str, "input")
-    messages_column = _get(inp, "messages_column", str, "input")
+    prompt_column = inp.get("prompt_column", str)
+    messages_column = inp.get("messages_column", str)
     if bool(prompt_column) == bool(messages_column):
         raise SpecError("input.prompt_column",
                         "give exactly one of input.prompt_column (text) and "
                         "input.messages_column (chat messages)")
-    sampling_columns = _get(inp, "sampling_columns", dict, "input",
-                            default=_default(InputSpec, "sampling_columns"))
+    sampling_columns = inp.get("sampling_columns", dict)
     for k, v in sampling_columns.items():
         if k not in ROW_OVERRIDABLE:
             raise SpecError(f"input.sampling_columns.{k}",
@@ -54,107 +93,92 @@ def build_spec(raw: dict[str, Any]) -> JobSpec:
                             f"one of: {', '.join(ROW_OVERRIDABLE)}")
         if not isinstance(v, str) or not v:
             raise SpecError(f"input.sampling_columns.{k}", "expected the name of an input column")
-    on_bad_shard = _get(inp, "on_bad_shard", str, "input", default=_default(InputSpec, "on_bad_shard"))
+    on_bad_shard = inp.get("on_bad_shard", str)
     if on_bad_shard not in ("fail", "skip"):
         raise SpecError("input.on_bad_shard", f"expected 'fail' or 'skip', got {on_bad_shard!r}")
-    allow_empty = _get(inp, "allow_empty", bool, "input", default=_default(InputSpec, "allow_empty"))
-    input_spec = InputSpec(
+    allow_empty = inp.get("allow_empty", bool)
+    return InputSpec(
         paths=tuple(paths),
         prompt_column=prompt_column,
         messages_column=messages_column,
-        id_column=_get(inp, "id_column", str, "input"),
+        id_column=inp.get("id_column", str),
         sampling_columns=dict(sampling_columns),
-        storage_options=_get(inp, "storage_options", dict, "input",
-                             default=_default(InputSpec, "storage_options")),
+        storage_options=inp.get("storage_options", dict),
         on_bad_shard=on_bad_shard,
         allow_empty=allow_empty,
     )
 
-    out = _section(raw, "output", required=True)
-    _check_keys(out, [f.name for f in dataclasses.fields(OutputSpec)], "output")
-    keep = _get(out, "keep_columns", list, "output")
+
+def _output_spec(raw: dict) -> OutputSpec:
+    out = _Fields(raw, "output", OutputSpec, required=True)
+    keep = out.get("keep_columns", list)
     if keep is not None and not all(isinstance(c, str) and c for c in keep):
         raise SpecError("output.keep_columns", "expected a list of column names")
-    output_spec = OutputSpec(
-        path=_get(out, "path", str, "output", required=True),
+    return OutputSpec(
+        path=out.get("path", str, required=True),
         keep_columns=tuple(keep) if keep is not None else None,
-        storage_options=_get(out, "storage_options", dict, "output",
-                             default=_default(OutputSpec, "storage_options")),
-        row_group_rows=_positive(out, "row_group_rows", "output", _default(OutputSpec, "row_group_rows")),
-        compression=_get(out, "compression", str, "output", default=_default(OutputSpec, "compression")),
+        storage_options=out.get("storage_options", dict),
+        row_group_rows=out.positive("row_group_rows"),
+        compression=out.get("compression", str),
     )
 
-    mod = _section(raw, "model", required=True)
-    _check_keys(mod, [f.name for f in dataclasses.fields(ModelSpec)], "model")
-    model_spec = ModelSpec(
-        target=_get(mod, "target", str, "model", required=True),
-        engine=_get(mod, "engine", dict, "model", default=_default(ModelSpec, "engine")),
-    )
+
+def _model_spec(raw: dict) -> ModelSpec:
+    mod = _Fields(raw, "model", ModelSpec, required=True)
+    model_spec = ModelSpec(target=mod.get("target", str, required=True), engine=mod.get("engine", dict))
     for reserved in ("model", "speculative_config"):
         if reserved in model_spec.engine:
             where = "model.target" if reserved == "model" else "speculative"
             raise SpecError(f"model.engine.{reserved}", f"set this with `{where}` instead")
+    return model_spec
 
+
+def _speculative(raw: dict) -> dict[str, Any] | None:
+    """vLLM's ``speculative_config`` as the job gives it (checked against vLLM later), with the
+    seed's shorthand (a draft model and no method) made explicit."""
     speculative = raw.get("speculative")
-    if speculative is not None and not isinstance(speculative, dict):
+    if speculative is None:
+        return None
+    if not isinstance(speculative, dict):
         raise SpecError("speculative", f"expected a mapping or null, got {_kind(speculative)}")
-    if speculative is not None:
-        speculative = dict(speculative)
-        if not speculative.get("method") and not speculative.get("model"):
-            raise SpecError("speculative.method",
-                            "give a method (draft_model, ngram, eagle, ...) or a draft model")
-        if speculative.get("model") and not speculative.get("method"):
-            # The seed's shorthand: a draft model plus num_speculative_tokens.
-            speculative["method"] = "draft_model"
+    speculative = dict(speculative)
+    if not speculative.get("method") and not speculative.get("model"):
+        raise SpecError("speculative.method",
+                        "give a method (draft_model, ngram, eagle, ...) or a draft model")
+    if speculative.get("model") and not speculative.get("method"):
+        speculative["method"] = "draft_model"
+    return speculative
 
-    sampling = _section(raw, "sampling", required=False)
-    exe = _section(raw, "execution", required=False)
-    _check_keys(exe, [f.name for f in dataclasses.fields(ExecutionSpec)], "execution")
-    execution = ExecutionSpec(
-        max_in_flight=_positive(exe, "max_in_flight", "execution", _default(ExecutionSpec, "max_in_flight")),
-        read_batch_rows=_positive(exe, "read_batch_rows", "execution",
-                                  _default(ExecutionSpec, "read_batch_rows")),
-        progress_interval_s=float(_get(exe, "progress_interval_s", (int, float), "execution",
-                                       default=_default(ExecutionSpec, "progress_interval_s"))),
-        grace_s=_seconds(exe, "grace_s", "execution", _default(ExecutionSpec, "grace_s"), allow_zero=True),
-        lease_s=_seconds(exe, "lease_s", "execution", _default(ExecutionSpec, "lease_s"),
-                         allow_zero=False),
+
+def _execution_spec(raw: dict) -> ExecutionSpec:
+    exe = _Fields(raw, "execution", ExecutionSpec, required=False)
+    return ExecutionSpec(
+        max_in_flight=exe.positive("max_in_flight"),
+        read_batch_rows=exe.positive("read_batch_rows"),
+        progress_interval_s=float(exe.get("progress_interval_s", (int, float))),
+        grace_s=exe.seconds("grace_s", allow_zero=True),
+        lease_s=exe.seconds("lease_s", allow_zero=False),
     )
 
-    ex = _section(raw, "executor", required=False)
-    _check_keys(ex, [f.name for f in dataclasses.fields(ExecutorSpec)], "executor")
-    kind = _get(ex, "kind", str, "executor", default=_default(ExecutorSpec, "kind"))
+
+def _executor_spec(raw: dict) -> ExecutorSpec:
+    ex = _Fields(raw, "executor", ExecutorSpec, required=False)
+    kind = ex.get("kind", str)
     if kind not in EXECUTOR_KINDS:
         raise SpecError("executor.kind", f"expected one of {', '.join(EXECUTOR_KINDS)}, got {kind!r}")
-    resources = _get(ex, "resources_per_replica", dict, "executor",
-                     default=_default(ExecutorSpec, "resources_per_replica"))
+    resources = ex.get("resources_per_replica", dict)
     for key, value in resources.items():
         if not isinstance(key, str) or isinstance(value, bool) or not isinstance(value, (int, float)) \
                 or value < 0:
             raise SpecError(f"executor.resources_per_replica.{key}",
                             f"expected a number of {key} (0 or more), got {value!r}")
-    executor = ExecutorSpec(
+    return ExecutorSpec(
         kind=kind,
-        replicas=_positive(ex, "replicas", "executor", _default(ExecutorSpec, "replicas")),
+        replicas=ex.positive("replicas"),
         resources_per_replica=dict(resources),
-        ray_address=_get(ex, "ray_address", str, "executor"),
-        max_shard_attempts=_positive(ex, "max_shard_attempts", "executor",
-                                     _default(ExecutorSpec, "max_shard_attempts")),
+        ray_address=ex.get("ray_address", str),
+        max_shard_attempts=ex.positive("max_shard_attempts"),
     )
-
-    return JobSpec(
-        name=name,
-        input=input_spec,
-        output=output_spec,
-        model=model_spec,
-        speculative=speculative,
-        sampling=dict(sampling),
-        execution=execution,
-        raw=raw,
-        executor=executor,
-    )
-
-
 
 
 def _section(raw: dict, key: str, required: bool) -> dict:
@@ -168,8 +192,6 @@ def _section(raw: dict, key: str, required: bool) -> dict:
     return value
 
 
-
-
 def _check_keys(section: dict, allowed, where: str) -> None:
     allowed = tuple(allowed)
     for key in section:
@@ -177,8 +199,6 @@ def _check_keys(section: dict, allowed, where: str) -> None:
             raise SpecError(_join(where, key),
                             f"unknown key{_suggest(str(key), allowed)}; allowed here: "
                             f"{', '.join(allowed)}")
-
-
 
 
 def _get(section: dict, key: str, types, where: str, required: bool = False, default=None):
@@ -194,15 +214,11 @@ def _get(section: dict, key: str, types, where: str, required: bool = False, def
     return value
 
 
-
-
 def _positive(section: dict, key: str, where: str, default: int) -> int:
     value = _get(section, key, int, where, default=default)
     if value <= 0:
         raise SpecError(_join(where, key), f"expected a positive integer, got {value}")
     return value
-
-
 
 
 def _seconds(section: dict, key: str, where: str, default: float, allow_zero: bool) -> float:
@@ -213,8 +229,6 @@ def _seconds(section: dict, key: str, where: str, default: float, allow_zero: bo
     return value
 
 
-
-
 def check_known_keys(values: dict, known, where: str) -> None:
     """Raise a SpecError naming the first key of ``values`` not in ``known``, with a suggestion."""
     known = tuple(known)
@@ -223,19 +237,13 @@ def check_known_keys(values: dict, known, where: str) -> None:
             raise SpecError(_join(where, key), f"unknown key{_suggest(str(key), known)}")
 
 
-
-
 def _suggest(key: str, choices) -> str:
     close = difflib.get_close_matches(key, [str(c) for c in choices], n=1, cutoff=0.6)
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
-
-
 def _join(where: str, key) -> str:
     return f"{where}.{key}" if where else str(key)
-
-
 
 
 def _kind(value) -> str:
@@ -243,15 +251,6 @@ def _kind(value) -> str:
             int: "an integer", float: "a number"}.get(type(value), type(value).__name__)
 
 
-
-
 def _type_names(types) -> str:
     types = types if isinstance(types, tuple) else (types,)
     return " or ".join(_kind(t()) if t is not type(None) else "null" for t in types)
-
-
-def _default(cls, name: str) -> Any:
-    """A field's default as its dataclass declares it (a fresh copy for mutable ones): the
-    defaults live on the dataclasses in spec/model.py, nowhere else."""
-    f = cls.__dataclass_fields__[name]
-    return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default

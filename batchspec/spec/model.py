@@ -24,8 +24,6 @@ ROW_OVERRIDABLE = (
 )
 
 
-
-
 @dataclass(frozen=True)
 class InputSpec:
     """Where the prompts are and how to read them."""
@@ -54,8 +52,6 @@ class InputSpec:
         return self.prompt_column or self.messages_column  # type: ignore[return-value]
 
 
-
-
 @dataclass(frozen=True)
 class OutputSpec:
     """Where results go."""
@@ -72,8 +68,6 @@ class OutputSpec:
     compression: str = "zstd"
 
 
-
-
 @dataclass(frozen=True)
 class ModelSpec:
     """The target model and how vLLM runs it."""
@@ -82,8 +76,6 @@ class ModelSpec:
     target: str
     #: ``vllm.LLM`` keyword arguments (max_model_len, dtype, tensor_parallel_size, ...).
     engine: dict[str, Any] = field(default_factory=dict)
-
-
 
 
 @dataclass(frozen=True)
@@ -104,12 +96,8 @@ class ExecutionSpec:
     lease_s: float = 120.0
 
 
-
-
 #: Where a job's shards run: ``local`` (this process's one engine) or ``ray`` (replicas).
 EXECUTOR_KINDS = ("local", "ray")
-
-
 
 
 @dataclass(frozen=True)
@@ -129,6 +117,8 @@ class ExecutorSpec:
     max_shard_attempts: int = 3
 
 
+#: The job's name where the spec gives none.
+DEFAULT_JOB_NAME = "batchspec"
 
 
 @dataclass(frozen=True)

@@ -40,6 +40,34 @@ def test_minimal_spec_loads_with_defaults(tmp_path):
     assert spec.sampling == {"temperature": 0.0, "max_tokens": 8}
 
 
+def test_every_default_comes_from_the_dataclasses(tmp_path, monkeypatch):
+    """build_spec restates no default: a spec with only the required keys gets what the
+    dataclasses declare, and a changed dataclass default is the one a job gets."""
+    from batchspec.spec.model import (
+        DEFAULT_JOB_NAME,
+        ExecutionSpec,
+        ExecutorSpec,
+        InputSpec,
+        ModelSpec,
+        OutputSpec,
+    )
+
+    raw = yaml.safe_load(yaml.safe_dump(BASE))
+    del raw["name"]
+    spec = load(tmp_path, raw)
+    assert spec.name == DEFAULT_JOB_NAME
+    assert spec.input == InputSpec(paths=("data/*.parquet",), prompt_column="prompt")
+    assert spec.output == OutputSpec(path="out/t")
+    assert spec.model == ModelSpec(target="some/model", engine={"max_model_len": 256})
+    assert spec.execution == ExecutionSpec() and spec.executor == ExecutorSpec()
+    for cls, key, value in ((OutputSpec, "row_group_rows", 7), (ExecutionSpec, "lease_s", 9.5),
+                            (ExecutorSpec, "kind", "ray"), (InputSpec, "on_bad_shard", "skip")):
+        monkeypatch.setattr(cls.__dataclass_fields__[key], "default", value)
+    spec = load(tmp_path, raw)
+    assert (spec.output.row_group_rows, spec.execution.lease_s, spec.executor.kind,
+            spec.input.on_bad_shard) == (7, 9.5, "ray", "skip")
+
+
 def test_set_overrides_parse_values_as_yaml(tmp_path):
     spec = load(tmp_path, BASE, ["sampling.max_tokens=32", "speculative.method=ngram",
                                  "speculative.num_speculative_tokens=3",
