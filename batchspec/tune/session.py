@@ -107,22 +107,25 @@ class _Progress:
             self.bar.close()
 
 
-
-
 def _levels_text(levels: dict[int, LevelMeasurement]) -> str:
     return "; ".join(f"c={c}: {lv.tps:.1f} tok/s" for c, lv in sorted(levels.items())) or "nothing"
-
-
 
 
 def run_tune(spec: JobSpec, options: TuneOptions, job: str = "", stream=None,
              progress_bar: bool = False) -> TuneReport:
     """Sample, measure, predict and recommend (see the module docstring)."""
-    from batchspec.engine.checks import CPU_SAMPLING_REFUSAL, check_vllm_keys, refuses_random_sampling
-
     started = time.monotonic()
-    stream = stream or sys.stderr
-    deadline = started + options.max_minutes * 60 if options.max_minutes is not None else None
+    concurrency = _check_options(spec, options)
+    session = _Session(spec, options, concurrency, started)
+    session.measure_all(stream or sys.stderr, progress_bar)
+    return session.report(job, started)
+
+
+def _check_options(spec: JobSpec, options: TuneOptions) -> list[int]:
+    """The concurrency levels to measure at, once the options and the job's vLLM keys are
+    valid (SpecError, exit 2, before anything is read or started)."""
+    from batchspec.engine.checks import check_vllm_keys
+
     if options.objective not in OBJECTIVES:
         raise SpecError(None, f"--objective must be one of {', '.join(OBJECTIVES)}")
     concurrency = sorted(set(options.concurrency or [_default_concurrency(spec)]))
@@ -132,168 +135,202 @@ def run_tune(spec: JobSpec, options: TuneOptions, job: str = "", stream=None,
             or any(k < 1 for k in options.ks):
         raise SpecError(None, "--sample, --repeats and --k must be positive, --top at least 0")
     check_vllm_keys(spec)
-    max_num_seqs = max(concurrency)
-    fixed, families = candidates(spec, options.drafts, options.ks, options.ngram)
-    secrets = tune_secrets(spec, options.drafts)
+    return concurrency
 
-    def public(text: str) -> str:
+
+class _Session:
+    """One tune: the candidates and their specs, the sample, and what was measured so far (the
+    report's entries, speculation off's levels as the reference, lossless mismatches)."""
+
+    #: The progress line or bar over engines, from :meth:`measure_all` on.
+    progress: _Progress
+
+    def __init__(self, spec: JobSpec, options: TuneOptions, concurrency: list[int], started: float):
+        self.options, self.concurrency = options, concurrency
+        self.deadline = started + options.max_minutes * 60 if options.max_minutes is not None else None
+        self.max_num_seqs = max(concurrency)
+        self.fixed, self.families = candidates(spec, options.drafts, options.ks, options.ngram)
+        self.secrets = tune_secrets(spec, options.drafts)
+        # every candidate's spec is checked before any engine starts: a bad key exits 2 at once
+        self.specs = {cand.label: candidate_spec(spec, cand.speculative, self.max_num_seqs)
+                      for cand in self.every_candidate()}
+        self.rows, self.seen = sample_rows(spec, options.sample, options.seed)
+        temps = row_temperatures(spec, self.rows)
+        self.greedy = {rid for rid, t in temps.items() if t == 0}
+        self.sampled = any(t is not None and t > 0 for t in temps.values())
+        self.notes = self._sample_notes()
+        self.entries: list[CandidateResult] = []
+        self.mismatches: list[dict[str, Any]] = []
+        #: speculation off's levels: the reference for noise, prediction and losslessness
+        self.off_levels: dict[int, LevelMeasurement] = {}
+        #: (candidate label, concurrency) -> why that level was not measured
+        self.late: dict[tuple[str, int], str] = {}
+
+    def every_candidate(self) -> list[Candidate]:
+        return self.fixed + [c for family in self.families.values() for c in family]
+
+    def engines(self) -> int:
+        """Engines the tune expects to start: each fixed candidate, each draft's largest k and
+        its ``--top`` best predicted k."""
+        return len(self.fixed) + sum(1 + self.options.top for _ in self.families)
+
+    def public(self, text: str) -> str:
         """Free text for the report (a skip reason quoting vLLM): secrets out, URLs sanitised."""
-        return scrub_text(text, secrets)
+        return scrub_text(text, self.secrets)
 
-    # every candidate's spec is checked before any engine starts: a bad key exits 2 at once
-    specs: dict[str, JobSpec] = {}
-    for cand in fixed + [c for fam in families.values() for c in fam]:
-        specs[cand.label] = candidate_spec(spec, cand.speculative, max_num_seqs)
-    rows, seen = sample_rows(spec, options.sample, options.seed)
-    temps = row_temperatures(spec, rows)
-    greedy = {rid for rid, t in temps.items() if t == 0}
-    sampled = any(t is not None and t > 0 for t in temps.values())
-    notes: list[str] = []
-    if len(rows) < options.sample:
-        notes.append(f"the input has {len(rows)} sendable rows: all of them are the sample")
-    for c in concurrency:
-        if len(rows) < c:
-            notes.append(f"concurrency {c}: the sample has only {len(rows)} rows, so fewer "
-                         f"requests than that were ever in flight (raise --sample)")
+    def _sample_notes(self) -> list[str]:
+        notes = []
+        if len(self.rows) < self.options.sample:
+            notes.append(f"the input has {len(self.rows)} sendable rows: all of them are the sample")
+        for c in self.concurrency:
+            if len(self.rows) < c:
+                notes.append(f"concurrency {c}: the sample has only {len(self.rows)} rows, so fewer "
+                             f"requests than that were ever in flight (raise --sample)")
+        return notes
 
-    entries: list[CandidateResult] = []
-    progress = _Progress(stream, len(fixed) + sum(1 + options.top for _ in families), progress_bar,
-                         public)
+    # .................................................................. measuring
 
-    def entry(cand: Candidate, c: int, **kw) -> CandidateResult:
-        if kw.get("skipped"):
-            kw["skipped"] = public(kw["skipped"])
-        e = CandidateResult(cand, c, max_num_seqs, **kw)
-        entries.append(e)
-        return e
+    def measure_all(self, stream, progress_bar: bool) -> None:
+        """Speculation off first (the reference), then the other fixed candidates, then each
+        draft family; progress on ``stream``."""
+        self.progress = progress = _Progress(stream, self.engines(), progress_bar, self.public)
+        try:
+            off = self.fixed[0]
+            try:
+                self.off_levels = self.measure(off, self.options.repeats)
+            except SkipCandidate as exc:
+                self.skip_all(off, str(exc))
+            else:
+                self.record(off, self.off_levels)
+            for cand in self.fixed[1:]:
+                try:
+                    self.record(cand, self.measure(cand))
+                except SkipCandidate as exc:
+                    self.skip_all(cand, str(exc))
+            for family in self.families.values():
+                self.measure_family(family)
+        finally:
+            progress.close()
 
-    def skip_all(cand: Candidate, reason: str) -> None:
-        for c in concurrency:
-            entry(cand, c, skipped=reason)
-        progress.finish(cand.label, f"skipped: {reason}")
+    def measure(self, cand: Candidate, repeats: int = 1) -> dict[int, LevelMeasurement]:
+        """Measure one candidate at every level (SkipCandidate with the reason where it cannot
+        be); its entries are added by the caller."""
+        from batchspec.engine.checks import CPU_SAMPLING_REFUSAL, refuses_random_sampling
 
-    off_levels: dict[int, LevelMeasurement] = {}
-
-    def run(cand: Candidate, repeats: int = 1) -> dict[int, LevelMeasurement]:
-        """Measure one candidate at every level; its entries are added by the caller."""
-        if deadline is not None and time.monotonic() >= deadline:
+        if self.deadline is not None and time.monotonic() >= self.deadline:
             raise SkipCandidate(TIME_BUDGET)
         reason = missing_local_draft(cand.speculative)
         if reason:
             raise SkipCandidate(reason)
-        cspec = specs[cand.label]
-        if sampled and refuses_random_sampling(cspec):
+        cspec = self.specs[cand.label]
+        if self.sampled and refuses_random_sampling(cspec):
             raise SkipCandidate(f"the sample has rows with temperature > 0: {CPU_SAMPLING_REFUSAL}")
-        progress.start(cand.label)
+        self.progress.start(cand.label)
         try:
-            levels, late = measure_candidate(cspec, rows, concurrency, repeats, deadline)
+            levels, late = measure_candidate(cspec, self.rows, self.concurrency, repeats, self.deadline)
         except RuntimeFailure as exc:
             if cand.speculative is None:
                 raise
             raise SkipCandidate(f"the engine failed: {exc}") from exc
         for c, lv in levels.items():
             refused = {rid: err for rid, err in lv.errors.items()
-                       if rid not in off_levels.get(c, LevelMeasurement(c, 0)).errors}
+                       if rid not in self.off_levels.get(c, LevelMeasurement(c, 0)).errors}
             if cand.speculative is not None and refused:
                 rid, err = next(iter(refused.items()))
                 raise SkipCandidate(f"the engine refused {len(refused)} row(s) that off ran, e.g. "
                                     f"{rid}: {err}")
-        cand_late.update({(cand.label, c): why for c, why in late.items()})
+        self.late.update({(cand.label, c): why for c, why in late.items()})
         return levels
 
-    cand_late: dict[tuple[str, int], str] = {}
-
-    def record(cand: Candidate, levels: dict[int, LevelMeasurement],
-               predicted: dict[int, float] | None = None, calibration: bool = False) -> None:
-        for c in concurrency:
-            lv = levels.get(c)
-            e = entry(cand, c, level=lv, predicted=(predicted or {}).get(c), calibration=calibration,
-                      skipped=None if lv else cand_late.get((cand.label, c), TIME_BUDGET))
-            if lv is not None and cand.speculative is not None:
-                e.lossless = check_lossless(cand.label, c, off_levels.get(c), lv, greedy, mismatches)
-        progress.finish(cand.label, _levels_text(levels))
-
-    mismatches: list[dict[str, Any]] = []
-    try:
-        # speculation off first: the reference for noise, prediction and losslessness
-        off = fixed[0]
+    def measure_family(self, family: list[Candidate]) -> None:
+        """One draft: run the largest k, predict every k from it, run the best predicted ones."""
+        big, top = family[-1], self.options.top
         try:
-            off_levels = run(off, options.repeats)
+            big_levels = self.measure(big)
         except SkipCandidate as exc:
-            skip_all(off, str(exc))
-        else:
-            record(off, off_levels)
-        for cand in fixed[1:]:
+            for cand in family:
+                for c in self.concurrency:
+                    self.entry(cand, c, skipped=str(exc))
+            self.progress.finish(big.label, f"skipped: {exc}")
+            self.progress.grow(-top)
+            return
+        predicted = self._predict(family, big_levels)
+        self.record(big, big_levels, {c: p[big.k] for c, p in predicted.items()}, calibration=True)
+        chosen = [k for k in pick_ks(predicted, top) if k != big.k]
+        self.progress.grow(len(chosen) - top)
+        for cand in family[:-1]:
+            preds = {c: p[cand.k] for c, p in predicted.items()}
+            if cand.k not in chosen:
+                for c in self.concurrency:
+                    self.entry(cand, c, predicted=preds.get(c),
+                               skipped=f"not among the {top} best predicted k (--top)" if preds else
+                               "no prediction (speculation off or the largest k was not measured)")
+                continue
             try:
-                record(cand, run(cand))
+                self.record(cand, self.measure(cand), preds)
             except SkipCandidate as exc:
-                skip_all(cand, str(exc))
-        for family in families.values():
-            measure_family(family, run, record, skip_all, entry, off_levels, concurrency,
-                           options.top, progress)
-    finally:
-        progress.close()
-    order = {id(c): i for i, c in enumerate(fixed + [c for f in families.values() for c in f])}
-    entries.sort(key=lambda e: (e.concurrency, order[id(e.candidate)]))
-    recommended, noise = recommend(entries, options.objective)
-    if sampled:
-        notes.append(f"{len(rows) - len(greedy)} sampled rows (temperature > 0) are not checked "
-                     "for losslessness: only greedy rows must match speculation off")
-    return TuneReport(scrub_text(job), options, concurrency, len(rows), seen, len(greedy), entries,
-                      recommended, noise, mismatches, time.monotonic() - started, notes)
+                for c in self.concurrency:
+                    self.entry(cand, c, predicted=preds.get(c), skipped=str(exc))
+                self.progress.finish(cand.label, f"skipped: {exc}")
 
+    def _predict(self, family: list[Candidate], big_levels: dict[int, LevelMeasurement]
+                 ) -> dict[int, dict[int, float]]:
+        """Concurrency -> k -> predicted tok/s for every k of ``family``, from speculation off
+        and its largest k measured at that level."""
+        big = family[-1]
+        predicted: dict[int, dict[int, float]] = {}
+        for c, lv in big_levels.items():
+            off = self.off_levels.get(c)
+            if off is None or not lv.per_position or not lv.tps or not lv.mean_acceptance_length:
+                continue
+            rates = [r or 0.0 for r in lv.per_position["rate"]]
+            predicted[c] = {cand.k: predict_tokens_per_s(off.tps, lv.tps, lv.mean_acceptance_length,
+                                                          rates, big.k, cand.k) for cand in family}
+        return predicted
 
+    # .................................................................. the report's entries
+
+    def entry(self, cand: Candidate, c: int, **kw) -> CandidateResult:
+        if kw.get("skipped"):
+            kw["skipped"] = self.public(kw["skipped"])
+        e = CandidateResult(cand, c, self.max_num_seqs, **kw)
+        self.entries.append(e)
+        return e
+
+    def skip_all(self, cand: Candidate, reason: str) -> None:
+        for c in self.concurrency:
+            self.entry(cand, c, skipped=reason)
+        self.progress.finish(cand.label, f"skipped: {reason}")
+
+    def record(self, cand: Candidate, levels: dict[int, LevelMeasurement],
+               predicted: dict[int, float] | None = None, calibration: bool = False) -> None:
+        for c in self.concurrency:
+            lv = levels.get(c)
+            e = self.entry(cand, c, level=lv, predicted=(predicted or {}).get(c), calibration=calibration,
+                           skipped=None if lv else self.late.get((cand.label, c), TIME_BUDGET))
+            if lv is not None and cand.speculative is not None:
+                e.lossless = check_lossless(cand.label, c, self.off_levels.get(c), lv, self.greedy,
+                                            self.mismatches)
+        self.progress.finish(cand.label, _levels_text(levels))
+
+    def report(self, job: str, started: float) -> TuneReport:
+        """The entries in candidate order per level, the recommendation and the notes."""
+        order = {id(c): i for i, c in enumerate(self.every_candidate())}
+        self.entries.sort(key=lambda e: (e.concurrency, order[id(e.candidate)]))
+        recommended, noise = recommend(self.entries, self.options.objective)
+        notes = list(self.notes)
+        if self.sampled:
+            notes.append(f"{len(self.rows) - len(self.greedy)} sampled rows (temperature > 0) are "
+                         "not checked for losslessness: only greedy rows must match speculation off")
+        return TuneReport(scrub_text(job), self.options, self.concurrency, len(self.rows), self.seen,
+                          len(self.greedy), self.entries, recommended, noise, self.mismatches,
+                          time.monotonic() - started, notes)
 
 
 def tune_secrets(spec: JobSpec, drafts: list[str] | tuple[str, ...] = ()) -> set[str]:
     """What tune's outputs must never show: the values the job's public view hides (expanded
     ``${VAR}`` included) and the credentials in ``--draft`` URLs."""
     return secret_values(spec.raw) | secret_values({"draft": list(drafts)})
-
-
-
-
-def measure_family(family: list[Candidate], run: Callable, record: Callable, skip_all: Callable,
-                   entry: Callable, off_levels: dict[int, LevelMeasurement], concurrency: list[int], top: int,
-                   progress: _Progress) -> None:
-    """One draft: run the largest k, predict every k from it, run the best predicted ones."""
-    big = family[-1]
-    try:
-        big_levels = run(big)
-    except SkipCandidate as exc:
-        for cand in family:
-            for c in concurrency:
-                entry(cand, c, skipped=str(exc))
-        progress.finish(big.label, f"skipped: {exc}")
-        progress.grow(-top)
-        return
-    predicted: dict[int, dict[int, float]] = {}  # concurrency -> k -> tok/s
-    for c, lv in big_levels.items():
-        off = off_levels.get(c)
-        if off is None or not lv.per_position or not lv.tps or not lv.mean_acceptance_length:
-            continue
-        rates = [r or 0.0 for r in lv.per_position["rate"]]
-        predicted[c] = {cand.k: predict_tokens_per_s(off.tps, lv.tps, lv.mean_acceptance_length,
-                                                      rates, big.k, cand.k) for cand in family}
-    record(big, big_levels, {c: p[big.k] for c, p in predicted.items()}, calibration=True)
-    chosen = [k for k in pick_ks(predicted, top) if k != big.k]
-    progress.grow(len(chosen) - top)
-    for cand in family[:-1]:
-        preds = {c: p[cand.k] for c, p in predicted.items()}
-        if cand.k not in chosen:
-            for c in concurrency:
-                entry(cand, c, predicted=preds.get(c),
-                      skipped=f"not among the {top} best predicted k (--top)" if preds else
-                      "no prediction (speculation off or the largest k was not measured)")
-            continue
-        try:
-            record(cand, run(cand), preds)
-        except SkipCandidate as exc:
-            for c in concurrency:
-                entry(cand, c, predicted=preds.get(c), skipped=str(exc))
-            progress.finish(cand.label, f"skipped: {exc}")
-
-
 
 
 def check_lossless(label: str, concurrency: int, off: LevelMeasurement | None, lv: LevelMeasurement,
@@ -317,8 +354,6 @@ def check_lossless(label: str, concurrency: int, off: LevelMeasurement | None, l
                                "first_difference_at_char": at, "off": ref[max(0, at - 20):at + 40],
                                "candidate_text": text[max(0, at - 20):at + 40]})
     return ok
-
-
 
 
 def _default_concurrency(spec: JobSpec) -> int:
