@@ -16,17 +16,10 @@ import yaml
 from yaml.nodes import MappingNode, ScalarNode, SequenceNode
 
 from batchspec.errors import SpecError
-from batchspec.redact import public_spec
-from batchspec.spec.build import (
-    _kind,
-    build_spec,
-)
-from batchspec.spec.model import (
-    JobSpec,
-)
+from batchspec.spec.build import _kind, build_spec
+from batchspec.spec.model import JobSpec
 
 _VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
-
 
 
 #: A YAML document (job spec or ``--set`` value) may hold at most this many nodes, counted as if
@@ -36,8 +29,6 @@ MAX_YAML_NODES = 10_000
 
 #: ... and use at most this many aliases (``*name``, merges ``<<: *name`` included).
 MAX_YAML_ALIASES = 100
-
-
 
 
 # --------------------------------------------------------------------------- loading
@@ -61,8 +52,6 @@ def load_spec(path: str | os.PathLike, overrides: list[str] | tuple[str, ...] = 
     # Only now: a variable is needed only if no --set replaced the value that names it.
     _raise_unset(raw)
     return build_spec(raw)
-
-
 
 
 def apply_override(raw: dict, item: str, environ: Mapping[str, str] | None = None) -> None:
@@ -91,21 +80,6 @@ def apply_override(raw: dict, item: str, environ: Mapping[str, str] | None = Non
     node[parts[-1]] = parsed
 
 
-
-
-def redact(value: Any, inside_storage: bool = False) -> Any:
-    """The persisted view of a spec mapping: see :func:`batchspec.redact.public_spec`.
-
-    Kept for older callers; ``inside_storage`` masks every leaf, as under ``storage_options``."""
-    if inside_storage:
-        return public_spec({"storage_options": value})["storage_options"]
-    if isinstance(value, dict):
-        return public_spec(value)
-    return public_spec({"value": value})["value"]
-
-
-
-
 # --------------------------------------------------------------------------- YAML
 
 
@@ -123,12 +97,8 @@ class _Unset:
                                            f"(use ${{{self.name}:-default}} for a default)")
 
 
-
-
 class _Refused(Exception):
     """A YAML document over the alias or size limits (turned into a SpecError)."""
-
-
 
 
 _UNSET_TAG = "tag:batchspec,2026:unset-variable"
@@ -141,8 +111,6 @@ _STR_TAG = "tag:yaml.org,2002:str"
 #: a string: dates are what schedulers template most, and they name paths and runs.
 _TYPED_TAGS = frozenset({"tag:yaml.org,2002:null", "tag:yaml.org,2002:bool",
                          "tag:yaml.org,2002:int", "tag:yaml.org,2002:float"})
-
-
 
 
 class _SpecLoader(yaml.SafeLoader):
@@ -223,8 +191,6 @@ class _SpecLoader(yaml.SafeLoader):
         return node
 
 
-
-
 def _expanded_size(root) -> int:
     """Nodes in the document as if every alias were copied: memoised on the node graph, so it
     takes as long as the document is written, never as long as it would expand."""
@@ -248,8 +214,6 @@ def _expanded_size(root) -> int:
         return total
 
     return size(root)
-
-
 
 
 def load_yaml(text: str, source: str, environ: Mapping[str, str], key_path: str = "") -> Any:
@@ -276,8 +240,6 @@ def load_yaml(text: str, source: str, environ: Mapping[str, str], key_path: str 
     return _unshare(data)
 
 
-
-
 def _yaml_problem(exc: yaml.YAMLError) -> str:
     """What is wrong and where, without PyYAML's quote of the line: it may hold a credential."""
     if not isinstance(exc, yaml.MarkedYAMLError) or exc.problem is None:
@@ -289,8 +251,6 @@ def _yaml_problem(exc: yaml.YAMLError) -> str:
     return f"{exc.problem}{where}{context}"
 
 
-
-
 def _unshare(value: Any) -> Any:
     """A copy in which no two places share a mapping or list (an anchor used twice gives two),
     so that ``--set`` on one key never changes another. Bounded by MAX_YAML_NODES."""
@@ -299,8 +259,6 @@ def _unshare(value: Any) -> Any:
     if isinstance(value, list):
         return [_unshare(v) for v in value]
     return value
-
-
 
 
 def _raise_unset(value: Any) -> None:

@@ -145,7 +145,3 @@ class JobSpec:
     def secret_values(self) -> set[str]:
         """The values :meth:`public` hides, for :func:`batchspec.redact.scrub_text`."""
         return _secret_values(self.raw)
-
-    def redacted(self) -> dict[str, Any]:
-        """Same as :meth:`public` (the older name)."""
-        return self.public()

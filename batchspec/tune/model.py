@@ -3,7 +3,6 @@ report, the options and the report itself."""
 
 from __future__ import annotations
 
-import copy
 import statistics
 from dataclasses import dataclass, field
 from typing import Any
@@ -203,11 +202,6 @@ class TuneReport:
     def entry(self, label: str, concurrency: int) -> CandidateResult | None:
         return next((e for e in self.entries
                      if e.candidate.label == label and e.concurrency == concurrency), None)
-
-    def recommended_speculative(self, concurrency: int) -> dict | None:
-        label = self.recommended.get(concurrency, "off")
-        e = self.entry(label, concurrency)
-        return copy.deepcopy(e.candidate.speculative) if e else None
 
     def as_dict(self) -> dict[str, Any]:
         """The ``--json`` object."""

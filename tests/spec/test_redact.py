@@ -27,7 +27,6 @@ from batchspec.redact import (
 from batchspec.run.events import EventLog
 from batchspec.run.job import run_job
 from batchspec.spec.build import build_spec
-from batchspec.spec.load import redact
 
 # ----------------------------------------------------------------------------------- URLs
 
@@ -176,11 +175,9 @@ def test_secret_values_lets_scrub_text_clean_messages():
                        "passphrase *** rejected")
 
 
-def test_jobspec_public_and_old_names(tmp_path):
+def test_jobspec_public_view_and_secret_values(tmp_path):
     spec = build_spec(RAW)
     assert spec.public() == public_spec(RAW)
-    assert spec.redacted() == spec.public()
-    assert redact(RAW) == spec.public()
     assert spec.secret_values() == secret_values(RAW)
 
 
