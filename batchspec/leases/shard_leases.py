@@ -24,9 +24,9 @@ for ``lease_s / 2``, well before anyone may take over.
 What an observer saw travels as a duration, never as a time: :meth:`ShardLeases.observation`
 ("this holder's heartbeat, first seen so N seconds ago") and :meth:`ShardLeases.note_observation`
 let another object, process or host (a Ray replica given the shard's retry) continue the watch.
-:class:`BusyRetry` is the one rule every executor follows for a busy shard: wait until its
-holder could have been still for ``lease_s``, try once more (taking it over if it was), and
-leave it busy if it is still held.
+:class:`BusyRetry` is the one rule for a busy shard (every executor follows it, through
+:class:`batchspec.run.lease_wait.LeaseWait`): wait until its holder could have been still for
+``lease_s``, try once more (taking it over if it was), and leave it busy if it is still held.
 
 Releasing is compare-and-swap too. A server that honours conditional writes but not a
 conditional delete (it refuses ``If-Match`` on DeleteObject, or ignores it) never gets an
@@ -142,7 +142,7 @@ RETRY_MARGIN_S = 1.0
 
 class BusyRetry:
     """The one meaning of "wait for a stale lease, then retry", for every executor (the local
-    runner and the Ray driver).
+    runner and the Ray driver, through :class:`batchspec.run.lease_wait.LeaseWait`).
 
     A shard found held by another process, whose holder was seen (object stores), is tried once
     more: after the time its holder's heartbeat needs to have been still for ``lease_s`` (of the
@@ -394,16 +394,7 @@ class ShardLeases:
             record, version = store.read(path)
             if record is None and version is None or _is_released(record):
                 # free; a released record (no conditional delete on this store) is swapped
-                lease, sent = self._new_lease(), time.monotonic()
-                if record is None:
-                    new = store.create_if_absent(path, lease.record)
-                else:
-                    new = store.replace_if_match(path, lease.record, version)
-                if new is None:
-                    new = self._landed(store, path, lease)
-                if new is not None:
-                    lease.version = new
-                    self._hold(shard_name, lease, sent)
+                if self._claim(store, path, shard_name, version, create=record is None):
                     return None
                 continue  # someone else took it: read who
             # a lease we gave up on (storage errors) that nobody took meanwhile is still ours
@@ -413,17 +404,11 @@ class ShardLeases:
             wait_s = max(self.lease_s, _lease_s_of(record))
             if not ours and not dead and still_for < wait_s:
                 return record or _unknown_holder(path, "unreadable lease record")
-            lease, sent = self._new_lease(), time.monotonic()
-            new = store.replace_if_match(path, lease.record, version)
-            if new is None:
-                new = self._landed(store, path, lease)
-            if new is not None:
-                lease.version = new
-                self._hold(shard_name, lease, sent)
+            if self._claim(store, path, shard_name, version, create=False):
                 why = "its process is gone" if dead else \
                     f"its heartbeat did not change for {still_for:.0f}s"
                 if not ours:
-                        log.warning("took over the lease on shard %s from run %s (host %s pid %s): %s",
+                    log.warning("took over the lease on shard %s from run %s (host %s pid %s): %s",
                                 shard_name, (record or {}).get("run_id"),
                                 (record or {}).get("host"), (record or {}).get("pid"), why)
                 return None
@@ -433,6 +418,23 @@ class ShardLeases:
             return _unknown_holder(path, "lease changing hands")
         self._observe(shard_name, record, version)
         return record or _unknown_holder(path, "unreadable lease record")
+
+    def _claim(self, store: _CasStore, path: str, shard_name: str, version: Any,
+               create: bool) -> bool:
+        """Write a new lease record (``create``: only if none exists; else compare-and-swap on
+        ``version``), make sure it landed, and hold it; False if another process won."""
+        lease, sent = self._new_lease(), time.monotonic()
+        if create:
+            new = store.create_if_absent(path, lease.record)
+        else:
+            new = store.replace_if_match(path, lease.record, version)
+        if new is None:
+            new = self._landed(store, path, lease)
+        if new is None:
+            return False
+        lease.version = new
+        self._hold(shard_name, lease, sent)
+        return True
 
     @staticmethod
     def _landed(store: _CasStore, path: str, lease: _Lease) -> Any | None:
