@@ -10,18 +10,10 @@ import click
 
 from batchspec.cli.common import engine_log_file, load_job, quiet_vllm
 from batchspec.errors import BatchspecError, RuntimeFailure
-from batchspec.redact import (
-    scrub_text,
-)
-from batchspec.tune.model import (
-    DEFAULT_K,
-    OBJECTIVES,
-    TuneOptions,
-)
+from batchspec.redact import scrub_text
+from batchspec.tune.model import DEFAULT_K, OBJECTIVES, TuneOptions, TuneReport
 from batchspec.tune.render import render_table
-from batchspec.tune.session import (
-    tune_secrets,
-)
+from batchspec.tune.session import tune_secrets
 from batchspec.tune.written import (
     check_output_files,
     check_writable,
@@ -31,6 +23,9 @@ from batchspec.tune.written import (
 )
 
 # --------------------------------------------------------------------------- command line
+
+#: The options' defaults, as the library declares them.
+_DEFAULTS = TuneOptions()
 
 
 def _int_list(value: str | None, what: str) -> list[int] | None:
@@ -46,31 +41,30 @@ def _int_list(value: str | None, what: str) -> list[int] | None:
     return out
 
 
-
-
 @click.command()
 @click.argument("job", type=click.Path(dir_okay=False))
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
               help="Override a spec key (dotted; value parsed as YAML). Repeatable.")
-@click.option("--sample", type=int, default=64, show_default=True,
+@click.option("--sample", type=int, default=_DEFAULTS.sample, show_default=True,
               help="Rows drawn (seeded, uniformly) from the job's input.")
-@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the sample.")
+@click.option("--seed", type=int, default=_DEFAULTS.seed, show_default=True, help="Seed of the sample.")
 @click.option("--concurrency", "concurrency", metavar="1,16,64",
               help="Requests in flight to measure at (default: the job's model.engine.max_num_seqs, "
                    "else execution.max_in_flight).")
 @click.option("--draft", "drafts", multiple=True, metavar="PATH",
               help="Another draft model to try (draft_model method). Repeatable.")
 @click.option("--k", "ks", metavar="1,2,...", help="num_speculative_tokens to consider for each "
-              "draft (default 1,2,3,4,5,6); the largest is measured, the rest predicted.")
-@click.option("--top", type=int, default=2, show_default=True,
+              f"draft (default {','.join(map(str, DEFAULT_K))}); the largest is measured, the rest "
+              "predicted.")
+@click.option("--top", type=int, default=_DEFAULTS.top, show_default=True,
               help="Per draft and concurrency, measure the best this many predicted k.")
-@click.option("--repeats", type=int, default=2, show_default=True,
+@click.option("--repeats", type=int, default=_DEFAULTS.repeats, show_default=True,
               help="Times speculation off is measured per concurrency: its spread is the noise.")
-@click.option("--objective", type=click.Choice(OBJECTIVES), default="throughput", show_default=True,
+@click.option("--objective", type=click.Choice(OBJECTIVES), default=_DEFAULTS.objective, show_default=True,
               help="throughput: output tok/s; latency: e2e p50.")
-@click.option("--ngram/--no-ngram", default=True, show_default=True,
+@click.option("--ngram/--no-ngram", default=_DEFAULTS.ngram, show_default=True,
               help="Try n-gram (prompt lookup) speculation with k 2 and 4.")
-@click.option("--max-minutes", type=float, default=None,
+@click.option("--max-minutes", type=float, default=_DEFAULTS.max_minutes,
               help="Bound the whole tune; what was not measured in time is listed as skipped.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the table.")
 @click.option("--html", "html_file", type=click.Path(dir_okay=False),
@@ -100,14 +94,7 @@ def tune(job, overrides, sample, seed, concurrency, drafts, ks, top, repeats, ob
             check_writable(spec_as_written(job, overrides), drafts)
     except BatchspecError as exc:
         _fail_to(sys.stderr, exc, secrets)
-    out = sys.stdout
-    stream = sys.stderr
-    if not verbose:
-        sys.stdout.flush()
-        out = os.fdopen(os.dup(1), "w", buffering=1)  # the table/JSON keeps the real stdout
-        stream, engine_log = engine_log_file("tune")
-        print(f"batchspec tune: vLLM's own output goes to {engine_log} (-v shows it here)",
-              file=stream, flush=True)
+    out, stream = _streams(verbose)
     bar = progress if progress is not None else _isatty(stream)
     try:
         report = session.run_tune(spec, options, job=job, stream=stream, progress_bar=bar)
@@ -125,6 +112,25 @@ def tune(job, overrides, sample, seed, concurrency, drafts, ks, top, repeats, ob
         _fail_to(stream, exc, secrets)
     except Exception as exc:
         _fail_to(stream, RuntimeFailure(f"unexpected {type(exc).__name__}: {exc}"), secrets)
+    _print_report(out, report, as_json)
+    _write_files(stream, job, (("--html", html_file, page), ("--write", write_file, text)), secrets)
+    _exit_if_not_lossless(stream, report)
+
+
+def _streams(verbose: bool) -> tuple[object, object]:
+    """(where the table or JSON goes, batchspec's own stream). Unless --verbose, vLLM's own
+    output goes to a log file and the report keeps the real stdout."""
+    if verbose:
+        return sys.stdout, sys.stderr
+    sys.stdout.flush()
+    out = os.fdopen(os.dup(1), "w", buffering=1)
+    stream, engine_log = engine_log_file("tune")
+    print(f"batchspec tune: vLLM's own output goes to {engine_log} (-v shows it here)",
+          file=stream, flush=True)
+    return out, stream
+
+
+def _print_report(out, report: TuneReport, as_json: bool) -> None:
     if as_json:
         import json
 
@@ -132,7 +138,12 @@ def tune(job, overrides, sample, seed, concurrency, drafts, ks, top, repeats, ob
     else:
         out.write(render_table(report))
     out.flush()
-    for option, path, content in (("--html", html_file, page), ("--write", write_file, text)):
+
+
+def _write_files(stream, job: str, files, secrets: set[str]) -> None:
+    """``(option, path, content)``: each file with content written (exit 1 naming the option
+    where it cannot be)."""
+    for option, path, content in files:
         if content is None:
             continue
         try:
@@ -141,15 +152,18 @@ def tune(job, overrides, sample, seed, concurrency, drafts, ks, top, repeats, ob
             _fail_to(stream, RuntimeFailure(f"{option}: cannot write {path!r}: "
                                             f"{exc.strerror or exc}"), secrets)
         print(f"batchspec tune: wrote {path}", file=stream)
-    if report.mismatches:
-        for m in report.mismatches:
-            print(f"batchspec tune: NOT LOSSLESS: row {m['row']}: {m['candidate']} at concurrency "
-                  f"{m['concurrency']} differs from speculation off at character "
-                  f"{m['first_difference_at_char']}: off {m['off']!r} vs {m['candidate_text']!r}",
-                  file=stream)
-        sys.exit(1)
 
 
+def _exit_if_not_lossless(stream, report: TuneReport) -> None:
+    """Exit 1, naming each row, where a candidate's greedy text differs from speculation off's."""
+    if not report.mismatches:
+        return
+    for m in report.mismatches:
+        print(f"batchspec tune: NOT LOSSLESS: row {m['row']}: {m['candidate']} at concurrency "
+              f"{m['concurrency']} differs from speculation off at character "
+              f"{m['first_difference_at_char']}: off {m['off']!r} vs {m['candidate_text']!r}",
+              file=stream)
+    sys.exit(1)
 
 
 def _isatty(stream) -> bool:
@@ -157,8 +171,6 @@ def _isatty(stream) -> bool:
         return stream.isatty()
     except (AttributeError, ValueError):
         return False
-
-
 
 
 def _fail_to(stream, exc: BatchspecError, secrets: set[str] | frozenset[str] = frozenset()
