@@ -237,7 +237,7 @@ def load_yaml(text: str, source: str, environ: Mapping[str, str], key_path: str 
         raise SpecError(key_path or None, f"{source}: {what}: {_yaml_problem(exc)}") from None
     finally:
         loader.dispose()
-    return _unshare(data)
+    return unshared(data)
 
 
 def _yaml_problem(exc: yaml.YAMLError) -> str:
@@ -251,13 +251,13 @@ def _yaml_problem(exc: yaml.YAMLError) -> str:
     return f"{exc.problem}{where}{context}"
 
 
-def _unshare(value: Any) -> Any:
+def unshared(value: Any) -> Any:
     """A copy in which no two places share a mapping or list (an anchor used twice gives two),
     so that ``--set`` on one key never changes another. Bounded by MAX_YAML_NODES."""
     if isinstance(value, dict):
-        return {k: _unshare(v) for k, v in value.items()}
+        return {k: unshared(v) for k, v in value.items()}
     if isinstance(value, list):
-        return [_unshare(v) for v in value]
+        return [unshared(v) for v in value]
     return value
 
 

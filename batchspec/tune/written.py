@@ -19,15 +19,10 @@ from batchspec.redact import (
     scrub_text,
     url_literal_secrets,
 )
-from batchspec.spec.load import apply_override, load_yaml
+from batchspec.spec.load import apply_override, load_yaml, unshared
 from batchspec.spec.model import JobSpec
-from batchspec.tune.model import (
-    TuneReport,
-)
-from batchspec.tune.predict import (
-    batch_size_schedule,
-    write_concurrency,
-)
+from batchspec.tune.model import TuneReport
+from batchspec.tune.predict import batch_size_schedule, write_concurrency
 
 # --------------------------------------------------------------------------- --write
 
@@ -37,12 +32,8 @@ class _Quoted(str):
     written job is loaded (a plain ``${N}`` is typed by what it expands to)."""
 
 
-
-
 class _AsWrittenLoader(yaml.SafeLoader):
     """SafeLoader that leaves ``${VAR}`` unexpanded and remembers which ones were quoted."""
-
-
 
 
 def _construct_str(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> str:
@@ -50,31 +41,15 @@ def _construct_str(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> str:
     return _Quoted(value) if node.style and "${" in value else value
 
 
-
-
 class _WrittenDumper(yaml.SafeDumper):
     """SafeDumper that writes :class:`_Quoted` single-quoted."""
-
-
 
 
 def _as_written(text: str, source: str, key_path: str = "") -> Any:
     # the spec loader first, with nothing in its environment: its alias and size limits, its
     # errors; then the same text with every ${VAR} left as written
     load_yaml(text, source, {}, key_path)
-    return _unshared(yaml.load(text, Loader=_AsWrittenLoader))  # noqa: S506 (a SafeLoader)
-
-
-
-
-def _unshared(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {k: _unshared(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_unshared(v) for v in value]
-    return value
-
-
+    return unshared(yaml.load(text, Loader=_AsWrittenLoader))  # noqa: S506 (a SafeLoader)
 
 
 def spec_as_written(job_path: str, overrides: tuple[str, ...] | list[str] = ()) -> dict:
@@ -97,8 +72,6 @@ def spec_as_written(job_path: str, overrides: tuple[str, ...] | list[str] = ()) 
     return raw
 
 
-
-
 def check_writable(raw: dict, drafts: list[str] | tuple[str, ...] = ()) -> None:
     """Refuse (exit 2) a ``--write`` whose file would hold a literal credential: the job as
     written (``raw``, from :func:`spec_as_written`), or a ``--draft`` URL that could become its
@@ -116,8 +89,6 @@ def check_writable(raw: dict, drafts: list[str] | tuple[str, ...] = ()) -> None:
                     "'model.engine.hf_token=${HF_TOKEN}'; a draft URL that holds a credential "
                     "as the job's own draft, e.g. --set 'speculative.model=${DRAFT_URL}'). "
                     "Nothing was measured")
-
-
 
 
 def written_spec(job_path: str, overrides: tuple[str, ...], report: TuneReport,
@@ -172,8 +143,6 @@ def written_spec(job_path: str, overrides: tuple[str, ...], report: TuneReport,
     return "\n".join(header) + "\n" + yaml.dump(raw, Dumper=_WrittenDumper, sort_keys=False)
 
 
-
-
 # --------------------------------------------------------------------------- output files
 
 
@@ -219,8 +188,6 @@ def check_output_files(job: str, spec: JobSpec, files: dict[str, str | None]) ->
             raise SpecError(option, f"{value!r} {where}; write it elsewhere")
 
 
-
-
 def _local(url: str) -> str | None:
     """The local path of a job location, None for a remote store."""
     if url.startswith("file://"):
@@ -228,12 +195,8 @@ def _local(url: str) -> str | None:
     return None if "://" in url or "::" in url else url
 
 
-
-
 def _inside(path: str, root: str) -> bool:
     return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
-
-
 
 
 def _job_location(real: str, spec: JobSpec) -> str | None:
@@ -258,8 +221,6 @@ def _job_location(real: str, spec: JobSpec) -> str | None:
     return None
 
 
-
-
 def _umask() -> int:
     """This process's umask, read without changing it where Linux says it (a thread of vLLM's
     creating a file meanwhile would otherwise get it wide open)."""
@@ -272,8 +233,6 @@ def _umask() -> int:
     umask = os.umask(0o077)
     os.umask(umask)
     return umask
-
-
 
 
 def write_output(path: str, text: str, like: str) -> None:
@@ -301,8 +260,6 @@ def write_output(path: str, text: str, like: str) -> None:
 
 
 _AsWrittenLoader.add_constructor("tag:yaml.org,2002:str", _construct_str)
-
-
 
 
 _WrittenDumper.add_representer(
