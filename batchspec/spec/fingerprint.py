@@ -64,16 +64,13 @@ from batchspec.spec.model import JobSpec
 log = logging.getLogger(__name__)
 
 
-
 #: Bump when what a component covers changes, so old and new fingerprints can be told apart.
 FINGERPRINT_VERSION = 2
-
 
 
 #: Component names, in the order :func:`describe_changes` reports them.
 COMPONENTS = ("model.target", "speculative.model", "speculative", "model.engine", "sampling",
               "columns")
-
 
 
 #: Engine arguments that change speed, memory or logging but not the generated text.
@@ -119,7 +116,6 @@ THROUGHPUT_ENGINE_KEYS = frozenset({
 })
 
 
-
 #: Files of a local model directory hashed whole: they decide how text becomes tokens, how chat
 #: messages are rendered, which sampling defaults vLLM applies and which weight files it loads.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json",
@@ -141,8 +137,6 @@ WEIGHT_PATTERNS = ("*.safetensors", "*.bin")
 #: ... and at its top only (vLLM's fallback format; training checkpoints below keep optimizer
 #: state in ``*.pt`` files vLLM never reads).
 TOP_WEIGHT_PATTERNS = ("*.pt",)
-
-
 
 
 def spec_fingerprint(spec: JobSpec) -> dict[str, str]:
@@ -177,8 +171,6 @@ def spec_fingerprint(spec: JobSpec) -> dict[str, str]:
     return {name: _digest(value) for name, value in components.items()}
 
 
-
-
 def describe_changes(old: dict, new: dict) -> list[str]:
     """The components whose hashes differ between two fingerprints (one present in only one of
     them counts as changed), in :data:`COMPONENTS` order, then any others sorted by name."""
@@ -186,8 +178,6 @@ def describe_changes(old: dict, new: dict) -> list[str]:
     ordered = [c for c in COMPONENTS if c in names] + sorted(names - set(COMPONENTS))
     return [name for name in ordered if old.get(name) != new.get(name)
             or (name in old) != (name in new)]
-
-
 
 
 def model_identity(model: str, revision: Any = None, tokenizer_revision: Any = None,
@@ -210,8 +200,6 @@ def model_identity(model: str, revision: Any = None, tokenizer_revision: Any = N
     finally:
         if own:
             cache.save()
-
-
 
 
 def _directory_identity(path: Path, cache: DigestCache) -> dict:
@@ -250,8 +238,6 @@ def _directory_identity(path: Path, cache: DigestCache) -> dict:
     return identity
 
 
-
-
 # ---------------------------------------------------------------- content digests, cached
 
 
@@ -270,8 +256,6 @@ CACHE_FILE = "digests.json"
 _CHUNK = 8 << 20  # 8 MiB reads: hashing, not system calls, is the cost
 
 
-
-
 def cache_dir() -> Path:
     """``$XDG_CACHE_HOME/batchspec`` (when that is an absolute path), else
     ``~/.cache/batchspec``."""
@@ -280,13 +264,9 @@ def cache_dir() -> Path:
     return root / "batchspec"
 
 
-
-
 def _stat_key(st: os.stat_result) -> dict[str, int]:
     return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns,
             "ino": st.st_ino, "dev": st.st_dev}
-
-
 
 
 class DigestCache:
@@ -396,8 +376,6 @@ class DigestCache:
         return {path: entry for path, entry in entries.items() if _valid_entry(entry)}
 
 
-
-
 def _valid_entry(entry: Any) -> bool:
     if not isinstance(entry, dict):
         return False
@@ -405,8 +383,6 @@ def _valid_entry(entry: Any) -> bool:
     return (all(type(entry.get(k)) is int for k in ("size", "mtime_ns", "ctime_ns", "ino", "dev"))
             and isinstance(digest, str) and len(digest) == 64
             and all(c in "0123456789abcdef" for c in digest))
-
-
 
 
 def _hash_file(path: str) -> str:
@@ -417,8 +393,6 @@ def _hash_file(path: str) -> str:
         while n := handle.readinto(buffer):
             digest.update(view[:n])
     return digest.hexdigest()
-
-
 
 
 def _digest(value: Any) -> str:

@@ -20,8 +20,6 @@ PALETTE = ("#334155", "#2563eb", "#16a34a", "#d97706", "#db2777", "#7c3aed", "#0
            "#65a30d", "#9333ea", "#0d9488", "#ea580c")
 
 
-
-
 def throughput_chart(candidates: list[dict[str, Any]]) -> tuple[str, list[tuple[str, str]]]:
     """Measured tok/s per candidate against concurrency (log scale when levels span > 4x).
 
@@ -59,8 +57,6 @@ def throughput_chart(candidates: list[dict[str, Any]]) -> tuple[str, list[tuple[
     return plot.svg(ticks), legend
 
 
-
-
 def _table(data: dict[str, Any]) -> str:
     head = ("concurrency", "candidate", "tok/s", "predicted", "error", "acceptance",
             "tokens/step", "e2e p50 s", "skipped")
@@ -88,8 +84,6 @@ def _table(data: dict[str, Any]) -> str:
             f'<td class="l">{escape(scrub_text(c["skipped"] or ""))}</td>']) + "</tr>")
     ths = "".join(f'<th class="{"l" if h in ("candidate", "skipped") else "r"}">{h}</th>' for h in head)
     return f'<div class="scroll"><table><tr>{ths}</tr>{"".join(rows)}</table></div>'
-
-
 
 
 def render_tune_html(data: dict[str, Any]) -> str:

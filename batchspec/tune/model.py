@@ -43,8 +43,6 @@ COST_MODEL = ("tokens per step tau(k) = 1 + sum of the first k per-position acce
 TIME_BUDGET = "time budget (--max-minutes) spent before it was measured"
 
 
-
-
 # --------------------------------------------------------------------------- data
 
 
@@ -61,8 +59,6 @@ class Candidate:
     #: Whether its config is the job's own speculative section with another k (``--write``
     #: then writes that section as the job file has it, ``${VAR}`` kept).
     from_job: bool = False
-
-
 
 
 @dataclass
@@ -100,8 +96,6 @@ class LevelMeasurement:
     @property
     def mean_acceptance_length(self) -> float | None:
         return 1 + self.accepted / self.steps if self.steps else None
-
-
 
 
 @dataclass
@@ -147,18 +141,12 @@ class CandidateResult:
         return out
 
 
-
-
 def _round(value: float | None, digits: int = 2) -> float | None:
     return None if value is None else round(value, digits)
 
 
-
-
 class SkipCandidate(Exception):
     """A candidate that cannot be measured; the message is the reason the report gives."""
-
-
 
 
 # --------------------------------------------------------------------------- the tune
@@ -178,8 +166,6 @@ class TuneOptions:
     top: int = 2
     max_minutes: float | None = None
     ngram: bool = True
-
-
 
 
 @dataclass

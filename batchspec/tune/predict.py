@@ -24,8 +24,6 @@ def tokens_per_step(rates: list[float], k: int) -> float:
     return 1.0 + sum(rates[:k])
 
 
-
-
 def predict_tokens_per_s(off_tps: float, big_tps: float, big_tau: float, rates: list[float],
                          big_k: int, k: int) -> float:
     """Predicted output tok/s at k from speculation off and the run at ``big_k`` (same level).
@@ -40,8 +38,6 @@ def predict_tokens_per_s(off_tps: float, big_tps: float, big_tau: float, rates: 
     return tokens_per_step(rates, k) / step
 
 
-
-
 def pick_ks(predicted: dict[int, dict[int, float]], top: int) -> list[int]:
     """The k to measure: the ``top`` best predicted k at each concurrency level, united.
 
@@ -53,8 +49,6 @@ def pick_ks(predicted: dict[int, dict[int, float]], top: int) -> list[int]:
     return sorted(chosen)
 
 
-
-
 def spread(values: list[float]) -> float:
     """Relative spread of repeated measurements: (max - min) / mean; 0 for one value."""
     values = [v for v in values if v is not None]
@@ -62,8 +56,6 @@ def spread(values: list[float]) -> float:
         return 0.0
     mean = statistics.fmean(values)
     return (max(values) - min(values)) / mean if mean else 0.0
-
-
 
 
 def recommend(entries: list[CandidateResult], objective: str = "throughput",
@@ -105,16 +97,12 @@ def recommend(entries: list[CandidateResult], objective: str = "throughput",
     return chosen, noise
 
 
-
-
 def write_concurrency(measured: list[int], max_num_seqs: int | None) -> int:
     """The level whose recommendation ``--write`` uses: the only one, else the job's
     ``max_num_seqs`` (or the measured level nearest it; the largest if the job sets none)."""
     if len(measured) == 1 or max_num_seqs is None:
         return max(measured)
     return min(measured, key=lambda c: (abs(c - max_num_seqs), -c))
-
-
 
 
 def batch_size_schedule(levels: dict[int, tuple[dict | None, int]], max_num_seqs: int | None

@@ -11,8 +11,6 @@ def _f(value: float | None, fmt: str = ".1f", suffix: str = "") -> str:
     return "-" if value is None else f"{value:{fmt}}{suffix}"
 
 
-
-
 def render_table(report: TuneReport) -> str:
     """The terminal table: measured candidates per level, then recommendations and skips."""
     head = ["concurrency", "candidate", "tok/s", "vs off", "predicted", "error", "acceptance",

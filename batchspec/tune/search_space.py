@@ -7,9 +7,7 @@ import copy
 import os
 from pathlib import Path
 
-from batchspec.redact import (
-    sanitize_url,
-)
+from batchspec.redact import sanitize_url
 from batchspec.spec.build import build_spec
 from batchspec.spec.model import JobSpec
 from batchspec.tune.model import (
@@ -31,15 +29,11 @@ def draft_label(model: str, taken: set[str]) -> str:
     return _unique(name, reserved)
 
 
-
-
 def _unique(name: str, taken: set[str]) -> str:
     out, n = name, 2
     while out in taken:
         out, n = f"{name} ({n})", n + 1
     return out
-
-
 
 
 def candidates(spec: JobSpec, drafts: list[str], ks: list[int], ngram: bool
@@ -76,8 +70,6 @@ def candidates(spec: JobSpec, drafts: list[str], ks: list[int], ngram: bool
     return fixed, families
 
 
-
-
 def candidate_spec(spec: JobSpec, speculative: dict | None, max_num_seqs: int) -> JobSpec:
     """The job with another speculative section and ``max_num_seqs`` (one engine per config)."""
     raw = copy.deepcopy(spec.raw)
@@ -86,8 +78,6 @@ def candidate_spec(spec: JobSpec, speculative: dict | None, max_num_seqs: int) -
     engine = model.get("engine") or {}
     model["engine"] = {**engine, "max_num_seqs": max_num_seqs}
     return build_spec(raw)
-
-
 
 
 def missing_local_draft(speculative: dict | None) -> str | None:
