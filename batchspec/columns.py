@@ -8,6 +8,31 @@ REQUEST_ID = "request_id"
 ERROR = "error"
 
 #: The result columns of docs/contract.md, after ``request_id`` and the kept input columns.
+#: One candidate token at one position: what ``top_logprobs``/``prompt_top_logprobs`` hold.
+TOKEN_LOGPROB = pa.struct([
+    pa.field("token_id", pa.int32()),
+    pa.field("token", pa.string()),
+    pa.field("logprob", pa.float64()),
+    pa.field("rank", pa.int32()),
+])
+#: One choice of a ``choice`` constraint and its probability.
+CHOICE_PROB = pa.struct([pa.field("choice", pa.string()), pa.field("prob", pa.float64())])
+
+#: The request-feature columns (structured outputs, logprobs, samples): null where the
+#: row did not ask for the feature. Files written before they existed lack them; readers
+#: (``batchspec report``) take a missing one as all null.
+FEATURE_FIELDS: list[pa.Field] = [
+    pa.field("sample_index", pa.int32()),
+    pa.field("structured_valid", pa.bool_()),
+    pa.field("structured_error", pa.string()),
+    pa.field("choice_probs", pa.list_(CHOICE_PROB)),
+    pa.field("cumulative_logprob", pa.float64()),
+    pa.field("token_logprobs", pa.list_(pa.float64())),
+    pa.field("top_logprobs", pa.list_(pa.list_(TOKEN_LOGPROB))),
+    pa.field("prompt_token_logprobs", pa.list_(pa.float64())),
+    pa.field("prompt_top_logprobs", pa.list_(pa.list_(TOKEN_LOGPROB))),
+]
+
 RESULT_FIELDS: list[pa.Field] = [
     pa.field("generated_text", pa.string()),
     pa.field("finish_reason", pa.string()),
@@ -24,10 +49,14 @@ RESULT_FIELDS: list[pa.Field] = [
     pa.field("time_decode_s", pa.float64()),
     pa.field("time_e2e_s", pa.float64()),
     pa.field("output_tokens_per_s", pa.float64()),
+    *FEATURE_FIELDS,
     pa.field(ERROR, pa.string()),
 ]
 
 RESULT_NAMES = [f.name for f in RESULT_FIELDS]
+FEATURE_NAMES = [f.name for f in FEATURE_FIELDS]
+#: The columns every output file has had since the first release.
+BASE_RESULT_NAMES = [name for name in RESULT_NAMES if name not in FEATURE_NAMES]
 SPEC_COLUMNS = [name for name in RESULT_NAMES if name.startswith("spec_")]
 #: Names an input column kept in the output may not have (checked where kept columns are chosen).
 OUTPUT_NAMES = frozenset({REQUEST_ID, *RESULT_NAMES})

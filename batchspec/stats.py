@@ -35,3 +35,19 @@ def acceptance_per_position(before: dict, after: dict) -> dict | None:
     accepted = [a - (old[i] if i < len(old) else 0) for i, a in enumerate(per_pos)]
     return {"num_drafts": drafts, "accepted": accepted,
             "rate": [acceptance_rate(a, drafts) for a in accepted]}
+
+
+
+#: Result columns that count something: summed over a row's samples for progress.
+_COUNTED = ("num_output_tokens", "spec_num_draft_tokens", "spec_num_accepted_tokens",
+            "spec_num_steps")
+
+
+def request_totals(results: list[dict]) -> dict:
+    """One input row's results (one per sample) as progress counts them: one row, its error if
+    any sample failed, the counts summed."""
+    if len(results) == 1:
+        return results[0]
+    totals = {key: sum(r.get(key) or 0 for r in results) for key in _COUNTED}
+    totals["error"] = next((r["error"] for r in results if r.get("error") is not None), None)
+    return totals

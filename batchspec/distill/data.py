@@ -218,7 +218,8 @@ def _generate_missing(spec: JobSpec, rows: list[Row], directory: Path, logprobs:
     failed = finished = tokens = 0
     started = last = time.monotonic()
     try:
-        for row, result in engine.stream(iter(rows), spec.execution.max_in_flight):
+        for row, results in engine.stream(iter(rows), spec.execution.max_in_flight):
+            result = results[0]  # one sample: the generation spec has n 1
             finished += 1
             if result.get("error") is not None or not result.get("output_token_ids"):
                 failed += 1
@@ -288,15 +289,16 @@ class _LazyTokenEngine:
                 """The run engine, whose results also keep the prompt's and the output's token
                 ids and, with ``logprobs`` in the sampling, the top-K log-probabilities."""
 
-                def result(self, output, e2e_s=None) -> dict:
-                    row = super().result(output, e2e_s)
-                    completion = output.outputs[0]
-                    row["prompt_token_ids"] = list(output.prompt_token_ids or ())
-                    row["output_token_ids"] = list(completion.token_ids)
-                    if completion.logprobs:
-                        row["topk_token_ids"], row["topk_logprobs"] = topk_lists(
-                            completion.logprobs)
-                    return row
+                def result(self, output, e2e_s=None, asked=None) -> list[dict]:
+                    rows = super().result(output, e2e_s, asked)
+                    for row, completion in zip(rows, sorted(output.outputs,
+                                                            key=lambda c: c.index), strict=True):
+                        row["prompt_token_ids"] = list(output.prompt_token_ids or ())
+                        row["output_token_ids"] = list(completion.token_ids)
+                        if completion.logprobs:
+                            row["topk_token_ids"], row["topk_logprobs"] = topk_lists(
+                                completion.logprobs)
+                    return rows
 
             type(self)._cls = TokenEngineImpl
         return self._cls(spec)

@@ -44,7 +44,7 @@ from batchspec.io.locations import location_overlap, store_location
 from batchspec.io.reader import Row
 from batchspec.redact import sanitize_url
 from batchspec.spec.model import JobSpec
-from batchspec.stats import acceptance_rate, mean_acceptance_length
+from batchspec.stats import acceptance_rate, mean_acceptance_length, request_totals
 
 
 def _overlap(out: Path, out_loc, url: str, options: dict, key: str, what: str,
@@ -241,7 +241,9 @@ def evaluate(spec: JobSpec, draft: str, rows: list[Row], k: int, concurrency: in
     drafted = accepted = steps = tokens = errors = 0
     try:
         started = time.monotonic()
-        for _, result in engine.stream(iter(rows), concurrency or spec.execution.max_in_flight):
+        for _, samples in engine.stream(iter(rows),
+                                        concurrency or spec.execution.max_in_flight):
+            result = request_totals(samples)
             if result.get("error") is not None:
                 errors += 1
                 continue

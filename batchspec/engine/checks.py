@@ -4,6 +4,8 @@ own config classes, the context length, sampling parameters, and the CPU build's
 from __future__ import annotations
 
 import dataclasses
+import functools
+import json
 
 from batchspec.errors import SpecError
 from batchspec.spec.build import check_known_keys
@@ -81,13 +83,91 @@ def check_vllm_keys(spec: JobSpec) -> None:
         spec_keys = {f.name for f in dataclasses.fields(SpeculativeConfig)}
         check_known_keys(spec.speculative, spec_keys, "speculative")
     check_known_keys(spec.sampling, SamplingParams.__struct_fields__, "sampling")
+    sampling = dict(spec.sampling)
+    constraint = sampling.pop("structured_outputs", None)
+    _check_counts(sampling, spec)
     try:
-        params = SamplingParams(**spec.sampling)
+        params = SamplingParams(**sampling)
     except _bad_value_errors() as exc:
         raise SpecError("sampling", str(exc)) from exc
+    if constraint is not None:
+        check_constraint(constraint, "sampling.structured_outputs")
     if params.temperature > 0 and refuses_random_sampling(spec):
         raise SpecError("sampling.temperature",
                         f"{CPU_SAMPLING_REFUSAL} (SamplingParams' default temperature is 1.0)")
+
+
+def check_constraint(constraint, key: str) -> dict:
+    """A structured-outputs constraint normalised and compiled as vLLM would, or SpecError
+    naming ``key`` with the reason."""
+    from batchspec.engine import structured
+
+    try:
+        normal = structured.normalise(constraint)
+        structured.check_with_vllm(normal)
+    except structured.ConstraintError as exc:
+        raise SpecError(key, str(exc)) from exc
+    return normal
+
+
+#: Sampling fields that count something: what each must be.
+_COUNTS = {"n": "a positive integer", "logprobs": "a non-negative integer (or -1: every token)",
+           "prompt_logprobs": "a non-negative integer (or -1: every token)"}
+
+
+def count_error(key: str, value, max_logprobs: int = 20) -> str | None:
+    """Why a value of ``n``, ``logprobs`` or ``prompt_logprobs`` is refused, or None: vLLM
+    would take a string or a float here and fail later, inside the engine."""
+    if key not in _COUNTS or value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) \
+            or value < (1 if key == "n" else -1):
+        return f"expected {_COUNTS[key]}, got {value!r}"
+    if key != "n" and max_logprobs >= 0 and value > max_logprobs:
+        return f"{value} is more than the engine returns (model.engine.max_logprobs: {max_logprobs})"
+    return None
+
+
+def _check_counts(sampling: dict, spec: JobSpec) -> None:
+    limit = spec.model.engine.get("max_logprobs", 20)
+    for key in _COUNTS:
+        why = count_error(key, sampling.get(key), limit)
+        if why is not None:
+            raise SpecError(f"sampling.{key}", why)
+
+
+def row_constraint(base: dict | None, overrides: dict, max_logprobs: int) -> dict | None:
+    """Check a row's own sampling values that vLLM would take and fail on later (counts, a
+    constraint: parsed and compiled as vLLM's ``auto`` backend would, once per distinct value)
+    and return the row's constraint. ValueError naming the field when one is refused."""
+    from batchspec.engine import structured
+
+    for key, value in overrides.items():
+        why = count_error(key, value, max_logprobs)
+        if why is not None:
+            raise ValueError(f"{key}: {why}")
+    constraint = structured.from_row(base, overrides)
+    if constraint is not None and constraint is not base:
+        _compile(json.dumps(constraint, sort_keys=True))
+    return constraint
+
+
+@functools.lru_cache(maxsize=512)
+def _compile(constraint_json: str) -> None:
+    from batchspec.engine import structured
+
+    structured.check_with_vllm(json.loads(constraint_json))
+
+
+def override_error(overrides: dict, columns: dict[str, str], exc: Exception) -> str:
+    """The error of a row whose own sampling values are refused, naming the columns."""
+    given = ", ".join(f"{columns.get(k, k)!r} ({k}) = {_short(v)}" for k, v in overrides.items())
+    return f"invalid per-row sampling override: {exc} (columns: {given})"
+
+
+def _short(value, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def max_model_len(spec: JobSpec) -> int:

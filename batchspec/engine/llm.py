@@ -16,14 +16,17 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from batchspec.columns import error_result
+from batchspec.engine import structured
 from batchspec.engine.checks import (
     CPU_SAMPLING_REFUSAL,
     _bad_value_errors,
     _seeded_chunks_crash,
     check_vllm_keys,
+    override_error,
     refuses_random_sampling,
+    row_constraint,
 )
-from batchspec.engine.rows import result_row
+from batchspec.engine.rows import Asked, result_rows
 from batchspec.errors import RuntimeFailure, SpecError
 from batchspec.io.reader import Row, length_error, prompt_token_ids
 from batchspec.spec.model import JobSpec
@@ -31,6 +34,10 @@ from batchspec.spec.model import JobSpec
 log = logging.getLogger(__name__)
 
 
+
+#: Top logprobs batchspec asks for at a ``choice`` row's first position (capped by the engine's
+#: ``max_logprobs``), so that ``choice_probs`` sees the whole constrained distribution.
+CHOICE_LOGPROBS = 20
 
 #: Engine arguments batchspec sets unless the job spec says otherwise.
 ENGINE_DEFAULTS: dict[str, Any] = {"seed": 0}
@@ -80,7 +87,8 @@ class Engine:
         self.tokenizer = self.llm.get_tokenizer()
         self.max_model_len = self.engine.model_config.max_model_len
         self.serves = _serves(spec)
-        self.base_sampling = dict(spec.sampling)
+        self.max_logprobs = self.engine.model_config.max_logprobs
+        self._use(spec)
         self._ids = itertools.count()
         self._closed = threading.Event()
         self._start_watchdog()
@@ -96,23 +104,43 @@ class Engine:
             if have != want:
                 raise SpecError(key, "the engine given to run_job was started for another "
                                      f"{key}; start one for this job (or pass none)")
-        self.base_sampling = dict(spec.sampling)
+        self._use(spec)
+
+    def _use(self, spec: JobSpec) -> None:
+        sampling = dict(spec.sampling)
+        constraint = sampling.pop("structured_outputs", None)
+        self.base_sampling = sampling
+        # checked by check_vllm_keys before the engine started: a bad one never reaches here
+        self.base_constraint = structured.normalise(constraint) if constraint is not None else None
+        self.sampling_columns = dict(spec.input.sampling_columns)
         self.refuse_random_sampling = refuses_random_sampling(spec)
 
     # ------------------------------------------------------------------ requests
 
     def sampling_params(self, overrides: dict[str, Any]):
-        """The job's SamplingParams with a row's overrides; ValueError/TypeError if invalid."""
-        params = {**self.base_sampling, **overrides, "output_kind": self._final_only}
-        return self._SamplingParams(**params)
+        """The job's SamplingParams with a row's overrides, and what the row asked for beyond
+        text (:class:`Asked`); ValueError/TypeError if invalid (a bad per-row constraint is a
+        :class:`~batchspec.engine.structured.ConstraintError`, a ValueError)."""
+        constraint = row_constraint(self.base_constraint, overrides, self.max_logprobs)
+        plain = {k: v for k, v in overrides.items() if k not in structured.COLUMN_KEYS}
+        params = {**self.base_sampling, **plain, "output_kind": self._final_only}
+        logprobs = params.get("logprobs")
+        if constraint is not None:
+            params["structured_outputs"] = structured.vllm_params(constraint)
+            if "choice" in constraint:  # choice_probs needs the first position's distribution
+                wanted = max(logprobs or 0, CHOICE_LOGPROBS)
+                params["logprobs"] = wanted if self.max_logprobs < 0 \
+                    else min(wanted, self.max_logprobs)
+        asked = Asked(constraint=constraint, logprobs=logprobs,
+                      prompt_logprobs=params.get("prompt_logprobs"))
+        return self._SamplingParams(**params), asked
 
     def _prepare(self, row: Row):
-        """(token ids, SamplingParams) for a row, or an error result row."""
+        """(token ids, SamplingParams, Asked) for a row, or an error result row."""
         try:
-            params = self.sampling_params(row.overrides)
+            params, asked = self.sampling_params(row.overrides)
         except self._bad_value as exc:
-            given = ", ".join(f"{k}={v!r}" for k, v in row.overrides.items())
-            return None, error_result(f"invalid per-row sampling override ({given}): {exc}")
+            return None, error_result(override_error(row.overrides, self.sampling_columns, exc))
         try:
             ids = prompt_token_ids(self.tokenizer, row)
         except Exception as exc:  # a template or tokenizer failure belongs to this row only
@@ -122,20 +150,21 @@ class Engine:
         too_long = length_error(len(ids), self.max_model_len)
         if too_long is not None:
             return None, error_result(too_long, num_prompt_tokens=len(ids))
-        return (ids, params), None
+        return (ids, params, asked), None
 
     def stream(self, rows: Iterator[Row], max_in_flight: int, stop: Callable[[], bool] | None = None,
                grace_s: float = 0.0, keep: Callable[[Row], bool] | None = None
-               ) -> Iterator[tuple[Row, dict]]:
+               ) -> Iterator[tuple[Row, list[dict]]]:
         """Feed rows to the engine, at most ``max_in_flight`` at a time, and yield each row with
-        its result as it finishes (errors included). Order is completion order.
+        its result rows as it finishes (errors included): one per sample (``n``), in sample
+        order; a row refused before the engine has one error row. Order is completion order.
 
         ``stop`` is polled between engine steps. Once it is true no new row is taken; requests
         that ``keep`` rejects (their shard can no longer be committed) are aborted at once, the
         rest may finish for ``grace_s`` seconds, then whatever is left is aborted."""
         from vllm.inputs import TokensPrompt
 
-        in_flight: dict[str, Row] = {}
+        in_flight: dict[str, tuple[Row, Asked]] = {}
         added_at: dict[str, float] = {}  # batchspec's own clock: e2e is measured, not summed
         exhausted = False
         deadline: float | None = None
@@ -144,7 +173,8 @@ class Engine:
                 if deadline is None and stop is not None and stop():
                     deadline = time.monotonic() + max(0.0, grace_s)
                     exhausted = True
-                    dropped = [rid for rid, row in in_flight.items() if keep is None or not keep(row)]
+                    dropped = [rid for rid, (row, _) in in_flight.items()
+                               if keep is None or not keep(row)]
                     for rid in dropped:
                         in_flight.pop(rid)
                         added_at.pop(rid, None)
@@ -158,11 +188,11 @@ class Engine:
                         exhausted = True
                         break
                     if row.error is not None:
-                        yield row, error_result(row.error)
+                        yield row, [error_result(row.error)]
                         continue
                     request, refused = self._prepare(row)
                     if refused is not None:
-                        yield row, refused
+                        yield row, [refused]
                         continue
                     request_id = str(next(self._ids))
                     started = time.monotonic()  # before add_request, where vLLM's arrival is
@@ -170,10 +200,10 @@ class Engine:
                         self.engine.add_request(request_id,
                                                 TokensPrompt(prompt_token_ids=request[0]),
                                                 request[1])
-                    except self._bad_value as exc:  # refused: empty, too long, ...
-                        yield row, error_result(str(exc), num_prompt_tokens=len(request[0]))
+                    except self._bad_value as exc:  # refused: empty, too long, a bad grammar...
+                        yield row, [error_result(str(exc), num_prompt_tokens=len(request[0]))]
                         continue
-                    in_flight[request_id] = row
+                    in_flight[request_id] = (row, request[2])
                     added_at[request_id] = started
                 if not in_flight:
                     if exhausted:
@@ -186,10 +216,10 @@ class Engine:
                         from exc
                 for output in outputs:
                     if output.finished:
-                        row = in_flight.pop(output.request_id, None)
-                        if row is not None:
+                        entry = in_flight.pop(output.request_id, None)
+                        if entry is not None:
                             e2e = time.monotonic() - added_at.pop(output.request_id)
-                            yield row, self.result(output, e2e)
+                            yield entry[0], self.result(output, e2e, entry[1])
         finally:
             if in_flight:
                 self.abort(list(in_flight))
@@ -212,10 +242,11 @@ class Engine:
 
     # ------------------------------------------------------------------ results
 
-    def result(self, output, e2e_s: float | None = None) -> dict:
-        """A finished RequestOutput as a result row (see :func:`result_row`); what :meth:`stream`
+    def result(self, output, e2e_s: float | None = None, asked: Asked | None = None
+               ) -> list[dict]:
+        """A finished RequestOutput as result rows (see :func:`result_rows`); what :meth:`stream`
         yields, so a subclass can add what it needs from the output (distill keeps token ids)."""
-        return result_row(output, e2e_s)
+        return result_rows(output, e2e_s, asked or Asked())
 
     def spec_counters(self) -> dict[str, Any]:
         """Engine-lifetime speculative-decoding totals from vLLM's own metrics."""

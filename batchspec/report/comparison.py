@@ -49,17 +49,23 @@ def changes(a: dict, b: dict) -> dict[str, dict]:
     return out
 
 
+#: What identifies an output row: its request and, with ``n`` samples, which sample.
+SAMPLE = "sample_index"
+KEY = [REQUEST_ID, SAMPLE]
+
+
+
 
 
 def _requests(output: Output) -> tuple[pl.DataFrame, int]:
-    """One row per request id (its first), narrow: id, success, text hash, acceptance rate;
-    and the number of rows read."""
-    columns = [REQUEST_ID, ERROR, "spec_acceptance_rate"]
+    """One row per request id and sample (its first), narrow: id, sample, success, text hash,
+    acceptance rate; and the number of rows read."""
+    columns = [REQUEST_ID, SAMPLE, ERROR, "spec_acceptance_rate"]
     rows = (output.scan(columns, text_hash=True)
-            .select(REQUEST_ID, pl.col(ERROR).is_null().alias("ok"), TEXT_HASH,
-                    "spec_acceptance_rate")
+            .select(REQUEST_ID, pl.col(SAMPLE).fill_null(0), pl.col(ERROR).is_null().alias("ok"),
+                    TEXT_HASH, "spec_acceptance_rate")
             .cache())
-    first, total = output.collect([rows.unique(REQUEST_ID, keep="first", maintain_order=True),
+    first, total = output.collect([rows.unique(KEY, keep="first", maintain_order=True),
                                    rows.select(pl.len())], columns, text_hash=True)
     return first, total.item()
 
@@ -67,7 +73,8 @@ def _requests(output: Output) -> tuple[pl.DataFrame, int]:
 
 
 def match_rows(a: Output, b: Output) -> dict[str, Any]:
-    """Match two runs' rows by request_id: coverage, identical text, acceptance differences.
+    """Match two runs' rows by request_id (and ``sample_index``, for ``n`` samples): coverage,
+    identical text, acceptance differences.
 
     Texts compare by a 64-bit hash (polars ``hash``, one seed for both runs): neither run's
     texts are held in memory, and a false "identical" needs a hash collision (odds about
@@ -75,7 +82,7 @@ def match_rows(a: Output, b: Output) -> dict[str, Any]:
     and is reported."""
     da, rows_a = _requests(a)
     db, rows_b = _requests(b)
-    joined = da.join(db, on=REQUEST_ID, how="inner", suffix="_b")
+    joined = da.join(db, on=KEY, how="inner", suffix="_b")
     both_ok = joined.filter(pl.col("ok") & pl.col("ok_b"))
     identical = both_ok.filter(pl.col(TEXT_HASH).eq_missing(pl.col(f"{TEXT_HASH}_b"))).height
     diff = both_ok.select(pl.col("spec_acceptance_rate_b") - pl.col("spec_acceptance_rate"))

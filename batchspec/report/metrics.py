@@ -59,7 +59,8 @@ SUMMED = ("num_prompt_tokens", "num_output_tokens", "spec_num_steps", "spec_num_
 
 
 #: Everything the single-run statistics read; ``generated_text`` and kept input columns stay on disk.
-STAT_COLUMNS = ["finish_reason", *SUMMED, HISTOGRAM, *DISTRIBUTIONS.values(), ERROR]
+STAT_COLUMNS = ["finish_reason", *SUMMED, HISTOGRAM, *DISTRIBUTIONS.values(), "structured_valid",
+                ERROR]
 
 
 PERCENTILES = (50, 90, 99)
@@ -104,6 +105,8 @@ def _aggregations() -> list[pl.Expr]:
     ok = pl.col(ERROR).is_null()
     return [pl.len().alias("rows"), pl.col(ERROR).is_not_null().sum().alias("errors"),
             pl.col("spec_num_steps").is_not_null().any().alias("speculative"),
+            pl.col("structured_valid").is_not_null().sum().alias("structured_rows"),
+            pl.col("structured_valid").cast(pl.Int64).sum().alias("structured_valid"),
             *(pl.col(c).cast(pl.Int64).sum().alias(c) for c in SUMMED),
             *(e for key, column in DISTRIBUTIONS.items()
               for e in _distribution_exprs(pl.col(column).filter(ok), key))]
@@ -112,7 +115,8 @@ def _aggregations() -> list[pl.Expr]:
 
 
 #: The aggregates of a group without rows (an empty output file).
-_EMPTY = {"rows": 0, "errors": 0, "speculative": False, **dict.fromkeys(SUMMED, 0)}
+_EMPTY = {"rows": 0, "errors": 0, "speculative": False, "structured_rows": 0,
+          "structured_valid": 0, **dict.fromkeys(SUMMED, 0)}
 
 
 
@@ -137,7 +141,18 @@ def _metrics(agg: dict, finish: Counter, errors: Counter, histogram: list[int] |
         "mean_acceptance_length": mean_acceptance_length(accepted, steps),
         "acceptance_histogram": histogram if speculative else None,
         **{key: _distribution_of(agg, key) for key in DISTRIBUTIONS},
+        "structured_outputs": _structured(agg),
     }
+
+
+def _structured(agg: dict) -> dict[str, Any] | None:
+    """Rows with a structured-outputs constraint and the share that satisfied it (finished with
+    ``stop`` and valid against their own constraint); None when no row had one."""
+    n = agg.get("structured_rows") or 0
+    if not n:
+        return None
+    valid = agg.get("structured_valid") or 0
+    return {"rows": n, "valid": valid, "valid_share": valid / n}
 
 
 

@@ -16,7 +16,7 @@ import pyarrow.parquet as pq
 import yaml
 from pyarrow.fs import FSSpecHandler, PyFileSystem
 
-from batchspec.columns import ERROR, REQUEST_ID, RESULT_NAMES
+from batchspec.columns import BASE_RESULT_NAMES, ERROR, FEATURE_FIELDS, REQUEST_ID
 from batchspec.errors import InputDataError, SpecError
 from batchspec.io.output_dir import OutputDir
 from batchspec.io.paths import BOOKKEEPING_DIR, OUTPUT_SUFFIX, is_local_fs
@@ -24,7 +24,11 @@ from batchspec.io.writer import METADATA_KEY
 from batchspec.redact import sanitize_url
 
 #: Columns every output file must have (checked on its footer, before any row is read).
-REQUIRED_COLUMNS = [REQUEST_ID, *RESULT_NAMES]
+REQUIRED_COLUMNS = [REQUEST_ID, *BASE_RESULT_NAMES]
+
+#: The request-feature columns a report reads, as polars types (files without them read null).
+FEATURE_TYPES = {f.name: pl.from_arrow(pa.array([], f.type)).dtype for f in FEATURE_FIELDS
+                 if f.name in ("structured_valid", "sample_index")}
 
 
 
@@ -89,7 +93,10 @@ class Output:
                                  filesystem=arrow_fs)
             # polars applies filters itself: pyarrow's null semantics in comparisons differ
             lf = pl.scan_pyarrow_dataset(dataset, allow_pyarrow_filter=False)
-        exprs: list[Any] = list(columns)
+        # a feature column this file was written without (an older batchspec) reads as null
+        have = set(self.schemas[shard].names) if shard in self.schemas else None
+        exprs: list[Any] = [c if have is None or c in have or c not in FEATURE_TYPES
+                            else pl.lit(None, dtype=FEATURE_TYPES[c]).alias(c) for c in columns]
         if text_hash:
             exprs.append(pl.col(TEXT).hash(seed=0).alias(TEXT_HASH))
         return lf.select(exprs).with_columns(shard=pl.lit(shard, dtype=pl.String))

@@ -98,7 +98,19 @@ def _summary_rows(report: dict) -> list[list[str]]:
         ["output tokens", fmt(m["output_tokens"])],
         ["acceptance rate", rate if m["speculative"] else f"- ({no_acceptance_reason(report)})"],
         ["mean acceptance length", length if m["speculative"] else "-"],
+        *([["structured outputs valid", _valid(m["structured_outputs"])]]
+          if m.get("structured_outputs") else []),
     ]
+
+
+def _share(s: dict | None) -> str:
+    return f"{s['valid_share']:.1%}" if s else "-"
+
+
+def _valid(s: dict | None) -> str:
+    if not s:
+        return "-"
+    return f"{s['valid_share']:.1%}  ({s['valid']:,} of {s['rows']:,} constrained rows)"
 
 
 
@@ -144,15 +156,18 @@ def tables(report: dict) -> list[Table]:
               note="successful rows; percentiles interpolate linearly between ranks"),
     ]
     shard_rows = []
+    structured = m.get("structured_outputs") is not None
     for name, s in report["shards"].items():
         e2e, ttft, tps = s["e2e_s"] or {}, s["ttft_s"] or {}, s["decode_tokens_per_s"] or {}
         shard_rows.append([name, fmt(s["rows"]), fmt(s["errors"]), fmt(s["output_tokens"]),
                            fmt(s["acceptance_rate"]), fmt(s["mean_acceptance_length"], 2),
                            fmt(ttft.get("p50")), fmt(e2e.get("p50")), fmt(e2e.get("p90")),
-                           fmt(tps.get("p50"), 1), fmt(tps.get("mean"), 1)])
+                           fmt(tps.get("p50"), 1), fmt(tps.get("mean"), 1)]
+                          + ([_share(s.get("structured_outputs"))] if structured else []))
     out.append(Table("shards", "Per shard",
                      ["shard", "rows", "errors", "output tokens", "acceptance", "accept len",
-                      "TTFT p50 s", "e2e p50 s", "e2e p90 s", "tok/s p50", "tok/s mean"],
+                      "TTFT p50 s", "e2e p50 s", "e2e p90 s", "tok/s p50", "tok/s mean"]
+                     + (["valid"] if structured else []),
                      shard_rows))
     if m["errors"]:
         out.append(Table("errors", "Errors by reason", ["reason", "rows"],

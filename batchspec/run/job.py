@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import batchspec
-from batchspec.errors import BatchspecError, InputDataError, Interrupted, RuntimeFailure, SpecError
+from batchspec.errors import BatchspecError, Interrupted, RuntimeFailure, SpecError
 from batchspec.io.host import this_host
 from batchspec.io.listing import Shard
 from batchspec.io.locations import check_no_overlap
@@ -32,7 +32,7 @@ from batchspec.io.output_dir import OutputDir, remove_orphan_tmp_files
 from batchspec.run.events import EventLog, Progress
 from batchspec.run.executors.base import Executor, RunContext
 from batchspec.run.executors.local import LocalExecutor
-from batchspec.run.outcome import human_summary, summarise, write_summary
+from batchspec.run.outcome import RunOutcome, human_summary, summarise, write_summary
 from batchspec.run.stages import check_inputs, plan, stale_error
 from batchspec.spec.model import JobSpec
 
@@ -146,10 +146,10 @@ class _Job:
         self.gen_started: float | None = None
         self.gen_ended: float | None = None
         self.summary_path: str | None = None
-        self.fatal: list[BaseException] = []
         started_at = dt.datetime.now(dt.UTC)
         self.owner = {"run_id": run_id, "host": this_host(), "pid": os.getpid(),
                       "started_at": started_at.isoformat()}
+        #: the run summary; :meth:`finish` adds the outcome's shard sections and the totals
         self.summary: dict[str, Any] = {
             "run_id": run_id,
             "job": spec.name,
@@ -157,11 +157,9 @@ class _Job:
             "versions": {"batchspec": batchspec.__version__},
             "worker": {"index": worker_index, "count": num_workers},
             "started_at": started_at.isoformat(),
-            "shards": {},
-            "bad_shards": {},
-            "busy_shards": {},
-            "lost_shards": {},
         }
+        #: what happened to each shard
+        self.outcome = RunOutcome()
 
     # ------------------------------------------------------------------ the flow
 
@@ -177,11 +175,11 @@ class _Job:
         check_vllm_keys(spec)
         # known before listing, so that a run that fails to plan still leaves its summary
         self.out = OutputDir(spec.output.path, spec.output.storage_options)
+        ctx = self.context()
         todo, fingerprint = self.plan_shards()
         self._check_stop()
-        shards, row_counts = check_inputs(spec, todo, self.bad_shard)
+        shards, row_counts = check_inputs(spec, todo, ctx.bad_shard)
         self._check_stop()
-        ctx = self.context()
         if shards:
             self.executor.start(ctx)
         self.record_engine()
@@ -194,16 +192,11 @@ class _Job:
                 self.gen_ended = time.monotonic()
         if self.stop:
             raise _interrupted(self.stop.signal)
-        if self.fatal:
-            raise self.fatal[0]
-        for key, what in (("busy_shards", "are being processed by another run and were left "
-                                          "alone"),
-                          ("lost_shards", "lost their lease to another run and were not "
-                                          "committed by this one"),
-                          ("failed_shards", "failed on every try")):
-            if self.summary.get(key):
-                raise RuntimeFailure(f"{len(self.summary[key])} shards {what}: " + "; ".join(
-                    f"{k} ({v})" for k, v in sorted(self.summary[key].items())))
+        if ctx.fatal:
+            raise ctx.fatal[0]
+        incomplete = self.outcome.incomplete()
+        if incomplete is not None:
+            raise incomplete
         self.summary["status"] = "ok"
         self.finish(None)
 
@@ -234,20 +227,11 @@ class _Job:
         remove_orphan_tmp_files(p.out.tmp_dir())  # beside the output, or the local spool
         return todo, p.spec_fingerprint
 
-    def bad_shard(self, shard: Shard, exc: InputDataError) -> None:
-        """Record an unreadable shard; raise unless ``on_bad_shard: skip``."""
-        if self.spec.input.on_bad_shard != "skip":
-            self.events.emit("shard_failed", str(exc), level="error", shard=shard.name)
-            raise exc
-        self.summary["bad_shards"][shard.name] = str(exc)
-        self.events.emit("shard_failed", f"skipping bad shard: {exc}", level="warning",
-                         shard=shard.name)
-
     def context(self) -> RunContext:
         return RunContext(spec=self.spec, run_id=self.run_id, out=self.out, owner=self.owner,
                           events=self.events, stop=self.stop, overwrite=self.overwrite,
-                          grace_s=self.grace_s, summary=self.summary, bad_shard=self.bad_shard,
-                          new_progress=self.new_progress, fatal=self.fatal)
+                          grace_s=self.grace_s, new_progress=self.new_progress,
+                          outcome=self.outcome)
 
     def record_engine(self) -> None:
         """The engine's version and context length, for the summary."""
@@ -296,8 +280,8 @@ class _Job:
         return exc
 
     def finish(self, exc: BaseException | None) -> None:
-        """Stage summarise: totals, per-position acceptance, the summary JSON and the last
-        human line."""
+        """Stage summarise: the shard sections, totals, per-position acceptance, the summary
+        JSON and the last human line."""
         summary, events = self.summary, self.events
         if self.progress is not None:
             self.progress.close()
@@ -305,7 +289,7 @@ class _Job:
         gen_wall = ((self.gen_ended or time.monotonic()) - self.gen_started
                     if self.gen_started is not None else 0.0)
         positions = self.executor.acceptance_per_position() if self.executor is not None else None
-        summarise(summary, wall, gen_wall, positions)
+        summarise(summary, self.outcome, wall, gen_wall, positions)
         path = None
         if self.out is not None:
             try:

@@ -1,36 +1,154 @@
-"""The run's outcome: the summary's totals, the summary JSON, the last line a person reads."""
+"""The run's outcome: what each shard produced (:class:`ShardStats`), what happened to every shard
+(:class:`RunOutcome`), the summary's totals, the summary JSON, the last line a person reads."""
 
 from __future__ import annotations
 
 import datetime as dt
+from dataclasses import dataclass, field
+from typing import Any
 
+from batchspec.columns import error_reason
+from batchspec.errors import RuntimeFailure
 from batchspec.io.output_dir import OutputDir
 from batchspec.io.paths import BOOKKEEPING_DIR
-from batchspec.run.stages import ShardStats
-from batchspec.stats import tokens_per_s
+from batchspec.stats import acceptance_rate, mean_acceptance_length, tokens_per_s
 
 
-def new_outcome() -> dict[str, dict]:
-    """What the per-shard stages report, by shard name: the run summary's shard sections."""
-    return {"shards": {}, "bad_shards": {}, "busy_shards": {}, "lost_shards": {}}
+@dataclass
+class ShardStats:
+    """What one shard produced."""
+
+    rows: int = 0
+    errors: int = 0
+    errors_by_reason: dict[str, int] = field(default_factory=dict)
+    output_tokens: int = 0
+    prompt_tokens: int = 0
+    spec_steps: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    duplicate_ids: int = 0
+
+    def add(self, result: dict) -> None:
+        self.rows += 1
+        if result.get("error") is not None:
+            self.errors += 1
+            reason = error_reason(result["error"])
+            self.errors_by_reason[reason] = self.errors_by_reason.get(reason, 0) + 1
+        self.output_tokens += result.get("num_output_tokens") or 0
+        self.prompt_tokens += result.get("num_prompt_tokens") or 0
+        self.spec_steps += result.get("spec_num_steps") or 0
+        self.draft_tokens += result.get("spec_num_draft_tokens") or 0
+        self.accepted_tokens += result.get("spec_num_accepted_tokens") or 0
+
+    def merge(self, other: dict) -> None:
+        """Add a shard summary (``as_dict`` output) into these totals."""
+        for key in ("rows", "errors", "output_tokens", "prompt_tokens", "duplicate_ids"):
+            setattr(self, key, getattr(self, key) + other[key])
+        self.spec_steps += other["spec_num_steps"]
+        self.draft_tokens += other["spec_num_draft_tokens"]
+        self.accepted_tokens += other["spec_num_accepted_tokens"]
+        for reason, n in other["errors_by_reason"].items():
+            self.errors_by_reason[reason] = self.errors_by_reason.get(reason, 0) + n
+
+    def as_dict(self, wall_s: float | None = None) -> dict[str, Any]:
+        out = {
+            "rows": self.rows,
+            "errors": self.errors,
+            "errors_by_reason": dict(sorted(self.errors_by_reason.items())),
+            "duplicate_ids": self.duplicate_ids,
+            "prompt_tokens": self.prompt_tokens,
+            "output_tokens": self.output_tokens,
+            "spec_num_steps": self.spec_steps,
+            "spec_num_draft_tokens": self.draft_tokens,
+            "spec_num_accepted_tokens": self.accepted_tokens,
+            "acceptance_rate": acceptance_rate(self.accepted_tokens, self.draft_tokens),
+            "mean_acceptance_length": mean_acceptance_length(self.accepted_tokens, self.spec_steps),
+        }
+        if wall_s is not None:
+            out["wall_s"] = round(wall_s, 3)
+            out["output_tokens_per_s"] = tokens_per_s(self.output_tokens, wall_s)
+        return out
 
 
+@dataclass
+class RunOutcome:
+    """What happened to each shard a run (or one Ray replica's task) took on, by shard name.
+
+    Plain data: a replica returns its own to the Ray driver, which merges it into the run's
+    (:meth:`merge_settled`). :meth:`summary_sections` is what the run summary JSON holds of it."""
+
+    #: committed by this run: the shard's stats (:meth:`ShardStats.as_dict`) -> ``shards``
+    committed: dict[str, dict[str, Any]] = field(default_factory=dict)
+    #: unreadable, skipped (``input.on_bad_shard: skip``): the error -> ``bad_shards``
+    bad: dict[str, str] = field(default_factory=dict)
+    #: held by another run and left alone: the holder -> ``busy_shards``
+    busy: dict[str, str] = field(default_factory=dict)
+    #: lost its lease to another run before commit: why, and the holder -> ``lost_shards``
+    lost: dict[str, str] = field(default_factory=dict)
+    #: failed on every try (Ray: its replica died each time): why -> ``failed_shards``
+    failed: dict[str, str] = field(default_factory=dict)
+    #: the executor's own section of the summary (Ray: replicas and their deaths) -> ``executor``
+    executor: dict[str, Any] | None = None
+
+    def merge_settled(self, other: RunOutcome) -> None:
+        """Take in what another outcome (a Ray replica's task) settled: committed, bad, lost and
+        failed shards. Its busy shards are left to the caller, whose lease wait decides whether
+        they are retried or stay busy (:class:`batchspec.run.lease_wait.LeaseWait`)."""
+        self.committed.update(other.committed)
+        self.bad.update(other.bad)
+        self.lost.update(other.lost)
+        self.failed.update(other.failed)
+
+    def take_busy(self) -> dict[str, str]:
+        """The busy shards recorded so far (shard -> holder), removed from this outcome."""
+        busy, self.busy = self.busy, {}
+        return busy
+
+    def incomplete(self) -> RuntimeFailure | None:
+        """Exit 1 naming every shard the run left undone (busy, lost or failed), or None."""
+        for shards, what in ((self.busy, "are being processed by another run and were left "
+                                         "alone"),
+                             (self.lost, "lost their lease to another run and were not "
+                                         "committed by this one"),
+                             (self.failed, "failed on every try")):
+            if shards:
+                return RuntimeFailure(f"{len(shards)} shards {what}: " + "; ".join(
+                    f"{k} ({v})" for k, v in sorted(shards.items())))
+        return None
+
+    def summary_sections(self) -> dict[str, Any]:
+        """The run summary's shard sections (``failed_shards`` and ``executor`` only when
+        there is something to say)."""
+        sections: dict[str, Any] = {"shards": self.committed, "bad_shards": self.bad,
+                                    "busy_shards": self.busy, "lost_shards": self.lost}
+        if self.executor is not None:
+            sections["executor"] = self.executor
+        if self.failed:
+            sections["failed_shards"] = self.failed
+        return sections
+
+    def totals(self, wall_s: float, generation_wall_s: float) -> dict[str, Any]:
+        """The summary's totals over the committed shards."""
+        totals = ShardStats()
+        for shard in self.committed.values():
+            totals.merge(shard)
+        out = totals.as_dict(wall_s)
+        out["shards_committed"] = len(self.committed)
+        out["generation_wall_s"] = round(generation_wall_s, 3)
+        out["generation_output_tokens_per_s"] = tokens_per_s(totals.output_tokens,
+                                                              generation_wall_s)
+        return out
 
 
 # ---------------------------------------------------------------------------- 4. summarise
 
 
-def summarise(summary: dict, wall_s: float, generation_wall_s: float,
+def summarise(summary: dict, outcome: RunOutcome, wall_s: float, generation_wall_s: float,
               per_position: dict | None) -> dict:
-    """Fill in the run summary's totals (over its committed shards) and end time."""
-    totals = ShardStats()
-    for shard in summary["shards"].values():
-        totals.merge(shard)
-    summary["totals"] = totals.as_dict(wall_s)
-    summary["totals"]["shards_committed"] = len(summary["shards"])
-    summary["totals"]["generation_wall_s"] = round(generation_wall_s, 3)
-    summary["totals"]["generation_output_tokens_per_s"] = tokens_per_s(totals.output_tokens,
-                                                                       generation_wall_s)
+    """Fill in the run summary's shard sections, totals (over the committed shards) and end
+    time."""
+    summary.update(outcome.summary_sections())
+    summary["totals"] = outcome.totals(wall_s, generation_wall_s)
     summary.setdefault("exit_code", 0)
     if per_position is not None:
         summary["acceptance_per_position"] = per_position
@@ -38,15 +156,11 @@ def summarise(summary: dict, wall_s: float, generation_wall_s: float,
     return summary
 
 
-
-
 def write_summary(out: OutputDir, run_id: str, summary: dict) -> str:
     """Write the run summary to ``_batchspec/runs/<run_id>.json``; returns its path."""
     path = out.join(BOOKKEEPING_DIR, "runs", f"{run_id}.json")
     out.write_json(path, summary)
     return path
-
-
 
 
 def human_summary(summary: dict) -> str:

@@ -17,14 +17,13 @@ run/executors/ray.py: replicas on a Ray cluster):
 from __future__ import annotations
 
 import datetime as dt
+import enum
 import hashlib
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
 
 import batchspec
-from batchspec.columns import error_reason
 from batchspec.errors import InputDataError, SpecError
 from batchspec.io.listing import Shard, assign, check_worker, discover_shards
 from batchspec.io.locations import check_no_overlap, same_store
@@ -34,8 +33,9 @@ from batchspec.io.writer import ShardWriter
 from batchspec.leases.shard_leases import holder_text
 from batchspec.redact import sanitize_url
 from batchspec.run.events import EventLog
+from batchspec.run.outcome import RunOutcome, ShardStats
 from batchspec.spec.model import JobSpec
-from batchspec.stats import acceptance_rate, mean_acceptance_length, tokens_per_s
+from batchspec.stats import request_totals
 
 # ---------------------------------------------------------------------------- 1. plan shards
 
@@ -127,62 +127,26 @@ def check_inputs(spec: JobSpec, todo: list[Shard],
 # ---------------------------------------------------------------------------- 3. per shard
 
 
-@dataclass
-class ShardStats:
-    """What one shard produced."""
+class ShardState(enum.Enum):
+    """Where a shard is on its way through the stages. A shard moves only forward, along
+    :data:`_MOVES`: from ``PENDING`` through ``READING`` and ``READ`` (while its lease is ours)
+    to one of the final states."""
 
-    rows: int = 0
-    errors: int = 0
-    errors_by_reason: dict[str, int] = field(default_factory=dict)
-    output_tokens: int = 0
-    prompt_tokens: int = 0
-    spec_steps: int = 0
-    draft_tokens: int = 0
-    accepted_tokens: int = 0
-    duplicate_ids: int = 0
-
-    def add(self, result: dict) -> None:
-        self.rows += 1
-        if result.get("error") is not None:
-            self.errors += 1
-            reason = error_reason(result["error"])
-            self.errors_by_reason[reason] = self.errors_by_reason.get(reason, 0) + 1
-        self.output_tokens += result.get("num_output_tokens") or 0
-        self.prompt_tokens += result.get("num_prompt_tokens") or 0
-        self.spec_steps += result.get("spec_num_steps") or 0
-        self.draft_tokens += result.get("spec_num_draft_tokens") or 0
-        self.accepted_tokens += result.get("spec_num_accepted_tokens") or 0
-
-    def merge(self, other: dict) -> None:
-        """Add a shard summary (``as_dict`` output) into these totals."""
-        for key in ("rows", "errors", "output_tokens", "prompt_tokens", "duplicate_ids"):
-            setattr(self, key, getattr(self, key) + other[key])
-        self.spec_steps += other["spec_num_steps"]
-        self.draft_tokens += other["spec_num_draft_tokens"]
-        self.accepted_tokens += other["spec_num_accepted_tokens"]
-        for reason, n in other["errors_by_reason"].items():
-            self.errors_by_reason[reason] = self.errors_by_reason.get(reason, 0) + n
-
-    def as_dict(self, wall_s: float | None = None) -> dict[str, Any]:
-        out = {
-            "rows": self.rows,
-            "errors": self.errors,
-            "errors_by_reason": dict(sorted(self.errors_by_reason.items())),
-            "duplicate_ids": self.duplicate_ids,
-            "prompt_tokens": self.prompt_tokens,
-            "output_tokens": self.output_tokens,
-            "spec_num_steps": self.spec_steps,
-            "spec_num_draft_tokens": self.draft_tokens,
-            "spec_num_accepted_tokens": self.accepted_tokens,
-            "acceptance_rate": acceptance_rate(self.accepted_tokens, self.draft_tokens),
-            "mean_acceptance_length": mean_acceptance_length(self.accepted_tokens, self.spec_steps),
-        }
-        if wall_s is not None:
-            out["wall_s"] = round(wall_s, 3)
-            out["output_tokens_per_s"] = tokens_per_s(self.output_tokens, wall_s)
-        return out
+    PENDING = "pending"  # not claimed yet
+    BUSY = "busy"  # another process holds its lease: left alone
+    SKIPPED = "skipped"  # committed by another process since this run planned
+    READING = "reading"  # its lease is ours; its rows are being read into the stream
+    READ = "read"  # its lease is ours; every row read, committed when the last result arrives
+    COMMITTED = "committed"  # its output and manifest are visible; its lease given back
+    FAILED = "failed"  # unreadable midway: its copy discarded, its lease given back
+    ABANDONED = "abandoned"  # its lease went to another process: its copy discarded
 
 
+_MOVES: dict[ShardState, frozenset[ShardState]] = {
+    ShardState.PENDING: frozenset({ShardState.BUSY, ShardState.SKIPPED, ShardState.READING}),
+    ShardState.READING: frozenset({ShardState.READ, ShardState.FAILED, ShardState.ABANDONED}),
+    ShardState.READ: frozenset({ShardState.COMMITTED, ShardState.FAILED, ShardState.ABANDONED}),
+}
 
 
 @dataclass
@@ -192,15 +156,29 @@ class ShardRun:
     shard: Shard
     reader: ShardReader | None = None
     writer: ShardWriter | None = None
+    state: ShardState = ShardState.PENDING
     rows_read: int = 0
-    reading_done: bool = False
-    failed: bool = False
-    committed: bool = False
-    leased: bool = False
+    #: Rows of the shard whose every result row (one per sample) is written.
+    rows_done: int = 0
     started: float = 0.0
     stats: ShardStats = field(default_factory=ShardStats)
 
+    def move(self, to: ShardState) -> None:
+        """The one way a shard changes state; a move :data:`_MOVES` does not allow is a bug."""
+        if to not in _MOVES.get(self.state, frozenset()):
+            raise RuntimeError(f"shard {self.shard.name}: no move from {self.state.value} to "
+                               f"{to.value}")
+        self.state = to
 
+    @property
+    def holds_lease(self) -> bool:
+        """Claimed, and neither committed nor dropped: its lease is (or should be) ours."""
+        return self.state in (ShardState.READING, ShardState.READ)
+
+    @property
+    def dropped(self) -> bool:
+        """Failed or abandoned: its remaining results are thrown away, it is never committed."""
+        return self.state in (ShardState.FAILED, ShardState.ABANDONED)
 
 
 class SeenIds:
@@ -224,14 +202,14 @@ class ShardPipeline:
     """Claim, read prompts, generate, write and commit: the per-shard stages one worker runs
     through one engine (a local run, or one Ray replica).
 
-    ``outcome`` (see :func:`new_outcome`, or the run summary itself) receives each shard's result:
-    committed (its stats), busy (held by another run), lost (its lease went away), bad (skipped).
+    ``outcome`` receives each shard's end: committed (its stats), busy (held by another run),
+    lost (its lease went away), bad (skipped, through ``bad_shard``).
     ``progress`` takes ``row_done(result)``, ``rows_dropped(n)`` and ``shard_done()``.
     ``bad_shard`` records an unreadable shard, or raises to end the run; what it raises lands in
     ``fatal`` and stops the feed (shards already read still finish and commit)."""
 
     def __init__(self, spec: JobSpec, run_id: str, out: OutputDir, leases, events: EventLog,
-                 progress, outcome: dict[str, dict], spec_fingerprint: dict[str, str],
+                 progress, outcome: RunOutcome, spec_fingerprint: dict[str, str],
                  vllm_version: str | None, overwrite: bool, stop: Callable[[], bool],
                  grace_s: float, bad_shard: Callable[[Shard, InputDataError], None]):
         self.spec, self.run_id, self.out, self.leases = spec, run_id, out, leases
@@ -256,25 +234,27 @@ class ShardPipeline:
     # --- claim
 
     def claim(self, run: ShardRun) -> bool:
-        """Take the shard's lease. False (and the shard is accounted for) when another run holds
-        it or has committed it since this run planned."""
+        """Take the shard's lease (``READING``). False (``BUSY`` or ``SKIPPED``, its rows out
+        of the progress total) when another run holds it or has committed it since this run
+        planned."""
         name = run.shard.name
         holder = self.leases.acquire(name)
         if holder is not None:
-            self.outcome["busy_shards"][name] = holder_text(holder)
+            run.move(ShardState.BUSY)
+            self.outcome.busy[name] = holder_text(holder)
             self.progress.rows_dropped(self.row_counts[name])
             self.events.emit("shard_busy", f"shard {name} is being processed by another run "
                              f"({holder_text(holder)}); leaving it alone", level="warning",
                              shard=name, holder=holder.get("run_id"))
             return False
-        run.leased = True
         if not self.overwrite and self.out.shard_state(run.shard) == "committed":
             self.leases.release(name)  # committed by another process since this run began
-            run.leased = False
+            run.move(ShardState.SKIPPED)
             self.progress.rows_dropped(self.row_counts[name])
             self.events.emit("shard_skipped", f"shard {name} already committed", shard=name,
                              reason="committed")
             return False
+        run.move(ShardState.READING)
         return True
 
     # --- read prompts
@@ -297,38 +277,41 @@ class ShardPipeline:
         for run in runs:
             if self.stop():
                 return
-            name = run.shard.name
             if not self.claim(run):
                 continue
             try:
                 self.open_shard(run)
                 for row in run.reader.rows():
-                    if self.stop() or run.failed:
+                    if self.stop() or run.dropped:
                         break
                     if seen.add(row.request_id):
                         run.stats.duplicate_ids += 1
                     run.rows_read += 1
                     yield row
                 else:
-                    run.reading_done = True
+                    run.move(ShardState.READ)
                     self.maybe_commit(run)
                 if self.stop():
                     return
             except InputDataError as exc:
-                run.failed = True
-                if run.writer is not None:
-                    run.writer.discard()
-                self.progress.rows_dropped(self.row_counts[name] - run.stats.rows)
-                self.leases.release(name)
-                run.leased = False
-                try:
-                    self.bad_shard(run.shard, exc)
-                except InputDataError:
-                    self.fatal.append(exc)
+                if not self.unreadable(run, exc):
                     return  # stop feeding; shards already read still finish and commit
             finally:
                 if run.reader is not None:
                     run.reader.close()
+
+    def unreadable(self, run: ShardRun, exc: InputDataError) -> bool:
+        """The shard turned out unreadable midway: drop it (``FAILED``), give its lease back,
+        and let ``bad_shard`` record it; False when that ends the run (into ``fatal``)."""
+        if not run.dropped:
+            self.drop(run, ShardState.FAILED)
+            self.leases.release(run.shard.name)
+        try:
+            self.bad_shard(run.shard, exc)
+        except InputDataError:
+            self.fatal.append(exc)
+            return False
+        return True
 
     # --- generate
 
@@ -343,37 +326,40 @@ class ShardPipeline:
 
         def keep(row: Row) -> bool:
             """After a stop: only requests of shards that can still be committed may drain."""
-            run = by_name[row.shard]
-            return run.reading_done and not run.failed
+            return by_name[row.shard].state is ShardState.READ
 
         stream = engine.stream(self.read_prompts(runs, SeenIds()),
                                self.spec.execution.max_in_flight, stop=self.stop,
                                grace_s=self.grace_s, keep=keep)
         try:
-            for row, result in stream:
+            for row, results in stream:
+                self.abandon_lost(runs)  # the keeper thread marks a lease lost: act between steps
                 run = by_name[row.shard]
-                for r in runs:  # the keeper thread marks a lease lost; act between steps
-                    if r.leased and not r.committed and not r.failed \
-                            and self.leases.lost(r.shard.name):
-                        self.abandon(r, "lost its lease")
-                if run.failed:
-                    continue
-                self.write(run, row, result)
+                if not run.dropped:
+                    self.write(run, row, results)
         finally:
             stream.close()  # aborts whatever is still in the engine
 
+    def abandon_lost(self, runs: list[ShardRun]) -> None:
+        """Abandon every shard whose lease the renewal thread found lost."""
+        for run in runs:
+            if run.holds_lease and self.leases.lost(run.shard.name):
+                self.abandon(run, "lost its lease")
+
     # --- write and commit
 
-    def write(self, run: ShardRun, row: Row, result: dict) -> None:
-        """One result row into the shard's temporary file; commit the shard if it was the last."""
-        run.writer.add({"request_id": row.request_id, **row.kept, **result})
-        run.stats.add(result)
-        self.progress.row_done(result)
+    def write(self, run: ShardRun, row: Row, results: list[dict]) -> None:
+        """One input row's result rows (one per sample) into the shard's temporary file; commit
+        the shard if it was the last."""
+        for result in results:
+            run.writer.add({"request_id": row.request_id, **row.kept, **result})
+            run.stats.add(result)
+        run.rows_done += 1
+        self.progress.row_done(request_totals(results))
         self.maybe_commit(run)
 
     def maybe_commit(self, run: ShardRun) -> None:
-        if run.reading_done and not run.failed and not run.committed \
-                and run.stats.rows == run.rows_read:
+        if run.state is ShardState.READ and run.rows_done == run.rows_read:
             self.commit(run)
 
     def commit(self, run: ShardRun) -> None:
@@ -400,11 +386,10 @@ class ShardPipeline:
             "committed_at": dt.datetime.now(dt.UTC).isoformat(),
         }
         out.write_json(out.manifest_path(name), record)
-        run.committed = True
+        run.move(ShardState.COMMITTED)
         self.leases.release(name)
-        run.leased = False
         shard_summary = run.stats.as_dict(wall)
-        self.outcome["shards"][name] = shard_summary
+        self.outcome.committed[name] = shard_summary
         self.progress.shard_done()
         self.events.emit("shard_committed", f"shard {name} committed", shard=name,
                          rows=run.stats.rows, errors=run.stats.errors,
@@ -412,20 +397,24 @@ class ShardPipeline:
                          acceptance_rate=shard_summary["acceptance_rate"])
 
     def abandon(self, run: ShardRun, why: str) -> None:
-        """Our lease on this shard is gone: drop our copy, never commit it."""
-        run.failed = True
-        if run.writer is not None:
-            run.writer.discard()
-        run.leased = False
+        """Our lease on this shard is gone: drop our copy (``ABANDONED``), never commit it."""
+        self.drop(run, ShardState.ABANDONED)
         holder = self.leases.holder(run.shard.name) or {}
-        self.outcome["lost_shards"][run.shard.name] = f"{why}: {holder_text(holder)}"
-        self.progress.rows_dropped(self.row_counts[run.shard.name] - run.stats.rows)
+        self.outcome.lost[run.shard.name] = f"{why}: {holder_text(holder)}"
         self.events.emit("shard_conflict", f"shard {run.shard.name} was {why} "
                          f"({holder_text(holder)}); this run's copy was discarded",
                          level="warning", shard=run.shard.name, holder=holder.get("run_id"))
 
+    def drop(self, run: ShardRun, state: ShardState) -> None:
+        """Move a claimed shard to ``FAILED`` or ``ABANDONED``: discard its temporary file and
+        take its rows not yet done out of the progress total."""
+        run.move(state)
+        if run.writer is not None:
+            run.writer.discard()
+        self.progress.rows_dropped(self.row_counts[run.shard.name] - run.rows_done)
+
     def discard_uncommitted(self) -> None:
         """On the way out of a failed or stopped run: drop every temporary file not committed."""
         for run in self.runs:
-            if run.writer is not None and not run.committed:
+            if run.writer is not None and run.state is not ShardState.COMMITTED:
                 run.writer.discard()

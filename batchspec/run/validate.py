@@ -59,9 +59,13 @@ def validate_job(spec: JobSpec, worker_index: int = 0, num_workers: int = 1) -> 
     """Check everything a run would check before generating, without loading weights."""
     from transformers import AutoTokenizer
 
-    from batchspec.engine.checks import check_vllm_keys
+    from batchspec.engine.checks import check_vllm_keys, override_error, row_constraint
+    from batchspec.engine.structured import normalise
 
     check_vllm_keys(spec)
+    constraint = spec.sampling.get("structured_outputs")
+    base = normalise(constraint) if constraint is not None else None
+    max_logprobs = spec.model.engine.get("max_logprobs", 20)
     p = plan(spec, worker_index, num_workers)
     shards, states = p.shards, p.states
     # code shipped with a model runs only when the spec asks for it, as vLLM does
@@ -83,6 +87,11 @@ def validate_job(spec: JobSpec, worker_index: int = 0, num_workers: int = 1) -> 
             for row in reader.rows():
                 check.rows += 1
                 reason = row.error
+                if reason is None and row.overrides:
+                    try:
+                        row_constraint(base, row.overrides, max_logprobs)
+                    except (TypeError, ValueError) as exc:
+                        reason = override_error(row.overrides, spec.input.sampling_columns, exc)
                 if reason is None:
                     ids = prompt_token_ids(tokenizer, row)
                     check.max_prompt_tokens = max(check.max_prompt_tokens, len(ids))

@@ -21,6 +21,16 @@ ROW_OVERRIDABLE = (
     "frequency_penalty",
     "repetition_penalty",
     "stop",
+    "n",
+    "logprobs",
+    "prompt_logprobs",
+    # a row's structured-outputs constraint: the whole mapping (JSON text or a struct), or one
+    # field of it (batchspec.engine.structured)
+    "structured_outputs",
+    "structured_outputs.json",
+    "structured_outputs.regex",
+    "structured_outputs.choice",
+    "structured_outputs.grammar",
 )
 
 

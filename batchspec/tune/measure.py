@@ -9,7 +9,7 @@ import time
 from batchspec.errors import InputDataError, SpecError
 from batchspec.io.reader import Row
 from batchspec.spec.model import JobSpec
-from batchspec.stats import acceptance_per_position
+from batchspec.stats import acceptance_per_position, request_totals
 from batchspec.tune.model import TIME_BUDGET, WARMUP_ROWS, LevelMeasurement, SkipCandidate, level_rows
 
 # --------------------------------------------------------------------------- sampling
@@ -67,7 +67,8 @@ def measure_level(engine, rows: list[Row], concurrency: int,
     wall = time.monotonic() - started
     after = engine.spec_counters() if engine.spec_enabled else {}
     tokens, e2e = 0, []
-    for row, res in results:
+    for row, samples in results:
+        res = request_totals(samples)
         if res.get("error"):
             level.errors.setdefault(row.request_id, res["error"])
         else:
@@ -75,7 +76,7 @@ def measure_level(engine, rows: list[Row], concurrency: int,
             if res.get("time_e2e_s") is not None:
                 e2e.append(res["time_e2e_s"])
         if first:
-            level.texts[row.request_id] = res.get("generated_text")
+            level.texts[row.request_id] = samples[0].get("generated_text")
             level.drafted += res.get("spec_num_draft_tokens") or 0
             level.accepted += res.get("spec_num_accepted_tokens") or 0
             level.steps += res.get("spec_num_steps") or 0

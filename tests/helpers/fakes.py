@@ -45,7 +45,7 @@ class FakeEngine:
                 if row is None:
                     exhausted = True
                 elif row.error is not None:
-                    yield row, error_result(row.error)
+                    yield row, [error_result(row.error)]
                 else:
                     in_flight.append(row)
             self.max_seen_in_flight = max(self.max_seen_in_flight, len(in_flight))
@@ -63,7 +63,7 @@ class FakeEngine:
             text = (row.prompt or str(row.messages)).upper()
             result.update(generated_text=text, finish_reason="stop", num_prompt_tokens=len(text),
                           num_output_tokens=len(text))
-            yield row, result
+            yield row, [result]
 
     def spec_counters(self):
         return {}

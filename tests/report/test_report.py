@@ -766,3 +766,24 @@ def test_s3_report_fetches_the_statistics_columns_only(s3_server, tmp_path, monk
     assert r["overall"]["output_tokens"] == sum(10 + i % 7 for i in range(4000))
     assert 0 < sum(fetched) < text_bytes / 10, (sum(fetched), text_bytes)
     fs.rm(bucket, recursive=True)
+
+
+def test_structured_valid_share_per_shard_and_old_files_without_the_column(tmp_path):
+    """A shard written with the request-feature columns (structured_valid: 2 of 3 constrained
+    rows valid, one row unconstrained) next to one written before they existed: the report
+    gives 2/3 for the first, nothing for the second, and the old file still reads."""
+    new_schema = pa.schema([*SCHEMA, ("sample_index", pa.int32()),
+                            ("structured_valid", pa.bool_())])
+    rows = [ok(f"n{i}", "{}", 3, 0.1, 0.2, 10.0) for i in range(4)]
+    for row, valid in zip(rows, [True, False, True, None], strict=True):
+        row.update(sample_index=0, structured_valid=valid)
+    path = write_output(tmp_path / "out", {"old": [ok("o1", "x", 3, 0.1, 0.2, 10.0)]})
+    pq.write_table(pa.Table.from_pylist(rows, schema=new_schema).replace_schema_metadata(
+        {"batchspec": json.dumps(META)}), tmp_path / "out" / "new.parquet")
+    report = build_report(path)
+    assert report["shards"]["new"]["structured_outputs"] == {"rows": 3, "valid": 2,
+                                                             "valid_share": 2 / 3}
+    assert report["shards"]["old"]["structured_outputs"] is None
+    assert report["overall"]["structured_outputs"]["valid"] == 2
+    text = render(report, "table")
+    assert "structured outputs valid" in text and "66.7%  (2 of 3 constrained rows)" in text

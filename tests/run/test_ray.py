@@ -44,10 +44,11 @@ MAX_TOKENS = 24
 LEASE_S = 4.0
 
 
-def _spec(inputs, out, storage_options=None, lease_s=None, **executor):
+def _spec(inputs, out, storage_options=None, lease_s=None, on_bad_shard="fail", **executor):
     raw = {
         "name": "ray-test",
-        "input": {"path": str(inputs / "*.parquet"), "prompt_column": "prompt", "id_column": "id"},
+        "input": {"path": str(inputs / "*.parquet"), "prompt_column": "prompt", "id_column": "id",
+                  "on_bad_shard": on_bad_shard},
         "output": {"path": str(out), "storage_options": storage_options or {}},
         "model": {"target": str(MODELS / "target"), "engine": dict(ENGINE)},
         "speculative": dict(DRAFT),
@@ -203,7 +204,7 @@ class _SlowEcho:
             result = empty_result()
             result.update(generated_text=row.prompt.upper(), finish_reason="stop",
                           num_prompt_tokens=1, num_output_tokens=1)
-            yield row, result
+            yield row, [result]
 
     def spec_counters(self):
         return {}
@@ -262,6 +263,46 @@ def test_scheduling_kill_and_poison_with_a_stand_in_engine(ray_cluster, tmp_path
         executor.shutdown()
 
 
+def _garble_midway(path) -> None:
+    """Rewrite a shard so that its schema reads (the driver's input check passes) but its
+    third row group does not: a replica finds it unreadable midway."""
+    pq.write_table(pq.read_table(path), path, row_group_size=3)
+    data = bytearray(path.read_bytes())
+    start = pq.ParquetFile(path).metadata.row_group(2).column(0).data_page_offset
+    data[start:start + 40] = b"\xff" * 40
+    path.write_bytes(bytes(data))
+
+
+def test_a_shard_a_replica_finds_unreadable_is_judged_by_the_run(ray_cluster, tmp_path):
+    """A replica reports a shard unreadable midway; the driver's RunContext.bad_shard (the
+    local run's) decides: ``on_bad_shard: skip`` records it and the rest commit, ``fail`` ends
+    the run with exit 3 naming it."""
+    from batchspec.run.executors.ray import RayExecutor
+
+    inputs = tmp_path / "in"
+    expected = _echo_inputs(inputs, shards=3, rows=8)
+    _garble_midway(inputs / "s1.parquet")
+    executor = RayExecutor(_spec(inputs, tmp_path / "unused", replicas=1),
+                           engine_factory=_SlowEcho)
+    try:
+        events = _Events()
+        result = run_job(_spec(inputs, tmp_path / "skip", on_bad_shard="skip", replicas=1),
+                         executor=executor, events=events)
+        assert result.summary["status"] == "ok" and list(result.summary["bad_shards"]) == ["s1"]
+        assert "s1.parquet" in result.summary["bad_shards"]["s1"]
+        assert sorted(result.summary["shards"]) == ["s0", "s2"]
+        assert _texts(tmp_path / "skip") == {k: v for k, v in expected.items() if "r1-" not in k}
+        assert [f["shard"] for e, f in events.seen if e == "shard_failed"] == ["s1"]
+
+        with pytest.raises(BatchspecError) as err:
+            run_job(_spec(inputs, tmp_path / "fail", replicas=1), executor=executor,
+                    events=_Events())
+        assert err.value.exit_code == 3 and "s1.parquet" in str(err.value)
+        assert not (tmp_path / "fail" / "s1.parquet").exists()
+    finally:
+        executor.shutdown()
+
+
 def test_a_replicas_successive_tasks_take_a_dead_replicas_lease_over(s3_server, tmp_path):
     """Without Ray: one replica's tasks on S3, as the driver hands them out. Each task has its
     own lease set; what a task saw of a busy shard's holder goes back to the driver's rule
@@ -293,16 +334,16 @@ def test_a_replicas_successive_tasks_take_a_dead_replicas_lease_over(s3_server, 
         waits = {}
         for name, holder in (("s0", "this-run"), ("s1", "live-run")):
             result = replica.process(task(name))
-            assert result["error"] is None and list(result["outcome"]["busy_shards"]) == [name]
-            assert holder in result["outcome"]["busy_shards"][name]
+            assert result["error"] is None and list(result["outcome"].busy) == [name]
+            assert holder in result["outcome"].busy[name]
             waits[name] = rule.after(name, result["observed"][name])
             assert LEASE_S <= waits[name] <= LEASE_S + 1.5, waits
         time.sleep(max(waits.values()))
         taken = replica.process(task("s0"))
-        assert taken["error"] is None and not taken["outcome"]["busy_shards"], taken["outcome"]
-        assert taken["outcome"]["shards"]["s0"]["rows"] == 4
+        assert taken["error"] is None and not taken["outcome"].busy, taken["outcome"]
+        assert taken["outcome"].committed["s0"]["rows"] == 4
         still = replica.process(task("s1"))
-        assert "live-run" in still["outcome"]["busy_shards"]["s1"]
+        assert "live-run" in still["outcome"].busy["s1"]
         assert rule.after("s1", still["observed"]["s1"]) is None  # busy: the run ends
     texts = _texts(url, options)
     assert texts == {k: v for k, v in expected.items() if k.startswith("r0-")}

@@ -425,8 +425,8 @@ def test_unknown_and_error_finish_reasons_are_kept(tmp_path):
     from batchspec.engine.rows import result_row
 
     def output(reason):
-        completion = SimpleNamespace(token_ids=[1, 2], text="ab", finish_reason=reason,
-                                     stop_reason=None, spec_decode_metrics=None)
+        completion = SimpleNamespace(index=0, token_ids=[1, 2], text="ab", finish_reason=reason,
+                                     stop_reason=None, spec_decode_metrics=None, logprobs=None)
         return SimpleNamespace(outputs=[completion], prompt_token_ids=[5], metrics=None)
 
     row = result_row(output("error"))

@@ -443,10 +443,10 @@ class _FakeEngine:
             text = f"text of {row.request_id}"
             if self.lossy and self.k:
                 text += "!"
-            yield row, {"generated_text": text, "num_output_tokens": 24, "error": None,
-                        "time_e2e_s": 0.01, "spec_num_draft_tokens": steps * self.k or None,
-                        "spec_num_accepted_tokens": round(steps * sum(rates)) if self.k else None,
-                        "spec_num_steps": steps if self.k else None}
+            yield row, [{"generated_text": text, "num_output_tokens": 24, "error": None,
+                         "time_e2e_s": 0.01, "spec_num_draft_tokens": steps * self.k or None,
+                         "spec_num_accepted_tokens": round(steps * sum(rates)) if self.k else None,
+                         "spec_num_steps": steps if self.k else None}]
 
     def spec_counters(self):
         return json.loads(json.dumps(self.counters))

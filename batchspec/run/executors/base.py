@@ -11,6 +11,7 @@ from batchspec.errors import InputDataError
 from batchspec.io.listing import Shard
 from batchspec.io.output_dir import OutputDir
 from batchspec.run.events import EventLog, Progress
+from batchspec.run.outcome import RunOutcome
 from batchspec.spec.model import JobSpec
 
 
@@ -29,14 +30,23 @@ class RunContext:
     stop: Any
     overwrite: bool
     grace_s: float
-    #: the run summary the stages fill in (shards, bad_shards, busy_shards, lost_shards, ...)
-    summary: dict[str, Any]
-    #: records an unreadable shard, or raises it (``input.on_bad_shard``)
-    bad_shard: Callable[[Shard, InputDataError], None]
     #: live progress for ``(total_rows, total_shards)``
     new_progress: Callable[[int, int], Progress]
+    #: what happened to each shard: the stages and executors fill it in, the summary shows it
+    outcome: RunOutcome = field(default_factory=RunOutcome)
     #: errors that end the run once generation has drained
     fatal: list[BaseException] = field(default_factory=list)
+
+    def bad_shard(self, shard: Shard, exc: InputDataError) -> None:
+        """An unreadable shard (found by the input check, or midway by a reader here or on a
+        Ray replica): recorded in the outcome as skipped with ``input.on_bad_shard: skip``,
+        else raised (exit 3)."""
+        if self.spec.input.on_bad_shard != "skip":
+            self.events.emit("shard_failed", str(exc), level="error", shard=shard.name)
+            raise exc
+        self.outcome.bad[shard.name] = str(exc)
+        self.events.emit("shard_failed", f"skipping bad shard: {exc}", level="warning",
+                         shard=shard.name)
 
 
 class Executor(Protocol):

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import logging
-import time
 
 from batchspec.io.listing import Shard
-from batchspec.leases.shard_leases import BusyRetry, ShardLeases
+from batchspec.leases.shard_leases import ShardLeases
 from batchspec.redact import sanitize_url
 from batchspec.run.executors.base import RunContext
+from batchspec.run.lease_wait import LeaseWait
 from batchspec.run.stages import ShardPipeline
 from batchspec.stats import acceptance_per_position
 
@@ -25,6 +25,7 @@ class LocalExecutor:
         self.leases: ShardLeases | None = None
         self.pipeline: ShardPipeline | None = None
         self.counters_before: dict = {}
+        self.vllm_version: str | None = None
 
     def start(self, ctx: RunContext) -> None:
         """One vLLM engine in this process, unless the caller gave one."""
@@ -52,48 +53,37 @@ class LocalExecutor:
         from batchspec.engine.checks import vllm_version
 
         self.counters_before = self.engine.spec_counters()
-        return vllm_version(), getattr(self.engine, "max_model_len", None)
+        self.vllm_version = vllm_version()
+        return self.vllm_version, getattr(self.engine, "max_model_len", None)
 
     def generate(self, ctx: RunContext, shards: list[Shard], row_counts: dict[str, int],
                  spec_fingerprint: dict[str, str]) -> None:
         """Stages claim -> read prompts -> generate -> write and commit, in this process, holding
         each shard's lease. A shard whose holder went silent (it died on another host: object
         stores only) is retried once its lease has run out on this process's own clock, so a
-        rerun never waits on a dead worker (:class:`BusyRetry`, the rule the Ray driver follows
-        too)."""
-        spec, events = ctx.spec, ctx.events
+        rerun never waits on a dead worker (:class:`LeaseWait`, as the Ray driver does)."""
+        spec = ctx.spec
         progress = ctx.new_progress(sum(row_counts.values()), len(shards))
         self.leases = ShardLeases(ctx.out, ctx.owner, spec.execution.lease_s)
         self.pipeline = ShardPipeline(
-            spec, ctx.run_id, ctx.out, self.leases, events, progress, ctx.summary,
-            spec_fingerprint, ctx.summary["versions"].get("vllm"), ctx.overwrite,
-            stop=lambda: bool(ctx.stop), grace_s=ctx.grace_s, bad_shard=ctx.bad_shard)
-        fatal = self.pipeline.fatal
+            spec, ctx.run_id, ctx.out, self.leases, ctx.events, progress, ctx.outcome,
+            spec_fingerprint, self.vllm_version, ctx.overwrite, stop=lambda: bool(ctx.stop),
+            grace_s=ctx.grace_s, bad_shard=ctx.bad_shard)
+        lease_wait = LeaseWait(spec.execution.lease_s, ctx.outcome, ctx.events, progress,
+                               row_counts)
         by_name = {s.name: s for s in shards}
         try:
             with self.leases:
                 self.pipeline.generate(self.engine, shards, row_counts)
-                busy = ctx.summary["busy_shards"]
-                rule = BusyRetry(spec.execution.lease_s)
-                waits = {n: rule.after(n, self.leases.observation(n)) for n in busy}
-                retry = sorted(n for n, w in waits.items() if w is not None)
-                if not retry or ctx.stop or fatal:
+                retry = lease_wait.sort(dict(ctx.outcome.busy), self.leases.observation,
+                                        stopping=bool(ctx.stop or self.pipeline.fatal))
+                if not retry or not lease_wait.sleep_until_due(retry, lambda: bool(ctx.stop)):
                     return
-                wait_s = max(waits[n] for n in retry)
-                events.emit("shards_waiting", f"{len(retry)} shard(s) are held by runs that have "
-                            f"not renewed their lease; taking them over in {wait_s:.0f}s unless "
-                            "they do", shards=retry, wait_s=round(wait_s, 1))
-                deadline = time.monotonic() + wait_s
-                while time.monotonic() < deadline and not ctx.stop:
-                    time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
-                if ctx.stop:
-                    return
-                for n in retry:
-                    del busy[n]
-                    progress.rows_dropped(-row_counts[n])
+                for name in retry:
+                    lease_wait.leave(name)
                 self.pipeline.generate(self.engine, [by_name[n] for n in retry], row_counts)
         finally:
-            ctx.fatal.extend(fatal)
+            ctx.fatal.extend(self.pipeline.fatal)
 
     def acceptance_per_position(self) -> dict | None:
         if self.engine is None:

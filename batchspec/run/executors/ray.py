@@ -17,11 +17,11 @@ queue for another replica; a replacement replica is started while work remains. 
 replica died on each of ``executor.max_shard_attempts`` tries is reported failed (exit 1).
 
 A shard a replica finds held by another process (on object stores: a replica of this run that
-died holding it, a crashed earlier run, or a live other run) follows the local runner's rule,
-:class:`batchspec.leases.shard_leases.BusyRetry`: the driver keeps what the replica saw of the holder, waits
-until its heartbeat could have been still for ``execution.lease_s``, and hands the shard out
-once more with that observation, so whichever replica gets it takes a dead holder's lease over;
-a shard still held then is busy (exit 1 naming its holder). No shard waits for ever.
+died holding it, a crashed earlier run, or a live other run) waits as in a local run
+(:class:`batchspec.run.lease_wait.LeaseWait`): the driver keeps what the replica saw of the
+holder, waits until its heartbeat could have been still for ``execution.lease_s``, and hands the
+shard out once more with that observation, so whichever replica gets it takes a dead holder's
+lease over; a shard still held then is busy (exit 1 naming its holder). No shard waits for ever.
 
 Environment: the driver's settings (``VLLM_*``, ``HF_HOME``, thread counts, ...) go to the
 replicas in Ray's ``runtime_env``, which Ray records in its job and actor metadata and shows on
@@ -43,10 +43,10 @@ from typing import Any
 from batchspec.errors import BatchspecError, InputDataError, RuntimeFailure, SpecError
 from batchspec.io.listing import Shard
 from batchspec.io.output_dir import OutputDir
-from batchspec.leases.shard_leases import BusyRetry
 from batchspec.redact import is_secret_key, sanitize_url
 from batchspec.run.executors.base import RunContext
-from batchspec.run.outcome import new_outcome
+from batchspec.run.lease_wait import LeaseWait
+from batchspec.run.outcome import RunOutcome
 from batchspec.run.stages import ShardPipeline
 from batchspec.spec.model import JobSpec
 from batchspec.stats import acceptance_per_position
@@ -223,7 +223,9 @@ class Replica:
                 "counters": self.counters_before}
 
     def process(self, task: dict[str, Any]) -> dict[str, Any]:
-        """Claim, read, generate, write and commit one shard; returns what happened to it."""
+        """Claim, read, generate, write and commit one shard; returns what happened to it. An
+        unreadable shard is not judged here: it goes back as ``bad`` for the driver's
+        :meth:`RunContext.bad_shard`, the one place a run decides to skip it or end."""
         from batchspec.io.host import this_host
         from batchspec.leases.shard_leases import ShardLeases
 
@@ -234,23 +236,15 @@ class Replica:
         out = OutputDir(spec.output.path, spec.output.storage_options)
         owner = {"run_id": task["run_id"], "host": this_host(), "pid": os.getpid(),
                  "started_at": dt.datetime.now(dt.UTC).isoformat(), "replica": self.index}
-        outcome = new_outcome()
-
-        def bad_shard(s: Shard, exc: InputDataError) -> None:
-            if spec.input.on_bad_shard != "skip":
-                buffer.emit("shard_failed", str(exc), level="error", shard=s.name)
-                raise exc
-            outcome["bad_shards"][s.name] = str(exc)
-            buffer.emit("shard_failed", f"skipping bad shard: {exc}", level="warning",
-                        shard=s.name)
-
+        outcome = RunOutcome()
+        bad: list[tuple[str, dict]] = []
         leases = ShardLeases(out, owner, spec.execution.lease_s)
         for name, (key, seen_s) in (task.get("seen") or {}).items():
             leases.note_observation(name, key, seen_s)  # the driver's watch of a silent holder
         pipeline = ShardPipeline(spec, task["run_id"], out, leases, buffer, buffer, outcome,
                                  task["spec_fingerprint"], self.vllm_version, task["overwrite"],
                                  stop=self._stop.is_set, grace_s=task["grace_s"],
-                                 bad_shard=bad_shard)
+                                 bad_shard=lambda s, exc: bad.append((s.name, _error_record(exc))))
         error = None
         with leases:
             try:
@@ -261,10 +255,9 @@ class Replica:
                 pipeline.discard_uncommitted()
                 leases.release_all()
         result = buffer.drain()
-        # what this replica saw of each busy shard's holder, for the driver's BusyRetry
-        observed = {name: leases.observation(name) for name in outcome["busy_shards"]}
-        result.update(outcome=outcome, error=error, observed=observed,
-                      fatal=[_error_record(e) for e in pipeline.fatal],
+        # what this replica saw of each busy shard's holder, for the driver's lease wait
+        observed = {name: leases.observation(name) for name in outcome.busy}
+        result.update(outcome=outcome, error=error, observed=observed, bad=bad,
                       counters=self.engine.spec_counters())
         return result
 
@@ -406,171 +399,8 @@ class RayExecutor:
     def generate(self, ctx: RunContext, shards: list[Shard], row_counts: dict[str, int],
                  spec_fingerprint: dict[str, str]) -> None:
         """Hand shards to replicas as they free up until every shard is committed, skipped or
-        failed; merge what each replica did into the run summary."""
-        ray, spec, events, summary = self.ray, ctx.spec, ctx.events, ctx.summary
-        progress = ctx.new_progress(sum(row_counts.values()), len(shards))
-        summary["executor"] = {"kind": "ray", "replicas": self.replicas,
-                               "resources_per_replica": spec.executor.resources_per_replica,
-                               "replica_deaths": []}
-        deaths = summary["executor"]["replica_deaths"]
-        failed: dict[str, str] = {}
-        by_name = {s.name: s for s in shards}
-        waits = BusyRetry(spec.execution.lease_s)
-        queue = collections.deque(shards)
-        attempts: collections.Counter = collections.Counter()
-        not_before: dict[str, float] = {}
-        idle = list(self.handles)
-        running: dict[Any, _ReplicaHandle] = {}
-        starting: dict[Any, _ReplicaHandle] = {}
-        stopping = False
-        start_failures = 0
-        die_on = os.environ.get(DIE_ON_SHARD_ENV)
-
-        def apply(h: _ReplicaHandle, data: dict) -> None:
-            for event, message, level, fields in data["events"]:
-                events.emit(event, message, level=level, replica=h.index, **fields)
-            for result in data["results"]:
-                h.rows_done += 1
-                progress.row_done(result)
-            if data["dropped"]:
-                progress.rows_dropped(data["dropped"])
-
-        def died(h: _ReplicaHandle, why: str) -> None:
-            self.handles = [x for x in self.handles if x is not h]
-            self._kill(h)
-            shard = h.shard
-            if shard is None:
-                return
-            name = shard.name
-            deaths.append({"replica": h.index, "shard": name, "attempt": attempts[name],
-                           "rows_done": h.rows_done, "why": why})
-            progress.rows_dropped(-h.rows_done)  # they will be done again
-            if attempts[name] >= spec.executor.max_shard_attempts:
-                failed[name] = (f"its replica died on each of {attempts[name]} tries "
-                                f"(executor.max_shard_attempts); last: {why}")
-                progress.rows_dropped(row_counts[name])
-                events.emit("shard_failed", f"shard {name} failed: {failed[name]}", level="error",
-                            shard=name, attempts=attempts[name])
-            else:
-                waits.rearm(name)  # on object stores its lease stays: a new holder to wait for
-                queue.appendleft(shard)
-                events.emit("replica_died", f"Ray replica {h.index} died while on shard {name} "
-                            f"({why}); the shard is handed to another replica", level="warning",
-                            replica=h.index, shard=name, attempt=attempts[name])
-
-        while queue or running:
-            if ctx.stop and not stopping:
-                stopping = True
-                queue.clear()
-                for h in running.values():
-                    h.actor.stop.remote()
-            if ctx.fatal and not stopping:
-                stopping = True  # stop handing out; shards in flight finish and commit
-                queue.clear()
-            # replacements for replicas that died, while there is work for them
-            live = len(idle) + len(running) + len(starting)
-            if queue and not stopping and live < self.replicas and start_failures < self.replicas:
-                h = self._launch()
-                starting[h.ready_ref] = h
-                events.emit("replica_starting", f"starting replacement Ray replica {h.index}",
-                            replica=h.index)
-            now = time.monotonic()
-            while idle and queue and not stopping:
-                ready_at = not_before.get(queue[0].name, 0.0)
-                if ready_at > now:
-                    queue.rotate(-1)
-                    if all(not_before.get(s.name, 0.0) > now for s in queue):
-                        break
-                    continue
-                shard = queue.popleft()
-                h = idle.pop(0)
-                attempts[shard.name] += 1
-                h.shard, h.rows_done = shard, 0
-                seen = waits.observation(shard.name)
-                task = {"spec": spec, "shard": shard, "run_id": ctx.run_id,
-                        "spec_fingerprint": spec_fingerprint, "overwrite": ctx.overwrite,
-                        "grace_s": ctx.grace_s, "rows": row_counts[shard.name], "die_on": die_on,
-                        "seen": {shard.name: seen} if seen is not None else {}}
-                running[h.actor.process.remote(task)] = h
-            if not running and not starting:
-                if queue and not stopping:
-                    if any(not_before.get(s.name, 0.0) > now for s in queue) and idle:
-                        time.sleep(POLL_S)
-                        continue
-                    for s in queue:  # no replica left to run them
-                        failed[s.name] = "no Ray replica left to run it"
-                        progress.rows_dropped(row_counts[s.name])
-                    queue.clear()
-                break
-            refs = list(running) + list(starting)
-            done, _ = ray.wait(refs, num_returns=1, timeout=POLL_S)
-            for ref in done:
-                if ref in starting:
-                    h = starting.pop(ref)
-                    try:
-                        self._accept(h, ray.get(ref))
-                    except Exception as exc:
-                        events.emit("replica_failed", f"replacement Ray replica {h.index} could "
-                                    f"not start: {exc}", level="warning", replica=h.index)
-                        self._kill(h)
-                        start_failures += 1
-                        continue
-                    self.handles.append(h)
-                    idle.append(h)
-                    continue
-                h = running.pop(ref)
-                try:
-                    data = ray.get(ref)
-                except ray.exceptions.RayError as exc:
-                    died(h, type(exc).__name__)
-                    continue
-                apply(h, data)
-                self._counters[h.index][1] = data["counters"]
-                for key in ("shards", "bad_shards", "lost_shards"):
-                    for shard_name, value in data["outcome"][key].items():
-                        summary[key][shard_name] = value
-                        if key == "shards":
-                            progress.shard_done()
-                for shard_name, holder in data["outcome"]["busy_shards"].items():
-                    wait_s = None if stopping else waits.after(shard_name,
-                                                               data["observed"].get(shard_name))
-                    if wait_s is None:  # held by a live process, or already waited for
-                        summary["busy_shards"][shard_name] = holder
-                        continue
-                    # a holder that may be dead (object stores): once its heartbeat has been
-                    # still for lease_s, the shard is tried again, and taken over if it was
-                    progress.rows_dropped(-row_counts[shard_name])
-                    not_before[shard_name] = time.monotonic() + wait_s
-                    attempts[shard_name] -= 1  # not a try: nothing of it ran
-                    queue.append(by_name[shard_name])
-                    events.emit("shards_waiting", f"shard {shard_name} is held by {holder} and "
-                                f"its lease was not seen renewed; taking it over in {wait_s:.0f}s "
-                                "unless it is", shards=[shard_name], wait_s=round(wait_s, 1),
-                                replica=h.index)
-                for record in data["fatal"]:
-                    ctx.fatal.append(_rebuild(record))
-                err = data["error"]
-                if err is not None and err["exit_code"] == 1 and not stopping:
-                    # its engine failed: like a dead replica, the shard goes to another one
-                    died(h, err["message"])
-                    continue
-                if err is not None:
-                    ctx.fatal.append(_rebuild(err))
-                h.shard = None
-                idle.append(h)
-            # progress from the busy replicas
-            busy = list(running.values())
-            if busy:
-                polls = [h.actor.poll.remote() for h in busy]
-                for h, ref in zip(busy, polls, strict=True):
-                    try:
-                        apply(h, ray.get(ref, timeout=30))
-                    except Exception:
-                        pass  # a dead replica shows when its process() call fails
-        for h in starting.values():
-            self._kill(h)
-        if failed:
-            summary["failed_shards"] = failed
+        failed; merge what each replica did into the run's outcome."""
+        _Dispatch(self, ctx, shards, row_counts, spec_fingerprint).run()
 
     # --- summarise
 
@@ -616,3 +446,206 @@ class RayExecutor:
         if self._started_ray:
             self.ray.shutdown()
             self._started_ray = False
+
+
+
+class _Dispatch:
+    """One run's shards handed out to a :class:`RayExecutor`'s replicas: a queue, the replicas
+    idle, running a shard or starting, and what each replica's task returns merged into the
+    run's outcome (:meth:`RayExecutor.generate`)."""
+
+    def __init__(self, executor: RayExecutor, ctx: RunContext, shards: list[Shard],
+                 row_counts: dict[str, int], spec_fingerprint: dict[str, str]):
+        self.executor, self.ray, self.ctx = executor, executor.ray, ctx
+        self.row_counts, self.spec_fingerprint = row_counts, spec_fingerprint
+        self.outcome, self.events = ctx.outcome, ctx.events
+        self.progress = ctx.new_progress(sum(row_counts.values()), len(shards))
+        self.outcome.executor = {"kind": "ray", "replicas": executor.replicas,
+                                 "resources_per_replica":
+                                     ctx.spec.executor.resources_per_replica,
+                                 "replica_deaths": []}
+        self.by_name = {s.name: s for s in shards}
+        self.lease_wait = LeaseWait(ctx.spec.execution.lease_s, self.outcome, self.events,
+                                    self.progress, row_counts)
+        self.queue = collections.deque(shards)
+        self.attempts: collections.Counter = collections.Counter()
+        self.idle = list(executor.handles)
+        self.running: dict[Any, _ReplicaHandle] = {}
+        self.starting: dict[Any, _ReplicaHandle] = {}
+        self.stopping = False
+        self.start_failures = 0
+        self.die_on = os.environ.get(DIE_ON_SHARD_ENV)
+
+    def run(self) -> None:
+        while self.queue or self.running:
+            self.check_stop()
+            self.replace_dead()
+            self.hand_out()
+            if not self.running and not self.starting:
+                if self.queue and not self.stopping and self.idle and self.waiting_only():
+                    time.sleep(POLL_S)  # a replica is free once a retry is due
+                    continue
+                self.fail_queue("no Ray replica left to run it")
+                break
+            done, _ = self.ray.wait(list(self.running) + list(self.starting), num_returns=1,
+                                    timeout=POLL_S)
+            for ref in done:
+                if ref in self.starting:
+                    self.started(self.starting.pop(ref), ref)
+                else:
+                    self.returned(self.running.pop(ref), ref)
+            self.poll_running()
+        for h in self.starting.values():
+            self.executor._kill(h)
+
+    # --- the loop's steps
+
+    def check_stop(self) -> None:
+        """A signal stops the running replicas too; an error ending the run lets the shards in
+        flight finish and commit. Either way no shard is handed out any more."""
+        if self.stopping or not (self.ctx.stop or self.ctx.fatal):
+            return
+        self.stopping = True
+        self.queue.clear()
+        if self.ctx.stop:
+            for h in self.running.values():
+                h.actor.stop.remote()
+
+    def replace_dead(self) -> None:
+        """Start a replacement for a replica that died, while there is work for it."""
+        live = len(self.idle) + len(self.running) + len(self.starting)
+        if self.queue and not self.stopping and live < self.executor.replicas \
+                and self.start_failures < self.executor.replicas:
+            h = self.executor._launch()
+            self.starting[h.ready_ref] = h
+            self.events.emit("replica_starting", f"starting replacement Ray replica {h.index}",
+                             replica=h.index)
+
+    def hand_out(self) -> None:
+        """Give each idle replica the next shard whose retry (if it waits for one) is due."""
+        while self.idle and self.queue and not self.stopping:
+            if self.lease_wait.due_in(self.queue[0].name) > 0:
+                if self.waiting_only():
+                    return
+                self.queue.rotate(-1)
+                continue
+            shard = self.queue.popleft()
+            self.lease_wait.leave(shard.name)
+            h = self.idle.pop(0)
+            self.attempts[shard.name] += 1
+            h.shard, h.rows_done = shard, 0
+            self.running[h.actor.process.remote(self.task(shard))] = h
+
+    def waiting_only(self) -> bool:
+        """Every shard in the queue waits for its retry."""
+        return all(self.lease_wait.due_in(s.name) > 0 for s in self.queue)
+
+    def task(self, shard: Shard) -> dict[str, Any]:
+        """What a replica's :meth:`Replica.process` gets for one shard."""
+        ctx, seen = self.ctx, self.lease_wait.observation(shard.name)
+        return {"spec": ctx.spec, "shard": shard, "run_id": ctx.run_id,
+                "spec_fingerprint": self.spec_fingerprint, "overwrite": ctx.overwrite,
+                "grace_s": ctx.grace_s, "rows": self.row_counts[shard.name],
+                "die_on": self.die_on, "seen": {shard.name: seen} if seen is not None else {}}
+
+    def fail_queue(self, why: str) -> None:
+        """The shards still queued when nothing can run them any more."""
+        if self.stopping:
+            return
+        for s in self.queue:
+            self.lease_wait.leave(s.name)
+            self.outcome.failed[s.name] = why
+            self.progress.rows_dropped(self.row_counts[s.name])
+        self.queue.clear()
+
+    def poll_running(self) -> None:
+        """Progress and events from the replicas on a shard."""
+        busy = list(self.running.values())
+        polls = [h.actor.poll.remote() for h in busy]
+        for h, ref in zip(busy, polls, strict=True):
+            try:
+                self.apply(h, self.ray.get(ref, timeout=30))
+            except Exception:
+                pass  # a dead replica shows when its process() call fails
+
+    # --- what replicas report
+
+    def started(self, h: _ReplicaHandle, ref) -> None:
+        """A replacement replica is up (or could not start: it is not tried again)."""
+        try:
+            self.executor._accept(h, self.ray.get(ref))
+        except Exception as exc:
+            self.events.emit("replica_failed", f"replacement Ray replica {h.index} could not "
+                             f"start: {exc}", level="warning", replica=h.index)
+            self.executor._kill(h)
+            self.start_failures += 1
+            return
+        self.executor.handles.append(h)
+        self.idle.append(h)
+
+    def returned(self, h: _ReplicaHandle, ref) -> None:
+        """A replica's task ended: merge what it did, wait for its busy shard's holder if that
+        may be dead, judge its bad shard, and take its errors; an engine failure is a death."""
+        try:
+            data = self.ray.get(ref)
+        except self.ray.exceptions.RayError as exc:
+            self.died(h, type(exc).__name__)
+            return
+        self.apply(h, data)
+        self.executor._counters[h.index][1] = data["counters"]
+        outcome: RunOutcome = data["outcome"]
+        self.outcome.merge_settled(outcome)
+        for _ in outcome.committed:
+            self.progress.shard_done()
+        for name in self.lease_wait.sort(outcome.busy, data["observed"].get,
+                                         stopping=self.stopping, replica=h.index):
+            self.attempts[name] -= 1  # not a try: nothing of it ran
+            self.queue.append(self.by_name[name])
+        for name, record in data["bad"]:
+            try:
+                self.ctx.bad_shard(self.by_name[name], _rebuild(record))
+            except InputDataError as exc:
+                self.ctx.fatal.append(exc)
+        err = data["error"]
+        if err is not None and err["exit_code"] == 1 and not self.stopping:
+            self.died(h, err["message"])  # its engine failed: the shard goes to another one
+            return
+        if err is not None:
+            self.ctx.fatal.append(_rebuild(err))
+        h.shard = None
+        self.idle.append(h)
+
+    def apply(self, h: _ReplicaHandle, data: dict) -> None:
+        """A replica's events and finished rows, into the run's events and progress."""
+        for event, message, level, fields in data["events"]:
+            self.events.emit(event, message, level=level, replica=h.index, **fields)
+        for result in data["results"]:
+            h.rows_done += 1
+            self.progress.row_done(result)
+        if data["dropped"]:
+            self.progress.rows_dropped(data["dropped"])
+
+    def died(self, h: _ReplicaHandle, why: str) -> None:
+        """A replica is gone: its shard goes back to the front of the queue, or fails after
+        ``executor.max_shard_attempts`` tries."""
+        self.executor.handles = [x for x in self.executor.handles if x is not h]
+        self.executor._kill(h)
+        if h.shard is None:
+            return
+        name, attempt = h.shard.name, self.attempts[h.shard.name]
+        self.outcome.executor["replica_deaths"].append(
+            {"replica": h.index, "shard": name, "attempt": attempt, "rows_done": h.rows_done,
+             "why": why})
+        self.progress.rows_dropped(-h.rows_done)  # they will be done again
+        if attempt >= self.ctx.spec.executor.max_shard_attempts:
+            self.outcome.failed[name] = (f"its replica died on each of {attempt} tries "
+                                         f"(executor.max_shard_attempts); last: {why}")
+            self.progress.rows_dropped(self.row_counts[name])
+            self.events.emit("shard_failed", f"shard {name} failed: {self.outcome.failed[name]}",
+                             level="error", shard=name, attempts=attempt)
+            return
+        self.lease_wait.rearm(name)  # on object stores its lease stays: a new holder to wait for
+        self.queue.appendleft(h.shard)
+        self.events.emit("replica_died", f"Ray replica {h.index} died while on shard {name} "
+                         f"({why}); the shard is handed to another replica", level="warning",
+                         replica=h.index, shard=name, attempt=attempt)

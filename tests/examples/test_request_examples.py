@@ -1,0 +1,77 @@
+"""examples/requests/ run for real on the demo's kind of prompts (the session's shared engines,
+so no start-up of their own): labels with choice probabilities, JSON extraction, several samples.
+What each row must hold is checked from the output files as a user would read them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jsonschema
+import pyarrow.parquet as pq
+import pytest
+import yaml
+from helpers.jobs import MODELS, ROOT, read_output
+
+from batchspec.spec.load import load_spec
+
+pytestmark = pytest.mark.engine
+
+EXAMPLES = ROOT / "examples" / "requests"
+ROWS = 12
+
+
+def _run(name: str, tmp_path: Path, shared_engines) -> list[dict]:
+    from demo_data import prompt_table
+
+    (tmp_path / "in").mkdir()
+    pq.write_table(prompt_table(ROWS, seed=4100, max_tokens=(4, 16)),
+                   tmp_path / "in" / "part-0.parquet")
+    env = {"BATCHSPEC_DEMO_INPUT": str(tmp_path / "in" / "*.parquet"),
+           "BATCHSPEC_EXAMPLE_OUTPUT": str(tmp_path / "out")}
+    overrides = [f"model.target={MODELS / 'target'}"]
+    job = yaml.safe_load((EXAMPLES / name).read_text())
+    if job["speculative"].get("model"):  # the shared engine's spelling of the same draft
+        overrides.append(f"speculative.model={MODELS / 'draft'}")
+    spec = load_spec(EXAMPLES / name, overrides, environ=env)
+    run = shared_engines.run(spec)
+    assert run.exit_code == 0, run.log
+    rows = read_output(tmp_path / "out").to_pylist()
+    assert len({(r["id"], r["sample_index"]) for r in rows}) == len(rows)
+    return rows
+
+
+def test_label_example_gives_every_row_a_label_and_its_probability(tmp_path, shared_engines):
+    rows = _run("label.yaml", tmp_path, shared_engines)
+    labels = yaml.safe_load((EXAMPLES / "label.yaml").read_text())["sampling"][
+        "structured_outputs"]["choice"]
+    assert len(rows) == ROWS
+    for row in rows:
+        assert row["generated_text"] in labels and row["structured_valid"] is True, row
+        probs = {p["choice"]: p["prob"] for p in row["choice_probs"]}
+        assert list(probs) == labels and abs(sum(probs.values()) - 1) < 1e-6
+        assert max(probs, key=probs.get) == row["generated_text"]
+        assert all(len(top) == 3 for top in row["top_logprobs"])
+
+
+def test_extract_example_writes_json_that_validates(tmp_path, shared_engines):
+    rows = _run("extract.yaml", tmp_path, shared_engines)
+    schema = yaml.safe_load((EXAMPLES / "extract.yaml").read_text())["sampling"][
+        "structured_outputs"]["json"]
+    finished = [r for r in rows if r["finish_reason"] == "stop"]
+    assert len(finished) >= ROWS // 2, [r["generated_text"] for r in rows]
+    for row in rows:
+        if row["finish_reason"] == "stop":
+            jsonschema.validate(json.loads(row["generated_text"]), schema)
+            assert row["structured_valid"] is True
+        else:
+            assert row["structured_valid"] is False and row["structured_error"]
+
+
+def test_samples_example_writes_three_samples_per_row(tmp_path, shared_engines):
+    rows = _run("samples.yaml", tmp_path, shared_engines)
+    assert len(rows) == 3 * ROWS
+    by_id: dict[str, list[int]] = {}
+    for row in rows:
+        by_id.setdefault(row["id"], []).append(row["sample_index"])
+    assert all(sorted(v) == [0, 1, 2] for v in by_id.values())
