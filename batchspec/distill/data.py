@@ -205,21 +205,43 @@ def generate(spec: JobSpec, rows: list[Row], directory: Path, logprobs: int,
 
 
 
+#: Sampling fields a job may set that distill's generation replaces: one sample per prompt
+#: (the target's distribution, which a draft learns), distill's own ``--logprobs``, no prompt
+#: logprobs (never trained on).
+DISTILL_REPLACES = ("n", "logprobs", "prompt_logprobs")
+
+
+def generation_request(spec: JobSpec, rows: list[Row], logprobs: int
+                       ) -> tuple[JobSpec, list[Row]]:
+    """The spec and rows distill generates the target's outputs with: the job's own sampling,
+    structured outputs included (a draft for a JSON-extraction job learns its JSON), speculation
+    off, one sample per prompt, top-``logprobs`` only when distill asks for them; the rows'
+    own ``n``/``logprobs``/``prompt_logprobs`` columns give way the same way."""
+    sampling = {k: v for k, v in spec.sampling.items() if k not in DISTILL_REPLACES}
+    sampling["n"] = 1
+    if logprobs:
+        sampling["logprobs"] = logprobs
+    columns = {k: v for k, v in spec.input.sampling_columns.items() if k not in DISTILL_REPLACES}
+    gen_spec = dataclasses.replace(spec, speculative=None, sampling=sampling,
+                                   input=dataclasses.replace(spec.input, sampling_columns=columns))
+    rows = [row if not any(k in row.overrides for k in DISTILL_REPLACES) else dataclasses.replace(
+        row, overrides={k: v for k, v in row.overrides.items() if k not in DISTILL_REPLACES})
+        for row in rows]
+    return gen_spec, rows
+
+
 def _generate_missing(spec: JobSpec, rows: list[Row], directory: Path, logprobs: int,
                       say: Callable[[str], None], interval_s: float, chunk_rows: int) -> int:
     """Run the engine over ``rows``, committing a chunk every ``chunk_rows`` rows; returns
     how many rows failed (too long, refused): they are skipped, not trained on."""
-    sampling = dict(spec.sampling)
-    if logprobs:
-        sampling["logprobs"] = logprobs
-    gen_spec = dataclasses.replace(spec, speculative=None, sampling=sampling)
+    gen_spec, rows = generation_request(spec, rows, logprobs)
     engine = TokenEngine(gen_spec)
     buffer: list[dict] = []
     failed = finished = tokens = 0
     started = last = time.monotonic()
     try:
         for row, results in engine.stream(iter(rows), spec.execution.max_in_flight):
-            result = results[0]  # one sample: the generation spec has n 1
+            result = results[0]  # one sample: generation_request asks for n 1
             finished += 1
             if result.get("error") is not None or not result.get("output_token_ids"):
                 failed += 1
@@ -228,11 +250,17 @@ def _generate_missing(spec: JobSpec, rows: list[Row], directory: Path, logprobs:
                           file=sys.stderr)
                 continue
             tokens += len(result["output_token_ids"])
+            # the top K distill asked for, never more: a ``choice`` row's request asks the
+            # engine for 20 (batchspec.engine.llm.CHOICE_LOGPROBS), and none without --logprobs
+            topk_ids, topk_values = (
+                ([p[:logprobs] for p in result["topk_token_ids"]],
+                 [p[:logprobs] for p in result["topk_logprobs"]])
+                if logprobs and result.get("topk_token_ids") is not None else (None, None))
             buffer.append({"request_id": row.request_id,
                            "prompt_token_ids": result["prompt_token_ids"],
                            "output_token_ids": result["output_token_ids"],
-                           "topk_token_ids": result.get("topk_token_ids"),
-                           "topk_logprobs": result.get("topk_logprobs"),
+                           "topk_token_ids": topk_ids,
+                           "topk_logprobs": topk_values,
                            "finish_reason": result["finish_reason"]})
             if len(buffer) >= chunk_rows:
                 _write_chunk(directory, buffer)

@@ -550,3 +550,33 @@ def test_a_restart_reuses_the_generated_data(distilled):
     assert card["data_fingerprint"] == distilled.card["data_fingerprint"]  # the same data
     assert card["init"] == "target" and card["parent_draft"] is None and card["layers"] == 1
     assert json.loads(done.stdout) == {"before": None, "after": None, "out": str(distilled.out)}
+
+
+def test_distill_generates_one_sample_with_its_own_logprobs_and_keeps_the_jobs_constraint(
+        tmp_path):
+    """A job with n samples, logprobs and a structured-outputs constraint (job-wide and per row):
+    distill's generation asks for one sample per prompt (the target's distribution), distill's
+    own top-K (or none), no prompt logprobs, and keeps the constraint a draft should learn."""
+    from batchspec.distill.data import generation_request
+    from batchspec.io.reader import Row
+
+    job = write_job(tmp_path / "job.yaml",
+                    input={"path": str(tmp_path / "in" / "*.parquet"), "prompt_column": "prompt",
+                           "sampling_columns": {"n": "n", "logprobs": "lp",
+                                                "structured_outputs.choice": "labels"}},
+                    output={"path": str(tmp_path / "out")},
+                    sampling={"temperature": 0.0, "max_tokens": 8, "n": 3, "logprobs": 5,
+                              "prompt_logprobs": 2,
+                              "structured_outputs": {"choice": ["yes", "no"]}})
+    spec = load_spec(job)
+    rows = [Row("s", 0, "s/0", {}, prompt="a", overrides={"n": 4, "logprobs": 1, "seed": 7}),
+            Row("s", 1, "s/1", {}, prompt="b", overrides={"structured_outputs.choice": ["x"]})]
+    for asked, want in ((0, None), (3, 3)):
+        gen, gen_rows = generation_request(spec, rows, asked)
+        assert gen.sampling.get("logprobs") == want and gen.sampling["n"] == 1
+        assert "prompt_logprobs" not in gen.sampling and gen.speculative is None
+        assert gen.sampling["structured_outputs"] == {"choice": ["yes", "no"]}
+        assert gen.input.sampling_columns == {"structured_outputs.choice": "labels"}
+        assert [r.overrides for r in gen_rows] == [{"seed": 7},
+                                                   {"structured_outputs.choice": ["x"]}]
+    assert rows[0].overrides == {"n": 4, "logprobs": 1, "seed": 7}  # the caller's rows as given
