@@ -28,7 +28,8 @@ endif
 	touch $@
 
 models: setup $(MODELS)/target/.batchspec-complete $(MODELS)/draft-large/.batchspec-complete \
-        $(MODELS)/target-large/.batchspec-complete
+        $(MODELS)/target-large/.batchspec-complete $(MODELS)/lora-upper/.batchspec-complete \
+        $(MODELS)/lora-comment/.batchspec-complete
 
 $(MODELS)/target/.batchspec-complete: tools/tiny_models.py | $(VENV)/.installed
 	$(BIN)/python tools/tiny_models.py --out $(MODELS)
@@ -41,6 +42,11 @@ $(MODELS)/draft-large/.batchspec-complete: tools/tiny_models.py $(MODELS)/target
 # the tiny target grown to 205M parameters, same function (seconds); see tools/grow_model.py
 $(MODELS)/target-large/.batchspec-complete: tools/grow_model.py $(MODELS)/target/.batchspec-complete | $(VENV)/.installed
 	$(BIN)/python tools/grow_model.py --source $(MODELS)/target --out $(MODELS)/target-large
+
+# two LoRA adapters of the target in PEFT's format, for jobs that route rows to adapters
+# (model.lora); one thread each, so with -j they train side by side; see tools/tiny_lora.py
+$(MODELS)/lora-%/.batchspec-complete: tools/tiny_lora.py $(MODELS)/target/.batchspec-complete | $(VENV)/.installed
+	$(BIN)/python tools/tiny_lora.py --target $(MODELS)/target --out $(MODELS) --only $*
 
 # Azurite, the Azure Blob emulator the az:// tests start (an npm package), in a git-ignored folder;
 # the gs:// and s3:// emulators are Python packages that `make setup` installs. The az:// tests

@@ -18,11 +18,12 @@ TOKEN_LOGPROB = pa.struct([
 #: One choice of a ``choice`` constraint and its probability.
 CHOICE_PROB = pa.struct([pa.field("choice", pa.string()), pa.field("prob", pa.float64())])
 
-#: The request-feature columns (structured outputs, logprobs, samples): null where the
+#: The request-feature columns (samples, LoRA adapter, structured outputs, logprobs): null where the
 #: row did not ask for the feature. Files written before they existed lack them; readers
 #: (``batchspec report``) take a missing one as all null.
 FEATURE_FIELDS: list[pa.Field] = [
     pa.field("sample_index", pa.int32()),
+    pa.field("lora_adapter", pa.string()),
     pa.field("structured_valid", pa.bool_()),
     pa.field("structured_error", pa.string()),
     pa.field("choice_probs", pa.list_(CHOICE_PROB)),

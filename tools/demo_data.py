@@ -18,25 +18,35 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from tiny_models import held_out_snippets  # noqa: E402
 
 
-def prompt_table(rows: int, seed: int, first_id: int = 0, max_tokens: tuple[int, int] = (8, 96)) -> pa.Table:
-    """``rows`` prompts with ids, a source tag and a per-row ``max_tokens`` in a wide range."""
+def prompt_table(rows: int, seed: int, first_id: int = 0, max_tokens: tuple[int, int] = (8, 96),
+                 adapters: tuple[str, ...] = ()) -> pa.Table:
+    """``rows`` prompts with ids, a source tag and a per-row ``max_tokens`` in a wide range;
+    with ``adapters``, an ``adapter`` column naming one of them or null (the base model) per
+    row, in turn."""
     rng = random.Random(seed)
     snippets = held_out_snippets(rows, seed=seed)
-    return pa.table({
+    table = pa.table({
         "id": [f"p{first_id + i:06d}" for i in range(rows)],
         "prompt": snippets,
         "topic": [rng.choice(["io", "text", "net", "math", "os"]) for _ in range(rows)],
         "max_tokens": pa.array([rng.randint(*max_tokens) for _ in range(rows)], pa.int32()),
     })
+    if adapters:
+        turn = [None, *adapters]
+        table = table.append_column("adapter", pa.array(
+            [turn[(first_id + i) % len(turn)] for i in range(rows)], pa.string()))
+    return table
 
 
-def write_shards(out_dir: Path, shards: int, rows: int, seed: int = 0) -> list[Path]:
+def write_shards(out_dir: Path, shards: int, rows: int, seed: int = 0,
+                 adapters: tuple[str, ...] = ()) -> list[Path]:
     """Write ``shards`` Parquet files of ``rows`` prompts each; returns their paths."""
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = []
     for i in range(shards):
         path = out_dir / f"part-{i:05d}.parquet"
-        pq.write_table(prompt_table(rows, seed + i, first_id=i * rows), path, row_group_size=64)
+        pq.write_table(prompt_table(rows, seed + i, first_id=i * rows, adapters=adapters), path,
+                       row_group_size=64)
         paths.append(path)
     return paths
 
@@ -47,8 +57,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shards", type=int, default=4)
     parser.add_argument("--rows", type=int, default=48)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--adapters", default="",
+                        help="comma-separated LoRA adapter names: adds an `adapter` column naming "
+                             "one of them, or null (the base model), per row in turn")
     args = parser.parse_args(argv)
-    for path in write_shards(args.out_dir, args.shards, args.rows, args.seed):
+    adapters = tuple(a for a in args.adapters.split(",") if a)
+    for path in write_shards(args.out_dir, args.shards, args.rows, args.seed, adapters):
         print(f"wrote {path}")
     return 0
 

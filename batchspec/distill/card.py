@@ -81,6 +81,8 @@ def build_card(spec: JobSpec, opts: DistillOptions, *, sample, gen, trained, lay
         "layers": layers,
         "parameters": parameters,
         "target": model.get("target"),
+        # the adapters whose outputs the draft learned (rows per input.lora_column), if any
+        "lora": model.get("lora"),
         "job": {"name": job.get("name", spec.name), "path": _public_path(opts.job_path),
                 "spec": job},
         "sample_size": len(sample.train),

@@ -74,10 +74,11 @@ def sample_rows(spec: JobSpec, size: int, heldout: int, seed: int) -> Sample:
 def generation_key(spec: JobSpec, rows: list[Row], logprobs: int) -> str:
     """A short hash of everything the generated rows depend on."""
     h = hashlib.sha256()
-    h.update(json.dumps({"target": spec.model.target, "engine": spec.model.engine,
-                         "sampling": spec.sampling, "logprobs": logprobs,
-                         "sampling_columns": spec.input.sampling_columns},
-                        sort_keys=True, default=str).encode())
+    key = {"target": spec.model.target, "engine": spec.model.engine, "sampling": spec.sampling,
+           "logprobs": logprobs, "sampling_columns": spec.input.sampling_columns}
+    if spec.model.lora is not None:  # rows generated with an adapter are that adapter's text
+        key["lora"] = [dataclasses.asdict(spec.model.lora), spec.input.lora_column]
+    h.update(json.dumps(key, sort_keys=True, default=str).encode())
     for row in rows:
         h.update(row.request_id.encode() + b"\0")
     return h.hexdigest()[:16]

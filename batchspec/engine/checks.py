@@ -7,6 +7,7 @@ import dataclasses
 import functools
 import json
 
+from batchspec.engine.lora import check_lora
 from batchspec.errors import SpecError
 from batchspec.spec.build import check_known_keys
 from batchspec.spec.model import JobSpec
@@ -95,6 +96,7 @@ def check_vllm_keys(spec: JobSpec) -> None:
     if params.temperature > 0 and refuses_random_sampling(spec):
         raise SpecError("sampling.temperature",
                         f"{CPU_SAMPLING_REFUSAL} (SamplingParams' default temperature is 1.0)")
+    check_lora(spec)
 
 
 def check_constraint(constraint, key: str) -> dict:

@@ -20,7 +20,14 @@ is the moment these fixes need:
    sampling and restores it afterwards (what the rewind means: a discarded sample consumes no
    randomness), and hides those generators from vLLM's CUDA-only rewind.
 
-Both act only on vLLM's CPU build and on the vLLM versions they were checked against
+3. **LoRA rows batched with base-model rows** (``lora``): the CPU build's LoRA kernels
+   (``vllm/lora/ops/torch_ops/lora_ops.py``) pick each token's adapter weights with
+   ``weights[indices]``, and a token of a request without an adapter has index -1, which torch
+   reads as the last adapter slot: a base-model row batched with adapter rows runs with one of
+   their adapters. The fix writes the same kernels with a -1 token's LoRA term zero, as vLLM's
+   Triton kernels skip it.
+
+All act only on vLLM's CPU build and on the vLLM versions they were checked against
 (:data:`CHECKED_VLLM_VERSIONS`); anywhere else the plugin does nothing and says so at debug level.
 Drop this module and its entry point once the vLLM version batchspec pins has the upstream fix
 (vLLM issue #55005, PR #55006).
@@ -46,7 +53,7 @@ PLUGIN_NAME = "batchspec"
 PLUGIN_TARGET = f"{__name__}:register"
 
 
-#: vLLM versions whose CPU build has both bugs and on which both fixes were checked.
+#: vLLM versions whose CPU build has these bugs and on which the fixes were checked.
 CHECKED_VLLM_VERSIONS = frozenset({"0.32.0"})
 
 
@@ -188,6 +195,7 @@ def _hook_worker_init() -> None:
     def register_triton_kernel_overrides(cls) -> None:
         register_overrides(cls)
         _patch_cpu_model_runner()
+        _fix_lora_ops()
 
     platform.register_triton_kernel_overrides = classmethod(register_triton_kernel_overrides)
 
@@ -243,3 +251,68 @@ def _patch_cpu_model_runner() -> None:
     CPUModelRunner._bookkeeping_sync = _bookkeeping_sync
     CPUModelRunner._batchspec_seed_fix = True
     log.debug("batchspec vLLM plugin: CPU model runner keeps seeded generators on chunked prefill")
+
+
+# ------------------------------------------------------------------ 3. LoRA and base rows
+
+
+def _lora_term(inputs: Any, weights: Any, indices: Any, dtype: Any) -> Any:
+    """Each token's ``inputs @ weights[index].T``, zero for a token without an adapter (-1)."""
+    import torch
+
+    keep = indices >= 0
+    selected = weights[indices.clamp(min=0)].to(dtype=dtype)
+    if selected.dim() == 4:
+        selected = selected.squeeze(dim=1)
+    term = torch.einsum("bi, boi -> bo", inputs.to(dtype=dtype), selected)
+    return torch.where(keep[:, None], term, torch.zeros((), dtype=dtype))
+
+
+def bgmv_shrink(inputs: Any, lora_b_weights: Any, output_tensor: Any, lora_indices_tensor: Any,
+                scaling: float = 1.0) -> None:
+    """vLLM's ``bgmv_shrink`` (torch ops), a token without an adapter getting zero."""
+    term = _lora_term(inputs, lora_b_weights, lora_indices_tensor, output_tensor.dtype)
+    output_tensor[:, : term.shape[1]] = scaling * term
+
+
+def bgmv_expand(inputs: Any, lora_b_weights: Any, output_tensor: Any, lora_indices_tensor: Any,
+                add_inputs: bool = True) -> None:
+    """vLLM's ``bgmv_expand`` (torch ops), a token without an adapter adding nothing."""
+    term = _lora_term(inputs, lora_b_weights, lora_indices_tensor, output_tensor.dtype)
+    limit = 1 if term.shape[0] == 1 and output_tensor.shape[0] != 1 else output_tensor.shape[0]
+    common = min(term.shape[1], output_tensor.shape[1])
+    if add_inputs:
+        output_tensor[:, :common] += term[:limit, :common]
+    else:
+        output_tensor[:, :common] = term[:limit, :common]
+
+
+def bgmv_expand_slice(inputs: Any, lora_b_weights: Any, output_tensor: Any,
+                      lora_indices_tensor: Any, slice_offset: int, slice_size: int,
+                      add_inputs: bool = True) -> None:
+    """vLLM's ``bgmv_expand_slice`` (torch ops), a token without an adapter adding nothing."""
+    term = _lora_term(inputs, lora_b_weights, lora_indices_tensor, output_tensor.dtype)
+    if add_inputs:
+        output_tensor[:, slice_offset: slice_offset + slice_size] += term
+    else:
+        output_tensor[:, slice_offset: slice_offset + slice_size] = term
+
+
+_LORA_OPS = {"bgmv_shrink": bgmv_shrink, "bgmv_expand": bgmv_expand,
+             "bgmv_expand_slice": bgmv_expand_slice}
+
+
+def _fix_lora_ops() -> None:
+    # lora_ops' sgmv_* call its bgmv_* by module global; the package re-exports them, and the
+    # CPU punica wrapper imports them by name (rebound too where it is already imported).
+    import sys
+
+    from vllm.lora.ops import torch_ops
+    from vllm.lora.ops.torch_ops import lora_ops
+
+    modules = [lora_ops, torch_ops, sys.modules.get("vllm.lora.punica_wrapper.punica_cpu")]
+    for module in modules:
+        for name, fn in _LORA_OPS.items():
+            if module is not None and hasattr(module, name):
+                setattr(module, name, fn)
+    log.debug("batchspec vLLM plugin: CPU LoRA kernels skip tokens without an adapter")

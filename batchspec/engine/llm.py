@@ -7,6 +7,7 @@ shard boundaries: one slow request never holds back the next batch."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import os
@@ -26,6 +27,7 @@ from batchspec.engine.checks import (
     refuses_random_sampling,
     row_constraint,
 )
+from batchspec.engine.lora import Adapters, check_lora
 from batchspec.engine.rows import Asked, result_rows
 from batchspec.errors import RuntimeFailure, SpecError
 from batchspec.io.reader import Row, length_error, prompt_token_ids
@@ -50,9 +52,17 @@ _STATS_ON = {"disable_log_stats": False}
 
 
 def _serves(spec: JobSpec) -> tuple:
-    """What an engine is built from: the target, the engine arguments, the speculative config."""
+    """What an engine is built from: the target, the engine arguments, the speculative config,
+    the LoRA adapters."""
     return (spec.model.target, dict(spec.model.engine),
-            dict(spec.speculative) if spec.speculative is not None else None)
+            dict(spec.speculative) if spec.speculative is not None else None,
+            _lora_engine(spec))
+
+
+def _lora_engine(spec: JobSpec) -> tuple | None:
+    """What of ``model.lora`` an engine is started with (the job-wide adapter is per request)."""
+    lora = spec.model.lora
+    return None if lora is None else (dict(lora.adapters), lora.max_loras, lora.max_lora_rank)
 
 
 class Engine:
@@ -60,6 +70,7 @@ class Engine:
 
     def __init__(self, spec: JobSpec):
         check_vllm_keys(spec)
+        lora_args = check_lora(spec)
         self.refuse_random_sampling = refuses_random_sampling(spec)
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
         from vllm import LLM, SamplingParams
@@ -68,7 +79,7 @@ class Engine:
         self._SamplingParams = SamplingParams
         self._final_only = RequestOutputKind.FINAL_ONLY
         self.spec_enabled = spec.speculative is not None
-        kwargs = {**ENGINE_DEFAULTS, **spec.model.engine, **_STATS_ON}
+        kwargs = {**ENGINE_DEFAULTS, **spec.model.engine, **lora_args, **_STATS_ON}
         if self.spec_enabled:
             kwargs["speculative_config"] = dict(spec.speculative)
             kwargs.setdefault("per_request_spec_decode_metrics", "summary")
@@ -99,7 +110,8 @@ class Engine:
         jobs): its sampling and refusals. A spec for another model, engine arguments or
         speculative config is a spec error: this engine cannot run it."""
         wanted = _serves(spec)
-        for key, (have, want) in zip(("model.target", "model.engine", "speculative"),
+        for key, (have, want) in zip(("model.target", "model.engine", "speculative",
+                                      "model.lora"),
                                      zip(self.serves, wanted, strict=True), strict=True):
             if have != want:
                 raise SpecError(key, "the engine given to run_job was started for another "
@@ -114,6 +126,7 @@ class Engine:
         self.base_constraint = structured.normalise(constraint) if constraint is not None else None
         self.sampling_columns = dict(spec.input.sampling_columns)
         self.refuse_random_sampling = refuses_random_sampling(spec)
+        self.adapters = Adapters(spec)
 
     # ------------------------------------------------------------------ requests
 
@@ -136,11 +149,17 @@ class Engine:
         return self._SamplingParams(**params), asked
 
     def _prepare(self, row: Row):
-        """(token ids, SamplingParams, Asked) for a row, or an error result row."""
+        """(token ids, SamplingParams, Asked, LoRARequest or None) for a row, or an error
+        result row."""
+        try:
+            lora, lora_request = self.adapters.pick(row.lora)
+        except ValueError as exc:
+            return None, error_result(str(exc))
         try:
             params, asked = self.sampling_params(row.overrides)
         except self._bad_value as exc:
             return None, error_result(override_error(row.overrides, self.sampling_columns, exc))
+        asked = dataclasses.replace(asked, lora=lora)
         try:
             ids = prompt_token_ids(self.tokenizer, row)
         except Exception as exc:  # a template or tokenizer failure belongs to this row only
@@ -150,7 +169,7 @@ class Engine:
         too_long = length_error(len(ids), self.max_model_len)
         if too_long is not None:
             return None, error_result(too_long, num_prompt_tokens=len(ids))
-        return (ids, params, asked), None
+        return (ids, params, asked, lora_request), None
 
     def stream(self, rows: Iterator[Row], max_in_flight: int, stop: Callable[[], bool] | None = None,
                grace_s: float = 0.0, keep: Callable[[Row], bool] | None = None
@@ -199,7 +218,7 @@ class Engine:
                     try:
                         self.engine.add_request(request_id,
                                                 TokensPrompt(prompt_token_ids=request[0]),
-                                                request[1])
+                                                request[1], lora_request=request[3])
                     except self._bad_value as exc:  # refused: empty, too long, a bad grammar...
                         yield row, [error_result(str(exc), num_prompt_tokens=len(request[0]))]
                         continue

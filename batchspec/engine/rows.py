@@ -27,6 +27,8 @@ class Asked:
     logprobs: int | None = None
     #: Top logprobs per prompt token the row asked for (None: no prompt logprob columns).
     prompt_logprobs: int | None = None
+    #: The LoRA adapter the request ran with (None: the base model).
+    lora: str | None = None
 
 
 NOTHING = Asked()
@@ -63,6 +65,7 @@ def _sample_row(completion, num_prompt: int, asked: Asked) -> dict:
         finish_reason=finish,
         num_prompt_tokens=num_prompt,
         num_output_tokens=num_output,
+        lora_adapter=asked.lora,
     )
     if finish == "error":
         row.update(generated_text=None,

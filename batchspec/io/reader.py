@@ -34,6 +34,8 @@ class Row:
     messages: list[dict[str, str]] | None = None
     #: Per-row SamplingParams overrides (only the non-null ones).
     overrides: dict[str, Any] = field(default_factory=dict)
+    #: The LoRA adapter the row's ``input.lora_column`` names (None: the job's choice).
+    lora: str | None = None
     #: Set when the row cannot be sent to the engine; it is written as an error row.
     error: str | None = None
 
@@ -97,6 +99,12 @@ class ShardReader:
             require(spec.id_column, "id")
         for param, column in spec.sampling_columns.items():
             require(column, f"sampling_columns.{param}")
+        if spec.lora_column:
+            lora = require(spec.lora_column, "LoRA adapter")
+            if not (_is_text(lora.type) or pa.types.is_null(lora.type)):
+                raise InputDataError(url, f"LoRA adapter column {spec.lora_column!r} has type "
+                                          f"{lora.type}, expected text (adapter names)",
+                                     column=spec.lora_column)
 
         if output_spec.keep_columns is None:
             kept = [f for f in schema if f.name != spec.text_column and f.name not in OUTPUT_NAMES]
@@ -135,7 +143,8 @@ class ShardReader:
     @property
     def columns(self) -> list[str]:
         spec = self.spec
-        wanted = [spec.text_column, spec.id_column, *spec.sampling_columns.values(),
+        wanted = [spec.text_column, spec.id_column, spec.lora_column,
+                  *spec.sampling_columns.values(),
                   *(f.name for f in self.kept_fields)]
         return list(dict.fromkeys(c for c in wanted if c))
 
@@ -206,6 +215,8 @@ class ShardReader:
             value = values[column]
             if value is not None:
                 row.overrides[param] = value
+        if spec.lora_column:
+            row.lora = values[spec.lora_column]
         return row
 
     def close(self) -> None:

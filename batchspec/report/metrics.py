@@ -60,7 +60,10 @@ SUMMED = ("num_prompt_tokens", "num_output_tokens", "spec_num_steps", "spec_num_
 
 #: Everything the single-run statistics read; ``generated_text`` and kept input columns stay on disk.
 STAT_COLUMNS = ["finish_reason", *SUMMED, HISTOGRAM, *DISTRIBUTIONS.values(), "structured_valid",
-                ERROR]
+                "lora_adapter", ERROR]
+
+#: The name a report gives rows that ran on the base model in a job with LoRA adapters.
+BASE_MODEL = "(base model)"
 
 
 PERCENTILES = (50, 90, 99)
@@ -168,13 +171,16 @@ def _sum_histograms(hists: Iterable[list[int]]) -> list[int] | None:
 
 
 
-def metrics_of(output: Output) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
-    """The metrics of all rows and of each shard, from one read of :data:`STAT_COLUMNS`."""
+def metrics_of(output: Output
+               ) -> tuple[dict[str, Any], dict[str, dict[str, Any]], dict[str, dict[str, Any]]]:
+    """The metrics of all rows, of each shard and of each LoRA adapter (empty when no row ran
+    with one), from one read of :data:`STAT_COLUMNS`."""
     rows = output.scan(STAT_COLUMNS).cache()  # shared by the queries below: read once
     hist = pl.col(HISTOGRAM)
-    overall, per_shard, finish, errors, hists = output.collect([
+    overall, per_shard, per_adapter, finish, errors, hists = output.collect([
         rows.select(_aggregations()),
         rows.group_by("shard").agg(_aggregations()),
+        rows.group_by("lora_adapter").agg(_aggregations()),
         rows.group_by("shard", "finish_reason").len(),
         # distinct messages only: error_reason() then groups them in Python
         rows.filter(pl.col(ERROR).is_not_null()).group_by("shard", ERROR).len(),
@@ -200,7 +206,13 @@ def metrics_of(output: Output) -> tuple[dict[str, Any], dict[str, dict[str, Any]
               for s in output.shards}
     total = _metrics(overall.row(0, named=True), sum(finish_by.values(), Counter()),
                      sum(errors_by.values(), Counter()), _sum_histograms(hist_by.values()))
-    return total, shards
+    adapters = {}
+    if per_adapter["lora_adapter"].is_not_null().any():
+        # acceptance per adapter: a draft trained on the base model's outputs may fit one
+        # adapter's far worse than another's (no finish reasons, errors or histograms here)
+        adapters = {row["lora_adapter"] or BASE_MODEL: _metrics(row, Counter(), Counter(), None)
+                    for row in per_adapter.sort("lora_adapter", nulls_last=True).iter_rows(named=True)}
+    return total, shards, adapters
 
 
 
@@ -245,13 +257,14 @@ def summed_acceptance_per_position(runs: list[dict], run_ids: list[str]) -> dict
 def summarize(output: Output) -> dict[str, Any]:
     """The report of one loaded output: lineage, overall and per-shard metrics."""
     lin = lineage(output.metadata)
-    overall, shards = metrics_of(output)
+    overall, shards, adapters = metrics_of(output)
     return {
         "path": sanitize_url(output.url),
         "files": len(output.shards),
         "lineage": lin,
         "overall": overall,
         "shards": {s: {"run_id": output.metadata[s].get("run_id"), **m} for s, m in shards.items()},
+        "lora_adapters": adapters,
         "acceptance_per_position": summed_acceptance_per_position(output.runs, lin["run_id"]),
     }
 

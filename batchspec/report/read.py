@@ -28,13 +28,14 @@ REQUIRED_COLUMNS = [REQUEST_ID, *BASE_RESULT_NAMES]
 
 #: The request-feature columns a report reads, as polars types (files without them read null).
 FEATURE_TYPES = {f.name: pl.from_arrow(pa.array([], f.type)).dtype for f in FEATURE_FIELDS
-                 if f.name in ("structured_valid", "sample_index")}
+                 if f.name in ("structured_valid", "sample_index", "lora_adapter")}
 
 
 
 #: Lineage fields taken from each file's ``batchspec`` metadata, in display order.
-LINEAGE_FIELDS = ("run_id", "job", "target_model", "draft_model", "speculative_method",
-                  "num_speculative_tokens", "vllm_version", "batchspec_version")
+LINEAGE_FIELDS = ("run_id", "job", "target_model", "lora_adapters", "draft_model",
+                  "speculative_method", "num_speculative_tokens", "vllm_version",
+                  "batchspec_version")
 
 
 

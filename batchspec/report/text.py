@@ -169,6 +169,17 @@ def tables(report: dict) -> list[Table]:
                       "TTFT p50 s", "e2e p50 s", "e2e p90 s", "tok/s p50", "tok/s mean"]
                      + (["valid"] if structured else []),
                      shard_rows))
+    if report.get("lora_adapters"):
+        out.append(Table("lora_adapters", "Per LoRA adapter",
+                         ["adapter", "rows", "errors", "output tokens", "acceptance",
+                          "accept len", "e2e p50 s", "tok/s p50"],
+                         [[name, fmt(a["rows"]), fmt(a["errors"]), fmt(a["output_tokens"]),
+                           fmt(a["acceptance_rate"]), fmt(a["mean_acceptance_length"], 2),
+                           fmt((a["e2e_s"] or {}).get("p50")),
+                           fmt((a["decode_tokens_per_s"] or {}).get("p50"), 1)]
+                          for name, a in report["lora_adapters"].items()],
+                         note="a draft trained on the base model's outputs may fit an "
+                              "adapter's less well"))
     if m["errors"]:
         out.append(Table("errors", "Errors by reason", ["reason", "rows"],
                          [[r, fmt(n)] for r, n in m["errors_by_reason"].items()]))

@@ -225,6 +225,9 @@ class ShardPipeline:
             "spec": spec.public(),
             "spec_fingerprint": spec_fingerprint,
             "target_model": sanitize_url(spec.model.target),
+            # name=source of each LoRA adapter rows may run with (a row's is in lora_adapter)
+            "lora_adapters": (None if spec.model.lora is None else ", ".join(
+                f"{name}={sanitize_url(src)}" for name, src in spec.model.lora.adapters.items())),
             "draft_model": sanitize_url(m) if (m := (spec.speculative or {}).get("model")) else None,
             "speculative_method": (spec.speculative or {}).get("method"),
             "batchspec_version": batchspec.__version__,

@@ -60,9 +60,11 @@ def validate_job(spec: JobSpec, worker_index: int = 0, num_workers: int = 1) -> 
     from transformers import AutoTokenizer
 
     from batchspec.engine.checks import check_vllm_keys, override_error, row_constraint
+    from batchspec.engine.lora import unknown_adapter
     from batchspec.engine.structured import normalise
 
     check_vllm_keys(spec)
+    adapters = tuple(spec.model.lora.adapters) if spec.model.lora is not None else ()
     constraint = spec.sampling.get("structured_outputs")
     base = normalise(constraint) if constraint is not None else None
     max_logprobs = spec.model.engine.get("max_logprobs", 20)
@@ -87,6 +89,8 @@ def validate_job(spec: JobSpec, worker_index: int = 0, num_workers: int = 1) -> 
             for row in reader.rows():
                 check.rows += 1
                 reason = row.error
+                if reason is None and row.lora is not None and row.lora not in adapters:
+                    reason = unknown_adapter(row.lora, spec.input.lora_column, adapters)
                 if reason is None and row.overrides:
                     try:
                         row_constraint(base, row.overrides, max_logprobs)

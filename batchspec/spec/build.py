@@ -16,6 +16,7 @@ from batchspec.spec.model import (
     ExecutorSpec,
     InputSpec,
     JobSpec,
+    LoraSpec,
     ModelSpec,
     OutputSpec,
 )
@@ -30,7 +31,7 @@ def build_spec(raw: dict[str, Any]) -> JobSpec:
     """Validate a resolved spec mapping and build the typed :class:`JobSpec`, section by section
     in the order of :data:`_TOP_KEYS` (the first error found is the one reported)."""
     _check_keys(raw, _TOP_KEYS, "")
-    return JobSpec(
+    spec = JobSpec(
         name=_get(raw, "name", str, "", default=DEFAULT_JOB_NAME),
         input=_input_spec(raw),
         output=_output_spec(raw),
@@ -41,6 +42,10 @@ def build_spec(raw: dict[str, Any]) -> JobSpec:
         raw=raw,
         executor=_executor_spec(raw),
     )
+    if spec.input.lora_column and spec.model.lora is None:
+        raise SpecError("input.lora_column", "rows can pick a LoRA adapter only from those "
+                                             "model.lora.adapters names; model.lora is not set")
+    return spec
 
 
 class _Fields:
@@ -102,6 +107,7 @@ def _input_spec(raw: dict) -> InputSpec:
         prompt_column=prompt_column,
         messages_column=messages_column,
         id_column=inp.get("id_column", str),
+        lora_column=inp.get("lora_column", str),
         sampling_columns=dict(sampling_columns),
         storage_options=inp.get("storage_options", dict),
         on_bad_shard=on_bad_shard,
@@ -125,12 +131,51 @@ def _output_spec(raw: dict) -> OutputSpec:
 
 def _model_spec(raw: dict) -> ModelSpec:
     mod = _Fields(raw, "model", ModelSpec, required=True)
-    model_spec = ModelSpec(target=mod.get("target", str, required=True), engine=mod.get("engine", dict))
-    for reserved in ("model", "speculative_config"):
+    model_spec = ModelSpec(target=mod.get("target", str, required=True),
+                           engine=mod.get("engine", dict), lora=_lora_spec(mod))
+    for reserved, where in _ENGINE_RESERVED.items():
         if reserved in model_spec.engine:
-            where = "model.target" if reserved == "model" else "speculative"
             raise SpecError(f"model.engine.{reserved}", f"set this with `{where}` instead")
     return model_spec
+
+
+#: Engine arguments batchspec sets from other keys of the spec.
+_ENGINE_RESERVED = {"model": "model.target", "speculative_config": "speculative",
+                    "enable_lora": "model.lora.adapters", "max_loras": "model.lora.max_loras",
+                    "max_lora_rank": "model.lora.max_lora_rank"}
+
+
+def _lora_spec(mod: _Fields) -> LoraSpec | None:
+    values = mod.get("lora", dict)
+    if values is None:
+        return None
+    lora = _Fields({"model.lora": values}, "model.lora", LoraSpec, required=True)
+    adapters = lora.get("adapters", dict, required=True)
+    if not adapters:
+        raise SpecError("model.lora.adapters", "expected at least one adapter: name -> local "
+                                               "directory or model id")
+    for name, source in adapters.items():
+        if not isinstance(name, str) or not name.strip():
+            raise SpecError("model.lora.adapters", f"expected adapter names, got {name!r}")
+        if not isinstance(source, str) or not source.strip():
+            raise SpecError(f"model.lora.adapters.{name}",
+                            f"expected a local directory or a model id, got {_kind(source)}")
+        if "://" in source:
+            raise SpecError(f"model.lora.adapters.{name}",
+                            "vLLM loads an adapter from a local directory or a model id, not "
+                            f"from a URL ({source.split('://', 1)[0]}://): copy it to local disk")
+    adapter = lora.get("adapter", str)
+    if adapter is not None and adapter not in adapters:
+        raise SpecError("model.lora.adapter", f"{adapter!r} is not one of model.lora.adapters"
+                                              f"{_suggest(adapter, adapters)}: "
+                                              f"{', '.join(adapters)}")
+    return LoraSpec(
+        adapters=dict(adapters),
+        adapter=adapter,
+        max_loras=None if lora.values.get("max_loras") is None else lora.positive("max_loras"),
+        max_lora_rank=(None if lora.values.get("max_lora_rank") is None
+                       else lora.positive("max_lora_rank")),
+    )
 
 
 def _speculative(raw: dict) -> dict[str, Any] | None:

@@ -14,6 +14,9 @@ Components (each a 16-hex-digit prefix of the SHA-256 of a canonical JSON):
   draft retrained in place is a new one, even with files of the same names and sizes. A single
   model file (a GGUF) by its name and SHA-256. For a hub id or URL: the id (URL sanitised)
   plus ``model.engine.revision`` and ``tokenizer_revision``.
+- ``model.lora``: each LoRA adapter's identity by name (a local adapter by its contents, as a
+  local model: its config and weights; an id by the id) and the job-wide adapter; absent
+  without ``model.lora``, so a job without adapters keeps the hashes it had.
 - ``speculative.model``: the draft's identity, the same way with ``speculative.revision``;
   absent when there is no draft model (speculation off, or ngram/suffix methods).
 - ``speculative``: the speculative section without ``model`` (null when speculation is off).
@@ -27,7 +30,7 @@ Components (each a 16-hex-digit prefix of the SHA-256 of a canonical JSON):
   override_generation_config, ...
 - ``sampling``: the SamplingParams arguments.
 - ``columns``: ``input.prompt_column``, ``messages_column``, ``id_column``,
-  ``sampling_columns`` and ``output.keep_columns``.
+  ``sampling_columns``, ``lora_column`` (where set) and ``output.keep_columns``.
 
 Secrets never enter a component: storage options are not components, and the engine arguments
 are hashed from :func:`batchspec.redact.public_spec`'s view.
@@ -69,8 +72,8 @@ FINGERPRINT_VERSION = 2
 
 
 #: Component names, in the order :func:`describe_changes` reports them.
-COMPONENTS = ("model.target", "speculative.model", "speculative", "model.engine", "sampling",
-              "columns")
+COMPONENTS = ("model.target", "model.lora", "speculative.model", "speculative", "model.engine",
+              "sampling", "columns")
 
 
 #: Engine arguments that change speed, memory or logging but not the generated text.
@@ -127,7 +130,9 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 MODEL_FILES = TOKENIZER_FILES + ("tekken.json", "params.json", "preprocessor_config.json",
                                  "processor_config.json", "model.safetensors.index.json",
                                  "pytorch_model.bin.index.json",
-                                 "consolidated.safetensors.index.json")
+                                 "consolidated.safetensors.index.json",
+                                 # a LoRA adapter's rank, alpha and target modules
+                                 "adapter_config.json")
 
 
 #: Weight files, hashed whole, anywhere under the directory (outside hidden folders) ...
@@ -148,6 +153,14 @@ def spec_fingerprint(spec: JobSpec) -> dict[str, str]:
         "model.target": model_identity(spec.model.target, engine.get("revision"),
                                        engine.get("tokenizer_revision"), cache=cache),
     }
+    lora = spec.model.lora
+    if lora is not None:
+        # what a row's adapter is, by its contents: the same name on other weights is a change
+        components["model.lora"] = {
+            "adapters": {name: model_identity(source, cache=cache)
+                         for name, source in lora.adapters.items()},
+            "adapter": lora.adapter,
+        }
     speculative = spec.speculative
     if speculative is not None and speculative.get("model"):
         components["speculative.model"] = model_identity(
@@ -168,6 +181,8 @@ def spec_fingerprint(spec: JobSpec) -> dict[str, str]:
         "sampling_columns": spec.input.sampling_columns,
         "keep_columns": None if spec.output.keep_columns is None else list(spec.output.keep_columns),
     }
+    if spec.input.lora_column:  # only when set: outputs of jobs without LoRA keep their hashes
+        components["columns"]["lora_column"] = spec.input.lora_column
     return {name: _digest(value) for name, value in components.items()}
 
 

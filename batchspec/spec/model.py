@@ -46,6 +46,9 @@ class InputSpec:
     messages_column: str | None = None
     #: Column holding a row's id; default id is ``<shard name>/<row index>``.
     id_column: str | None = None
+    #: Column naming the LoRA adapter (a key of ``model.lora.adapters``) a row runs with; null
+    #: keeps ``model.lora.adapter`` (the base model when that is unset too).
+    lora_column: str | None = None
     #: SamplingParams field -> input column that overrides it per row (null keeps the job value).
     sampling_columns: dict[str, str] = field(default_factory=dict)
     #: Handed to fsspec as is (endpoint, credentials, ...).
@@ -79,6 +82,23 @@ class OutputSpec:
 
 
 @dataclass(frozen=True)
+class LoraSpec:
+    """LoRA adapters of the target (``model.lora``): vLLM loads each on first use, and each
+    request runs with the adapter its row names, or the base model."""
+
+    #: Adapter name -> local directory in PEFT's format, or a model id (as ``LoRARequest`` takes).
+    adapters: dict[str, str]
+    #: The adapter every row runs with unless its ``input.lora_column`` names another; None:
+    #: the base model.
+    adapter: str | None = None
+    #: vLLM's ``max_loras``: adapters in one batch. None: as many as there are adapters.
+    max_loras: int | None = None
+    #: vLLM's ``max_lora_rank``. None: the smallest rank vLLM offers that fits the largest
+    #: ``r`` of the local adapters (16 where none is local).
+    max_lora_rank: int | None = None
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     """The target model and how vLLM runs it."""
 
@@ -86,6 +106,8 @@ class ModelSpec:
     target: str
     #: ``vllm.LLM`` keyword arguments (max_model_len, dtype, tensor_parallel_size, ...).
     engine: dict[str, Any] = field(default_factory=dict)
+    #: LoRA adapters rows may run with; None: LoRA off.
+    lora: LoraSpec | None = None
 
 
 @dataclass(frozen=True)

@@ -21,11 +21,11 @@ EXAMPLES = ROOT / "examples" / "requests"
 ROWS = 12
 
 
-def _run(name: str, tmp_path: Path, shared_engines) -> list[dict]:
+def _run(name: str, tmp_path: Path, shared_engines, adapters: tuple[str, ...] = ()) -> list[dict]:
     from demo_data import prompt_table
 
     (tmp_path / "in").mkdir()
-    pq.write_table(prompt_table(ROWS, seed=4100, max_tokens=(4, 16)),
+    pq.write_table(prompt_table(ROWS, seed=4100, max_tokens=(4, 16), adapters=adapters),
                    tmp_path / "in" / "part-0.parquet")
     env = {"BATCHSPEC_DEMO_INPUT": str(tmp_path / "in" / "*.parquet"),
            "BATCHSPEC_EXAMPLE_OUTPUT": str(tmp_path / "out")}
@@ -33,6 +33,8 @@ def _run(name: str, tmp_path: Path, shared_engines) -> list[dict]:
     job = yaml.safe_load((EXAMPLES / name).read_text())
     if job["speculative"].get("model"):  # the shared engine's spelling of the same draft
         overrides.append(f"speculative.model={MODELS / 'draft'}")
+    for adapter in adapters:  # and of the same adapters
+        overrides.append(f"model.lora.adapters.{adapter}={MODELS / f'lora-{adapter}'}")
     spec = load_spec(EXAMPLES / name, overrides, environ=env)
     run = shared_engines.run(spec)
     assert run.exit_code == 0, run.log
@@ -75,3 +77,20 @@ def test_samples_example_writes_three_samples_per_row(tmp_path, shared_engines):
     for row in rows:
         by_id.setdefault(row["id"], []).append(row["sample_index"])
     assert all(sorted(v) == [0, 1, 2] for v in by_id.values())
+
+
+def test_lora_example_runs_each_row_with_the_adapter_it_names(tmp_path, shared_engines):
+    from tiny_lora import comment_share, upper_share
+
+    rows = _run("lora.yaml", tmp_path, shared_engines, adapters=("upper", "comment"))
+    assert len(rows) == ROWS
+    assert {r["adapter"] for r in rows} == {None, "upper", "comment"}
+    for row in rows:
+        assert row["error"] is None and row["lora_adapter"] == row["adapter"], row
+        assert row["spec_num_draft_tokens"] > 0
+    share = {"upper": upper_share, "comment": comment_share}
+    for adapter, score in share.items():
+        texts = [r["generated_text"] for r in rows if r["adapter"] == adapter]
+        assert sum(map(score, texts)) / len(texts) >= 0.6, (adapter, texts)
+        base = [r["generated_text"] for r in rows if r["adapter"] is None]
+        assert sum(map(score, base)) / len(base) <= 0.3, (adapter, base)

@@ -104,7 +104,7 @@ class NoEngine:
 
 
 class SharedEngines:
-    """Started engines by (target, engine arguments, speculative config); at most ``keep``
+    """Started engines by (target, engine arguments, speculative config, LoRA adapters); at most ``keep``
     stay up at once (the least recently used is shut down first)."""
 
     def __init__(self, keep: int = 3, plugin_env: dict[str, str | None] | None = None):
@@ -117,8 +117,10 @@ class SharedEngines:
 
     @staticmethod
     def key(spec: JobSpec) -> str:
-        return json.dumps([spec.model.target, spec.model.engine, spec.speculative], sort_keys=True,
-                          default=str)
+        lora = spec.model.lora  # the adapters an engine serves; the job-wide one is per request
+        return json.dumps([spec.model.target, spec.model.engine, spec.speculative,
+                           lora and [lora.adapters, lora.max_loras, lora.max_lora_rank]],
+                          sort_keys=True, default=str)
 
     def engine(self, spec: JobSpec):
         """The started engine for ``spec``'s model, engine arguments and speculation, ready to

@@ -86,7 +86,7 @@ def fp(tmp_path, **changes):
 
 def test_components_are_short_hex_and_stable(models):
     first = fp(models)
-    assert list(first) == list(COMPONENTS)
+    assert list(first) == [c for c in COMPONENTS if c != "model.lora"]  # no adapters here
     assert all(re.fullmatch(r"[0-9a-f]{16}", v) for v in first.values())
     assert fp(models) == first
     assert FINGERPRINT_VERSION == 2
@@ -113,6 +113,40 @@ def test_components_are_short_hex_and_stable(models):
 ])
 def test_what_changes_the_output_is_seen(models, changes, changed):
     assert describe_changes(fp(models), fp(models, **changes)) == changed
+
+
+def make_adapter(path, weights=b"\1" * 300, r=8):
+    """A directory shaped like a PEFT LoRA adapter (nothing loads it)."""
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": r,
+                                                          "lora_alpha": 16}))
+    (path / "adapter_model.safetensors").write_bytes(weights)
+    return path
+
+
+def test_lora_adapters_are_part_of_the_fingerprint_by_their_contents(models, no_racy_window):
+    """An adapter is the output's lineage: its weights and config count, its place does not,
+    and a job without adapters keeps the hashes it had before LoRA existed."""
+    make_adapter(models / "a")
+    make_adapter(models / "b", weights=b"\2" * 300)
+    lora = {"adapters": {"a": str(models / "a"), "b": str(models / "b")}}
+    base = fp(models)
+    with_lora = fp(models, model__lora=lora)
+    assert describe_changes(base, with_lora) == ["model.lora"]
+    assert {k: v for k, v in with_lora.items() if k != "model.lora"} == base
+    shutil.copytree(models / "a", models / "a-copy")
+    moved = {"adapters": {"a": str(models / "a-copy"), "b": str(models / "b")}}
+    assert fp(models, model__lora=moved) == with_lora
+    (models / "b" / "adapter_model.safetensors").write_bytes(b"\3" * 300)  # retrained in place
+    assert describe_changes(with_lora, fp(models, model__lora=lora)) == ["model.lora"]
+    cfg = models / "a" / "adapter_config.json"
+    cfg.write_text(json.dumps({"peft_type": "LORA", "r": 8, "lora_alpha": 32}))
+    assert describe_changes(with_lora, fp(models, model__lora=lora)) == ["model.lora"]
+    job_wide = fp(models, model__lora={**lora, "adapter": "a"})
+    assert describe_changes(fp(models, model__lora=lora), job_wide) == ["model.lora"]
+    per_row = fp(models, model__lora=lora, input__lora_column="adapter")
+    assert describe_changes(fp(models, model__lora=lora), per_row) == ["columns"]
+    assert fp(models, model__lora={**lora, "max_loras": 1}) == fp(models, model__lora=lora)
 
 
 @pytest.mark.parametrize("changes", [

@@ -106,6 +106,24 @@ def test_missing_env_var_names_key_and_variable(tmp_path):
     (lambda s: s.update(speculative="draft"), "speculative", "expected a mapping"),
     (lambda s: s["model"]["engine"].update(speculative_config={}), "model.engine.speculative_config",
      "`speculative`"),
+    # LoRA: adapters are named under model.lora, rows pick one of them
+    (lambda s: s["model"]["engine"].update(enable_lora=True), "model.engine.enable_lora",
+     "`model.lora.adapters`"),
+    (lambda s: s["model"]["engine"].update(max_lora_rank=8), "model.engine.max_lora_rank",
+     "`model.lora.max_lora_rank`"),
+    (lambda s: s["input"].update(lora_column="adapter"), "input.lora_column", "model.lora is not set"),
+    (lambda s: s["model"].update(lora={"adapters": {}}), "model.lora.adapters", "at least one"),
+    (lambda s: s["model"].update(lora={"max_loras": 2}), "model.lora.adapters", "missing required"),
+    (lambda s: s["model"].update(lora={"adapters": {"a": "s3://b/a"}}), "model.lora.adapters.a",
+     "not from a URL"),
+    (lambda s: s["model"].update(lora={"adapters": {"a": 3}}), "model.lora.adapters.a",
+     "local directory or a model id"),
+    (lambda s: s["model"].update(lora={"adapters": {"upper": "x/y"}, "adapter": "uper"}),
+     "model.lora.adapter", "did you mean 'upper'"),
+    (lambda s: s["model"].update(lora={"adapters": {"a": "x/y"}, "max_loras": 0}),
+     "model.lora.max_loras", "positive"),
+    (lambda s: s["model"].update(lora={"adapters": {"a": "x/y"}, "rank": 8}), "model.lora.rank",
+     "unknown key"),
 ])
 def test_bad_specs_name_the_key(tmp_path, mutate, key, words):
     raw = yaml.safe_load(yaml.safe_dump(BASE))
