@@ -21,6 +21,7 @@ STEPS = [
     ["benchmarks/memory.py", "--json", str(OUT / "memory.json")],
     ["benchmarks/distill.py", "--json", str(OUT / "distill.json")],
     ["benchmarks/tune.py", "--json", str(OUT / "tune.json")],
+    ["benchmarks/structured.py"],
 ]
 
 
