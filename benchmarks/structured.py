@@ -15,8 +15,8 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import sys
 import os
+import sys
 import time
 from pathlib import Path
 
