@@ -34,7 +34,10 @@ CONTRACT_RESULT_NAMES = [
     "generated_text", "finish_reason", "num_prompt_tokens", "num_output_tokens", "spec_num_steps",
     "spec_num_draft_tokens", "spec_num_accepted_tokens", "spec_acceptance_rate",
     "spec_mean_acceptance_length", "spec_acceptance_histogram", "time_queued_s",
-    "time_to_first_token_s", "time_decode_s", "time_e2e_s", "output_tokens_per_s", "error",
+    "time_to_first_token_s", "time_decode_s", "time_e2e_s", "output_tokens_per_s",
+    "sample_index", "lora_adapter", "structured_valid", "structured_error", "choice_probs",
+    "cumulative_logprob", "token_logprobs", "top_logprobs", "prompt_token_logprobs",
+    "prompt_top_logprobs", "error",
 ]
 #: The features job keeps these input columns, in this order (not the input's order).
 KEEP = ["topic", "id"]

@@ -37,6 +37,10 @@ JOB_MAX_TOKENS = 32
 MAX_IN_FLIGHT = 16
 K = DRAFT["num_speculative_tokens"]
 
+#: One candidate token in ``top_logprobs``: struct<token_id int32, token string, logprob
+#: float64, rank int32>, as docs/contract.md has it.
+TOKEN_LOGPROB = pa.struct([("token_id", pa.int32()), ("token", pa.string()),
+                           ("logprob", pa.float64()), ("rank", pa.int32())])
 #: docs/contract.md "Output columns", after request_id and the kept input columns, in its order.
 CONTRACT_RESULT_COLUMNS: list[tuple[str, pa.DataType]] = [
     ("generated_text", pa.string()),
@@ -54,6 +58,17 @@ CONTRACT_RESULT_COLUMNS: list[tuple[str, pa.DataType]] = [
     ("time_decode_s", pa.float64()),
     ("time_e2e_s", pa.float64()),
     ("output_tokens_per_s", pa.float64()),
+    # the request-feature columns: null where a row did not ask for the feature
+    ("sample_index", pa.int32()),
+    ("lora_adapter", pa.string()),
+    ("structured_valid", pa.bool_()),
+    ("structured_error", pa.string()),
+    ("choice_probs", pa.list_(pa.struct([("choice", pa.string()), ("prob", pa.float64())]))),
+    ("cumulative_logprob", pa.float64()),
+    ("token_logprobs", pa.list_(pa.float64())),
+    ("top_logprobs", pa.list_(pa.list_(TOKEN_LOGPROB))),
+    ("prompt_token_logprobs", pa.list_(pa.float64())),
+    ("prompt_top_logprobs", pa.list_(pa.list_(TOKEN_LOGPROB))),
     ("error", pa.string()),
 ]
 #: "With speculative decoding off the spec_* columns are null."
