@@ -29,7 +29,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from domain_data import write_shards
-from helpers.jobs import DRAFT, ROOT, run_cli, write_job
+from helpers.jobs import DRAFT, ENGINE, MODELS, ROOT, run_cli, write_job
 
 import batchspec.distill.data as distill_data
 import batchspec.distill.session as distill_mod
@@ -46,12 +46,26 @@ from batchspec.spec.load import load_spec
 K = 2
 
 
-def _job(tmp: Path, models: Path, rows: int = 60) -> Path:
-    write_shards(tmp / "prompts", rows=rows, shards=2, seed=3)
+#: The two adapters make models trains; a job with ``lora=True`` routes its rows to them.
+LORA = {"adapters": {"upper": str(MODELS / "lora-upper"), "comment": str(MODELS / "lora-comment")}}
+
+
+def _job(tmp: Path, models: Path, rows: int = 60, lora: bool = False) -> Path:
+    """A job over two shards of held-out prompts; with ``lora``, rows name an adapter in turn
+    (upper, comment, or null: the base model), so the target's text is theirs."""
+    paths = write_shards(tmp / "prompts", rows=rows, shards=2, seed=3)
+    if lora:
+        turn = [None, *LORA["adapters"]]
+        for path in paths:
+            table = pq.read_table(path)
+            pq.write_table(table.append_column("adapter", pa.array(
+                [turn[i % len(turn)] for i in range(table.num_rows)], pa.string())), path)
     return write_job(tmp / "job.yaml",
                      input={"path": str(tmp / "prompts" / "*.parquet"), "prompt_column": "prompt",
-                            "id_column": "id"},
+                            "id_column": "id", **({"lora_column": "adapter"} if lora else {})},
                      output={"path": str(tmp / "run-out")},
+                     model={"target": str(MODELS / "target"), "engine": dict(ENGINE),
+                            **({"lora": LORA} if lora else {})},
                      speculative={**DRAFT, "num_speculative_tokens": K},
                      sampling={"temperature": 0.0, "max_tokens": 24, "ignore_eos": True})
 
@@ -470,8 +484,10 @@ class Distilled:
 
 @pytest.fixture(scope="module")
 def distilled(tmp_path_factory, models) -> Distilled:
+    """One distill of a job whose rows run with two LoRA adapters and the base model: the draft
+    learns the text the job's target writes, each row's adapter included."""
     tmp = tmp_path_factory.mktemp("distill")
-    job = _job(tmp, models)
+    job = _job(tmp, models, lora=True)
     out = tmp / "new-draft"
     done = run_cli("distill", str(job), "--draft", str(models / "draft"), "--out", str(out),
                    "--sample", "48", "--holdout", "12", "--steps", "30", "--batch-size", "8",
@@ -519,6 +535,7 @@ def test_card_and_model_directory(distilled, models):
         == ["lock"]
     assert (work_dir(out) / "lock").read_text() == ""  # released
     assert card["job"]["spec"]["model"]["target"] == str(models / "target")
+    assert card["lora"] == LORA  # the adapters whose outputs the draft learned
     # the top-K was kept for every generated token
     chunks = sorted(work_dir(out).glob("generated-*/part-*.parquet"))
     assert len(chunks) == 3  # 36 rows in chunks of 16

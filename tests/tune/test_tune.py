@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import pyarrow as pa
 import pytest
 import yaml
 from helpers.jobs import ENGINE, MODELS, ROOT, run_cli, write_job, write_parquet
@@ -246,16 +247,23 @@ def _prompts(n: int, seed: int) -> list[str]:
     return prompt_table(n, seed=seed)["prompt"].to_pylist()
 
 
-def _tune_job(root: Path, target: str, n: int, max_tokens: int) -> Path:
-    write_parquet(root / "in" / "a.parquet", {"id": [f"a{i}" for i in range(n)],
-                                             "prompt": _prompts(n, 11)})
-    write_parquet(root / "in" / "b.parquet", {"id": [f"b{i}" for i in range(n)],
-                                             "prompt": _prompts(n, 12)})
+#: The two adapters make models trains, for a job whose rows name one (or none) in turn.
+LORA = {"adapters": {"upper": str(MODELS / "lora-upper"), "comment": str(MODELS / "lora-comment")}}
+
+
+def _tune_job(root: Path, target: str, n: int, max_tokens: int, lora: bool = False) -> Path:
+    turn = [None, *LORA["adapters"]]
+    for shard, seed in (("a", 11), ("b", 12)):
+        columns = {"id": [f"{shard}{i}" for i in range(n)], "prompt": _prompts(n, seed)}
+        if lora:
+            columns["adapter"] = pa.array([turn[i % 3] for i in range(n)], pa.string())
+        write_parquet(root / "in" / f"{shard}.parquet", columns)
     return write_job(root / "job.yaml",
                      input={"path": str(root / "in" / "*.parquet"), "prompt_column": "prompt",
-                            "id_column": "id"},
+                            "id_column": "id", **({"lora_column": "adapter"} if lora else {})},
                      output={"path": str(root / "out")},
-                     model={"target": str(MODELS / target), "engine": dict(ENGINE)},
+                     model={"target": str(MODELS / target), "engine": dict(ENGINE),
+                            **({"lora": LORA} if lora else {})},
                      speculative={"method": "draft_model", "model": str(MODELS / "draft"),
                                   "num_speculative_tokens": 4},
                      sampling={"temperature": 0.0, "max_tokens": max_tokens, "ignore_eos": True})
@@ -274,9 +282,10 @@ class Tuned:
 def tuned(tmp_path_factory, models) -> Tuned:
     """One tune of the tiny pair: 12 rows of 24 tokens at concurrency 1 and 4; the job's draft at
     k 2 and 3 (k=3 measured first, k=2 predicted from it, then measured: --top 2), a draft that
-    does not exist (skipped), speculation off twice per level."""
+    does not exist (skipped), speculation off twice per level. The job's rows run with two LoRA
+    adapters and the base model, as its own run would."""
     root = tmp_path_factory.mktemp("tune")
-    job = _tune_job(root, "target", 8, 24)
+    job = _tune_job(root, "target", 8, 24, lora=True)
     started = time.monotonic()
     result = run_cli("tune", str(job), "--sample", "12", "--seed", "3", "--concurrency", "1,4",
                      "--k", "2,3", "--top", "2", "--no-ngram", "--draft", str(root / "no-draft"),
@@ -358,6 +367,7 @@ def test_tune_writes_a_valid_spec_with_the_recommended_section(tuned):
         label = recs["4"] if len(same) > 1 else same.pop()  # the job sets no max_num_seqs: 4
         expected = next(c["speculative"] for c in tuned.entries(label))
         assert section == expected
+    assert spec["model"]["lora"] == LORA and spec["input"]["lora_column"] == "adapter"
     result = run_cli("validate", str(written))
     assert result.returncode == 0, result.stderr + result.stdout
 
