@@ -68,17 +68,35 @@ def file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def is_current(out: Path, source: Path, settings: dict) -> bool:
-    """True when ``out`` is complete and was grown from the weights ``source`` holds now, with
-    the same ``settings`` (hidden, intermediate, layers, seed)."""
+def is_current(out: Path, weights: Path, settings: dict, key: str = "source_sha256") -> bool:
+    """True when ``out`` is complete and was built from the file ``weights`` as it is now (its
+    SHA-256 under ``key`` in ``out``'s info file), with the same ``settings``."""
     if not (out / COMPLETE_MARKER).exists() or not (out / INFO_FILE).exists():
         return False
     try:
         info = json.loads((out / INFO_FILE).read_text())
     except (OSError, ValueError):
         return False
-    return (info.get("source_sha256") == file_sha256(source / WEIGHTS_FILE)
-            and all(info.get(key) == value for key, value in settings.items()))
+    return (info.get(key) == file_sha256(weights)
+            and all(info.get(k) == value for k, value in settings.items()))
+
+
+def scratch_dir(out: Path) -> Path:
+    """An empty directory beside ``out`` to build it in (see :func:`publish`)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    return tmp
+
+
+def publish(tmp: Path, out: Path, info: dict) -> None:
+    """Write ``info`` and the complete marker into ``tmp``, then swap it in as ``out``: a crash
+    never leaves a half-built directory behind."""
+    (tmp / INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")
+    (tmp / COMPLETE_MARKER).write_text("ok\n")
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
 
 
 def _pad(tensor, shape: tuple[int, ...]):
@@ -195,7 +213,7 @@ def grow(source: Path, out: Path, hidden: int = 1024, intermediate: int = 4096, 
     if not (source / COMPLETE_MARKER).exists():
         raise FileNotFoundError(f"grow: source model {source} is not built (no {COMPLETE_MARKER})")
     settings = {"hidden": hidden, "intermediate": intermediate, "layers": layers, "seed": seed}
-    if not force and is_current(out, source, settings):
+    if not force and is_current(out, source / WEIGHTS_FILE, settings):
         log(f"{out} already grown from {source}; skipping (use --force to rebuild)")
         return json.loads((out / INFO_FILE).read_text())
     started = time.time()
@@ -206,11 +224,7 @@ def grow(source: Path, out: Path, hidden: int = 1024, intermediate: int = 4096, 
     log(f"{source}: {sum(t.numel() for t in state.values()) / 1e6:.2f}M parameters -> "
         f"{n_params / 1e6:.1f}M ({layers} layers, hidden {hidden}, MLP {intermediate})")
 
-    # build next to the output and swap in at the end: a crash never leaves a half model behind
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    tmp = scratch_dir(out)
     save_file(grown, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
     (tmp / "config.json").write_text(json.dumps(new_config, indent=2) + "\n")
     for name in COPIED_FILES:
@@ -226,10 +240,7 @@ def grow(source: Path, out: Path, hidden: int = 1024, intermediate: int = 4096, 
             "source_sha256": file_sha256(source / WEIGHTS_FILE), "parameters": n_params, **settings,
             "max_logit_difference": diff, "build_s": round(time.time() - started, 1),
             "note": "a stand-in with a large model's cost and the source model's quality"}
-    (tmp / INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")
-    (tmp / COMPLETE_MARKER).write_text("ok\n")
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
+    publish(tmp, out, info)
     log(f"done in {time.time() - started:.0f}s: {out}")
     return info
 

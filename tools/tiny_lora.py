@@ -35,7 +35,6 @@ import argparse
 import json
 import math
 import random
-import shutil
 import sys
 import time
 from collections.abc import Callable
@@ -43,6 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from grow_model import INFO_FILE, file_sha256, is_current, publish, scratch_dir  # noqa: E402
 from tiny_models import (  # noqa: E402
     COMPLETE_MARKER,
     held_out_snippets,
@@ -57,7 +57,6 @@ ALPHA = 16
 TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 WEIGHTS_FILE = "adapter_model.safetensors"
 CONFIG_FILE = "adapter_config.json"
-INFO_FILE = "batchspec-model.json"
 MAX_LEN = 96  # tokens of prompt + continuation a training example keeps
 BATCH = 8  # examples per step
 #: The check every build ends with: greedy tokens on held-out prompts, base and adapter.
@@ -233,33 +232,10 @@ def adapter_config(target: Path, r: int, alpha: int) -> dict:
 # --------------------------------------------------------------------------- build
 
 
-def file_sha256(path: Path) -> str:
-    import hashlib
-
-    digest = hashlib.sha256()
-    with path.open("rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def settings_of(adapter: Adapter, steps: int) -> dict:
     return {"adapter": adapter.name, "r": RANK, "lora_alpha": ALPHA,
             "target_modules": list(TARGET_MODULES), "steps": steps, "batch": BATCH,
             "max_len": MAX_LEN, "peak_lr": adapter.peak_lr, "seed": adapter.seed}
-
-
-def is_current(out: Path, target: Path, settings: dict) -> bool:
-    """True when ``out`` is complete and was trained on the weights ``target`` holds now, with
-    the same ``settings``."""
-    if not (out / COMPLETE_MARKER).exists() or not (out / INFO_FILE).exists():
-        return False
-    try:
-        info = json.loads((out / INFO_FILE).read_text())
-    except (OSError, ValueError):
-        return False
-    return (info.get("base_sha256") == file_sha256(target / "model.safetensors")
-            and all(info.get(key) == value for key, value in settings.items()))
 
 
 def greedy_texts(model, tokenizer, prompts: list[str], tokens: int) -> list[str]:
@@ -337,7 +313,7 @@ def build(target: Path, out_root: Path, adapter: Adapter, steps: int, force: boo
         raise FileNotFoundError(f"tiny-lora: target {target} is not built (no {COMPLETE_MARKER})")
     out = out_root / f"lora-{adapter.name}"
     settings = settings_of(adapter, steps)
-    if not force and is_current(out, target, settings):
+    if not force and is_current(out, target / "model.safetensors", settings, key="base_sha256"):
         (out / COMPLETE_MARKER).touch()  # checked current: make need not ask again
         log(f"{out} already trained on {target}; skipping (use --force to rebuild)")
         return json.loads((out / INFO_FILE).read_text())
@@ -361,21 +337,14 @@ def build(target: Path, out_root: Path, adapter: Adapter, steps: int, force: boo
                          f"{adapter.min_score}; base {result['base_score']}, wanted <= "
                          f"{adapter.max_base_score}; {result['changed']}/{CHECK_PROMPTS} changed); "
                          f"{out} left as it was")
-    # build next to the output and swap in at the end: a crash never leaves a half adapter behind
-    out_root.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    tmp = scratch_dir(out)
     save_file(peft_state_dict(wrapped), str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
     (tmp / CONFIG_FILE).write_text(json.dumps(adapter_config(target, RANK, ALPHA), indent=2) + "\n")
     info = {"role": "lora", "description": adapter.description, "base": target.name,
             "base_sha256": file_sha256(target / "model.safetensors"), **settings,
             "final_loss": round(loss, 4), "train_s": round(train_s, 1),
             "build_s": round(time.time() - started, 1), "check": result}
-    (tmp / INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")
-    (tmp / COMPLETE_MARKER).write_text("ok\n")
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
+    publish(tmp, out, info)
     log(f"done in {time.time() - started:.0f}s: {out}")
     return info
 
