@@ -95,8 +95,11 @@ def pytest_terminal_summary(terminalreporter):
                if r["time"] >= _SESSION_STARTED - 1]
     by_file = collections.Counter(r["test"].split("::")[0] for r in records)
     by_test = collections.Counter(r["test"] for r in records)
-    terminalreporter.section(f"engine start-ups: {len(records)}")
+    separate = collections.Counter(r["test"].split("::")[0] for r in records
+                                   if r.get("separate", True))
+    terminalreporter.section(f"engine start-ups: {len(records)} "
+                             f"({sum(separate.values())} with vLLM's own processes)")
     for name, count in sorted(by_file.items()):
-        terminalreporter.write_line(f"{count:4d}  {name}")
+        terminalreporter.write_line(f"{count:4d}  {name}  ({separate[name]} with vLLM's own processes)")
     for name, count in sorted(by_test.items()):
         terminalreporter.write_line(f"{count:4d}    {name}")

@@ -27,6 +27,15 @@ is the moment these fixes need:
    their adapters. The fix writes the same kernels with a -1 token's LoRA term zero, as vLLM's
    Triton kernels skip it.
 
+4. **Engines in the calling process** (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): registering the
+   kernel overrides scans every loaded module's values and calls ``hasattr(value, "__dict__")``
+   and ``vars(value).get`` on each (``_rebind_kernels`` in ``vllm/triton_utils/dispatcher.py``).
+   A value whose attribute access raises (Flask's ``request`` and ``g`` proxies, loaded by a
+   moto server in the process) or whose ``__dict__`` is no mapping (``llvmlite.binding.ffi.lib``,
+   loaded once an n-gram engine has imported numba) makes the scan raise, and the engine fails
+   to start. The fix takes such values out of their modules while the overrides are registered
+   (a fraction of a second, in the thread that starts the engine) and puts them back.
+
 All act only on vLLM's CPU build and on the vLLM versions they were checked against
 (:data:`CHECKED_VLLM_VERSIONS`); anywhere else the plugin does nothing and says so at debug level.
 Drop this module and its entry point once the vLLM version batchspec pins has the upstream fix
@@ -38,6 +47,9 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from importlib import metadata
 from typing import Any
 
@@ -181,6 +193,7 @@ def _fix_expand_kernel() -> None:
 
 
 # ------------------------------------------------------------------ 2. seeded chunked prefill
+# (and 4: the kernel overrides registered again in one process)
 
 
 def _hook_worker_init() -> None:
@@ -193,11 +206,43 @@ def _hook_worker_init() -> None:
     register_overrides = platform.register_triton_kernel_overrides.__func__
 
     def register_triton_kernel_overrides(cls) -> None:
-        register_overrides(cls)
+        with _unscannable_values_hidden():
+            register_overrides(cls)
         _patch_cpu_model_runner()
         _fix_lora_ops()
 
     platform.register_triton_kernel_overrides = classmethod(register_triton_kernel_overrides)
+
+
+
+
+def _scannable(value: Any) -> bool:
+    """Whether vLLM's kernel rebind scan can read ``value`` (see fix 4)."""
+    try:
+        return not hasattr(value, "__dict__") or isinstance(vars(value), Mapping)
+    except Exception:
+        return False
+
+
+
+
+@contextmanager
+def _unscannable_values_hidden() -> Iterator[None]:
+    """Module values vLLM's kernel rebind scan cannot read, out of their modules meanwhile."""
+    hidden = []
+    for module in list(sys.modules.values()):
+        namespace = getattr(module, "__dict__", None)
+        if not isinstance(namespace, dict):
+            continue
+        for name, value in list(namespace.items()):
+            if not _scannable(value):
+                hidden.append((namespace, name, value))
+                del namespace[name]
+    try:
+        yield
+    finally:
+        for namespace, name, value in hidden:
+            namespace.setdefault(name, value)
 
 
 
@@ -305,8 +350,6 @@ _LORA_OPS = {"bgmv_shrink": bgmv_shrink, "bgmv_expand": bgmv_expand,
 def _fix_lora_ops() -> None:
     # lora_ops' sgmv_* call its bgmv_* by module global; the package re-exports them, and the
     # CPU punica wrapper imports them by name (rebound too where it is already imported).
-    import sys
-
     from vllm.lora.ops import torch_ops
     from vllm.lora.ops.torch_ops import lora_ops
 

@@ -135,6 +135,51 @@ def test_entry_point_is_installed():
     assert found.get(vllm_plugin.PLUGIN_NAME) == vllm_plugin.PLUGIN_TARGET, found
 
 
+class _Proxy:
+    """Like Flask's ``request``: every attribute read outside a request raises."""
+
+    __slots__ = ()
+
+    @property
+    def __dict__(self):
+        raise RuntimeError("Working outside of request context.")
+
+
+class _Lib:
+    """Like ``llvmlite.binding.ffi.lib``: every attribute is a function wrapper, ``__dict__`` too."""
+
+    __slots__ = ()
+
+    def __getattr__(self, name):
+        return lambda *args: None
+
+
+def test_kernel_overrides_register_beside_values_vllms_scan_cannot_read(monkeypatch):
+    """Fix 4: vLLM's kernel rebind scan over every module's values raises on a proxy that raises
+    and on a ``__dict__`` that is no mapping (a second engine in one process then fails to
+    start); with the fix they are out of their module meanwhile, and back afterwards."""
+    pytest.importorskip("vllm")
+    import sys
+    import types
+
+    from vllm.triton_utils import dispatcher
+
+    module = types.ModuleType("batchspec_test_unscannable")
+    module.request, module.lib, module.plain = _Proxy(), _Lib(), {"kept": 1}
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    original, wrapper = object(), object()
+    for value in (_Proxy(), _Lib()):
+        module.value = value
+        with pytest.raises((RuntimeError, AttributeError)):
+            dispatcher._rebind_kernels([(original, wrapper)])
+    del module.value
+    with vllm_plugin._unscannable_values_hidden():
+        assert not hasattr(module, "request") and not hasattr(module, "lib")
+        assert module.plain == {"kept": 1}
+        dispatcher._rebind_kernels([(original, wrapper)])
+    assert isinstance(vars(module)["request"], _Proxy) and isinstance(vars(module)["lib"], _Lib)
+
+
 def test_refusal_follows_the_plugin(monkeypatch, tmp_path):
     pytest.importorskip("vllm")
     from vllm.platforms import current_platform

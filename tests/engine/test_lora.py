@@ -12,6 +12,7 @@ and the base rows equal to an engine without LoRA."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import pyarrow as pa
@@ -273,9 +274,14 @@ def test_cpu_lora_kernels_give_a_token_without_an_adapter_no_lora_term():
     cpu_plugin.bgmv_expand_slice(shrunk, b, sliced, indices, 2, 8, add_inputs=True)
     torch.testing.assert_close(sliced[:, 2:10], 1 + expected)
     assert torch.equal(sliced[:, :2], torch.ones(3, 2)) and torch.equal(sliced[:, 10:], torch.ones(3, 2))
-    # what vLLM's own kernel does with the base-model token: the last adapter's term
+    # what vLLM's own kernel does with the base-model token: the last adapter's term (read from
+    # its file: in a process that started an engine, the module's names are the plugin's)
+    original = importlib.util.spec_from_file_location("vllm_lora_ops_as_shipped", lora_ops.__file__)
+    shipped = importlib.util.module_from_spec(original)
+    original.loader.exec_module(shipped)
+    assert shipped.bgmv_shrink is not cpu_plugin.bgmv_shrink
     theirs = torch.zeros(3, 4)
-    lora_ops.bgmv_shrink(x, a, theirs, indices, 1.0)
+    shipped.bgmv_shrink(x, a, theirs, indices, 1.0)
     assert not torch.allclose(theirs[0], torch.zeros(4))
 
 

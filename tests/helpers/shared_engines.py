@@ -1,6 +1,7 @@
 """Real vLLM engines shared by a test session, and jobs run through the library on them.
 
-An engine start-up costs about 20 s on the tiny models (more under load), and most end-to-end
+An engine start-up costs about 28 s on the tiny models with vLLM's engine and worker processes
+(4 s where they run in this process, as shared engines do), and most end-to-end
 tests need "a run of job X on the real engine", not a process of their own. So one
 :class:`batchspec.engine.llm.Engine` per (target model, engine arguments, speculative config) is
 started the first time a test asks for it and reused, as ``run_job(spec, engine=...)`` allows, by
@@ -26,6 +27,7 @@ from batchspec.errors import BatchspecError
 from batchspec.run.events import EventLog
 from batchspec.run.job import RunResult
 from batchspec.spec.model import JobSpec
+from helpers.jobs import INLINE_ENGINE, SEPARATE_ENGINE
 
 #: Environment that turns batchspec's vLLM plugin off. A shared engine's processes get it as it
 #: was when the session started (so BATCHSPEC_DISABLE_VLLM_PLUGIN=1 pytest ... turns the plugin
@@ -168,13 +170,19 @@ class SharedEngines:
     def _start(self, spec: JobSpec):
         import psutil
 
+        from batchspec.engine.cpu_plugin import active as plugin_active
         from batchspec.engine.llm import Engine, child_pids, kill_new_children
 
         before = child_pids()
         wanted = {k: self.plugin_env.get(k) for k in PLUGIN_ENV}
         wanted["VLLM_CPU_KVCACHE_SPACE"] = "1"  # GiB, as run_cli gives a `batchspec` process
+        wanted.update(INLINE_ENGINE)
         saved = {k: os.environ.get(k) for k in wanted}
         _set_env(wanted)
+        if not plugin_active():
+            # the engine in this process (4 s instead of 28) needs the plugin's fix 4 to start
+            # after an n-gram engine did: without the plugin, vLLM's processes
+            _set_env(SEPARATE_ENGINE)
         # the engine's watchdog watches this process's children as it finds them at start-up:
         # show it only the engine's own, not a test's subprocesses that end before the engine
         children = psutil.Process.children

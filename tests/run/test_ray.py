@@ -27,7 +27,7 @@ import uuid
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from helpers.jobs import DRAFT, ENGINE, MODELS, read_output, run_cli, write_job
+from helpers.jobs import DRAFT, ENGINE, INLINE_ENGINE, MODELS, read_output, run_cli, write_job
 
 from batchspec.errors import BatchspecError, SpecError
 from batchspec.io.output_dir import OutputDir
@@ -474,22 +474,28 @@ def _texts(out, storage_options=None) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def local_texts(inputs, tmp_path_factory):
+def local_texts(inputs, tmp_path_factory, shared_engines):
     """The same job run locally first (before any replica holds an engine)."""
     out = tmp_path_factory.mktemp("local") / "out"
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    run_job(_spec(inputs, out), executor="local", events=_Events(), progress_bars=False)
+    run = shared_engines.run(_spec(inputs, out), executor="local", progress_bars=False)
+    assert run.exit_code == 0, run.log[-3000:]
     return _texts(out)
 
 
 @pytest.fixture(scope="module")
 def replicas(ray_cluster, local_texts, inputs, tmp_path_factory):
-    """One executor (2 replicas of the tiny pair) every test below shares."""
+    """One executor (2 replicas of the tiny pair) every test below shares. The driver's VLLM_*
+    settings reach the replicas: theirs run the engine in the replica's process (4 s to start,
+    not 28; killing a replica kills its engine either way)."""
     from batchspec.run.executors.ray import RayExecutor
 
-    executor = RayExecutor(_spec(inputs, tmp_path_factory.mktemp("unused")))
-    yield executor
-    executor.shutdown()
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+        for name, value in INLINE_ENGINE.items():
+            env.setenv(name, value)
+        executor = RayExecutor(_spec(inputs, tmp_path_factory.mktemp("unused")))
+        yield executor
+        executor.shutdown()
 
 
 @pytest.mark.engine

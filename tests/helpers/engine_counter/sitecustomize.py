@@ -1,7 +1,8 @@
 """Counts vLLM engine start-ups, for sizing the test suite: with BATCHSPEC_TEST_ENGINE_LOG set,
 every ``vllm.LLM(...)`` built in a process that has this folder on its path appends one JSON line
 to that file, naming the test that was running (pytest's PYTEST_CURRENT_TEST, which the test's
-subprocesses inherit), the model and the speculative method. conftest.py puts this folder on
+subprocesses inherit), the model, the speculative method and whether vLLM starts processes of its
+own for the engine (each imports vLLM again: about 24 of a 28-s start-up). conftest.py puts this folder on
 PYTHONPATH (for `batchspec` subprocesses and probes) and calls :func:`install` (for engines built
 in the test process) only when the variable is set; ``pytest`` then prints the counts per file.
 Python imports the first ``sitecustomize`` on its path: any other one is run after this one.
@@ -25,7 +26,9 @@ def _record(kwargs: dict, model) -> None:
     spec = kwargs.get("speculative_config") or {}
     line = json.dumps({"test": os.environ.get("PYTEST_CURRENT_TEST", "?"), "pid": os.getpid(),
                        "time": round(time.time(), 1), "model": str(model),
-                       "speculative": spec.get("method") if isinstance(spec, dict) else str(spec)})
+                       "speculative": spec.get("method") if isinstance(spec, dict) else str(spec),
+                       # vLLM's engine (and, on the CPU build, worker) processes, or none
+                       "separate": os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") != "0"})
     fd = os.open(os.environ[ENV], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
         os.write(fd, (line + "\n").encode())
