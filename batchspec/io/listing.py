@@ -26,6 +26,7 @@ from typing import Any
 from fsspec.core import split_protocol
 
 from batchspec.errors import InputDataError, SpecError
+from batchspec.io.formats import PARQUET, FileFormat, file_format, is_input_file, output_stem
 from batchspec.io.paths import (
     _FAMILIES,
     _OBJECT_FAMILIES,
@@ -43,10 +44,12 @@ from batchspec.io.paths import (
 from batchspec.io.retry import retry
 from batchspec.redact import sanitize_url
 
+PARQUET_FILE = FileFormat(PARQUET)
+
 
 @dataclass(frozen=True)
 class Shard:
-    """One input Parquet file and the output name it maps to."""
+    """One input file and the output name it maps to."""
 
     #: Full fsspec URL of the input file.
     url: str
@@ -57,6 +60,8 @@ class Shard:
     fs: Any
     #: Size, modification time or ETag: changes when the input file changes.
     fingerprint: dict
+    #: How the file is read (``input.format`` or its extension).
+    format: FileFormat = PARQUET_FILE
 
     @property
     def output_file(self) -> str:
@@ -99,12 +104,15 @@ def _exclusion(fs, exclude: str) -> frozenset | None:
 
 
 def discover_shards(paths: tuple[str, ...] | list[str], storage_options: dict,
-                    exclude: str | None = None, allow_empty: bool = False) -> list[Shard]:
+                    exclude: str | None = None, allow_empty: bool = False,
+                    input_format: str | None = None) -> list[Shard]:
     """List the input shards matched by ``input.path``, sorted by name.
 
     A shard's output name is its path relative to the pattern's base (the directory before the
-    first wildcard, or the directory given), without ``.parquet``: it depends on that file's own
-    path only, never on its siblings. Files under ``exclude`` (the output path) are never listed."""
+    first wildcard, or the directory given), without its format's extensions (``.parquet``,
+    ``.jsonl.gz``, ...): it depends on that file's own path only, never on its siblings. A
+    directory's shards are its files of ``input_format`` (``input.format``; of any format named
+    by its extension without it). Files under ``exclude`` (the output path) are never listed."""
     found: list[tuple[Any, str, str]] = []  # (fs, path, path relative to its base)
     for url in paths:
         fs, path = _open_url(url, storage_options, "input.path")
@@ -118,7 +126,8 @@ def discover_shards(paths: tuple[str, ...] | list[str], storage_options: dict,
             elif retry(partial(fs.isdir, path), f"listing {shown}"):
                 base = path.rstrip("/")
                 matches = sorted(p for p in retry(partial(fs.find, path), f"listing {shown}")
-                                 if p.endswith(OUTPUT_SUFFIX) and f"/{BOOKKEEPING_DIR}/" not in p)
+                                 if is_input_file(p, input_format)
+                                 and f"/{BOOKKEEPING_DIR}/" not in p)
             elif retry(partial(fs.exists, path), f"checking {shown}"):
                 base, matches = posixpath.dirname(path), [path]
             elif allow_empty:
@@ -141,7 +150,8 @@ def discover_shards(paths: tuple[str, ...] | list[str], storage_options: dict,
         url = _full_url(fs, p)
         if _is_http(fs):  # a presigned URL's query (its signature) never names anything
             rel = rel.split("#", 1)[0].split("?", 1)[0]
-        name = shard_name(rel)
+        file = file_format(rel, input_format, url)
+        name = shard_name(rel, file)
         if name in shards:
             if shards[name].url == url:
                 continue  # the same file matched by two patterns is one shard
@@ -151,7 +161,8 @@ def discover_shards(paths: tuple[str, ...] | list[str], storage_options: dict,
                             "under one pattern whose base keeps their directories apart (e.g. "
                             "data/*/*.parquet rather than data/a/*.parquet and data/b/*.parquet)")
         info = retry(partial(fs.info, p), f"reading the size of {sanitize_url(url)}")
-        shards[name] = Shard(url=url, path=p, name=name, fs=fs, fingerprint=fingerprint(info))
+        shards[name] = Shard(url=url, path=p, name=name, fs=fs, fingerprint=fingerprint(info),
+                             format=file)
     return sorted(shards.values(), key=lambda s: s.name)
 
 
@@ -164,12 +175,11 @@ def _is_http(fs) -> bool:
 
 
 
-def shard_name(rel: str) -> str:
-    """A shard's output name: its path relative to the input base, without ``.parquet``.
-    Subdirectories are kept (``day=1/part-0``), so no two input files can share a name."""
-    if rel.endswith(OUTPUT_SUFFIX):
-        rel = rel[: -len(OUTPUT_SUFFIX)]
-    return rel
+def shard_name(rel: str, file: FileFormat = PARQUET_FILE) -> str:
+    """A shard's output name: its path relative to the input base, without its format's
+    extensions (``.parquet``, ``.jsonl.gz``, ...). Subdirectories are kept (``day=1/part-0``),
+    so no two input files can share a name."""
+    return output_stem(rel, file)
 
 
 

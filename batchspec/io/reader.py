@@ -1,6 +1,9 @@
 """Turn input rows into engine requests, and spot bad rows before they reach the engine.
 
-A shard is read in record batches (never whole). Its schema is checked first: a missing or
+:func:`open_reader` gives a shard's reader by its format: :class:`ShardReader` for Parquet (here),
+:class:`~batchspec.io.jsonl.JsonLinesReader` for JSON lines,
+:class:`~batchspec.io.openai_batch.OpenAIBatchReader` for OpenAI Batch request files. A Parquet
+shard is read in record batches (never whole). Its schema is checked first: a missing or
 mistyped column is an :class:`~batchspec.errors.InputDataError` naming shard and column. A bad
 *row* (null or blank prompt, malformed messages) is not an error of the job: it becomes a
 :class:`Row` with ``error`` set, and is written with ``finish_reason = error``."""
@@ -8,7 +11,6 @@ mistyped column is an :class:`~batchspec.errors.InputDataError` naming shard and
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import pyarrow as pa
@@ -16,30 +18,14 @@ import pyarrow.parquet as pq
 
 from batchspec.columns import OUTPUT_NAMES
 from batchspec.errors import InputDataError, SpecError
+from batchspec.io.formats import JSONL, OPENAI
+from batchspec.io.jsonl import JsonLinesReader
 from batchspec.io.listing import Shard
+from batchspec.io.openai_batch import OpenAIBatchReader
 from batchspec.io.paths import is_local_fs
 from batchspec.io.retry import Attempts, is_transient, retry
-from batchspec.spec.model import InputSpec, OutputSpec
-
-
-@dataclass
-class Row:
-    """One input row on its way to the engine."""
-
-    shard: str
-    index: int
-    request_id: str
-    kept: dict[str, Any]
-    prompt: str | None = None
-    messages: list[dict[str, str]] | None = None
-    #: Per-row SamplingParams overrides (only the non-null ones).
-    overrides: dict[str, Any] = field(default_factory=dict)
-    #: The LoRA adapter the row's ``input.lora_column`` names (None: the job's choice).
-    lora: str | None = None
-    #: Set when the row cannot be sent to the engine; it is written as an error row.
-    error: str | None = None
-
-
+from batchspec.io.rows import Row, check_messages
+from batchspec.spec.model import InputSpec, JobSpec, OutputSpec
 
 
 def _is_text(t: pa.DataType) -> bool:
@@ -230,24 +216,6 @@ class ShardReader:
 
 
 
-def check_messages(messages: Any) -> str | None:
-    """Why a chat messages value cannot be rendered, or None if it can."""
-    if messages is None:
-        return "null messages"
-    if not messages:
-        return "empty messages"
-    for i, message in enumerate(messages):
-        if not message or not isinstance(message.get("role"), str) or not message["role"]:
-            return f"message {i} has no role"
-        if not isinstance(message.get("content"), str):
-            return f"message {i} has no text content"
-    if not any(m["content"].strip() for m in messages):
-        return "empty messages"
-    return None
-
-
-
-
 def prompt_token_ids(tokenizer, row: Row) -> list[int]:
     """Tokenize a text prompt, or render chat messages with the tokenizer's chat template."""
     if row.messages is not None:
@@ -273,6 +241,18 @@ def length_error(num_prompt_tokens: int, max_model_len: int) -> str | None:
 
 
 
+def open_reader(shard: Shard, spec: JobSpec) -> ShardReader | JsonLinesReader:
+    """The reader of ``shard``'s format (:mod:`batchspec.io.formats`), its columns checked."""
+    batch_rows = spec.execution.read_batch_rows
+    if shard.format.name == OPENAI:
+        return OpenAIBatchReader(shard, spec, batch_rows)
+    if shard.format.name == JSONL:
+        return JsonLinesReader(shard, spec.input, spec.output, batch_rows)
+    return ShardReader(shard, spec.input, spec.output, batch_rows)
+
+
+
+
 def sample_rows(spec, n: int, seed: int) -> tuple[list[Row], int]:
     """A seeded uniform sample of ``n`` sendable rows over every input shard of ``spec`` (a
     JobSpec), in a seeded random order: reservoir sampling, one pass, ``n`` rows in memory.
@@ -286,11 +266,12 @@ def sample_rows(spec, n: int, seed: int) -> tuple[list[Row], int]:
 
     rng = random.Random(seed)
     shards = discover_shards(spec.input.paths, spec.input.storage_options,
-                             exclude=spec.output.path, allow_empty=spec.input.allow_empty)
+                             exclude=spec.output.path, allow_empty=spec.input.allow_empty,
+                             input_format=spec.input.format)
     chosen: list[Row] = []
     seen = 0
     for shard in shards:
-        reader = ShardReader(shard, spec.input, spec.output, spec.execution.read_batch_rows)
+        reader = open_reader(shard, spec)
         try:
             for row in reader.rows():
                 if row.error is not None:

@@ -25,10 +25,11 @@ from dataclasses import dataclass, field
 
 import batchspec
 from batchspec.errors import InputDataError, SpecError
+from batchspec.io.jsonl import JsonLinesReader
 from batchspec.io.listing import Shard, assign, check_worker, discover_shards
 from batchspec.io.locations import check_no_overlap, same_store
 from batchspec.io.output_dir import OutputDir
-from batchspec.io.reader import Row, ShardReader
+from batchspec.io.reader import Row, ShardReader, open_reader
 from batchspec.io.writer import ShardWriter
 from batchspec.leases.shard_leases import holder_text
 from batchspec.redact import sanitize_url
@@ -67,7 +68,7 @@ def plan(spec: JobSpec, worker_index: int = 0, num_workers: int = 1,
     out = out or OutputDir(spec.output.path, spec.output.storage_options)
     exclude = out.path if same_store(spec.input.paths, spec.input.storage_options, out) else None
     every = discover_shards(spec.input.paths, spec.input.storage_options, exclude=exclude,
-                            allow_empty=spec.input.allow_empty)
+                            allow_empty=spec.input.allow_empty, input_format=spec.input.format)
     shards = assign(every, worker_index, num_workers)
     fp = spec_fingerprint(spec)
     states: dict[str, str] = {}
@@ -112,7 +113,7 @@ def check_inputs(spec: JobSpec, todo: list[Shard],
     row_counts: dict[str, int] = {}
     for s in todo:
         try:
-            reader = ShardReader(s, spec.input, spec.output, spec.execution.read_batch_rows)
+            reader = open_reader(s, spec)
         except InputDataError as exc:
             bad_shard(s, exc)
             continue
@@ -154,7 +155,7 @@ class ShardRun:
     """One shard on its way through the stages."""
 
     shard: Shard
-    reader: ShardReader | None = None
+    reader: ShardReader | JsonLinesReader | None = None
     writer: ShardWriter | None = None
     state: ShardState = ShardState.PENDING
     rows_read: int = 0
@@ -265,7 +266,7 @@ class ShardPipeline:
     def open_shard(self, run: ShardRun) -> None:
         """Open the shard's reader and its output's temporary file."""
         spec, name = self.spec, run.shard.name
-        run.reader = ShardReader(run.shard, spec.input, spec.output, spec.execution.read_batch_rows)
+        run.reader = open_reader(run.shard, spec)
         run.writer = ShardWriter(self.out, run.shard, run.reader.kept_fields,
                                  {**self.metadata_base, "shard": name,
                                   "input": sanitize_url(run.shard.url),
@@ -273,7 +274,8 @@ class ShardPipeline:
                                  spec.output.row_group_rows, spec.output.compression)
         run.started = time.monotonic()
         self.events.emit("shard_started", f"shard {name} started", shard=name,
-                         rows=run.reader.num_rows)
+                         rows=self.row_counts[name] if name in self.row_counts
+                         else run.reader.num_rows)  # a JSON-lines shard's is counted once
 
     def read_prompts(self, runs: list[ShardRun], seen: SeenIds) -> Iterator[Row]:
         """Every claimed shard's rows, one shard after another, for the engine's stream."""

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from batchspec.columns import error_reason
 from batchspec.engine.checks import max_model_len
 from batchspec.errors import InputDataError
-from batchspec.io.reader import ShardReader, length_error, prompt_token_ids
+from batchspec.io.reader import length_error, open_reader, prompt_token_ids
 from batchspec.run.stages import plan
 from batchspec.spec.model import JobSpec
 
@@ -80,7 +80,7 @@ def validate_job(spec: JobSpec, worker_index: int = 0, num_workers: int = 1) -> 
         check = ShardCheck(shard.name, shard.url, states[shard.name])
         report.shards.append(check)
         try:
-            reader = ShardReader(shard, spec.input, spec.output, spec.execution.read_batch_rows)
+            reader = open_reader(shard, spec)
         except InputDataError as exc:
             check.problem = str(exc)
             report.exit_code = 3

@@ -11,6 +11,7 @@ from batchspec.errors import SpecError
 from batchspec.spec.model import (
     DEFAULT_JOB_NAME,
     EXECUTOR_KINDS,
+    INPUT_FORMATS,
     ROW_OVERRIDABLE,
     ExecutionSpec,
     ExecutorSpec,
@@ -86,7 +87,18 @@ def _input_spec(raw: dict) -> InputSpec:
         raise SpecError("input.path", "expected a non-empty URL or glob, or a list of them")
     prompt_column = inp.get("prompt_column", str)
     messages_column = inp.get("messages_column", str)
-    if bool(prompt_column) == bool(messages_column):
+    input_format = inp.get("format", str)
+    if input_format is not None and input_format not in INPUT_FORMATS:
+        raise SpecError("input.format", f"expected one of {', '.join(INPUT_FORMATS)} (or no key: "
+                                        f"each file's extension says), got {input_format!r}")
+    if input_format == "openai":
+        for key in ("prompt_column", "messages_column", "id_column", "lora_column",
+                    "sampling_columns"):
+            if inp.get(key, (str, dict)):
+                raise SpecError(f"input.{key}", "an OpenAI batch file's lines give their own "
+                                                "prompt or messages, custom_id, model and "
+                                                "sampling; leave this key out")
+    elif bool(prompt_column) == bool(messages_column):
         raise SpecError("input.prompt_column",
                         "give exactly one of input.prompt_column (text) and "
                         "input.messages_column (chat messages)")
@@ -104,6 +116,7 @@ def _input_spec(raw: dict) -> InputSpec:
     allow_empty = inp.get("allow_empty", bool)
     return InputSpec(
         paths=tuple(paths),
+        format=input_format,
         prompt_column=prompt_column,
         messages_column=messages_column,
         id_column=inp.get("id_column", str),

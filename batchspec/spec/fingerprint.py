@@ -30,7 +30,8 @@ Components (each a 16-hex-digit prefix of the SHA-256 of a canonical JSON):
   override_generation_config, ...
 - ``sampling``: the SamplingParams arguments.
 - ``columns``: ``input.prompt_column``, ``messages_column``, ``id_column``,
-  ``sampling_columns``, ``lora_column`` (where set) and ``output.keep_columns``.
+  ``sampling_columns``, ``lora_column`` (where set), ``output.keep_columns`` and ``input.format``
+  where it is ``openai`` (its lines name their own prompt, id and sampling).
 
 Secrets never enter a component: storage options are not components, and the engine arguments
 are hashed from :func:`batchspec.redact.public_spec`'s view.
@@ -183,6 +184,8 @@ def spec_fingerprint(spec: JobSpec) -> dict[str, str]:
     }
     if spec.input.lora_column:  # only when set: outputs of jobs without LoRA keep their hashes
         components["columns"]["lora_column"] = spec.input.lora_column
+    if spec.input.format == "openai":  # each line names its prompt, id and sampling itself
+        components["columns"]["format"] = spec.input.format
     return {name: _digest(value) for name, value in components.items()}
 
 

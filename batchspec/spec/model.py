@@ -9,6 +9,10 @@ from typing import Any
 from batchspec.redact import public_spec
 from batchspec.redact import secret_values as _secret_values
 
+#: Input file formats (``input.format``): see batchspec/io/formats.py; ``openai``: OpenAI Batch
+#: request files (batchspec/io/openai_batch.py).
+INPUT_FORMATS = ("parquet", "jsonl", "openai")
+
 #: SamplingParams fields a row may override from its own column (``input.sampling_columns``).
 ROW_OVERRIDABLE = (
     "max_tokens",
@@ -40,6 +44,10 @@ class InputSpec:
 
     #: fsspec URLs of the input shards: paths or globs (local, s3://, gs://, az://, memory://).
     paths: tuple[str, ...]
+    #: ``parquet``, ``jsonl`` (JSON lines, plain or .gz/.zst) or ``openai`` (OpenAI Batch request
+    #: files, whose lines name their prompt, id and sampling); None: each file's extension says
+    #: (``.parquet``, ``.jsonl``, ``.ndjson``, compressed or not).
+    format: str | None = None
     #: Column holding the text prompt (exclusive with ``messages_column``).
     prompt_column: str | None = None
     #: Column holding chat messages (list of {role, content}), rendered by the chat template.

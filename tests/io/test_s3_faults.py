@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import io
+import json
 import logging
 import os
 import re
@@ -206,6 +207,49 @@ def test_a_read_error_mid_shard_resumes_after_the_last_row_yielded(
     check_exactly_once(fs, out_bucket, inputs)
     assert proxy.counts[kind] == proxy.max_faults, proxy.counts
     assert retries_logged(caplog, "reading row group") >= 1, [r.getMessage() for r in caplog.records]
+
+
+@pytest.mark.parametrize("kind", ["drop_mid_body", "error_500"])
+def test_a_read_error_mid_jsonl_shard_resumes_after_the_last_line_yielded(
+        buckets, proxy, fast_retries, monkeypatch, caplog, kind):
+    """The same for JSON lines (zstd): while part-1.jsonl.zst streams, three GETs of it in a row
+    fail; the reader re-opens it and resumes after the last line it yielded: every line once."""
+    import s3fs
+
+    monkeypatch.setattr(s3fs.S3FileSystem, "retries", 1)
+    monkeypatch.setattr(storage, "ATTEMPTS", 10)
+    fs, options, in_bucket, out_bucket = buckets
+    inputs = {}
+    for i in range(2):
+        table = pa.table({"id": [f"s{i}-{j:03d}" for j in range(40)],
+                          "prompt": [f"prompt {i} {j}" for j in range(40)],
+                          "blob": [os.urandom(3000).hex() for _ in range(40)]})
+        sink = pa.BufferOutputStream()
+        with pa.CompressedOutputStream(sink, "zstd") as out:
+            out.write("".join(json.dumps(r) + "\n" for r in table.to_pylist()).encode())
+        fs.pipe(f"{in_bucket}/day=1/part-{i}.jsonl.zst", sink.getvalue().to_pybytes())
+        inputs[f"part-{i}"] = table
+    through_proxy = {**proxy.storage_options(options), **NO_SDK_RETRIES}
+    raw = job_raw(in_bucket, out_bucket, {**through_proxy, "default_block_size": 65536},
+                  through_proxy)
+    raw["input"]["path"] = f"s3://{in_bucket}/day=1/*.jsonl.zst"
+    spec = build_spec(raw)
+    proxy.max_faults = 3
+
+    def fault_part_1(event: str, fields: dict) -> None:
+        if event == "shard_started" and fields.get("shard") == "part-1":
+            proxy.faults_on(only=lambda method, path: method == "GET" and
+                            path.startswith(f"/{in_bucket}/") and "part-1.jsonl.zst" in path,
+                            **{kind: 1.0})
+
+    with caplog.at_level(logging.WARNING, logger="batchspec"):
+        result = run(spec, on_event=fault_part_1)
+
+    assert result.summary["status"] == "ok"
+    check_exactly_once(fs, out_bucket, inputs)
+    assert proxy.counts[kind] == proxy.max_faults, proxy.counts
+    assert retries_logged(caplog, "part-1.jsonl.zst (after line") >= 1, \
+        [r.getMessage() for r in caplog.records]
 
 
 def test_corrupt_data_on_a_store_exits_3_at_once_without_retries(

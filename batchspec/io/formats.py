@@ -1,0 +1,95 @@
+"""Input file formats: which one a shard is, and the name its output takes.
+
+``input.format`` says it for every shard of a job; without it each file's extension does, where
+that is unambiguous: ``.parquet`` (and ``.pq``) is Parquet, ``.jsonl`` and ``.ndjson`` are JSON
+lines, either compressed (``.gz``, ``.zst``). A ``.json`` file may be one JSON document rather
+than lines of them, and any other name says nothing: such a job must set ``input.format``. An
+OpenAI Batch request file is JSON lines too, so ``openai`` is only ever declared."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from batchspec.errors import SpecError
+from batchspec.redact import sanitize_url
+from batchspec.spec.model import INPUT_FORMATS
+
+#: What ``input.format`` accepts.
+FORMATS = INPUT_FORMATS
+PARQUET, JSONL, OPENAI = FORMATS
+#: The formats read as lines of JSON (compressed or not).
+LINE_FORMATS = (JSONL, OPENAI)
+
+#: Extensions that name a format by themselves.
+_FORMAT_SUFFIXES = {".parquet": PARQUET, ".pq": PARQUET, ".jsonl": JSONL, ".ndjson": JSONL}
+#: Extensions a shard may carry whatever its format says (``part-0.json`` with ``format: jsonl``).
+_OTHER_SUFFIXES = (".json",)
+#: Compression by extension, for JSON lines (Parquet compresses inside the file).
+COMPRESSIONS = {".gz": "gzip", ".zst": "zstd", ".zstd": "zstd"}
+
+
+@dataclass(frozen=True)
+class FileFormat:
+    """How one input file is read."""
+
+    #: ``parquet`` or ``jsonl``.
+    name: str
+    #: ``gzip``, ``zstd`` or None (JSON lines only).
+    compression: str | None = None
+
+
+def _split(name: str) -> tuple[str, str | None, str | None]:
+    """``(stem, format suffix, compression)`` of a file name: ``a.jsonl.gz`` is
+    ``("a", ".jsonl", "gzip")``."""
+    stem, compression = name, None
+    for suffix, codec in COMPRESSIONS.items():
+        if stem.lower().endswith(suffix):
+            stem, compression = stem[: -len(suffix)], codec
+            break
+    for suffix in (*_FORMAT_SUFFIXES, *_OTHER_SUFFIXES):
+        if stem.lower().endswith(suffix):
+            return stem[: -len(suffix)], suffix, compression
+    return stem, None, compression
+
+
+def file_format(path: str, declared: str | None, url: str | None = None) -> FileFormat:
+    """The format of the input file at ``path`` (a path without a URL's query): ``declared``
+    (``input.format``) if set, else its extension's. A SpecError naming ``input.format`` (and
+    ``url``, the file as the job names it, without credentials) where neither says."""
+    _, suffix, compression = _split(path.rsplit("/", 1)[-1])
+    path = url or path
+    name = declared or _FORMAT_SUFFIXES.get(suffix or "")
+    if name is None:
+        raise SpecError("input.format",
+                        f"cannot tell the format of {sanitize_url(path)} from its name; set "
+                        f"input.format to one of: {', '.join(FORMATS)}")
+    if name == PARQUET and compression is not None:
+        raise SpecError("input.format",
+                        f"{sanitize_url(path)} is compressed as a whole ({compression}); Parquet "
+                        "files are read as they are (they compress their own columns)")
+    return FileFormat(name, compression if name in LINE_FORMATS else None)
+
+
+def output_stem(rel: str, file: FileFormat) -> str:
+    """A shard's output stem: its relative path without its format's extensions. Parquet drops
+    ``.parquet`` only (as before JSON lines existed: older outputs keep their names); JSON lines
+    drop the compression's and the format's (``day=1/part-0.jsonl.gz`` -> ``day=1/part-0``)."""
+    if file.name == PARQUET:
+        return rel[: -len(".parquet")] if rel.endswith(".parquet") else rel
+    head, _, name = rel.rpartition("/")
+    stem, suffix, _ = _split(name)
+    if suffix is None or suffix in (".parquet", ".pq"):
+        return rel
+    return f"{head}/{stem}" if head else stem
+
+
+def is_input_file(path: str, declared: str | None) -> bool:
+    """Whether a file found under an input *directory* is a shard: one whose extension names
+    the declared format (any known format without one)."""
+    _, suffix, compression = _split(path.rsplit("/", 1)[-1])
+    named = _FORMAT_SUFFIXES.get(suffix or "")
+    if declared in LINE_FORMATS and suffix in _OTHER_SUFFIXES:
+        return True
+    if named is None or (named == PARQUET and compression is not None):
+        return False
+    return declared is None or named == declared or (declared == OPENAI and named == JSONL)

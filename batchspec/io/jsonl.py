@@ -1,0 +1,280 @@
+"""Read a JSON-lines shard: one JSON object a line, plain or compressed (gzip, zstd), streamed.
+
+The same column options as Parquet read a record's keys: ``input.prompt_column`` or
+``messages_column``, ``id_column``, ``lora_column``, ``sampling_columns``. The file is read a
+chunk at a time, never whole; the first ``batch_rows`` records settle which keys are columns and
+their types (the kept columns' Parquet types, as pyarrow infers them), as pyarrow's and polars'
+JSON readers do.
+
+A bad *line* is a bad row, written with ``finish_reason = error`` and a message naming the line:
+not JSON, not an object, no prompt, a value of another type than the first lines gave its column.
+A bad *file* (it does not decompress, a prompt key no line of its first records has) is an
+:class:`~batchspec.errors.InputDataError` naming the shard, found before any model loads: the
+check stage counts each shard's records in one streamed pass, which also reads it whole.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import pyarrow as pa
+
+from batchspec.columns import OUTPUT_NAMES
+from batchspec.errors import InputDataError, SpecError
+from batchspec.io.listing import Shard
+from batchspec.io.paths import is_local_fs
+from batchspec.io.retry import Attempts, is_transient, retry
+from batchspec.io.rows import Row, check_messages
+from batchspec.spec.model import InputSpec, OutputSpec
+
+#: Bytes read from the store at a time.
+CHUNK_BYTES = 1 << 20
+
+_MISSING = object()
+
+
+def _lines(stream) -> Iterator[bytes]:
+    """The lines of a binary stream without their line ends, a chunk in memory at a time."""
+    rest = b""
+    while True:
+        chunk = stream.read(CHUNK_BYTES)
+        if not chunk:
+            break
+        lines = (rest + chunk).split(b"\n")
+        rest = lines.pop()
+        yield from lines
+    if rest:
+        yield rest
+
+
+class JsonLinesReader:
+    """Reads one JSON-lines shard's records in order (the interface of
+    :class:`~batchspec.io.reader.ShardReader`)."""
+
+    def __init__(self, shard: Shard, input_spec: InputSpec, output_spec: OutputSpec,
+                 batch_rows: int = 1024):
+        self.shard = shard
+        self.spec = input_spec
+        self.batch_rows = batch_rows
+        self._local = is_local_fs(shard.fs)
+        self._handles: list[Any] = []
+        self._num_rows: int | None = None
+        head = self._head() if self._local else retry(self._head, f"reading {shard.url}")
+        self.kept_fields = self._columns(head, output_spec)
+        self._types = {f.name: f.type for f in self.kept_fields}
+
+    # ------------------------------------------------------------------ reading
+
+    def _head(self) -> list[tuple[int, Any]]:
+        """The first ``batch_rows`` records, which settle the columns."""
+        head = []
+        try:
+            for number, record in self._records():
+                head.append((number, record))
+                if len(head) >= self.batch_rows:
+                    break
+        finally:
+            self.close()
+        return head
+
+    def _open(self):
+        """The file as a binary stream, decompressed (retrying transient storage errors)."""
+        shard = self.shard
+        self.close()
+
+        def open_file():
+            return shard.fs.open(shard.path, "rb")
+
+        try:
+            handle = open_file() if self._local else retry(open_file, f"opening {shard.url}")
+        except FileNotFoundError as exc:
+            raise InputDataError(shard.url, "input shard disappeared") from exc
+        self._handles.append(handle)
+        if shard.format.compression is None:
+            return handle
+        stream = pa.CompressedInputStream(pa.PythonFile(handle, mode="r"),
+                                          shard.format.compression)
+        self._handles.append(stream)
+        return stream
+
+    def _records(self, skip: int = 0) -> Iterator[tuple[int, Any]]:
+        """``(line number, parsed value or _BadLine)`` for each non-blank line after the first
+        ``skip`` lines."""
+        number = 0
+        try:
+            for raw in _lines(self._open()):
+                number += 1
+                if number <= skip:
+                    continue
+                if not raw.strip():
+                    continue
+                try:
+                    yield number, json.loads(raw.decode("utf-8"))
+                except UnicodeDecodeError:
+                    yield number, _BadLine(f"not UTF-8: line {number}")
+                except ValueError as exc:
+                    yield number, _BadLine(f"not JSON: line {number} ({exc})")
+        except (pa.ArrowException, OSError, EOFError) as exc:
+            if not self._local and is_transient(exc):
+                raise
+            raise InputDataError(self.shard.url, f"cannot read line {number + 1}: {exc}") from exc
+
+    @property
+    def num_rows(self) -> int:
+        """The shard's records (its non-blank lines): the whole file is read once to count them
+        (again from the start after a transient storage error)."""
+        if self._num_rows is None:
+            def count() -> int:
+                try:
+                    return sum(1 for raw in _lines(self._open()) if raw.strip())
+                except (pa.ArrowException, OSError, EOFError) as exc:
+                    if not self._local and is_transient(exc):
+                        raise
+                    raise InputDataError(self.shard.url, f"cannot read the file: {exc}") from exc
+                finally:
+                    self.close()
+
+            self._num_rows = count() if self._local else retry(
+                count, f"counting the lines of {self.shard.url}")
+        return self._num_rows
+
+    def rows(self) -> Iterator[Row]:
+        """Yield the shard's rows in order. A transient storage error re-opens the file and
+        resumes after the last line yielded, under the storage retry policy."""
+        index, done_lines = 0, 0
+        attempts, done_at_failure = None, -1
+        while True:
+            try:
+                for number, record in self._records(skip=done_lines):
+                    yield self._row(index, number, record)
+                    index += 1
+                    done_lines = number
+                return
+            except Exception as exc:
+                if self._local or not is_transient(exc):
+                    raise
+                if done_lines != done_at_failure:
+                    attempts = Attempts(f"reading {self.shard.url}")
+                    done_at_failure = done_lines
+                attempts.what = f"reading {self.shard.url} (after line {done_lines})"
+                attempts.failed(exc)  # waits, or raises RuntimeFailure once they are spent
+            finally:
+                self.close()
+
+    # ------------------------------------------------------------------ columns and rows
+
+    def _columns(self, head: list[tuple[int, Any]], output_spec: OutputSpec) -> list[pa.Field]:
+        """The kept columns and their types, from the first records; the prompt key must be in
+        at least one of them (else the file is not what the job reads)."""
+        spec, url = self.spec, self.shard.url
+        records = [r for _, r in head if isinstance(r, dict)]
+        keys = list(dict.fromkeys(k for r in records for k in r))
+        if records and spec.text_column not in keys:
+            role = "prompt" if spec.prompt_column else "messages"
+            raise InputDataError(url, f"no {role} key {spec.text_column!r} in the first "
+                                      f"{len(records)} records (keys: {', '.join(keys)})",
+                                 column=spec.text_column)
+        if output_spec.keep_columns is None:
+            names = [k for k in keys if k != spec.text_column and k not in OUTPUT_NAMES]
+        else:
+            for column in output_spec.keep_columns:
+                if column in OUTPUT_NAMES:
+                    raise SpecError("output.keep_columns",
+                                    f"{column!r} clashes with an output column of the same name")
+            names = list(output_spec.keep_columns)
+        fields = []
+        for name in names:
+            values = [r.get(name) for r in records]
+            try:
+                inferred = pa.array(values).type
+            except (pa.ArrowException, ValueError, TypeError, OverflowError) as exc:
+                raise InputDataError(url, f"key {name!r} has values of several types in the first "
+                                          f"{len(records)} records ({exc})", column=name) from exc
+            # a key with no value in the first records: its values are kept as text
+            fields.append(pa.field(name, pa.string() if pa.types.is_null(inferred) else inferred))
+        return fields
+
+    def _kept(self, record: dict, number: int) -> tuple[dict[str, Any], str | None]:
+        kept, error = {}, None
+        for name, dtype in self._types.items():
+            value = record.get(name)
+            if value is None:
+                kept[name] = None
+                continue
+            if pa.types.is_string(dtype) and not isinstance(value, str):
+                value = json.dumps(value)
+            try:
+                pa.scalar(value, type=dtype)
+            except (pa.ArrowException, ValueError, TypeError, OverflowError):
+                error = error or (f"kept key of another type: line {number}, {name!r} is a "
+                                  f"{type(value).__name__} where the first records have {dtype}")
+                value = None
+            kept[name] = value
+        return kept, error
+
+    def _row(self, index: int, number: int, record: Any) -> Row:
+        spec, name = self.spec, self.shard.name
+        if isinstance(record, _BadLine) or not isinstance(record, dict):
+            row = Row(shard=name, index=index, request_id=f"{name}/{index}",
+                      kept=dict.fromkeys(self._types))
+            row.error = (record.why if isinstance(record, _BadLine) else
+                         f"not an object: line {number} is a JSON {type(record).__name__}")
+            return row
+        request_id = record.get(spec.id_column) if spec.id_column else None
+        kept, kept_error = self._kept(record, number)
+        row = Row(shard=name, index=index,
+                  request_id=str(request_id) if request_id is not None else f"{name}/{index}",
+                  kept=kept)
+        errors: list[str | None] = []
+        if spec.id_column and request_id is None:
+            errors.append(f"null id: line {number}, key {spec.id_column!r}")
+        text = record.get(spec.text_column, _MISSING)
+        if text is _MISSING:
+            errors.append(f"no {'prompt' if spec.prompt_column else 'messages'} key: line "
+                          f"{number} has no {spec.text_column!r}")
+        elif spec.prompt_column:
+            row.prompt = text if isinstance(text, str) else None
+            if text is None:
+                errors.append(f"null prompt: line {number}")
+            elif not isinstance(text, str):
+                errors.append(f"prompt is no text: line {number} has a JSON {type(text).__name__}")
+            elif not text.strip():
+                errors.append(f"empty prompt: line {number}")
+        else:
+            if text is not None and not (isinstance(text, list)
+                                         and all(isinstance(m, dict) for m in text)):
+                errors.append(f"bad messages: line {number} has no list of {{role, content}} "
+                              "objects")
+            else:
+                row.messages = text
+                problem = check_messages(text)
+                errors.append(problem and f"{problem}: line {number}")
+        for param, column in spec.sampling_columns.items():
+            value = record.get(column)
+            if value is not None:
+                row.overrides[param] = value
+        if spec.lora_column:
+            lora = record.get(spec.lora_column)
+            if lora is not None and not isinstance(lora, str):
+                errors.append(f"adapter name is no text: line {number}, {spec.lora_column!r} is "
+                              f"a JSON {type(lora).__name__}")
+            else:
+                row.lora = lora
+        row.error = next((e for e in (*errors, kept_error) if e), None)
+        return row
+
+    def close(self) -> None:
+        while self._handles:
+            try:
+                self._handles.pop().close()
+            except Exception:
+                pass
+
+
+class _BadLine:
+    """A line that is no JSON value."""
+
+    def __init__(self, why: str):
+        self.why = why

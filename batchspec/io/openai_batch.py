@@ -1,0 +1,203 @@
+"""OpenAI Batch request files as input (``input.format: openai``).
+
+Each line is one request as OpenAI's Batch API takes it::
+
+    {"custom_id": "r1", "method": "POST", "url": "/v1/chat/completions",
+     "body": {"model": "NAME", "messages": [...], "max_tokens": 64, ...}}
+
+``/v1/chat/completions`` renders ``body.messages`` with the target's chat template;
+``/v1/completions`` sends ``body.prompt`` as text. ``custom_id`` is the row's request id.
+``body.model`` must be a name the job serves (:func:`served_names`): the target, or
+``model.engine.served_model_name``, or a LoRA adapter's name in ``model.lora.adapters`` (the
+line then runs with that adapter); any other name is an error line, never a silent substitution.
+The body's sampling fields become the row's SamplingParams overrides (:data:`CHAT_FIELDS`,
+:data:`COMPLETION_FIELDS`); a field the line leaves out takes the job's ``sampling`` value.
+
+Every problem of a line is an error row naming the line and the field: not JSON, no
+``custom_id``, a ``custom_id`` an earlier line of the file has, a method other than POST, a URL
+batchspec does not run (``/v1/embeddings``), an unknown or unsupported body field, a value of the
+wrong type. The rest of the file runs. The output keeps ``url`` and ``model`` of each line.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import pyarrow as pa
+
+from batchspec.io.jsonl import JsonLinesReader, _BadLine
+from batchspec.io.listing import Shard
+from batchspec.io.rows import Row, check_messages
+from batchspec.spec.model import JobSpec
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+
+#: Body fields of both endpoints that map to a SamplingParams field of the same meaning.
+_SAMPLING = {"max_tokens": "max_tokens", "temperature": "temperature", "top_p": "top_p",
+             "n": "n", "stop": "stop", "seed": "seed", "presence_penalty": "presence_penalty",
+             "frequency_penalty": "frequency_penalty"}
+#: Chat body fields batchspec runs (beside ``model`` and ``messages``).
+CHAT_FIELDS = (*_SAMPLING, "max_completion_tokens", "logprobs", "top_logprobs", "response_format")
+#: Completions body fields batchspec runs (beside ``model`` and ``prompt``).
+COMPLETION_FIELDS = (*_SAMPLING, "logprobs")
+#: Body fields that change nothing batchspec generates: accepted and left alone.
+_NO_EFFECT = ("user", "metadata", "store")
+
+#: The columns kept from each line.
+KEPT = [pa.field("url", pa.string()), pa.field("model", pa.string())]
+
+
+def served_names(spec: JobSpec) -> dict[str, str | None]:
+    """``body.model`` values a job answers: name -> the LoRA adapter the line runs with (None:
+    the job's model, with ``model.lora.adapter`` where that is set)."""
+    served = spec.model.engine.get("served_model_name") or spec.model.target
+    names: dict[str, str | None] = dict.fromkeys(
+        [served] if isinstance(served, str) else list(served))
+    if spec.model.lora is not None:
+        names.update({name: name for name in spec.model.lora.adapters})
+    return names
+
+
+class _LineError(Exception):
+    """What is wrong with one line (its message names the line)."""
+
+
+class OpenAIBatchReader(JsonLinesReader):
+    """Reads an OpenAI Batch request file's lines as rows (the interface of
+    :class:`~batchspec.io.reader.ShardReader`)."""
+
+    def __init__(self, shard: Shard, spec: JobSpec, batch_rows: int = 1024):
+        self.served = served_names(spec)
+        self._first_line: dict[str, int] = {}  # custom_id -> the line that had it first
+        super().__init__(shard, spec.input, spec.output, batch_rows)
+
+    def _columns(self, head, output_spec) -> list[pa.Field]:
+        return list(KEPT)
+
+    def _row(self, index: int, number: int, record: Any) -> Row:
+        name = self.shard.name
+        row = Row(shard=name, index=index, request_id=f"{name}/{index}",
+                  kept={"url": None, "model": None})
+        if isinstance(record, _BadLine):
+            row.error = record.why
+            return row
+        try:
+            self._read_line(row, number, record)
+        except _LineError as exc:
+            row.error = str(exc)
+        return row
+
+    def _read_line(self, row: Row, number: int, record: Any) -> None:
+        if not isinstance(record, dict):
+            raise _LineError(f"not an object: line {number} is a JSON {type(record).__name__}")
+        custom_id = record.get("custom_id")
+        if not isinstance(custom_id, str) or not custom_id:
+            raise _LineError(f"no custom_id: line {number} has "
+                             f"{'none' if custom_id is None else repr(custom_id)}")
+        row.request_id = custom_id
+        first = self._first_line.setdefault(custom_id, number)
+        if first != number:
+            raise _LineError(f"duplicate custom_id: line {number} repeats {custom_id!r} of line "
+                             f"{first}")
+        unknown = sorted(set(record) - {"custom_id", "method", "url", "body"})
+        if unknown:
+            raise _LineError(f"unknown field: line {number}, {unknown[0]!r}")
+        if record.get("method") != "POST":
+            raise _LineError(f"unsupported method: line {number}, {record.get('method')!r} "
+                             "(POST only)")
+        url = record.get("url")
+        row.kept["url"] = url if isinstance(url, str) else None
+        if url not in (CHAT, COMPLETIONS):
+            raise _LineError(f"unsupported url: line {number}, {url!r} (batchspec runs {CHAT} "
+                             f"and {COMPLETIONS})")
+        body = record.get("body")
+        if not isinstance(body, dict):
+            raise _LineError(f"no body: line {number} has no JSON object in body")
+        model = body.get("model")
+        row.kept["model"] = model if isinstance(model, str) else None
+        if model not in self.served:
+            raise _LineError(f"unknown model: line {number}, body.model {model!r} is not one this "
+                             f"job serves ({', '.join(map(repr, self.served))})")
+        row.lora = self.served[model]
+        if url == CHAT:
+            row.messages = _messages(body.get("messages"), number)
+            fields = CHAT_FIELDS
+        else:
+            prompt = body.get("prompt")
+            if not isinstance(prompt, str):
+                raise _LineError(f"bad prompt: line {number}, body.prompt must be one string")
+            if not prompt.strip():
+                raise _LineError(f"empty prompt: line {number}")
+            row.prompt = prompt
+            fields = COMPLETION_FIELDS
+        for key, value in body.items():
+            if key in ("model", "messages", "prompt", *_NO_EFFECT) or value is None:
+                continue
+            if key == "stream" and value is False:
+                continue
+            if key not in fields:
+                raise _LineError(f"unsupported field: line {number}, body.{key} ({url} fields "
+                                 f"batchspec runs: {', '.join(fields)})")
+            _sampling(row.overrides, key, value, body, number, chat=url == CHAT)
+
+
+def _messages(messages: Any, number: int) -> list[dict[str, str]]:
+    """Chat messages with text content (OpenAI's text parts joined)."""
+    if not isinstance(messages, list) or not all(isinstance(m, Mapping) for m in messages):
+        raise _LineError(f"bad messages: line {number}, body.messages is not a list of objects")
+    out = []
+    for i, message in enumerate(messages):
+        content = message.get("content")
+        if isinstance(content, list):
+            if not all(isinstance(p, Mapping) and p.get("type") == "text"
+                       and isinstance(p.get("text"), str) for p in content):
+                raise _LineError(f"unsupported content: line {number}, body.messages[{i}] has a "
+                                 "part that is not text")
+            content = "".join(p["text"] for p in content)
+        out.append({"role": message.get("role"), "content": content})
+    problem = check_messages(out)
+    if problem:
+        raise _LineError(f"{problem}: line {number}")
+    return out
+
+
+def _sampling(overrides: dict[str, Any], key: str, value: Any, body: dict, number: int,
+              chat: bool) -> None:
+    """One body field as SamplingParams overrides (vLLM checks the values themselves)."""
+    where = f"line {number}, body.{key}"
+    if key in _SAMPLING:
+        overrides[_SAMPLING[key]] = value
+    elif key == "max_completion_tokens":
+        if "max_tokens" in body and body["max_tokens"] is not None:
+            raise _LineError(f"two limits: {where} and body.max_tokens are both set")
+        overrides["max_tokens"] = value
+    elif key == "logprobs" and chat:  # true/false; top_logprobs says how many
+        if not isinstance(value, bool):
+            raise _LineError(f"bad value: {where} must be true or false")
+        if value:
+            overrides["logprobs"] = body.get("top_logprobs") or 0
+    elif key == "logprobs":  # completions: how many
+        overrides["logprobs"] = value
+    elif key == "top_logprobs":
+        if not body.get("logprobs"):
+            raise _LineError(f"bad value: {where} needs body.logprobs true")
+    elif key == "response_format":
+        overrides.update(_response_format(value, where))
+
+
+def _response_format(value: Any, where: str) -> dict[str, Any]:
+    if not isinstance(value, Mapping) or value.get("type") not in ("text", "json_object",
+                                                                   "json_schema"):
+        raise _LineError(f"bad value: {where} must be an object whose type is text, json_object "
+                         "or json_schema")
+    if value["type"] == "text":
+        return {}
+    if value["type"] == "json_object":
+        return {"structured_outputs": {"json_object": True}}
+    schema = (value.get("json_schema") or {}).get("schema") if isinstance(
+        value.get("json_schema"), Mapping) else None
+    if not isinstance(schema, Mapping):
+        raise _LineError(f"bad value: {where}.json_schema.schema must be a JSON schema object")
+    return {"structured_outputs": {"json": dict(schema)}}

@@ -1,0 +1,40 @@
+"""One input row on its way to the engine, whichever format it was read from."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class Row:
+    """One input row on its way to the engine."""
+
+    shard: str
+    index: int
+    request_id: str
+    kept: dict[str, Any]
+    prompt: str | None = None
+    messages: list[dict[str, str]] | None = None
+    #: Per-row SamplingParams overrides (only the non-null ones).
+    overrides: dict[str, Any] = field(default_factory=dict)
+    #: The LoRA adapter the row's ``input.lora_column`` names (None: the job's choice).
+    lora: str | None = None
+    #: Set when the row cannot be sent to the engine; it is written as an error row.
+    error: str | None = None
+
+
+def check_messages(messages: Any) -> str | None:
+    """Why a chat messages value cannot be rendered, or None if it can."""
+    if messages is None:
+        return "null messages"
+    if not messages:
+        return "empty messages"
+    for i, message in enumerate(messages):
+        if not message or not isinstance(message.get("role"), str) or not message["role"]:
+            return f"message {i} has no role"
+        if not isinstance(message.get("content"), str):
+            return f"message {i} has no text content"
+    if not any(m["content"].strip() for m in messages):
+        return "empty messages"
+    return None

@@ -1,0 +1,244 @@
+"""JSON-lines input (batchspec/io/jsonl.py, batchspec/io/formats.py): formats from extensions or
+``input.format``, output names, records streamed plain, gzip and zstd, a bad line a bad row that
+names it, a bad file exit 3 before any engine; and a JSON-lines job on the real engine writing
+what the same prompts as Parquet write."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from helpers.jobs import DRAFT, ENGINE, MODELS, read_output
+
+from batchspec.errors import InputDataError, SpecError
+from batchspec.io.formats import FileFormat, file_format, is_input_file, output_stem
+from batchspec.io.jsonl import JsonLinesReader
+from batchspec.io.listing import discover_shards
+from batchspec.io.reader import ShardReader, open_reader
+from batchspec.spec.build import build_spec
+
+
+def _spec(path, batch_rows: int = 1024, **input_keys):
+    return build_spec({"input": {"path": str(path), "prompt_column": "prompt", **input_keys},
+                       "output": {"path": "unused-out"}, "model": {"target": "unused"},
+                       "execution": {"read_batch_rows": batch_rows}})
+
+
+def _write(path: Path, lines: list[str], compression: str | None = None) -> Path:
+    data = ("\n".join(lines) + "\n").encode()
+    if compression == "gzip":
+        data = gzip.compress(data)
+    elif compression == "zstd":
+        sink = pa.BufferOutputStream()
+        with pa.CompressedOutputStream(sink, "zstd") as out:
+            out.write(data)
+        data = sink.getvalue().to_pybytes()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
+    return path
+
+
+def _reader(path: Path, batch_rows: int = 1024, **input_keys) -> JsonLinesReader | ShardReader:
+    spec = _spec(path, batch_rows, **input_keys)
+    [shard] = discover_shards(spec.input.paths, {}, input_format=spec.input.format)
+    return open_reader(shard, spec)
+
+
+# ---------------------------------------------------------------------------- formats
+
+
+@pytest.mark.parametrize(("name", "declared", "expected"), [
+    ("a.parquet", None, FileFormat("parquet")),
+    ("a.jsonl", None, FileFormat("jsonl")),
+    ("a.ndjson", None, FileFormat("jsonl")),
+    ("a.JSONL.GZ", None, FileFormat("jsonl", "gzip")),
+    ("a.jsonl.zst", None, FileFormat("jsonl", "zstd")),
+    ("a.json", "jsonl", FileFormat("jsonl")),
+    ("a.json.gz", "jsonl", FileFormat("jsonl", "gzip")),
+    ("a.txt", "jsonl", FileFormat("jsonl")),
+    ("a.data", "parquet", FileFormat("parquet")),
+])
+def test_a_files_format_comes_from_input_format_or_its_extension(name, declared, expected):
+    assert file_format(f"s3://b/in/{name}", declared) == expected
+
+
+@pytest.mark.parametrize(("name", "declared"), [("a.json", None), ("a.txt", None), ("a", None),
+                                                ("a.parquet.gz", None), ("a.csv.gz", "parquet")])
+def test_a_format_no_name_tells_is_a_spec_error_naming_input_format(name, declared):
+    with pytest.raises(SpecError) as err:
+        file_format(f"s3://user:secret@b/in/{name}", declared)
+    assert err.value.key == "input.format" and err.value.exit_code == 2
+    assert "secret" not in str(err.value)
+
+
+def test_output_names_drop_the_formats_extensions_and_parquets_stay_as_they_were():
+    jsonl, gz, parquet = FileFormat("jsonl"), FileFormat("jsonl", "gzip"), FileFormat("parquet")
+    assert output_stem("day=1/part-0.jsonl.gz", gz) == "day=1/part-0"
+    assert output_stem("part-0.ndjson", jsonl) == "part-0"
+    assert output_stem("part-0.json", jsonl) == "part-0"
+    assert output_stem("part-0.txt", jsonl) == "part-0.txt"
+    assert output_stem("part-0.parquet", parquet) == "part-0"
+    assert output_stem("part-0.pq", parquet) == "part-0.pq"  # named as before JSON lines existed
+
+
+def test_a_directory_lists_the_files_of_its_format(tmp_path):
+    for name in ("a.parquet", "b.jsonl", "c.jsonl.gz", "d.json", "e.txt", "f.parquet.gz"):
+        (tmp_path / name).write_bytes(b"")
+    found = {p.name for p in tmp_path.iterdir() if is_input_file(str(p), None)}
+    assert found == {"a.parquet", "b.jsonl", "c.jsonl.gz"}
+    assert {p.name for p in tmp_path.iterdir() if is_input_file(str(p), "jsonl")} == \
+        {"b.jsonl", "c.jsonl.gz", "d.json"}
+    assert {p.name for p in tmp_path.iterdir() if is_input_file(str(p), "parquet")} == {"a.parquet"}
+
+
+def test_input_format_is_checked_and_a_jsonl_and_a_parquet_of_one_name_clash(tmp_path):
+    with pytest.raises(SpecError) as err:
+        _spec(tmp_path / "*.jsonl", format="csv")
+    assert err.value.key == "input.format"
+    _write(tmp_path / "in" / "a.jsonl", [json.dumps({"prompt": "x"})])
+    pq.write_table(pa.table({"prompt": ["x"]}), tmp_path / "in" / "a.parquet")
+    with pytest.raises(SpecError, match="two input files map to one output name 'a'"):
+        discover_shards([str(tmp_path / "in" / "*")], {})
+
+
+# ---------------------------------------------------------------------------- reading
+
+
+LINES = [json.dumps({"id": i, "prompt": f"def f{i}(x):", "meta": {"n": i}, "score": i / 2})
+         for i in range(4)]
+
+
+@pytest.mark.parametrize("compression", [None, "gzip", "zstd"])
+def test_records_stream_with_their_kept_columns_typed_from_the_first_ones(tmp_path, compression,
+                                                                          monkeypatch):
+    from batchspec.io import jsonl
+
+    monkeypatch.setattr(jsonl, "CHUNK_BYTES", 7)  # lines cut across reads
+    suffix = {None: "", "gzip": ".gz", "zstd": ".zst"}[compression]
+    reader = _reader(_write(tmp_path / f"p.jsonl{suffix}", ["", *LINES, "  "], compression),
+                     id_column="id")
+    assert isinstance(reader, JsonLinesReader) and reader.num_rows == 4
+    assert {f.name: str(f.type) for f in reader.kept_fields} == {
+        "id": "int64", "meta": "struct<n: int64>", "score": "double"}
+    rows = list(reader.rows())
+    assert [(r.request_id, r.prompt, r.error) for r in rows] == [
+        (str(i), f"def f{i}(x):", None) for i in range(4)]
+    assert rows[3].kept == {"id": 3, "meta": {"n": 3}, "score": 1.5}
+
+
+def test_each_bad_line_is_an_error_row_naming_its_line_and_the_rest_run(tmp_path):
+    lines = [LINES[0], "not json {", json.dumps([1, 2]), json.dumps({"id": 9, "prompt": 7}),
+             json.dumps({"id": 10, "prompt": "x", "score": "high"}), json.dumps({"id": 11}),
+             json.dumps({"id": None, "prompt": "y"}), json.dumps({"id": 13, "prompt": "  "}),
+             b"\xff\xfe".decode("latin-1"), LINES[1]]
+    path = tmp_path / "bad.jsonl"
+    path.write_bytes("\n".join(lines).encode("utf-8").replace("ÿþ".encode(), b"\xff\xfe"))
+    rows = list(_reader(path, batch_rows=2, id_column="id").rows())
+    errors = [r.error for r in rows]
+    assert errors[0] is None and errors[-1] is None
+    assert errors[1].startswith("not JSON: line 2 (")
+    assert errors[2] == "not an object: line 3 is a JSON list"
+    assert errors[3] == "prompt is no text: line 4 has a JSON int"
+    assert errors[4] == ("kept key of another type: line 5, 'score' is a str where the first "
+                         "records have double")
+    assert errors[5] == "no prompt key: line 6 has no 'prompt'"
+    assert errors[6] == "null id: line 7, key 'id'"
+    assert errors[7] == "empty prompt: line 8"
+    assert errors[8] == "not UTF-8: line 9"
+    # a row without a usable id gets the shard/index one, as a Parquet row does
+    assert [r.request_id for r in rows][1:3] == ["bad/1", "bad/2"]
+
+
+def test_chat_messages_lora_and_sampling_keys_are_read_as_parquet_columns_are(tmp_path):
+    good = [{"role": "user", "content": "def mean(xs):"}]
+    lines = [json.dumps({"m": good, "t": 0.5, "adapter": "upper"}),
+             json.dumps({"m": good}),
+             json.dumps({"m": "just text"}),
+             json.dumps({"m": [{"role": "user"}]}),
+             json.dumps({"m": good, "adapter": 3})]
+    spec = build_spec({"input": {"path": str(_write(tmp_path / "c.jsonl", lines)),
+                                 "messages_column": "m", "lora_column": "adapter",
+                                 "sampling_columns": {"temperature": "t"}},
+                       "output": {"path": "unused-out"},
+                       "model": {"target": "unused", "lora": {"adapters": {"upper": "unused"}}},
+                       "execution": {"read_batch_rows": 4}})
+    [shard] = discover_shards(spec.input.paths, {})
+    rows = list(open_reader(shard, spec).rows())
+    assert rows[0].messages == good and rows[0].overrides == {"temperature": 0.5}
+    assert rows[0].lora == "upper" and rows[0].error is None
+    assert rows[1].overrides == {} and rows[1].lora is None and rows[1].error is None
+    assert rows[2].error == "bad messages: line 3 has no list of {role, content} objects"
+    assert rows[3].error == "message 0 has no text content: line 4"
+    assert rows[4].error == "adapter name is no text: line 5, 'adapter' is a JSON int"
+
+
+def test_a_bad_file_is_bad_input_data_naming_the_shard(tmp_path, monkeypatch):
+    from batchspec.io import jsonl
+
+    monkeypatch.setattr(jsonl, "CHUNK_BYTES", 64)
+    no_prompt = _write(tmp_path / "a" / "x.jsonl", [json.dumps({"text": "hi"})])
+    with pytest.raises(InputDataError, match=r"x\.jsonl: no prompt key 'prompt' .*keys: text") as err:
+        _reader(no_prompt)
+    assert err.value.exit_code == 3
+    mixed = _write(tmp_path / "b" / "y.jsonl", [json.dumps({"prompt": "a", "k": 1}),
+                                               json.dumps({"prompt": "b", "k": "one"})])
+    with pytest.raises(InputDataError, match=r"y\.jsonl: key 'k' has values of several types"):
+        _reader(mixed)
+    torn = tmp_path / "c" / "z.jsonl.gz"
+    torn.parent.mkdir()
+    torn.write_bytes(gzip.compress(("\n".join(LINES * 200)).encode())[:-200])
+    reader = _reader(torn, batch_rows=2)  # its first records read fine
+    with pytest.raises(InputDataError, match=r"z\.jsonl\.gz: cannot read the file") as err:
+        assert reader.num_rows is None  # never reached: counting reads the torn end
+    assert err.value.exit_code == 3
+
+
+# ---------------------------------------------------------------------------- on the real engine
+
+
+@pytest.mark.engine
+def test_a_jsonl_job_writes_what_the_same_prompts_as_parquet_write(tmp_path, shared_engines):
+    """The same 12 prompts as a gzip JSON-lines file (with two bad lines among them) and as
+    Parquet, greedy with a draft model: the same text per id, the JSON-lines output named after
+    its input, the bad lines error rows naming their lines, `validate` counting them."""
+    from demo_data import prompt_table
+
+    from batchspec.run.validate import validate_job
+
+    table = prompt_table(12, seed=41).drop_columns(["max_tokens"])
+    records = table.to_pylist()
+    lines = [json.dumps(r) for r in records]
+    lines[3:3] = ["{oops", json.dumps({"id": "no-prompt"})]
+    _write(tmp_path / "jsonl" / "day=1" / "part-0.jsonl.gz", lines, "gzip")
+    pq.write_table(table, tmp_path / "parquet.parquet")
+    outputs = {}
+    for name, path in (("jsonl", tmp_path / "jsonl" / "**" / "*.jsonl.gz"),
+                       ("parquet", tmp_path / "parquet.parquet")):
+        spec = build_spec({"name": f"jsonl-{name}",
+                           "input": {"path": str(path), "prompt_column": "prompt",
+                                     "id_column": "id"},
+                           "output": {"path": str(tmp_path / f"out-{name}")},
+                           "model": {"target": str(MODELS / "target"), "engine": dict(ENGINE)},
+                           "speculative": dict(DRAFT),
+                           "sampling": {"temperature": 0.0, "max_tokens": 16}})
+        if name == "jsonl":
+            report = validate_job(spec)
+            [check] = report.shards
+            assert check.rows == 14 and check.bad_rows == {"not JSON": 1, "no prompt key": 1}
+        run = shared_engines.run(spec)
+        assert run.exit_code == 0, run.log[-3000:]
+        outputs[name] = read_output(tmp_path / f"out-{name}")
+    assert sorted(p.name for p in (tmp_path / "out-jsonl").rglob("*.parquet")) == ["part-0.parquet"]
+    jsonl = {r["request_id"]: r for r in outputs["jsonl"].to_pylist()}
+    parquet = {r["request_id"]: r for r in outputs["parquet"].to_pylist()}
+    assert {k: v["generated_text"] for k, v in jsonl.items() if k in parquet} == \
+        {k: v["generated_text"] for k, v in parquet.items()}
+    bad = {v["request_id"]: v["error"].split(" (")[0] for v in jsonl.values()
+           if v["finish_reason"] == "error"}
+    assert bad == {"day=1/part-0/3": "not JSON: line 4",
+                   "no-prompt": "no prompt key: line 5 has no 'prompt'"}
+    assert all(v["num_draft_tokens"] is not None for k, v in jsonl.items() if k in parquet)
