@@ -231,8 +231,11 @@ def test_a_jsonl_job_writes_what_the_same_prompts_as_parquet_write(tmp_path, sha
             assert check.rows == 14 and check.bad_rows == {"not JSON": 1, "no prompt key": 1}
         run = shared_engines.run(spec)
         assert run.exit_code == 0, run.log[-3000:]
-        outputs[name] = read_output(tmp_path / f"out-{name}")
-    assert sorted(p.name for p in (tmp_path / "out-jsonl").rglob("*.parquet")) == ["part-0.parquet"]
+    assert [p.relative_to(tmp_path / "out-jsonl").as_posix() for p in
+            (tmp_path / "out-jsonl").rglob("*.parquet") if "_batchspec" not in p.parts] == \
+        ["day=1/part-0.parquet"]
+    outputs["jsonl"] = pq.read_table(tmp_path / "out-jsonl" / "day=1" / "part-0.parquet")
+    outputs["parquet"] = read_output(tmp_path / "out-parquet")
     jsonl = {r["request_id"]: r for r in outputs["jsonl"].to_pylist()}
     parquet = {r["request_id"]: r for r in outputs["parquet"].to_pylist()}
     assert {k: v["generated_text"] for k, v in jsonl.items() if k in parquet} == \
@@ -241,4 +244,4 @@ def test_a_jsonl_job_writes_what_the_same_prompts_as_parquet_write(tmp_path, sha
            if v["finish_reason"] == "error"}
     assert bad == {"day=1/part-0/3": "not JSON: line 4",
                    "no-prompt": "no prompt key: line 5 has no 'prompt'"}
-    assert all(v["num_draft_tokens"] is not None for k, v in jsonl.items() if k in parquet)
+    assert all(v["spec_num_draft_tokens"] is not None for k, v in jsonl.items() if k in parquet)
