@@ -99,27 +99,33 @@ class JsonLinesReader:
         self._handles.append(stream)
         return stream
 
-    def _records(self, skip: int = 0) -> Iterator[tuple[int, Any]]:
-        """``(line number, parsed value or _BadLine)`` for each non-blank line after the first
-        ``skip`` lines."""
+    def _read_lines(self) -> Iterator[bytes]:
+        """The file's lines from its start. An error reading it is bad input data naming the
+        shard and the line it stopped after (a transient one on a store is raised as it is, for
+        the caller to retry)."""
         number = 0
         try:
             for raw in _lines(self._open()):
                 number += 1
-                if number <= skip:
-                    continue
-                if not raw.strip():
-                    continue
-                try:
-                    yield number, json.loads(raw.decode("utf-8"))
-                except UnicodeDecodeError:
-                    yield number, _BadLine(f"not UTF-8: line {number}")
-                except ValueError as exc:
-                    yield number, _BadLine(f"not JSON: line {number} ({exc})")
+                yield raw
         except (pa.ArrowException, OSError, EOFError) as exc:
             if not self._local and is_transient(exc):
                 raise
-            raise InputDataError(self.shard.url, f"cannot read line {number + 1}: {exc}") from exc
+            raise InputDataError(self.shard.url,
+                                 f"cannot read the file after line {number}: {exc}") from exc
+
+    def _records(self, skip: int = 0) -> Iterator[tuple[int, Any]]:
+        """``(line number, parsed value or _BadLine)`` for each non-blank line after the first
+        ``skip`` lines."""
+        for number, raw in enumerate(self._read_lines(), 1):
+            if number <= skip or not raw.strip():
+                continue
+            try:
+                yield number, json.loads(raw.decode("utf-8"))
+            except UnicodeDecodeError:
+                yield number, _BadLine(f"not UTF-8: line {number}")
+            except ValueError as exc:
+                yield number, _BadLine(f"not JSON: line {number} ({exc})")
 
     @property
     def num_rows(self) -> int:
@@ -128,11 +134,7 @@ class JsonLinesReader:
         if self._num_rows is None:
             def count() -> int:
                 try:
-                    return sum(1 for raw in _lines(self._open()) if raw.strip())
-                except (pa.ArrowException, OSError, EOFError) as exc:
-                    if not self._local and is_transient(exc):
-                        raise
-                    raise InputDataError(self.shard.url, f"cannot read the file: {exc}") from exc
+                    return sum(1 for raw in self._read_lines() if raw.strip())
                 finally:
                     self.close()
 

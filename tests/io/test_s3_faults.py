@@ -140,6 +140,24 @@ def run(spec: JobSpec, on_event=None) -> RunResult:
     return run_job(spec, engine=FakeEngine(), events=log, progress_bars=False)
 
 
+def run_with_failing_reads(proxy, spec: JobSpec, bucket: str, file: str, kind: str,
+                           caplog) -> RunResult:
+    """Run ``spec``: once shard part-1 has started, three GETs of ``file`` in ``bucket`` in a row
+    fail with ``kind``. The run must still end ok, every fault spent."""
+    proxy.max_faults = 3
+
+    def fault_part_1(event: str, fields: dict) -> None:
+        if event == "shard_started" and fields.get("shard") == "part-1":
+            proxy.faults_on(only=lambda method, path: method == "GET" and
+                            path.startswith(f"/{bucket}/") and file in path, **{kind: 1.0})
+
+    with caplog.at_level(logging.WARNING, logger="batchspec"):
+        result = run(spec, on_event=fault_part_1)
+    assert result.summary["status"] == "ok"
+    assert proxy.counts[kind] == proxy.max_faults, proxy.counts
+    return result
+
+
 def retries_logged(caplog, words: str) -> int:
     return sum(1 for r in caplog.records
                if r.name == "batchspec.io.retry" and "storage error on" in r.getMessage()
@@ -192,20 +210,8 @@ def test_a_read_error_mid_shard_resumes_after_the_last_row_yielded(
     through_proxy = {**proxy.storage_options(options), **NO_SDK_RETRIES}
     spec = build_spec(job_raw(in_bucket, out_bucket, {**through_proxy, "default_block_size": 65536},
                               through_proxy))
-    proxy.max_faults = 3
-
-    def fault_part_1(event: str, fields: dict) -> None:
-        if event == "shard_started" and fields.get("shard") == "part-1":
-            proxy.faults_on(only=lambda method, path: method == "GET" and
-                            path.startswith(f"/{in_bucket}/") and "part-1.parquet" in path,
-                            **{kind: 1.0})
-
-    with caplog.at_level(logging.WARNING, logger="batchspec"):
-        result = run(spec, on_event=fault_part_1)
-
-    assert result.summary["status"] == "ok"
+    run_with_failing_reads(proxy, spec, in_bucket, "part-1.parquet", kind, caplog)
     check_exactly_once(fs, out_bucket, inputs)
-    assert proxy.counts[kind] == proxy.max_faults, proxy.counts
     assert retries_logged(caplog, "reading row group") >= 1, [r.getMessage() for r in caplog.records]
 
 
@@ -234,20 +240,8 @@ def test_a_read_error_mid_jsonl_shard_resumes_after_the_last_line_yielded(
                   through_proxy)
     raw["input"]["path"] = f"s3://{in_bucket}/day=1/*.jsonl.zst"
     spec = build_spec(raw)
-    proxy.max_faults = 3
-
-    def fault_part_1(event: str, fields: dict) -> None:
-        if event == "shard_started" and fields.get("shard") == "part-1":
-            proxy.faults_on(only=lambda method, path: method == "GET" and
-                            path.startswith(f"/{in_bucket}/") and "part-1.jsonl.zst" in path,
-                            **{kind: 1.0})
-
-    with caplog.at_level(logging.WARNING, logger="batchspec"):
-        result = run(spec, on_event=fault_part_1)
-
-    assert result.summary["status"] == "ok"
+    run_with_failing_reads(proxy, spec, in_bucket, "part-1.jsonl.zst", kind, caplog)
     check_exactly_once(fs, out_bucket, inputs)
-    assert proxy.counts[kind] == proxy.max_faults, proxy.counts
     assert retries_logged(caplog, "part-1.jsonl.zst (after line") >= 1, \
         [r.getMessage() for r in caplog.records]
 
