@@ -1,10 +1,12 @@
 """Input file formats: which one a shard is, and the name its output takes.
 
 ``input.format`` says it for every shard of a job; without it each file's extension does, where
-that is unambiguous: ``.parquet`` (and ``.pq``) is Parquet, ``.jsonl`` and ``.ndjson`` are JSON
-lines, either compressed (``.gz``, ``.zst``). A ``.json`` file may be one JSON document rather
-than lines of them, and any other name says nothing: such a job must set ``input.format``. An
-OpenAI Batch request file is JSON lines too, so ``openai`` is only ever declared."""
+that is unambiguous: ``.jsonl`` and ``.ndjson`` are JSON lines, either compressed (``.gz``,
+``.zst``); any other name is read as Parquet, as every file was before other formats existed (a
+``.json`` file may be one JSON document rather than lines of them: JSON lines named so need
+``input.format: jsonl``). An OpenAI Batch request file is JSON lines too, so ``openai`` is only
+ever declared. A compressed name no JSON format claims (``.parquet.gz``, ``.json.gz`` without the
+key) is a spec error naming ``input.format``."""
 
 from __future__ import annotations
 
@@ -54,19 +56,18 @@ def _split(name: str) -> tuple[str, str | None, str | None]:
 
 def file_format(path: str, declared: str | None, url: str | None = None) -> FileFormat:
     """The format of the input file at ``path`` (a path without a URL's query): ``declared``
-    (``input.format``) if set, else its extension's. A SpecError naming ``input.format`` (and
-    ``url``, the file as the job names it, without credentials) where neither says."""
+    (``input.format``) if set, else its extension's, else Parquet. A SpecError naming
+    ``input.format`` (and ``url``, the file as the job names it, without credentials) for a
+    compressed file that would be read as Parquet."""
     _, suffix, compression = _split(path.rsplit("/", 1)[-1])
     path = url or path
-    name = declared or _FORMAT_SUFFIXES.get(suffix or "")
-    if name is None:
-        raise SpecError("input.format",
-                        f"cannot tell the format of {sanitize_url(path)} from its name; set "
-                        f"input.format to one of: {', '.join(FORMATS)}")
+    # a name no format claims is read as Parquet, as every file was before other formats existed
+    name = declared or _FORMAT_SUFFIXES.get(suffix or "", PARQUET)
     if name == PARQUET and compression is not None:
         raise SpecError("input.format",
-                        f"{sanitize_url(path)} is compressed as a whole ({compression}); Parquet "
-                        "files are read as they are (they compress their own columns)")
+                        f"{sanitize_url(path)} is compressed as a whole ({compression}) and its "
+                        "name says no JSON-lines format: set input.format (jsonl or openai) if it "
+                        "holds JSON lines; Parquet files are read as they are")
     return FileFormat(name, compression if name in LINE_FORMATS else None)
 
 

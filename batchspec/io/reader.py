@@ -124,7 +124,8 @@ class ShardReader:
         except FileNotFoundError as exc:
             raise InputDataError(shard.url, "input shard disappeared") from exc
         except (pa.ArrowException, OSError, ValueError) as exc:
-            raise InputDataError(shard.url, f"not a readable Parquet file: {exc}") from exc
+            raise InputDataError(shard.url, f"not a readable Parquet file: {exc} (JSON lines: name "
+                                            "the file .jsonl or set input.format)") from exc
 
     @property
     def columns(self) -> list[str]:

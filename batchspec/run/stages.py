@@ -114,10 +114,10 @@ def check_inputs(spec: JobSpec, todo: list[Shard],
     for s in todo:
         try:
             reader = open_reader(s, spec)
+            row_counts[s.name] = reader.num_rows  # a JSON-lines shard is read whole to count
         except InputDataError as exc:
             bad_shard(s, exc)
             continue
-        row_counts[s.name] = reader.num_rows
         reader.close()
         ok.append(s)
     return ok, row_counts

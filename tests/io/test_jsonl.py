@@ -61,14 +61,18 @@ def _reader(path: Path, batch_rows: int = 1024, **input_keys) -> JsonLinesReader
     ("a.json.gz", "jsonl", FileFormat("jsonl", "gzip")),
     ("a.txt", "jsonl", FileFormat("jsonl")),
     ("a.data", "parquet", FileFormat("parquet")),
+    # a name no format claims is Parquet, as every input was before JSON lines
+    ("a.json", None, FileFormat("parquet")),
+    ("a.txt", None, FileFormat("parquet")),
+    ("a", None, FileFormat("parquet")),
 ])
 def test_a_files_format_comes_from_input_format_or_its_extension(name, declared, expected):
     assert file_format(f"s3://b/in/{name}", declared) == expected
 
 
-@pytest.mark.parametrize(("name", "declared"), [("a.json", None), ("a.txt", None), ("a", None),
-                                                ("a.parquet.gz", None), ("a.csv.gz", "parquet")])
-def test_a_format_no_name_tells_is_a_spec_error_naming_input_format(name, declared):
+@pytest.mark.parametrize(("name", "declared"), [("a.json.gz", None), ("a.parquet.gz", None),
+                                                ("a.csv.zst", "parquet")])
+def test_a_compressed_file_read_as_parquet_is_a_spec_error_naming_input_format(name, declared):
     with pytest.raises(SpecError) as err:
         file_format(f"s3://user:secret@b/in/{name}", declared)
     assert err.value.key == "input.format" and err.value.exit_code == 2
@@ -195,6 +199,31 @@ def test_a_bad_file_is_bad_input_data_naming_the_shard(tmp_path, monkeypatch):
     with pytest.raises(InputDataError, match=r"z\.jsonl\.gz: cannot read the file") as err:
         assert reader.num_rows is None  # never reached: counting reads the torn end
     assert err.value.exit_code == 3
+
+
+def test_a_torn_jsonl_shard_ends_the_run_before_any_engine_or_is_skipped(tmp_path, monkeypatch):
+    """The check stage reads every JSON-lines shard whole (to count it): a gzip file cut short
+    is found there, its first records readable or not: exit 3 naming it before any row reaches
+    an engine, or, with on_bad_shard: skip, left out while the good shard commits."""
+    from helpers.fakes import FakeEngine
+    from helpers.shared_engines import NoEngine, run_library
+
+    from batchspec.io import jsonl
+
+    monkeypatch.setattr(jsonl, "CHUNK_BYTES", 64)  # the torn file's first records read fine
+    _write(tmp_path / "in" / "a.jsonl", LINES)
+    torn = tmp_path / "in" / "b.jsonl.gz"
+    torn.write_bytes(gzip.compress(("\n".join(LINES * 200)).encode())[:-200])
+    raw = {"input": {"path": str(tmp_path / "in" / "*"), "prompt_column": "prompt"},
+           "output": {"path": str(tmp_path / "out")}, "model": {"target": "unused"}}
+    failed = run_library(build_spec(raw), NoEngine())
+    assert failed.exit_code == 3 and "b.jsonl.gz: cannot read the file after line" in str(failed.error)
+    assert not list((tmp_path / "out").glob("*.parquet"))
+    raw["input"]["on_bad_shard"] = "skip"
+    skipped = run_library(build_spec(raw), FakeEngine())
+    assert skipped.exit_code == 0, skipped.log[-2000:]
+    assert sorted(p.name for p in (tmp_path / "out").glob("*.parquet")) == ["a.parquet"]
+    assert list(skipped.summary["bad_shards"]) == ["b"]
 
 
 # ---------------------------------------------------------------------------- on the real engine
