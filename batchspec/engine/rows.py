@@ -97,6 +97,10 @@ def _sample_row(completion, num_prompt: int, asked: Asked) -> dict:
             token_logprobs=[_chosen(entry, token) for entry, token
                             in zip(completion.logprobs, completion.token_ids, strict=False)],
             top_logprobs=[_top(entry, asked.logprobs) for entry in completion.logprobs],
+            # each generated token as text, for OpenAI-format output (not a Parquet column)
+            _token_texts=[entry[token].decoded_token if entry and token in entry else None
+                          for entry, token in zip(completion.logprobs, completion.token_ids,
+                                                  strict=False)],
         )
     return row
 

@@ -45,6 +45,10 @@ COMPLETION_FIELDS = (*_SAMPLING, "logprobs")
 #: Body fields that change nothing batchspec generates: accepted and left alone.
 _NO_EFFECT = ("user", "metadata", "store")
 
+#: Error categories of a line whose ``custom_id`` could not be read (its request id is then
+#: ``<shard>/<index>``, not a ``custom_id``).
+NO_CUSTOM_ID = ("not JSON", "not UTF-8", "not an object", "no custom_id")
+
 #: The columns kept from each line.
 KEPT = [pa.field("url", pa.string()), pa.field("model", pa.string())]
 

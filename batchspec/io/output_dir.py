@@ -15,10 +15,18 @@ from fsspec.core import url_to_fs
 
 from batchspec.io.host import pid_alive, this_host
 from batchspec.io.listing import Shard
-from batchspec.io.paths import BOOKKEEPING_DIR, OUTPUT_SUFFIX, _full_url, _version, is_local_fs
+from batchspec.io.paths import (
+    BOOKKEEPING_DIR,
+    ERRORS_SUFFIX,
+    OUTPUT_SUFFIXES,
+    _full_url,
+    _version,
+    is_local_fs,
+)
 from batchspec.io.retry import retry
 
-_TMP_NAME = re.compile(r"^(?P<shard>.+)~(?P<host>[^~]+)~(?P<pid>\d+)~[0-9a-f]+\.parquet\.tmp$")
+_TMP_NAME = re.compile(r"^(?P<shard>.+)~(?P<host>[^~]+)~(?P<pid>\d+)~[0-9a-f]+"
+                       r"\.(parquet|output\.jsonl|errors\.jsonl)\.tmp$")
 
 
 
@@ -66,10 +74,11 @@ def _remove_dead_spools() -> None:
 
 
 
-def tmp_file_name(shard_name: str) -> str:
-    """A temporary file name that says which process owns it (flat: shard names may hold /)."""
+def tmp_file_name(shard_name: str, suffix: str = ".parquet") -> str:
+    """A temporary file name that says which process owns it (flat: shard names may hold /);
+    ``suffix`` is the final file's (``.parquet``, ``.output.jsonl``, ``.errors.jsonl``)."""
     flat = shard_name.replace("%", "%25").replace("/", "%2F")
-    return f"{flat}~{this_host()}~{os.getpid()}~{os.urandom(6).hex()}.parquet.tmp"
+    return f"{flat}~{this_host()}~{os.getpid()}~{os.urandom(6).hex()}{suffix}.tmp"
 
 
 
@@ -116,11 +125,14 @@ def remove_orphan_tmp_files(directory: str) -> int:
 
 
 class OutputDir:
-    """The output directory and its bookkeeping, on any fsspec filesystem."""
+    """The output directory and its bookkeeping, on any fsspec filesystem. ``output_format``
+    (``output.format``) names the files a shard's results are in."""
 
-    def __init__(self, url: str, storage_options: dict):
+    def __init__(self, url: str, storage_options: dict, output_format: str = "parquet"):
         self.url = url.rstrip("/")
         self.storage_options = storage_options
+        self.output_format = output_format
+        self.output_suffix = OUTPUT_SUFFIXES[output_format]
         self.fs, self.path = url_to_fs(self.url, **storage_options)
         self.path = self.path.rstrip("/")
         self.display_url = _full_url(self.fs, self.path)
@@ -133,7 +145,24 @@ class OutputDir:
         return posixpath.join(self.path, *parts)
 
     def output_path(self, shard: Shard) -> str:
-        return self.join(shard.output_file)
+        """The shard's output file (an ``openai`` output's results file)."""
+        return self.join(shard.name + self.output_suffix)
+
+    def errors_path(self, shard: Shard) -> str | None:
+        """An ``openai`` output's errors file of the shard (None for Parquet: errors are rows)."""
+        return self.join(shard.name + ERRORS_SUFFIX) if self.output_format == "openai" else None
+
+    def publish(self, local_file: str, final: str) -> None:
+        """Make a finished local file visible as ``final`` in one step: an atomic rename on
+        local disk (``local_file`` is then beside it, in :meth:`tmp_dir`), a single put on an
+        object store (s3fs uploads a large file in parts that become visible together)."""
+        if self.is_local:
+            os.makedirs(os.path.dirname(final), exist_ok=True)
+            replace_durably(local_file, final)
+        else:
+            retry(lambda: self.fs.put_file(local_file, final), f"writing {final}")
+            os.unlink(local_file)
+            self.fs.invalidate_cache(final)
 
     def manifest_path(self, shard_name: str) -> str:
         return self.join(BOOKKEEPING_DIR, "manifest", shard_name + ".json")
@@ -199,13 +228,17 @@ class OutputDir:
 
     def output_info(self, shard: Shard) -> dict | None:
         """The committed output file's size and version (ETag, generation), or None if absent."""
+        return self.file_info(self.output_path(shard))
+
+    def file_info(self, path: str) -> dict | None:
+        """A file's size and version (ETag, generation), or None if it is absent."""
         def info():
             try:
-                return self.fs.info(self.output_path(shard))
+                return self.fs.info(path)
             except FileNotFoundError:
                 return None
 
-        found = retry(info, f"checking {self.output_path(shard)}")
+        found = retry(info, f"checking {path}")
         if found is None:
             return None
         return {"size": int(found.get("size") or 0), **_version(found)}
@@ -227,6 +260,12 @@ class OutputDir:
         expected = record.get("output_info")
         if expected and any(found.get(k) != v for k, v in expected.items()):
             return "partial", []
+        if self.output_format == "openai":  # the errors file is committed with the results file
+            errors = self.file_info(self.errors_path(shard))
+            expected = record.get("errors_info")
+            if errors is None or not expected or any(errors.get(k) != v
+                                                     for k, v in expected.items()):
+                return "partial", []
         if spec_fingerprint is not None:
             from batchspec.spec.fingerprint import describe_changes
 
@@ -250,6 +289,6 @@ class OutputDir:
         names = []
         for p in retry(find, f"listing {self.display_url}"):
             rel = p[len(self.path):].lstrip("/")
-            if rel.endswith(OUTPUT_SUFFIX) and not rel.startswith(BOOKKEEPING_DIR + "/"):
-                names.append(rel[: -len(OUTPUT_SUFFIX)])
+            if rel.endswith(self.output_suffix) and not rel.startswith(BOOKKEEPING_DIR + "/"):
+                names.append(rel[: -len(self.output_suffix)])
         return sorted(names)

@@ -13,6 +13,11 @@ from batchspec.errors import SpecError
 from batchspec.redact import sanitize_url
 
 OUTPUT_SUFFIX = ".parquet"
+#: The suffix of each output format's (``output.format``) output file, the one a shard's state is
+#: read from.
+OUTPUT_SUFFIXES = {"parquet": OUTPUT_SUFFIX, "openai": ".output.jsonl"}
+#: The suffix of an ``openai`` output's errors file, committed with its results file.
+ERRORS_SUFFIX = ".errors.jsonl"
 
 
 _GLOB_CHARS = set("*?[")

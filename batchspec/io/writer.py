@@ -2,7 +2,8 @@
 
 Rows are written in row groups to a temporary file; the output name appears only when the
 whole shard is written: a rename on a local filesystem, a single put on an object store (s3fs
-uploads a large file in parts that become visible together, on completion)."""
+uploads a large file in parts that become visible together, on completion). The writer of
+``output.format: openai`` (:mod:`batchspec.io.openai_results`) has the same interface."""
 
 from __future__ import annotations
 
@@ -16,8 +17,9 @@ import pyarrow.parquet as pq
 from batchspec.columns import output_schema
 from batchspec.errors import RuntimeFailure
 from batchspec.io.listing import Shard
-from batchspec.io.output_dir import OutputDir, replace_durably, tmp_file_name
-from batchspec.io.retry import retry
+from batchspec.io.output_dir import OutputDir, tmp_file_name
+from batchspec.io.rows import Row
+from batchspec.redact import sanitize_url
 
 METADATA_KEY = b"batchspec"
 
@@ -39,6 +41,11 @@ class ShardWriter:
         self.tmp_path = os.path.join(out.tmp_dir(), tmp_file_name(shard.name))
         self._writer = pq.ParquetWriter(self.tmp_path, self.schema, compression=compression)
 
+    def add_request(self, row: Row, results: list[dict]) -> None:
+        """One input row's result rows (one per sample)."""
+        for result in results:
+            self.add({"request_id": row.request_id, **row.kept, **result})
+
     def add(self, row: dict) -> None:
         """Buffer one output row; a full buffer is written as a row group."""
         self._buffer.append(row)
@@ -52,23 +59,15 @@ class ShardWriter:
             self.rows_written += len(self._buffer)
             self._buffer.clear()
 
-    def commit(self) -> tuple[str, dict]:
+    def commit(self) -> dict[str, Any]:
         """Finish the file and make it visible under its output name in one step. Returns the
-        final path and what the store says of it (size, ETag/generation), for the manifest."""
+        manifest's fields for it: ``output`` (its URL) and ``output_info`` (what the store says
+        of it: size, ETag/generation)."""
         self.flush()
         self._writer.close()
         final = self.out.output_path(self.shard)
-        if self.out.is_local:
-            os.makedirs(os.path.dirname(final), exist_ok=True)
-            replace_durably(self.tmp_path, final)
-        else:
-            retry(lambda: self.out.fs.put_file(self.tmp_path, final), f"writing {final}")
-            os.unlink(self.tmp_path)
-            self.out.fs.invalidate_cache(final)
-        info = self.out.output_info(self.shard)
-        if info is None:
-            raise RuntimeFailure(f"{final} is not there right after it was written")
-        return final, info
+        self.out.publish(self.tmp_path, final)
+        return {"output": sanitize_url(final), "output_info": committed_info(self.out, final)}
 
     def discard(self) -> None:
         """Drop the temporary file: nothing of this shard becomes visible."""
@@ -82,6 +81,14 @@ class ShardWriter:
             pass
 
 
+
+
+def committed_info(out: OutputDir, path: str) -> dict:
+    """What the store says of a file just written (for the manifest); it must be there."""
+    info = out.file_info(path)
+    if info is None:
+        raise RuntimeFailure(f"{path} is not there right after it was written")
+    return info
 
 
 def read_metadata(path: str, filesystem=None) -> dict[str, Any]:

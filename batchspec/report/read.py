@@ -16,10 +16,11 @@ import pyarrow.parquet as pq
 import yaml
 from pyarrow.fs import FSSpecHandler, PyFileSystem
 
-from batchspec.columns import BASE_RESULT_NAMES, ERROR, FEATURE_FIELDS, REQUEST_ID
+from batchspec.columns import BASE_RESULT_NAMES, ERROR, FEATURE_FIELDS, REQUEST_ID, output_schema
 from batchspec.errors import InputDataError, SpecError
+from batchspec.io.openai_results import line_rows
 from batchspec.io.output_dir import OutputDir
-from batchspec.io.paths import BOOKKEEPING_DIR, OUTPUT_SUFFIX, is_local_fs
+from batchspec.io.paths import BOOKKEEPING_DIR, ERRORS_SUFFIX, OUTPUT_SUFFIX, OUTPUT_SUFFIXES, is_local_fs
 from batchspec.io.writer import METADATA_KEY
 from batchspec.redact import sanitize_url
 
@@ -68,6 +69,11 @@ class Output:
     schemas: dict[str, pa.Schema] = field(default_factory=dict)
     #: How files are named in messages: the directory's URL.
     display_url: str = ""
+    #: The output format (``output.format``) of the files: ``parquet`` or ``openai``.
+    output_format: str = "parquet"
+    #: An ``openai`` output's errors file of each shard.
+    errors_files: dict[str, str] = field(default_factory=dict)
+    _openai_rows: dict[str, pl.DataFrame] = field(default_factory=dict, repr=False)
 
     @property
     def shards(self) -> list[str]:
@@ -77,15 +83,39 @@ class Output:
     def is_local(self) -> bool:
         return is_local_fs(self.fs)
 
-    def file_url(self, shard: str) -> str:
+    def file_url(self, shard: str, suffix: str | None = None) -> str:
         """The URL of a shard's output file, for messages (no credentials, no query)."""
-        return sanitize_url(f"{(self.display_url or self.url).rstrip('/')}/{shard}{OUTPUT_SUFFIX}")
+        suffix = suffix or OUTPUT_SUFFIXES[self.output_format]
+        return sanitize_url(f"{(self.display_url or self.url).rstrip('/')}/{shard}{suffix}")
+
+    def _openai_frame(self, shard: str) -> pl.DataFrame:
+        """An ``openai`` output's shard (its result and errors files) as the Parquet output's
+        rows (read once, then kept)."""
+        if shard not in self._openai_rows:
+            rows = []
+            for path, suffix in ((self.files[shard], OUTPUT_SUFFIXES["openai"]),
+                                 (self.errors_files[shard], ERRORS_SUFFIX)):
+                with self.fs.open(path, "rb") as f:
+                    for number, raw in enumerate(f, 1):
+                        if not raw.strip():
+                            continue
+                        try:
+                            rows.extend(line_rows(json.loads(raw)))
+                        except (ValueError, TypeError, KeyError, AttributeError) as exc:
+                            raise InputDataError(self.file_url(shard, suffix),
+                                                 f"line {number} is not an OpenAI Batch result "
+                                                 f"line batchspec wrote: {exc}") from exc
+            table = pa.Table.from_pylist(rows, schema=self.schemas[shard])
+            self._openai_rows[shard] = pl.from_arrow(table)
+        return self._openai_rows[shard]
 
     def scan_file(self, shard: str, columns: Sequence[str], text_hash: bool = False) -> pl.LazyFrame:
         """One file's rows, lazily: ``columns`` (plus ``generated_text_hash`` if asked) and a
         ``shard`` column. Nothing is read until the frame is collected, then only these columns."""
         path = self.files[shard]
-        if self.is_local:
+        if self.output_format == "openai":
+            lf = self._openai_frame(shard).lazy()
+        elif self.is_local:
             # glob off: a shard name may hold * or [ ]; hive off: a directory may look like k=v
             lf = pl.scan_parquet(path, glob=False, hive_partitioning=False)
         else:
@@ -131,7 +161,8 @@ class Output:
             try:
                 self.scan_file(shard, columns, text_hash).collect()
             except (pl.exceptions.PolarsError, OSError, pa.ArrowException) as file_exc:
-                return InputDataError(self.file_url(shard), f"unreadable Parquet: {file_exc}")
+                what = "unreadable Parquet" if self.output_format == "parquet" else "unreadable"
+                return InputDataError(self.file_url(shard), f"{what}: {file_exc}")
         return InputDataError(sanitize_url(self.display_url or self.url),
                               f"reading the output failed: {exc}")
 
@@ -145,15 +176,22 @@ def load_output(url: str, storage_options: dict | None = None) -> Output:
 
     Raises :class:`InputDataError` (exit 3) when there are none, or one is unreadable or not a
     batchspec output file."""
-    out = OutputDir(url, storage_options or {})
-    try:
-        names = out.list_outputs()
-    except NotADirectoryError:
-        names = []
-    if not names:
-        raise InputDataError(sanitize_url(url), "no output files (*.parquet) here; is this the output.path "
-                                  "of a finished run?")
-    output = Output(url=url, files={}, fs=out.fs, display_url=out.display_url)
+    for output_format in OUTPUT_SUFFIXES:
+        out = OutputDir(url, storage_options or {}, output_format)
+        try:
+            names = out.list_outputs()
+        except NotADirectoryError:
+            names = []
+        if names:
+            break
+    else:
+        raise InputDataError(sanitize_url(url), "no output files (*.parquet, *.output.jsonl) here; "
+                                                "is this the output.path of a finished run?")
+    output = Output(url=url, files={}, fs=out.fs, display_url=out.display_url,
+                    output_format=output_format)
+    if output_format == "openai":
+        _open_openai(out, output, names)
+        return _read_runs(out, output)
     # local footers through pyarrow's own filesystem, others without fsspec's read-ahead
     arrow_fs = None if output.is_local else PyFileSystem(_RangeReads(out.fs))
     for shard in names:
@@ -174,6 +212,24 @@ def load_output(url: str, storage_options: dict | None = None) -> Output:
         except ValueError as exc:
             raise InputDataError(name, f"its batchspec metadata is not JSON: {exc}") from exc
         output.schemas[shard] = schema
+    return _read_runs(out, output)
+
+
+def _open_openai(out: OutputDir, output: Output, names: list[str]) -> None:
+    """An ``openai`` output's committed shards: each results file, its errors file, and the
+    lineage its manifest keeps (a Parquet file's footer has it)."""
+    for shard in names:
+        output.files[shard] = out.join(shard + OUTPUT_SUFFIXES["openai"])
+        output.errors_files[shard] = out.join(shard + ERRORS_SUFFIX)
+        if not out.exists(output.errors_files[shard]):
+            raise InputDataError(output.file_url(shard, ERRORS_SUFFIX),
+                                 "missing: every results file is committed with its errors file")
+        record = out.read_manifest(shard) or {}
+        output.metadata[shard] = record.get("metadata") or {}
+        output.schemas[shard] = output_schema([])
+
+
+def _read_runs(out: OutputDir, output: Output) -> Output:
     for path in sorted(out.fs.glob(out.join(BOOKKEEPING_DIR, "runs", "*.json"))):
         try:
             output.runs.append(json.loads(out.fs.cat_file(path)))

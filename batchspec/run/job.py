@@ -174,7 +174,7 @@ class _Job:
                          spec.output.storage_options)
         check_vllm_keys(spec)
         # known before listing, so that a run that fails to plan still leaves its summary
-        self.out = OutputDir(spec.output.path, spec.output.storage_options)
+        self.out = OutputDir(spec.output.path, spec.output.storage_options, spec.output.format)
         ctx = self.context()
         todo, fingerprint = self.plan_shards()
         self._check_stop()

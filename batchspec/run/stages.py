@@ -28,6 +28,7 @@ from batchspec.errors import InputDataError, SpecError
 from batchspec.io.jsonl import JsonLinesReader
 from batchspec.io.listing import Shard, assign, check_worker, discover_shards
 from batchspec.io.locations import check_no_overlap, same_store
+from batchspec.io.openai_results import OpenAIResultWriter
 from batchspec.io.output_dir import OutputDir
 from batchspec.io.reader import Row, ShardReader, open_reader
 from batchspec.io.writer import ShardWriter
@@ -65,7 +66,7 @@ def plan(spec: JobSpec, worker_index: int = 0, num_workers: int = 1,
     check_worker(worker_index, num_workers)
     check_no_overlap(spec.input.paths, spec.input.storage_options, spec.output.path,
                      spec.output.storage_options)
-    out = out or OutputDir(spec.output.path, spec.output.storage_options)
+    out = out or OutputDir(spec.output.path, spec.output.storage_options, spec.output.format)
     exclude = out.path if same_store(spec.input.paths, spec.input.storage_options, out) else None
     every = discover_shards(spec.input.paths, spec.input.storage_options, exclude=exclude,
                             allow_empty=spec.input.allow_empty, input_format=spec.input.format)
@@ -156,7 +157,7 @@ class ShardRun:
 
     shard: Shard
     reader: ShardReader | JsonLinesReader | None = None
-    writer: ShardWriter | None = None
+    writer: ShardWriter | OpenAIResultWriter | None = None
     state: ShardState = ShardState.PENDING
     rows_read: int = 0
     #: Rows of the shard whose every result row (one per sample) is written.
@@ -267,11 +268,13 @@ class ShardPipeline:
         """Open the shard's reader and its output's temporary file."""
         spec, name = self.spec, run.shard.name
         run.reader = open_reader(run.shard, spec)
-        run.writer = ShardWriter(self.out, run.shard, run.reader.kept_fields,
-                                 {**self.metadata_base, "shard": name,
-                                  "input": sanitize_url(run.shard.url),
-                                  "input_fingerprint": run.shard.fingerprint},
-                                 spec.output.row_group_rows, spec.output.compression)
+        metadata = {**self.metadata_base, "shard": name, "input": sanitize_url(run.shard.url),
+                    "input_fingerprint": run.shard.fingerprint}
+        if spec.output.format == "openai":
+            run.writer = OpenAIResultWriter(self.out, run.shard, metadata)
+        else:
+            run.writer = ShardWriter(self.out, run.shard, run.reader.kept_fields, metadata,
+                                     spec.output.row_group_rows, spec.output.compression)
         run.started = time.monotonic()
         self.events.emit("shard_started", f"shard {name} started", shard=name,
                          rows=self.row_counts[name] if name in self.row_counts
@@ -356,8 +359,8 @@ class ShardPipeline:
     def write(self, run: ShardRun, row: Row, results: list[dict]) -> None:
         """One input row's result rows (one per sample) into the shard's temporary file; commit
         the shard if it was the last."""
+        run.writer.add_request(row, results)
         for result in results:
-            run.writer.add({"request_id": row.request_id, **row.kept, **result})
             run.stats.add(result)
         run.rows_done += 1
         self.progress.row_done(request_totals(results))
@@ -376,14 +379,13 @@ class ShardPipeline:
         if not self.leases.confirm(name):
             self.abandon(run, "taken over by another run before commit")
             return
-        final, info = run.writer.commit()
+        written = run.writer.commit()
         wall = time.monotonic() - run.started
         record = {
             "shard": name,
             "input": sanitize_url(run.shard.url),
             "input_fingerprint": run.shard.fingerprint,
-            "output": sanitize_url(final),
-            "output_info": info,
+            **written,
             "rows": run.stats.rows,
             "run_id": self.run_id,
             "spec_fingerprint": self.spec_fingerprint,

@@ -12,6 +12,7 @@ from batchspec.spec.model import (
     DEFAULT_JOB_NAME,
     EXECUTOR_KINDS,
     INPUT_FORMATS,
+    OUTPUT_FORMATS,
     ROW_OVERRIDABLE,
     ExecutionSpec,
     ExecutorSpec,
@@ -133,12 +134,26 @@ def _output_spec(raw: dict) -> OutputSpec:
     keep = out.get("keep_columns", list)
     if keep is not None and not all(isinstance(c, str) and c for c in keep):
         raise SpecError("output.keep_columns", "expected a list of column names")
+    output_format = out.get("format", str)
+    if output_format not in OUTPUT_FORMATS:
+        raise SpecError("output.format", f"expected one of {', '.join(OUTPUT_FORMATS)}, got "
+                                         f"{output_format!r}")
+    if output_format == "openai":
+        if (raw.get("input") or {}).get("format") != "openai":
+            raise SpecError("output.format", "OpenAI Batch result files answer OpenAI Batch "
+                                             "request files: set input.format: openai too (or "
+                                             "write Parquet)")
+        for key in ("keep_columns", "row_group_rows", "compression"):
+            if key in out.values:
+                raise SpecError(f"output.{key}", "a Parquet option: output.format openai writes "
+                                                 "JSON lines; leave this key out")
     return OutputSpec(
         path=out.get("path", str, required=True),
         keep_columns=tuple(keep) if keep is not None else None,
         storage_options=out.get("storage_options", dict),
         row_group_rows=out.positive("row_group_rows"),
         compression=out.get("compression", str),
+        format=output_format,
     )
 
 

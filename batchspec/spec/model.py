@@ -12,6 +12,9 @@ from batchspec.redact import secret_values as _secret_values
 #: Input file formats (``input.format``): see batchspec/io/formats.py; ``openai``: OpenAI Batch
 #: request files (batchspec/io/openai_batch.py).
 INPUT_FORMATS = ("parquet", "jsonl", "openai")
+#: Output file formats (``output.format``): ``parquet`` (the contract's columns, one file a
+#: shard) or ``openai`` (OpenAI Batch result and error files, batchspec/io/openai_results.py).
+OUTPUT_FORMATS = ("parquet", "openai")
 
 #: SamplingParams fields a row may override from its own column (``input.sampling_columns``).
 ROW_OVERRIDABLE = (
@@ -87,6 +90,9 @@ class OutputSpec:
     row_group_rows: int = 1024
     #: Parquet compression codec.
     compression: str = "zstd"
+    #: ``parquet`` (the contract's columns) or ``openai`` (OpenAI Batch result and error files
+    #: per input file, for ``input.format: openai``; batchspec/io/openai_results.py).
+    format: str = "parquet"
 
 
 @dataclass(frozen=True)

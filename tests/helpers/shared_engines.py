@@ -67,7 +67,8 @@ class LibraryRun:
         from batchspec.io.output_dir import OutputDir
         from batchspec.io.paths import BOOKKEEPING_DIR
 
-        out = OutputDir(self.spec.output.path, self.spec.output.storage_options)
+        out = OutputDir(self.spec.output.path, self.spec.output.storage_options,
+                        self.spec.output.format)
         return out.read_json(out.join(BOOKKEEPING_DIR, "runs", f"{self.run_id}.json"))
 
 

@@ -233,7 +233,7 @@ class Replica:
         shard: Shard = task["shard"]
         self._stop.clear()
         buffer = self.buffer = _ReplicaOutbox(task.get("die_on"), shard.name)
-        out = OutputDir(spec.output.path, spec.output.storage_options)
+        out = OutputDir(spec.output.path, spec.output.storage_options, spec.output.format)
         owner = {"run_id": task["run_id"], "host": this_host(), "pid": os.getpid(),
                  "started_at": dt.datetime.now(dt.UTC).isoformat(), "replica": self.index}
         outcome = RunOutcome()
