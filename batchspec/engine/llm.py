@@ -51,10 +51,16 @@ _STATS_ON = {"disable_log_stats": False}
 
 
 
+#: Engine arguments that change nothing an offline engine generates (only the names a job
+#: answers to: batchspec/io/openai_batch.py), so an engine serves jobs that differ in them.
+_NAMING_ONLY = ("served_model_name",)
+
+
 def _serves(spec: JobSpec) -> tuple:
-    """What an engine is built from: the target, the engine arguments, the speculative config,
-    the LoRA adapters."""
-    return (spec.model.target, dict(spec.model.engine),
+    """What an engine is built from: the target, the engine arguments (but their names), the
+    speculative config, the LoRA adapters."""
+    engine = {k: v for k, v in spec.model.engine.items() if k not in _NAMING_ONLY}
+    return (spec.model.target, engine,
             dict(spec.speculative) if spec.speculative is not None else None,
             _lora_engine(spec))
 

@@ -179,7 +179,8 @@ def _chat_choice(index: int, r: dict) -> dict[str, Any]:
 
 
 def _token(text: str | None, logprob: float | None) -> dict[str, Any]:
-    return {"token": text or "", "logprob": logprob,
+    # OpenAI's value for a token too unlikely to have a finite logprob
+    return {"token": text or "", "logprob": -9999.0 if logprob is None else logprob,
             "bytes": list((text or "").encode("utf-8"))}
 
 

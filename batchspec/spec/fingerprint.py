@@ -186,6 +186,10 @@ def spec_fingerprint(spec: JobSpec) -> dict[str, str]:
         components["columns"]["lora_column"] = spec.input.lora_column
     if spec.input.format == "openai":  # each line names its prompt, id and sampling itself
         components["columns"]["format"] = spec.input.format
+        # and its model: the names the job serves decide which lines run and which are errors
+        from batchspec.io.openai_batch import served_names
+
+        components["columns"]["served_names"] = sorted(served_names(spec))
     if spec.output.format != "parquet":  # only when set: Parquet outputs keep their hashes
         components["columns"]["output_format"] = spec.output.format
     return {name: _digest(value) for name, value in components.items()}

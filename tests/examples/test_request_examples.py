@@ -96,3 +96,48 @@ def test_lora_example_runs_each_row_with_the_adapter_it_names(tmp_path, shared_e
         assert sum(map(score, texts)) / len(texts) >= 0.6, (adapter, texts)
         base = [r["generated_text"] for r in rows if r["adapter"] is None]
         assert sum(map(score, base)) / len(base) <= 0.3, (adapter, base)
+
+
+def test_openai_batch_example_answers_a_request_file_on_object_storage_beside_it(
+        tmp_path, shared_engines, s3_server, monkeypatch):
+    """examples/openai-batch: its sample request file put on the S3 server, the example spec
+    run as a user would (credentials from the environment): results and errors beside it, in
+    OpenAI's format (tests/helpers/openai_format.py), each custom_id once, what each line asked
+    for answered."""
+    import s3fs
+    from helpers.jobs import S3_KEY, S3_SECRET
+    from helpers.openai_format import read_openai_output
+
+    endpoint, options = s3_server
+    fs = s3fs.S3FileSystem(**options, skip_instance_cache=True)
+    fs.mkdir("openai-example")
+    requests = (ROOT / "examples" / "openai-batch" / "requests.jsonl").read_text()
+    batch_dir = "s3://openai-example/batches/2026-11-25"
+    fs.pipe(f"{batch_dir}/requests.jsonl", requests.encode())
+    env = {"BATCH_DIR": batch_dir, "S3_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": S3_KEY,
+           "AWS_SECRET_ACCESS_KEY": S3_SECRET, "BATCHSPEC_TARGET": str(MODELS / "target"),
+           "BATCHSPEC_DRAFT": str(MODELS / "draft")}
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    spec = load_spec(ROOT / "examples" / "openai-batch" / "batch.yaml", environ=env)
+    run = shared_engines.run(spec)
+    assert run.exit_code == 0, run.log[-3000:]
+    assert sorted(fs.ls(f"{batch_dir}/results")) == sorted(
+        f"{batch_dir[5:]}/results/{name}" for name in
+        ("_batchspec", "requests.errors.jsonl", "requests.output.jsonl"))
+    results, errors = read_openai_output(f"{batch_dir}/results", "requests", fs=fs)
+    asked = [json.loads(line) for line in requests.splitlines()]
+    assert sorted(line["custom_id"] for line in results + errors) == sorted(
+        line["custom_id"] for line in asked)
+    assert [line["custom_id"] for line in errors] == ["embed-1"]
+    body = {line["custom_id"]: line["response"]["body"] for line in results}
+    assert all(b["model"] == "tiny-coder" for b in body.values())
+    assert len(body["samples-3"]["choices"]) == 3
+    [choice] = body["logprobs-1"]["choices"]
+    assert all(len(t["top_logprobs"]) == 2 for t in choice["logprobs"]["content"])
+    [choice] = body["json-1"]["choices"]
+    if choice["finish_reason"] == "stop":
+        jsonschema.validate(json.loads(choice["message"]["content"]),
+                            asked[5]["body"]["response_format"]["json_schema"]["schema"])
+    assert body["complete-1"]["object"] == "text_completion"
+    assert body["explain-2"]["usage"]["completion_tokens"] <= 24

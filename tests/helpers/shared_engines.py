@@ -121,7 +121,9 @@ class SharedEngines:
     @staticmethod
     def key(spec: JobSpec) -> str:
         lora = spec.model.lora  # the adapters an engine serves; the job-wide one is per request
-        return json.dumps([spec.model.target, spec.model.engine, spec.speculative,
+        # the names a job answers to are the job's, not the engine's (engine/llm.py _serves)
+        engine = {k: v for k, v in spec.model.engine.items() if k != "served_model_name"}
+        return json.dumps([spec.model.target, engine, spec.speculative,
                            lora and [lora.adapters, lora.max_loras, lora.max_lora_rank]],
                           sort_keys=True, default=str)
 

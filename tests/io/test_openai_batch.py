@@ -10,10 +10,12 @@ from pathlib import Path
 
 import pytest
 from helpers.jobs import DRAFT, ENGINE, MODELS, read_output
+from helpers.openai_format import read_openai_output
 
 from batchspec.errors import SpecError
 from batchspec.io.listing import discover_shards
 from batchspec.io.reader import open_reader
+from batchspec.report.metrics import build_report
 from batchspec.spec.build import build_spec
 
 TARGET = "tiny-target"
@@ -202,3 +204,34 @@ def test_a_request_file_runs_on_the_real_engine(tmp_path, shared_engines):
     [plain_row] = read_output(tmp_path / "plain-out").to_pylist()
     ok = [r for r in by_id["text-greedy"] if r["finish_reason"] != "error"]
     assert ok[0]["generated_text"] == plain_row["generated_text"]
+
+    # the same file with OpenAI-format output, on the same engine: every line in OpenAI's format
+    # (tests/helpers/openai_format.py), each request in one of the two files, the greedy texts
+    # and token counts those of the Parquet run, and report's figures of the two outputs alike
+    as_openai = build_spec({**job, "output": {"path": str(tmp_path / "openai-out"),
+                                              "format": "openai"}})
+    run = shared_engines.run(as_openai)
+    assert run.exit_code == 0, run.log[-3000:]
+    results, errors = read_openai_output(tmp_path / "openai-out", "requests")
+    ok = {line["custom_id"]: line["response"]["body"] for line in results}
+    assert sorted(ok) == ["chat-greedy", "json", "text-greedy", "text-two"]
+    assert sorted(str(line["custom_id"]) for line in errors) == ["None", "emb", "text-greedy"]
+    for custom_id in ("chat-greedy", "text-greedy"):
+        [parquet_row] = [r for r in by_id[custom_id] if r["finish_reason"] != "error"]
+        [choice] = ok[custom_id]["choices"]
+        text = choice["message"]["content"] if "message" in choice else choice["text"]
+        assert text == parquet_row["generated_text"]
+        assert ok[custom_id]["usage"]["completion_tokens"] == parquet_row["num_output_tokens"]
+        assert ok[custom_id]["usage"]["prompt_tokens"] == parquet_row["num_prompt_tokens"]
+    assert ok["chat-greedy"]["object"] == "chat.completion"
+    assert ok["text-greedy"]["object"] == "text_completion"
+    assert len(ok["text-two"]["choices"]) == 2
+    [json_choice] = ok["json"]["choices"]
+    if json_choice["finish_reason"] == "stop":
+        assert isinstance(json.loads(json_choice["message"]["content"])["n"], int)
+    [first] = [line for line in results if line["custom_id"] == "chat-greedy"]
+    [figures] = first["batchspec"]["samples"]
+    assert figures["spec_num_draft_tokens"] > 0 and figures["time_e2e_s"] > 0
+    a, b = build_report(str(tmp_path / "openai-out")), build_report(str(tmp_path / "out"))
+    for key in ("rows", "errors", "errors_by_reason", "speculative"):
+        assert a["overall"][key] == b["overall"][key], key

@@ -36,7 +36,7 @@ from helpers.emulators import (  # noqa: F401  (session fixtures)
     gcs_fs,
     gcs_server,
 )
-from helpers.jobs import DRAFT, S3_SECRET, run_cli, write_job
+from helpers.jobs import DRAFT, MODELS, S3_SECRET, run_cli, write_job
 from helpers.leases import check_compare_and_swap, owner, race
 from helpers.recovery import Job
 from helpers.shared_engines import NoEngine, run_library
@@ -249,6 +249,82 @@ def test_a_job_killed_after_its_first_commit_then_rerun_has_every_row_once(
         status.stdout + status.stderr
     assert not [s for s in store.secrets if s in everything], \
         "a credential leaked into logs, summaries, metadata or status"
+
+
+@pytest.mark.engine
+def test_openai_batch_files_killed_then_rerun_on_s3_answer_each_custom_id_once(
+        s3_store, monkeypatch, tmp_path, shared_engines):
+    """OpenAI Batch request files in and OpenAI-format results out on the S3 server: the first
+    run (fake engine) is SIGKILLed after its first commit, the rerun (real engine) does the
+    rest. Every shard visible has both files, each line in OpenAI's format
+    (tests/helpers/openai_format.py), every line's custom_id in exactly one of them; status
+    counts the shards committed and report reads the output."""
+    from helpers.openai_format import read_openai_output
+
+    from batchspec.report.metrics import build_report
+
+    store = s3_store
+    for key, value in store.env.items():
+        monkeypatch.setenv(key, value)
+    fs, bucket = store.fs(), store.new_bucket()
+    target = str(MODELS / "target")
+    expected: dict[str, list[str]] = {}
+    for i in range(3):
+        lines = []
+        for j in range(20):
+            custom_id = f"f{i}-{j}"
+            chat = j % 2 == 0
+            body = {"model": target, "max_tokens": 4 + j % 9}
+            if chat:
+                body["messages"] = [{"role": "user", "content": f"def f{j}(x):"}]
+            else:
+                body["prompt"] = f"import os\nx = {j}\n"
+            url = "/v1/embeddings" if j == 7 else \
+                "/v1/chat/completions" if chat else "/v1/completions"
+            lines.append(json.dumps({"custom_id": custom_id, "method": "POST", "url": url,
+                                     "body": body}))
+        fs.pipe(f"{bucket}/batches/req-{i}.jsonl", ("\n".join(lines) + "\n").encode())
+        expected[f"req-{i}"] = [f"f{i}-{j}" for j in range(20)]
+    out_url = f"s3://{bucket}/batches/results"
+    job = write_job(
+        tmp_path / "openai-s3.yaml",
+        input={"path": f"s3://{bucket}/batches/*.jsonl", "format": "openai",
+               "storage_options": store.input_options},
+        output={"path": out_url, "format": "openai", "storage_options": store.output_options},
+        speculative=DRAFT, sampling={"temperature": 0.0, "max_tokens": 16},
+        execution={"max_in_flight": 6})
+
+    first = Job(job, env={**store.env, "BATCHSPEC_FAKE_ENGINE_DELAY_S": "0.05"}, fake_engine=True)
+    assert first.wait_for("shard_committed") is not None, first.stderr[-3000:]
+    first.kill_group()
+    first.wait()
+    fs = store.fs()
+    visible = {k.rsplit("/", 1)[-1].split(".")[0] for k in fs.ls(out_url)
+               if k.endswith(".output.jsonl")}
+    assert 1 <= len(visible) < 3, f"the kill came too late to test anything: {sorted(visible)}"
+
+    second = shared_engines.run(load_spec(job))
+    assert second.exit_code == 0, second.log[-3000:]
+    assert {r["shard"] for r in second.events("shard_skipped")} == visible
+    fs = store.fs()
+    names = sorted(k.rsplit("/", 1)[-1] for k in fs.ls(out_url))
+    assert names == ["_batchspec", *sorted(f"req-{i}.{kind}.jsonl" for i in range(3)
+                                           for kind in ("errors", "output"))]
+    for shard, ids in expected.items():
+        results, errors = read_openai_output(out_url, shard, fs=fs)
+        answered = [line["custom_id"] for line in results + errors]
+        assert sorted(answered) == sorted(ids), shard  # each exactly once, across both files
+        assert [line["custom_id"] for line in errors] == [f"f{shard[-1]}-7"]
+        assert errors[0]["response"]["body"]["error"]["code"] == "unsupported_url"
+        if shard not in visible:  # the real engine's: speculative figures beside each line
+            samples = [s for line in results for s in line["batchspec"]["samples"]]
+            assert all(s["spec_num_draft_tokens"] is not None for s in samples), shard
+    status = run_cli("status", str(job), env=store.env, timeout=120)
+    assert status.returncode == 0 and "3 committed, 0 partial, 0 pending" in status.stdout, \
+        status.stdout + status.stderr
+    report = build_report(out_url, store.storage_options)
+    assert report["files"] == 3 and report["overall"]["rows"] == 60
+    assert report["overall"]["errors_by_reason"] == {"unsupported url": 3}
 
 
 # ---------------------------------------------------------------------- bad input
