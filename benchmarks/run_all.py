@@ -19,6 +19,7 @@ STEPS = [
     ["benchmarks/throughput.py", "--spec", "draft", "--json", str(OUT / "throughput-draft.json")],
     ["benchmarks/throughput.py", "--spec", "off", "--json", str(OUT / "throughput-off.json")],
     ["benchmarks/memory.py", "--json", str(OUT / "memory.json")],
+    ["benchmarks/memory.py", "--format", "openai", "--json", str(OUT / "memory-openai.json")],
     ["benchmarks/distill.py", "--json", str(OUT / "distill.json")],
     ["benchmarks/tune.py", "--json", str(OUT / "tune.json")],
     ["benchmarks/structured.py"],

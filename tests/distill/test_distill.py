@@ -597,3 +597,32 @@ def test_distill_generates_one_sample_with_its_own_logprobs_and_keeps_the_jobs_c
         assert [r.overrides for r in gen_rows] == [{"seed": 7},
                                                    {"structured_outputs.choice": ["x"]}]
     assert rows[0].overrides == {"n": 4, "logprobs": 1, "seed": 7}  # the caller's rows as given
+
+
+def test_distill_trains_on_an_openai_batch_jobs_lines_with_their_own_sampling(tmp_path):
+    """An OpenAI Batch job's request file: distill samples the lines that run (not the refused
+    one), and generates each with its body's sampling, one sample, distill's own logprobs."""
+    from batchspec.distill.data import generation_request
+
+    lines = [json.dumps({"custom_id": f"c{i}", "method": "POST", "url": "/v1/chat/completions",
+                         "body": {"model": "t", "n": 3, "logprobs": True, "top_logprobs": 2,
+                                  "max_tokens": 10 + i, "temperature": 0.5, "seed": i,
+                                  "messages": [{"role": "user", "content": f"question {i}"}]}})
+             for i in range(8)]
+    lines.insert(3, "{not json")
+    (tmp_path / "batches").mkdir()
+    (tmp_path / "batches" / "requests.jsonl").write_text("\n".join(lines) + "\n")
+    job = write_job(tmp_path / "job.yaml",
+                    input={"path": str(tmp_path / "batches" / "*.jsonl"), "format": "openai"},
+                    output={"path": str(tmp_path / "results"), "format": "openai"},
+                    model={"target": "t"}, sampling={"temperature": 0.0, "max_tokens": 8})
+    spec = load_spec(job)
+    sample = distill_data.sample_rows(spec, size=20, heldout=2, seed=5)
+    rows = sample.train + sample.heldout
+    assert sample.population == 8 and len(sample.heldout) == 2
+    assert sorted(r.request_id for r in rows) == [f"c{i}" for i in range(8)]
+    _, gen_rows = generation_request(spec, rows, 4)
+    for row in gen_rows:
+        i = int(row.request_id[1:])
+        assert row.messages == [{"role": "user", "content": f"question {i}"}]
+        assert row.overrides == {"max_tokens": 10 + i, "temperature": 0.5, "seed": i}

@@ -560,6 +560,42 @@ def tripwire(monkeypatch):
 HF_VALUE = "hf_FROMtheENVIRONMENT_4242"
 
 
+def test_tune_measures_an_openai_batch_jobs_lines_and_writes_its_formats_back(fake_job, tmp_path,
+                                                                             monkeypatch):
+    """An OpenAI Batch job (request file in, result files out): tune samples the lines that can
+    run (not the refused one), each with its own body's sampling, and ``--write`` keeps
+    ``input.format`` and ``output.format``; the written spec validates."""
+    from batchspec.spec.load import load_spec
+    from batchspec.tune.measure import sample_rows
+
+    monkeypatch.setattr(_FakeEngine, "speedup", 4.0)
+    monkeypatch.setenv("VLLM_LOGGING_LEVEL", "WARNING")
+    lines = [json.dumps({"custom_id": f"c{i}", "method": "POST", "url": "/v1/completions",
+                         "body": {"model": "t", "prompt": f"prompt {i}", "max_tokens": 8 + i}})
+             for i in range(9)]
+    lines.append(json.dumps({"custom_id": "emb", "method": "POST", "url": "/v1/embeddings",
+                             "body": {"model": "t", "input": "x"}}))
+    (tmp_path / "batches").mkdir()
+    (tmp_path / "batches" / "requests.jsonl").write_text("\n".join(lines) + "\n")
+    raw = yaml.safe_load(fake_job.read_text())
+    raw["input"] = {"path": str(tmp_path / "batches" / "*.jsonl"), "format": "openai"}
+    raw["output"] = {"path": str(tmp_path / "results"), "format": "openai"}
+    job = tmp_path / "openai.yaml"
+    job.write_text(yaml.safe_dump(raw))
+    rows, seen = sample_rows(load_spec(job), 20, seed=1)
+    assert seen == 9 and sorted(r.request_id for r in rows) == [f"c{i}" for i in range(9)]
+    assert {r.request_id: r.overrides["max_tokens"] for r in rows}["c4"] == 12
+    result = _tune_cli(str(job), "--concurrency", "1", "--k", "2", "--top", "0", "--no-ngram",
+                       "--repeats", "1", "--sample", "6", "--json",
+                       "--write", str(tmp_path / "tuned.yaml"))
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["sample"]["rows"] == 6 and data["recommended"] == {"1": "draft k=2"}
+    written = yaml.safe_load((tmp_path / "tuned.yaml").read_text())
+    assert written["input"]["format"] == written["output"]["format"] == "openai"
+    assert load_spec(tmp_path / "tuned.yaml").output.format == "openai"
+
+
 def test_write_keeps_variables_as_written_and_never_their_values(fake_job, tmp_path, monkeypatch):
     """`--set 'model.engine.hf_token=${HF_TOKEN}' --write`: the file says ${HF_TOKEN}, never the
     token; every ${VAR} of the job file stays as written (the recommended section is the job's
