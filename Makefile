@@ -31,13 +31,14 @@ models: setup $(MODELS)/target/.batchspec-complete $(MODELS)/draft-large/.batchs
         $(MODELS)/target-large/.batchspec-complete $(MODELS)/lora-upper/.batchspec-complete \
         $(MODELS)/lora-comment/.batchspec-complete
 
+# the tokenizer, the target and the draft (both cores)
 $(MODELS)/target/.batchspec-complete: tools/tiny_models.py | $(VENV)/.installed
-	$(BIN)/python tools/tiny_models.py --out $(MODELS)
+	$(BIN)/python tools/tiny_models.py --out $(MODELS) --only pair
 
-# the same builder, which skips what is complete: a checkout built before draft-large existed
-# gets it without retraining the pair (about 2.5 minutes)
+# the same builder, from the built target, on one thread: with -j it trains beside the LoRA
+# adapters below rather than after them (about 2 minutes)
 $(MODELS)/draft-large/.batchspec-complete: tools/tiny_models.py $(MODELS)/target/.batchspec-complete | $(VENV)/.installed
-	$(BIN)/python tools/tiny_models.py --out $(MODELS)
+	$(BIN)/python tools/tiny_models.py --out $(MODELS) --only draft-large
 
 # the tiny target grown to 205M parameters, same function (seconds); see tools/grow_model.py
 $(MODELS)/target-large/.batchspec-complete: tools/grow_model.py $(MODELS)/target/.batchspec-complete | $(VENV)/.installed

@@ -12,7 +12,7 @@ library's source (it ships with every Python):
    way: it accepts more and costs more per proposed token, the other end of that trade-off.
 
 Deterministic (seeded, single source order); a model directory is skipped when it is already
-complete. Usage: ``python tools/tiny_models.py [--out .models]``.
+complete. Usage: ``python tools/tiny_models.py [--out .models] [--only pair|draft-large]``.
 """
 
 from __future__ import annotations
@@ -314,13 +314,21 @@ def torch_generator(seed: int):
     return torch.Generator().manual_seed(seed)
 
 
+#: What ``--only`` builds: the pair (tokenizer, target, draft), or ``draft-large`` from a built
+#: target (one thread: `make -j` trains it beside the LoRA adapters, which also need the target).
+PARTS = ("pair", "draft-large")
+
+
 def build(out: Path, target_steps: int, draft_steps: int, force: bool,
-          draft_large_steps: int = 200) -> None:
+          draft_large_steps: int = 200, only: str | None = None) -> None:
     target_dir, draft_dir, draft_large_dir = out / "target", out / "draft", out / "draft-large"
-    if not force and all(is_complete(d) for d in (target_dir, draft_dir, draft_large_dir)):
-        log(f"{target_dir}, {draft_dir} and {draft_large_dir} already built; skipping "
-            "(use --force to rebuild)")
+    wanted = {"pair": (target_dir, draft_dir), "draft-large": (draft_large_dir,)}.get(
+        only, (target_dir, draft_dir, draft_large_dir))
+    if not force and all(is_complete(d) for d in wanted):
+        log(f"{', '.join(map(str, wanted))} already built; skipping (use --force to rebuild)")
         return
+    if only == "draft-large" and not is_complete(target_dir):
+        raise SystemExit(f"tiny_models: --only draft-large needs {target_dir} built first")
 
     import torch
     from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
@@ -334,12 +342,13 @@ def build(out: Path, target_steps: int, draft_steps: int, force: bool,
     texts = training_texts()
     log(f"corpus: {len(texts)} standard-library files, {sum(map(len, texts)):,} characters")
     tok_dir = out / "tokenizer"
-    tokenizer = build_tokenizer(texts, tok_dir)
+    if only != "draft-large":  # which reads the pair's, as its target does
+        build_tokenizer(texts, tok_dir)
     tokenizer = PreTrainedTokenizerFast.from_pretrained(tok_dir)
     data = encode_corpus(tokenizer, texts)
     log(f"tokenizer: vocabulary {len(tokenizer)}, corpus {len(data):,} tokens")
 
-    if force or not is_complete(target_dir):
+    if only != "draft-large" and (force or not is_complete(target_dir)):
         target = LlamaForCausalLM(llama_config(tokenizer, 4, 256, 4, 512))
         n = sum(p.numel() for p in target.parameters())
         log(f"target: {n / 1e6:.2f}M parameters, {target_steps} steps")
@@ -354,7 +363,7 @@ def build(out: Path, target_steps: int, draft_steps: int, force: bool,
     for p in target.parameters():
         p.requires_grad_(False)
 
-    if force or not is_complete(draft_dir):
+    if only != "draft-large" and (force or not is_complete(draft_dir)):
         seqs = greedy_continuations(target, data, count=2048, prompt_len=32, new_tokens=64, gen=gen)
         log(f"distillation set: {tuple(seqs.shape)} target greedy sequences")
         draft = LlamaForCausalLM(llama_config(tokenizer, 1, 256, 4, 512))
@@ -364,9 +373,9 @@ def build(out: Path, target_steps: int, draft_steps: int, force: bool,
         distill_draft(draft, target, seqs, data, draft_steps, batch=16, peak_lr=2e-3, gen=gen)
         save_model(draft, tokenizer, draft_dir, {"role": "draft", "parameters": n,
                                                   "steps": draft_steps, "seed": SEED})
-    if force or not is_complete(draft_large_dir):
+    if only != "pair" and (force or not is_complete(draft_large_dir)):
         build_draft_large(target, tokenizer, data, draft_large_dir, draft_large_steps)
-    log(f"done in {time.time() - started:.0f}s: {target_dir}, {draft_dir}, {draft_large_dir}")
+    log(f"done in {time.time() - started:.0f}s: {', '.join(map(str, wanted))}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -376,8 +385,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--draft-steps", type=int, default=300)
     parser.add_argument("--draft-large-steps", type=int, default=200)
     parser.add_argument("--force", action="store_true", help="rebuild even if already built")
+    parser.add_argument("--only", choices=PARTS, help="build only the pair or only draft-large")
     args = parser.parse_args(argv)
-    build(args.out, args.target_steps, args.draft_steps, args.force, args.draft_large_steps)
+    build(args.out, args.target_steps, args.draft_steps, args.force, args.draft_large_steps,
+          args.only)
     return 0
 
 

@@ -113,7 +113,7 @@ def test_openai_batch_example_answers_a_request_file_on_object_storage_beside_it
     fs.mkdir("openai-example")
     requests = (ROOT / "examples" / "openai-batch" / "requests.jsonl").read_text()
     batch_dir = "s3://openai-example/batches/2026-11-25"
-    fs.pipe(f"{batch_dir}/requests.jsonl", requests.encode())
+    fs.pipe(f"{batch_dir}/requests/requests.jsonl", requests.encode())
     env = {"BATCH_DIR": batch_dir, "S3_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": S3_KEY,
            "AWS_SECRET_ACCESS_KEY": S3_SECRET, "BATCHSPEC_TARGET": str(MODELS / "target"),
            "BATCHSPEC_DRAFT": str(MODELS / "draft")}

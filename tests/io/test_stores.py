@@ -283,12 +283,12 @@ def test_openai_batch_files_killed_then_rerun_on_s3_answer_each_custom_id_once(
                 "/v1/chat/completions" if chat else "/v1/completions"
             lines.append(json.dumps({"custom_id": custom_id, "method": "POST", "url": url,
                                      "body": body}))
-        fs.pipe(f"{bucket}/batches/req-{i}.jsonl", ("\n".join(lines) + "\n").encode())
+        fs.pipe(f"{bucket}/batches/requests/req-{i}.jsonl", ("\n".join(lines) + "\n").encode())
         expected[f"req-{i}"] = [f"f{i}-{j}" for j in range(20)]
     out_url = f"s3://{bucket}/batches/results"
     job = write_job(
         tmp_path / "openai-s3.yaml",
-        input={"path": f"s3://{bucket}/batches/*.jsonl", "format": "openai",
+        input={"path": f"s3://{bucket}/batches/requests/*.jsonl", "format": "openai",
                "storage_options": store.input_options},
         output={"path": out_url, "format": "openai", "storage_options": store.output_options},
         speculative=DRAFT, sampling={"temperature": 0.0, "max_tokens": 16},
