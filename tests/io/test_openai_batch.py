@@ -171,6 +171,9 @@ def test_a_request_file_runs_on_the_real_engine(tmp_path, shared_engines):
         "{broken",
         _line("emb", url="/v1/embeddings", model=served),
         _line("text-greedy", url="/v1/completions", model=served),
+        json.dumps({"method": "POST", "url": "/v1/completions",
+                    "body": {"model": served, "prompt": "x"}}),
+        _line("typo", model=served, max_tokns=4),
     ]
     path = tmp_path / "requests.jsonl"
     path.write_text("\n".join(lines) + "\n")
@@ -179,8 +182,9 @@ def test_a_request_file_runs_on_the_real_engine(tmp_path, shared_engines):
     job["speculative"] = dict(DRAFT)
     spec = build_spec(job)
     [check] = validate_job(spec).shards
-    assert check.rows == 7
-    assert check.bad_rows == {"not JSON": 1, "unsupported url": 1, "duplicate custom_id": 1}
+    assert check.rows == 9
+    assert check.bad_rows == {"not JSON": 1, "unsupported url": 1, "duplicate custom_id": 1,
+                              "no custom_id": 1, "unsupported field": 1}
     run = shared_engines.run(spec)
     assert run.exit_code == 0, run.log[-3000:]
     out = read_output(tmp_path / "out").to_pylist()
@@ -215,7 +219,10 @@ def test_a_request_file_runs_on_the_real_engine(tmp_path, shared_engines):
     results, errors = read_openai_output(tmp_path / "openai-out", "requests")
     ok = {line["custom_id"]: line["response"]["body"] for line in results}
     assert sorted(ok) == ["chat-greedy", "json", "text-greedy", "text-two"]
-    assert sorted(str(line["custom_id"]) for line in errors) == ["None", "emb", "text-greedy"]
+    assert sorted(str(line["custom_id"]) for line in errors) == ["None", "None", "emb",
+                                                                  "text-greedy", "typo"]
+    assert {(line["error"] or line["response"]["body"]["error"])["code"] for line in errors} == {
+        "not_json", "no_custom_id", "unsupported_url", "duplicate_custom_id", "unsupported_field"}
     for custom_id in ("chat-greedy", "text-greedy"):
         [parquet_row] = [r for r in by_id[custom_id] if r["finish_reason"] != "error"]
         [choice] = ok[custom_id]["choices"]
