@@ -32,6 +32,8 @@ FEATURE_FIELDS: list[pa.Field] = [
     pa.field("top_logprobs", pa.list_(pa.list_(TOKEN_LOGPROB))),
     pa.field("prompt_token_logprobs", pa.list_(pa.float64())),
     pa.field("prompt_top_logprobs", pa.list_(pa.list_(TOKEN_LOGPROB))),
+    # the request id of the identical request generated for this row (batchspec/run/twins.py)
+    pa.field("twin_of", pa.string()),
 ]
 
 RESULT_FIELDS: list[pa.Field] = [

@@ -23,6 +23,7 @@ STEPS = [
     ["benchmarks/distill.py", "--json", str(OUT / "distill.json")],
     ["benchmarks/tune.py", "--json", str(OUT / "tune.json")],
     ["benchmarks/structured.py"],
+    ["benchmarks/duplicates.py", "--json", str(OUT / "duplicates.json")],
 ]
 
 

@@ -60,7 +60,7 @@ SUMMED = ("num_prompt_tokens", "num_output_tokens", "spec_num_steps", "spec_num_
 
 #: Everything the single-run statistics read; ``generated_text`` and kept input columns stay on disk.
 STAT_COLUMNS = ["finish_reason", *SUMMED, HISTOGRAM, *DISTRIBUTIONS.values(), "structured_valid",
-                "lora_adapter", ERROR]
+                "lora_adapter", "twin_of", ERROR]
 
 #: The name a report gives rows that ran on the base model in a job with LoRA adapters.
 BASE_MODEL = "(base model)"
@@ -110,6 +110,7 @@ def _aggregations() -> list[pl.Expr]:
             pl.col("spec_num_steps").is_not_null().any().alias("speculative"),
             pl.col("structured_valid").is_not_null().sum().alias("structured_rows"),
             pl.col("structured_valid").cast(pl.Int64).sum().alias("structured_valid"),
+            pl.col("twin_of").is_not_null().sum().alias("rows_from_twin"),
             *(pl.col(c).cast(pl.Int64).sum().alias(c) for c in SUMMED),
             *(e for key, column in DISTRIBUTIONS.items()
               for e in _distribution_exprs(pl.col(column).filter(ok), key))]
@@ -119,7 +120,7 @@ def _aggregations() -> list[pl.Expr]:
 
 #: The aggregates of a group without rows (an empty output file).
 _EMPTY = {"rows": 0, "errors": 0, "speculative": False, "structured_rows": 0,
-          "structured_valid": 0, **dict.fromkeys(SUMMED, 0)}
+          "structured_valid": 0, "rows_from_twin": 0, **dict.fromkeys(SUMMED, 0)}
 
 
 
@@ -132,6 +133,8 @@ def _metrics(agg: dict, finish: Counter, errors: Counter, histogram: list[int] |
     return {
         "rows": agg["rows"],
         "errors": agg["errors"],
+        # written from an identical request's result (batchspec/run/twins.py)
+        "rows_from_twin": agg["rows_from_twin"],
         "errors_by_reason": dict(sorted(errors.items())),
         "finish_reasons": dict(sorted(finish.items())),
         "prompt_tokens": agg["num_prompt_tokens"],

@@ -29,7 +29,7 @@ REQUIRED_COLUMNS = [REQUEST_ID, *BASE_RESULT_NAMES]
 
 #: The request-feature columns a report reads, as polars types (files without them read null).
 FEATURE_TYPES = {f.name: pl.from_arrow(pa.array([], f.type)).dtype for f in FEATURE_FIELDS
-                 if f.name in ("structured_valid", "sample_index", "lora_adapter")}
+                 if f.name in ("structured_valid", "sample_index", "lora_adapter", "twin_of")}
 
 
 

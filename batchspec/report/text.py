@@ -93,6 +93,8 @@ def _summary_rows(report: dict) -> list[list[str]]:
         ["files", fmt(report["files"])],
         ["rows", fmt(m["rows"])],
         ["errors", fmt(m["errors"])],
+        *([["rows from a twin", f"{m['rows_from_twin']:,} (an identical request's result; "
+                                "not generated again)"]] if m.get("rows_from_twin") else []),
         ["finish reasons", _counts(m["finish_reasons"])],
         ["prompt tokens", fmt(m["prompt_tokens"])],
         ["output tokens", fmt(m["output_tokens"])],

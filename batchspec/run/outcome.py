@@ -27,9 +27,13 @@ class ShardStats:
     draft_tokens: int = 0
     accepted_tokens: int = 0
     duplicate_ids: int = 0
+    #: rows written from an identical request's result (batchspec/run/twins.py)
+    from_twin: int = 0
 
     def add(self, result: dict) -> None:
         self.rows += 1
+        if result.get("twin_of") is not None:
+            self.from_twin += 1
         if result.get("error") is not None:
             self.errors += 1
             reason = error_reason(result["error"])
@@ -47,6 +51,7 @@ class ShardStats:
         self.spec_steps += other["spec_num_steps"]
         self.draft_tokens += other["spec_num_draft_tokens"]
         self.accepted_tokens += other["spec_num_accepted_tokens"]
+        self.from_twin += other.get("rows_from_twin", 0)
         for reason, n in other["errors_by_reason"].items():
             self.errors_by_reason[reason] = self.errors_by_reason.get(reason, 0) + n
 
@@ -56,6 +61,7 @@ class ShardStats:
             "errors": self.errors,
             "errors_by_reason": dict(sorted(self.errors_by_reason.items())),
             "duplicate_ids": self.duplicate_ids,
+            "rows_from_twin": self.from_twin,
             "prompt_tokens": self.prompt_tokens,
             "output_tokens": self.output_tokens,
             "spec_num_steps": self.spec_steps,

@@ -36,6 +36,7 @@ from batchspec.leases.shard_leases import holder_text
 from batchspec.redact import sanitize_url
 from batchspec.run.events import EventLog
 from batchspec.run.outcome import RunOutcome, ShardStats
+from batchspec.run.twins import Twins
 from batchspec.spec.model import JobSpec
 from batchspec.stats import request_totals
 
@@ -336,15 +337,24 @@ class ShardPipeline:
             """After a stop: only requests of shards that can still be committed may drain."""
             return by_name[row.shard].state is ShardState.READ
 
-        stream = engine.stream(self.read_prompts(runs, SeenIds()),
+        twins = Twins(self.spec.sampling, self.spec.execution.dedupe_window)
+        stream = engine.stream(twins.primaries(self.read_prompts(runs, SeenIds())),
                                self.spec.execution.max_in_flight, stop=self.stop,
                                grace_s=self.grace_s, keep=keep)
+
+        def deliver(row: Row, results: list[dict]) -> None:
+            run = by_name[row.shard]
+            if not run.dropped:
+                self.write(run, row, results)
+
         try:
             for row, results in stream:
                 self.abandon_lost(runs)  # the keeper thread marks a lease lost: act between steps
-                run = by_name[row.shard]
-                if not run.dropped:
-                    self.write(run, row, results)
+                deliver(row, results)
+                for twin, copied in twins.finished(row, results):
+                    deliver(twin, copied)
+            for twin, copied in twins.ready():  # answered after the engine's last result
+                deliver(twin, copied)
         finally:
             stream.close()  # aborts whatever is still in the engine
 

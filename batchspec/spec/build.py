@@ -231,7 +231,16 @@ def _execution_spec(raw: dict) -> ExecutionSpec:
         progress_interval_s=float(exe.get("progress_interval_s", (int, float))),
         grace_s=exe.seconds("grace_s", allow_zero=True),
         lease_s=exe.seconds("lease_s", allow_zero=False),
+        dedupe_window=_dedupe_window(exe),
     )
+
+
+def _dedupe_window(exe: _Fields) -> int:
+    value = exe.get("dedupe_window", int)
+    if isinstance(value, bool) or value < 0:
+        raise SpecError("execution.dedupe_window", f"expected a number of requests, 0 or more "
+                                                   f"(0: every row generated), got {value!r}")
+    return value
 
 
 def _executor_spec(raw: dict) -> ExecutorSpec:

@@ -140,6 +140,10 @@ class ExecutionSpec:
     #: Seconds after which a shard lease that was not renewed counts as abandoned and another
     #: process may take the shard over.
     lease_s: float = 120.0
+    #: Identical requests (same prompt or messages, adapter and per-row sampling; greedy or
+    #: seeded) within this many are generated once, the result written to each (``twin_of``);
+    #: 0 generates every row (batchspec/run/twins.py).
+    dedupe_window: int = 10000
 
 
 #: Where a job's shards run: ``local`` (this process's one engine) or ``ray`` (replicas).
