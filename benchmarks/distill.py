@@ -46,8 +46,9 @@ def write_job(work: Path, models: Path, target: str, draft: Path, max_tokens: in
         "speculative": {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 4},
         "sampling": {"temperature": 0.0, "max_tokens": max_tokens},
     }
+    spec["execution"] = {"dedupe_window": 0}  # every row generated: acceptance of each
     if max_in_flight:
-        spec["execution"] = {"max_in_flight": max_in_flight}
+        spec["execution"]["max_in_flight"] = max_in_flight
     path = work / f"job-{target}.yaml"
     path.write_text(yaml.safe_dump(spec, sort_keys=False))
     return path

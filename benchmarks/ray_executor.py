@@ -57,7 +57,7 @@ def main() -> int:
             "speculative": {"method": "draft_model", "model": str(ROOT / ".models" / "draft"),
                             "num_speculative_tokens": 4},
             "sampling": {"temperature": 0.0, "max_tokens": 64, "ignore_eos": True},
-            "execution": {"max_in_flight": 256},
+            "execution": {"max_in_flight": 256, "dedupe_window": 0},  # every row generated
             "executor": {"kind": kind, "replicas": replicas,
                          "resources_per_replica": {"CPU": args.cpus / replicas}},
         })

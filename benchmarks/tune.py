@@ -73,6 +73,7 @@ def run_tok_s(job: Path, out: Path, concurrency: int, rows_dir: Path) -> dict:
     cli("run", str(job), "--overwrite", "--no-progress",
         "--set", f"model.engine.max_num_seqs={concurrency}",
         "--set", f"execution.max_in_flight={concurrency}",
+        "--set", "execution.dedupe_window=0",  # every row generated, as tune measured them
         "--set", f"input.path={rows_dir}/*.parquet", "--set", f"output.path={out}")
     runs = sorted((out / "_batchspec" / "runs").glob("*.json"), key=lambda p: p.stat().st_mtime)
     summary = json.loads(runs[-1].read_text())

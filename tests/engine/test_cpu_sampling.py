@@ -415,7 +415,9 @@ def test_job_with_sampling_and_speculation_runs(tmp_path, spec_off, shared_engin
                            "sampling_columns": {"temperature": "temperature",
                                                 "max_tokens": "max_tokens", "seed": "seed"}},
                     output={"path": str(tmp_path / "out")}, speculative=DRAFT,
-                    sampling={**SAMPLED, "max_tokens": SEEDED_TOKENS})
+                    sampling={**SAMPLED, "max_tokens": SEEDED_TOKENS},
+                    # each seeded pair generated twice, not once for both (batchspec/run/twins.py)
+                    execution={"dedupe_window": 0})
     run = shared_engines.run(load_spec(job))
     assert run.exit_code == 0, run.log[-3000:]
     rows = {r["request_id"]: r for r in read_output(tmp_path / "out").to_pylist()}
