@@ -1,5 +1,6 @@
-"""How tune predicts: tokens per step from per-position acceptance, tok/s at k from one measured
-k, the recommendation per concurrency and the batch sizes to write."""
+"""How tune predicts: tokens per step from per-position acceptance, tok/s at k from two measured
+k (one where a draft has a single k), the recommendation per concurrency and the batch sizes to
+write."""
 
 from __future__ import annotations
 
@@ -35,6 +36,28 @@ def predict_tokens_per_s(off_tps: float, big_tps: float, big_tau: float, rates: 
     step_off = 1.0 / off_tps
     step_big = big_tau / big_tps
     step = step_off + (step_big - step_off) * k / big_k
+    return tokens_per_step(rates, k) / step
+
+
+def predict_from_two(low: tuple[int, float, float], high: tuple[int, float, float],
+                     rates: list[float], k: int) -> float | None:
+    """Predicted output tok/s at k from two measured k of one draft at one level, each given as
+    (k, measured tok/s, measured tokens per step); None where the fit says nothing.
+
+    Time per sequence step is fitted through the two: ``a + b * k``, where ``b`` is what each
+    proposed token adds (the draft's forward pass and one more verified position) and ``a`` what
+    turning speculation on costs every step whatever k is (the draft's own scheduling and
+    bookkeeping, the verification pass's fixed work). Speculation off is not on that line: a
+    line from off to the largest k (:func:`predict_tokens_per_s`) spreads ``a`` over k and so
+    predicts small k too fast (+35% at k = 1 on the tiny pair)."""
+    (k1, tps1, tau1), (k2, tps2, tau2) = sorted([low, high])
+    if k1 == k2 or min(tps1, tps2, tau1, tau2) <= 0:
+        return None
+    step1, step2 = tau1 / tps1, tau2 / tps2
+    per_k = (step2 - step1) / (k2 - k1)
+    step = step1 + per_k * (k - k1)
+    if step <= 0:
+        return None
     return tokens_per_step(rates, k) / step
 
 

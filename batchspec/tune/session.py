@@ -50,6 +50,7 @@ from batchspec.tune.model import (
 )
 from batchspec.tune.predict import (
     pick_ks,
+    predict_from_two,
     predict_tokens_per_s,
     recommend,
 )
@@ -170,9 +171,10 @@ class _Session:
         return self.fixed + [c for family in self.families.values() for c in family]
 
     def engines(self) -> int:
-        """Engines the tune expects to start: each fixed candidate, each draft's largest k and
-        its ``--top`` best predicted k."""
-        return len(self.fixed) + sum(1 + self.options.top for _ in self.families)
+        """Engines the tune expects to start: each fixed candidate, each draft's largest and
+        smallest k and its ``--top`` best predicted k."""
+        return len(self.fixed) + sum(min(2, len(f)) + self.options.top
+                                     for f in self.families.values())
 
     def public(self, text: str) -> str:
         """Free text for the report (a skip reason quoting vLLM): secrets out, URLs sanitised."""
@@ -243,8 +245,11 @@ class _Session:
         return levels
 
     def measure_family(self, family: list[Candidate]) -> None:
-        """One draft: run the largest k, predict every k from it, run the best predicted ones."""
+        """One draft: run its largest and its smallest k, predict every k from the two (a step's
+        cost fitted as fixed plus per-k: :func:`predict_from_two`), run the best predicted
+        others."""
         big, top = family[-1], self.options.top
+        small = family[0] if len(family) > 1 else None
         try:
             big_levels = self.measure(big)
         except SkipCandidate as exc:
@@ -252,14 +257,32 @@ class _Session:
                 for c in self.concurrency:
                     self.entry(cand, c, skipped=str(exc))
             self.progress.finish(big.label, f"skipped: {exc}")
-            self.progress.grow(-top)
+            self.progress.grow(-top - (small is not None))
             return
-        predicted = self._predict(family, big_levels)
-        self.record(big, big_levels, {c: p[big.k] for c, p in predicted.items()}, calibration=True)
-        chosen = [k for k in pick_ks(predicted, top) if k != big.k]
+        small_levels: dict[int, LevelMeasurement] = {}
+        if small is not None:
+            try:
+                small_levels = self.measure(small)
+            except SkipCandidate as exc:  # predicted from the largest k alone, as measured
+                for c in self.concurrency:
+                    self.entry(small, c, skipped=str(exc))
+                self.progress.finish(small.label, f"skipped: {exc}")
+        predicted = self._predict(family, big_levels, small_levels)
+        self.record(big, big_levels, {c: p.get(big.k) for c, p in predicted.items()},
+                    calibration=True)
+        measured = {big.k}
+        if small_levels:
+            self.record(small, small_levels, {c: p.get(small.k) for c, p in predicted.items()},
+                        calibration=True)
+            measured.add(small.k)
+        # --top: that many more k, the best predicted of those not measured yet
+        chosen = pick_ks({c: {k: v for k, v in p.items() if k not in measured}
+                          for c, p in predicted.items()}, top)
         self.progress.grow(len(chosen) - top)
         for cand in family[:-1]:
-            preds = {c: p[cand.k] for c, p in predicted.items()}
+            if small is not None and cand is small:
+                continue  # measured above (or skipped, with its reason)
+            preds = {c: p[cand.k] for c, p in predicted.items() if cand.k in p}
             if cand.k not in chosen:
                 for c in self.concurrency:
                     self.entry(cand, c, predicted=preds.get(c),
@@ -273,19 +296,34 @@ class _Session:
                     self.entry(cand, c, predicted=preds.get(c), skipped=str(exc))
                 self.progress.finish(cand.label, f"skipped: {exc}")
 
-    def _predict(self, family: list[Candidate], big_levels: dict[int, LevelMeasurement]
+    def _predict(self, family: list[Candidate], big_levels: dict[int, LevelMeasurement],
+                 small_levels: dict[int, LevelMeasurement] | None = None
                  ) -> dict[int, dict[int, float]]:
-        """Concurrency -> k -> predicted tok/s for every k of ``family``, from speculation off
-        and its largest k measured at that level."""
-        big = family[-1]
+        """Concurrency -> k -> predicted tok/s for every k of ``family``: from its largest and
+        smallest k measured at that level (:func:`predict_from_two`), else from speculation off
+        and the largest k (:func:`predict_tokens_per_s`). The per-position acceptance is the
+        largest k's (it sees every position)."""
+        big, small = family[-1], family[0]
         predicted: dict[int, dict[int, float]] = {}
         for c, lv in big_levels.items():
-            off = self.off_levels.get(c)
-            if off is None or not lv.per_position or not lv.tps or not lv.mean_acceptance_length:
+            if not lv.per_position or not lv.tps or not lv.mean_acceptance_length:
                 continue
             rates = [r or 0.0 for r in lv.per_position["rate"]]
-            predicted[c] = {cand.k: predict_tokens_per_s(off.tps, lv.tps, lv.mean_acceptance_length,
-                                                          rates, big.k, cand.k) for cand in family}
+            low = (small_levels or {}).get(c)
+            by_k: dict[int, float] = {}
+            if low is not None and low.tps and low.mean_acceptance_length:
+                for cand in family:
+                    p = predict_from_two((small.k, low.tps, low.mean_acceptance_length),
+                                         (big.k, lv.tps, lv.mean_acceptance_length), rates, cand.k)
+                    if p is not None:
+                        by_k[cand.k] = p
+            off = self.off_levels.get(c)
+            if len(by_k) < len(family) and off is not None:
+                for cand in family:
+                    by_k.setdefault(cand.k, predict_tokens_per_s(
+                        off.tps, lv.tps, lv.mean_acceptance_length, rates, big.k, cand.k))
+            if by_k:
+                predicted[c] = by_k
         return predicted
 
     # .................................................................. the report's entries

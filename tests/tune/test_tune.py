@@ -31,6 +31,7 @@ from batchspec.tune.model import (
 from batchspec.tune.predict import (
     batch_size_schedule,
     pick_ks,
+    predict_from_two,
     predict_tokens_per_s,
     recommend,
     spread,
@@ -65,6 +66,25 @@ def test_prediction_reproduces_its_two_calibration_points_and_interpolates_cost(
     # k = 2: tau 2.4; step time halfway between 1/40 and 2.8/70
     step = (1 / 40 + 2.8 / 70) / 2
     assert predict_tokens_per_s(off_tps, big_tps, big_tau, rates, 4, 2) == pytest.approx(2.4 / step)
+
+
+def test_two_point_prediction_keeps_the_fixed_cost_of_speculation_on():
+    """A step costs a fixed 20 ms with speculation on plus 5 ms a proposed token (off: 10 ms):
+    fitted through k = 1 and k = 4, every k in between is exact, where a line from off to k = 4
+    predicts k = 1 too fast."""
+    rates = [0.8, 0.6, 0.3, 0.1]
+
+    def measured(k):  # (k, tok/s, tokens per step) as a run would give them
+        tau = tokens_per_step(rates, k)
+        return (k, tau / (0.020 + 0.005 * k), tau)
+
+    low, high = measured(1), measured(4)
+    for k in (1, 2, 3, 4):
+        assert predict_from_two(low, high, rates, k) == pytest.approx(measured(k)[1])
+    assert predict_from_two(high, low, rates, 2) == pytest.approx(measured(2)[1])  # any order
+    one_point = predict_tokens_per_s(1 / 0.010, high[1], high[2], rates, 4, 1)
+    assert one_point > measured(1)[1] * 1.2  # the old line's error at k = 1
+    assert predict_from_two(low, low, rates, 2) is None  # one k: no line
 
 
 def test_prediction_prefers_small_k_when_late_positions_rarely_accept():
@@ -281,14 +301,14 @@ class Tuned:
 @pytest.fixture(scope="module")
 def tuned(tmp_path_factory, models) -> Tuned:
     """One tune of the tiny pair: 12 rows of 24 tokens at concurrency 1 and 4; the job's draft at
-    k 2 and 3 (k=3 measured first, k=2 predicted from it, then measured: --top 2), a draft that
-    does not exist (skipped), speculation off twice per level. The job's rows run with two LoRA
-    adapters and the base model, as its own run would."""
+    k 1, 2 and 3 (k=3 and k=1 measured first, k=2 predicted from the two, then measured:
+    --top 1), a draft that does not exist (skipped), speculation off twice per level. The job's
+    rows run with two LoRA adapters and the base model, as its own run would."""
     root = tmp_path_factory.mktemp("tune")
     job = _tune_job(root, "target", 8, 24, lora=True)
     started = time.monotonic()
     result = run_cli("tune", str(job), "--sample", "12", "--seed", "3", "--concurrency", "1,4",
-                     "--k", "2,3", "--top", "2", "--no-ngram", "--draft", str(root / "no-draft"),
+                     "--k", "1,2,3", "--top", "1", "--no-ngram", "--draft", str(root / "no-draft"),
                      "--json", "--html", str(root / "tune.html"), "--write", str(root / "tuned.yaml"))
     return Tuned(root, job, result, time.monotonic() - started)
 
@@ -322,7 +342,10 @@ def test_tune_json_schema_and_values(tuned):
         assert rates == sorted(rates, reverse=True)  # position i counts only after i-1 accepted
         assert d["predicted_output_tokens_per_s"] > 0 and d["calibration"] is True
         assert d["lossless"] is True
-    # the smaller k was predicted from the k=3 run, then measured: predicted beside measured
+    # k=1 was measured too: the other end of the line k=2 is predicted on
+    for d in tuned.entries("draft k=1"):
+        assert d["calibration"] is True and d["output_tokens_per_s"] > 0
+    # k=2 was predicted from the k=1 and k=3 runs, then measured: predicted beside measured
     small = tuned.entries("draft k=2")
     assert [c["concurrency"] for c in small] == [1, 4]
     for c in small:
@@ -341,7 +364,7 @@ def test_tune_json_schema_and_values(tuned):
 @pytest.mark.engine
 def test_tune_lists_a_candidate_it_could_not_run_with_the_reason(tuned):
     missing = [c for c in tuned.data["candidates"] if c["label"].startswith("no-draft")]
-    assert len(missing) == 2 * 2  # k 2 and 3 at both levels, none dropped
+    assert len(missing) == 3 * 2  # k 1, 2 and 3 at both levels, none dropped
     for c in missing:
         assert "no such directory" in c["skipped"] and c["output_tokens_per_s"] is None
     # and said so while it ran (a progress line per engine when stderr is not a terminal)
