@@ -89,6 +89,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--quick", action="store_true", help="k 2,4, no n-gram, one draft")
+    parser.add_argument("--predictions", action="store_true",
+                        help="tune only, the job's draft at k 1..4 (k=1 and k=4 fitted, k=2 and "
+                             "k=3 predicted, then measured): how far predictions are from runs")
+    parser.add_argument("--target", default="target-large", help="target-large or target")
     parser.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args(argv)
     for name in ("target-large", "draft", "draft-large"):
@@ -99,16 +103,29 @@ def main(argv: list[str] | None = None) -> int:
         root = Path(tmp)
         tune_in, _ = write_inputs(root, 64)
         job = root / "job.yaml"
-        job.write_text(yaml.safe_dump(job_spec(args.models, tune_in, root / "out", args.max_tokens),
-                                      sort_keys=False))
+        raw = job_spec(args.models, tune_in, root / "out", args.max_tokens)
+        raw["model"]["target"] = str(args.models / args.target)
+        job.write_text(yaml.safe_dump(raw, sort_keys=False))
         levels = ",".join(map(str, args.concurrency))
         tune_args = ["tune", str(job), "--concurrency", levels, "--sample", "64", "--json",
                      "--write", str(root / "tuned.yaml")]
-        tune_args += (["--k", "2,4", "--no-ngram", "--top", "1"] if args.quick
-                      else ["--draft", str(args.models / "draft-large")])
+        if args.predictions:
+            tune_args += ["--k", "1,2,3,4", "--no-ngram", "--top", "2"]
+        else:
+            tune_args += (["--k", "2,4", "--no-ngram", "--top", "1"] if args.quick
+                          else ["--draft", str(args.models / "draft-large")])
         print("$ batchspec " + " ".join(tune_args), file=sys.stderr, flush=True)
         tuned = json.loads(cli(*tune_args).stdout)
         print(f"tune: {tuned['wall_s']} s; recommended {tuned['recommended']}", file=sys.stderr)
+        if args.predictions:
+            errors = [c["prediction_error"] for c in tuned["candidates"]
+                      if c.get("prediction_error") is not None and not c.get("calibration")]
+            print(markdown(tuned, [], None).split("\n\nWritten")[0])
+            print(f"\nprediction error of the predicted k: worst {max(errors) * 100:.1f}%, "
+                  f"mean {sum(errors) / len(errors) * 100:.1f}% over {len(errors)}")
+            if args.json:
+                args.json.write_text(json.dumps({"tune": tuned}, indent=2))
+            return 0
         off = job_spec(args.models, tune_in, root / "out", args.max_tokens)
         off["speculative"] = None
         (root / "off.yaml").write_text(yaml.safe_dump(off, sort_keys=False))
