@@ -337,7 +337,8 @@ class ShardPipeline:
             """After a stop: only requests of shards that can still be committed may drain."""
             return by_name[row.shard].state is ShardState.READ
 
-        twins = Twins(self.spec.sampling, self.spec.execution.dedupe_window)
+        twins = Twins(self.spec.sampling, self.spec.execution.dedupe_window,
+                      hold=self.spec.execution.max_in_flight)
         stream = engine.stream(twins.primaries(self.read_prompts(runs, SeenIds())),
                                self.spec.execution.max_in_flight, stop=self.stop,
                                grace_s=self.grace_s, keep=keep)

@@ -7,9 +7,10 @@ once; every other such row, its *twin*, gets a copy of the result, with ``twin_o
 row that was generated, and null speculative-decoding and timing columns (nothing ran for it).
 
 Memory stays bounded: the results of at most ``window`` requests are kept for twins that come
-later (the least recently used go first), at most ``window`` twins wait at once for a request
-still in the engine, and at most ``window`` answered twins wait to be written; a row beyond that
-is simply generated. A row whose result a seed
+later (the least recently used go first; results with logprobs, which can be large, are not
+kept), and at most ``hold`` rows (the job's ``execution.max_in_flight``) wait at once, held back
+for a request still in the engine or answered and not yet written; a row beyond that is simply
+generated. A row whose result a seed
 or temperature 0 does not fix (sampled, no seed) and a row the reader refused are never served
 from a twin; a request the engine refused (too long, say) gives its twins the same error; the
 twins of a request that a stopping run aborts are not written, so their shards are not
@@ -32,6 +33,8 @@ NOT_COPIED = ("spec_num_steps", "spec_num_draft_tokens", "spec_num_accepted_toke
               "spec_acceptance_histogram", "time_queued_s", "time_to_first_token_s",
               "time_decode_s", "time_e2e_s", "output_tokens_per_s")
 TWIN_OF = "twin_of"
+#: Result columns that can hold thousands of values: results with them are not kept for later.
+_LARGE = ("token_logprobs", "top_logprobs", "prompt_token_logprobs", "prompt_top_logprobs")
 
 
 def request_key(row: Row, sampling: dict[str, Any]) -> bytes | None:
@@ -55,8 +58,8 @@ def twin_results(results: list[dict], of: str) -> list[dict]:
 class Twins:
     """Holds back twins of requests in flight and serves them when the request finishes."""
 
-    def __init__(self, sampling: dict[str, Any], window: int):
-        self.sampling, self.window = dict(sampling), window
+    def __init__(self, sampling: dict[str, Any], window: int, hold: int):
+        self.sampling, self.window, self.hold = dict(sampling), window, hold
         #: key -> the request id of the row sent to the engine for it
         self._in_flight: dict[bytes, str] = {}
         #: key -> twins waiting for it
@@ -67,8 +70,6 @@ class Twins:
         #: twins answered from ``_done`` as they were read, for the caller to write
         self._ready: list[tuple[Row, list[dict]]] = []
         self._keys: dict[int, bytes] = {}
-        #: rows written from a twin's result
-        self.served = 0
 
     def primaries(self, rows: Iterator[Row]) -> Iterator[Row]:
         """``rows`` without the twins held back (the engine's input)."""
@@ -76,11 +77,11 @@ class Twins:
             key = request_key(row, self.sampling) if self.window else None
             if key is None:
                 yield row
-            elif key in self._done and len(self._ready) < self.window:
+            elif key in self._done and self._held + len(self._ready) < self.hold:
                 self._done.move_to_end(key)
                 of, results = self._done[key]
                 self._ready.append((row, twin_results(results, of)))
-            elif key in self._in_flight and self._held < self.window:
+            elif key in self._in_flight and self._held + len(self._ready) < self.hold:
                 self._waiting.setdefault(key, []).append(row)
                 self._held += 1
             else:
@@ -100,9 +101,10 @@ class Twins:
         twins = self._waiting.pop(key, [])
         self._held -= len(twins)
         # a refusal is a twin's answer too: the same request is refused the same way
-        self._done[key] = (row.request_id, results)
-        while len(self._done) > self.window:
-            self._done.popitem(last=False)
+        if not any(r.get(c) for r in results for c in _LARGE):
+            self._done[key] = (row.request_id, results)
+            while len(self._done) > self.window:
+                self._done.popitem(last=False)
         return out + [(t, twin_results(results, row.request_id)) for t in twins]
 
     def ready(self) -> list[tuple[Row, list[dict]]]:

@@ -107,8 +107,10 @@ def test_per_row_sampling_and_adapters_are_part_of_what_is_identical():
     assert request_key(same[0], {"temperature": 1.0, "seed": 1}) is not None
 
 
-def test_what_waits_is_bounded_by_the_window():
-    twins = Twins({"temperature": 0.0}, window=2)
+def test_what_waits_is_bounded():
+    """At most ``hold`` rows wait (held back, or answered and not yet written): the rest are
+    generated; results with logprobs are not kept for later twins."""
+    twins = Twins({"temperature": 0.0}, window=100, hold=2)
     rows = [Row("s", i, f"r{i}", {}, prompt="same") for i in range(6)]
     sent = list(twins.primaries(iter(rows)))
     # the first is generated, two wait for it, the rest are generated as they are
@@ -116,15 +118,21 @@ def test_what_waits_is_bounded_by_the_window():
     served = twins.finished(rows[0], [{"generated_text": "x", "error": None}])
     assert [t.request_id for t, _ in served] == ["r1", "r2"]
     assert all(res[0]["twin_of"] == "r0" for _, res in served)
-    # after it finished, later twins are answered at once, and at most `window` wait to be written
+    # after it finished, later twins are answered at once, and at most `hold` wait to be written
     more = [Row("s", i, f"r{i}", {}, prompt="same") for i in range(6, 10)]
     sent = list(twins.primaries(iter(more)))
-    # r6 and r7 fill the answered queue; r8 is generated, and r9 waits for it
-    assert [r.request_id for r in sent] == ["r8"]
+    # r6 and r7 fill what may wait; r8 and r9 are generated
+    assert [r.request_id for r in sent] == ["r8", "r9"]
     served = twins.finished(sent[0], [{"generated_text": "x", "error": None}])
-    assert [(t.request_id, res[0]["twin_of"]) for t, res in served] == [
-        ("r6", "r0"), ("r7", "r0"), ("r9", "r8")]
+    assert [(t.request_id, res[0]["twin_of"]) for t, res in served] == [("r6", "r0"), ("r7", "r0")]
     assert twins.ready() == []
+    # a result with logprobs is not kept: a later twin is generated
+    lp = Twins({"temperature": 0.0}, window=100, hold=8)
+    first, later = (Row("s", i, f"l{i}", {}, prompt="q", overrides={"logprobs": 1})
+                    for i in range(2))
+    assert list(lp.primaries(iter([first]))) == [first]
+    lp.finished(first, [{"generated_text": "x", "error": None, "token_logprobs": [-0.1]}])
+    assert list(lp.primaries(iter([later]))) == [later]
 
 
 @pytest.mark.engine
