@@ -37,7 +37,7 @@ CONTRACT_RESULT_NAMES = [
     "time_to_first_token_s", "time_decode_s", "time_e2e_s", "output_tokens_per_s",
     "sample_index", "lora_adapter", "structured_valid", "structured_error", "choice_probs",
     "cumulative_logprob", "token_logprobs", "top_logprobs", "prompt_token_logprobs",
-    "prompt_top_logprobs", "error",
+    "prompt_top_logprobs", "twin_of", "error",
 ]
 #: The features job keeps these input columns, in this order (not the input's order).
 KEEP = ["topic", "id"]

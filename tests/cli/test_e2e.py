@@ -69,6 +69,7 @@ CONTRACT_RESULT_COLUMNS: list[tuple[str, pa.DataType]] = [
     ("top_logprobs", pa.list_(pa.list_(TOKEN_LOGPROB))),
     ("prompt_token_logprobs", pa.list_(pa.float64())),
     ("prompt_top_logprobs", pa.list_(pa.list_(TOKEN_LOGPROB))),
+    ("twin_of", pa.string()),
     ("error", pa.string()),
 ]
 #: "With speculative decoding off the spec_* columns are null."
@@ -138,7 +139,8 @@ class JobRun:
         return [json.loads(line) for line in self.log.splitlines() if line.startswith("{")]
 
 
-def _write_job(tmp_path_factory, inputs, name, speculative, **extra) -> tuple[Path, Path]:
+def _write_job(tmp_path_factory, inputs, name, speculative, execution: dict | None = None,
+               **extra) -> tuple[Path, Path]:
     """A job over every shard of ``inputs``: (job file, output folder)."""
     root, _ = inputs
     work = tmp_path_factory.mktemp(name)
@@ -151,7 +153,7 @@ def _write_job(tmp_path_factory, inputs, name, speculative, **extra) -> tuple[Pa
         output={"path": str(out)},
         speculative=speculative,
         sampling={"temperature": 0.0, "max_tokens": JOB_MAX_TOKENS},
-        execution={"max_in_flight": MAX_IN_FLIGHT},
+        execution={"max_in_flight": MAX_IN_FLIGHT, **(execution or {})},
         **extra,
     )
     return job, out
@@ -229,7 +231,9 @@ def spec_run(tmp_path_factory, inputs) -> JobRun:
 
 @pytest.fixture(scope="module")
 def plain_run(tmp_path_factory, inputs, shared_engines) -> JobRun:
-    return _library_job(tmp_path_factory, inputs, shared_engines, "plain", None)
+    # every row generated: the seeded pair shows vLLM's seed at work, not a twin's copy
+    return _library_job(tmp_path_factory, inputs, shared_engines, "plain", None,
+                        execution={"dedupe_window": 0})
 
 
 # ---------------------------------------------------------------------------------- tests
@@ -279,7 +283,7 @@ def test_acceptance_columns_add_up_to_vllms_run_counters(spec_run):
     rows = read_output(spec_run.out).to_pylist()
     check_acceptance_against_engine_counters(rows, run_summary(spec_run.out), K, full_drafts=True)
     for r in rows:
-        if r["error"] is None:
+        if r["error"] is None and r["twin_of"] is None:  # a twin's figures are its twin's
             # output tokens (from the token ids) against the step counts: the prefill token,
             # then one bonus or correction token per step plus the accepted drafts
             assert r["num_output_tokens"] <= 1 + r["spec_num_steps"] + r["spec_num_accepted_tokens"]
@@ -294,7 +298,7 @@ def test_timings_fit_the_measured_wall_clock(spec_run):
     for path in sorted(spec_run.out.glob("*.parquet")):
         shard_wall = summary["shards"][path.stem]["wall_s"]  # from shard start to its commit
         for r in pq.read_table(path).to_pylist():
-            if r["error"] is not None:
+            if r["error"] is not None or r["twin_of"] is not None:  # nothing ran for either
                 assert all(r[c] is None for c in TIMING_COLUMNS), r
                 continue
             queued, ttft, decode, e2e = (r[c] for c in TIMING_COLUMNS)
@@ -376,6 +380,16 @@ def test_per_row_overrides(spec_run):
             assert r["error"].startswith("unsupported sampling: temperature > 0"), r
         else:
             assert r["error"] is None and 0 < r["num_output_tokens"] <= 24, r
+
+
+def test_a_seeded_repeat_is_written_from_its_twin(spec_run):
+    """The same prompt, sampling and seed twice: generated once (batchspec/run/twins.py)."""
+    rows = {r["request_id"]: r for r in read_output(spec_run.out).to_pylist()}
+    a, b = rows["sampled-a"], rows["sampled-b"]
+    assert b["twin_of"] == "sampled-a" and a["twin_of"] is None
+    assert b["generated_text"] == a["generated_text"] and b["error"] == a["error"]
+    assert b["spec_num_steps"] is None and b["time_e2e_s"] is None
+    assert run_summary(spec_run.out)["shards"]["odd"]["rows_from_twin"] == 1
 
 
 def test_seeded_sampling_overrides_without_speculation(plain_run):
@@ -635,6 +649,7 @@ def test_report_on_real_output(spec_run, plain_run, tmp_path):
     table = read_output(spec_run.out)
     rows = table.to_pylist()
     ok = [r for r in rows if r["error"] is None]
+    generated = [r for r in ok if r["twin_of"] is None]  # a twin has no figures of its own
     overall = report["overall"]
     assert report["files"] == 4
     assert overall["rows"] == table.num_rows
@@ -644,9 +659,10 @@ def test_report_on_real_output(spec_run, plain_run, tmp_path):
     drafted = sum(r["spec_num_draft_tokens"] or 0 for r in rows)
     assert overall["acceptance_rate"] == pytest.approx(accepted / drafted)
     assert overall["acceptance_histogram"] == [
-        sum(r["spec_acceptance_histogram"][j] for r in ok) for j in range(K + 1)]
-    e2e = [r["time_e2e_s"] for r in ok]
-    assert overall["e2e_s"]["count"] == len(ok)
+        sum(r["spec_acceptance_histogram"][j] for r in generated) for j in range(K + 1)]
+    assert overall["rows_from_twin"] == len(ok) - len(generated) == 1  # the seeded pair
+    e2e = [r["time_e2e_s"] for r in generated]
+    assert overall["e2e_s"]["count"] == len(generated)
     assert (overall["e2e_s"]["min"], overall["e2e_s"]["max"]) == (min(e2e), max(e2e))
     summary = run_summary(spec_run.out)
     assert report["acceptance_per_position"]["accepted"] == \
