@@ -208,7 +208,9 @@ def test_interleaved_adapters_equal_each_adapter_alone(lora_runs, mode):
         alone = lora_runs["base"] if adapter is None else lora_runs[mode][adapter]
         assert row["generated_text"] == alone[f"r{i}"]["generated_text"], (i, adapter)
         assert alone[f"r{i}"]["lora_adapter"] == adapter
-        if mode != "off":
+        if row["twin_of"] is not None:  # a repeated prompt: its twin ran with the same adapter
+            assert mixed[row["twin_of"]]["lora_adapter"] == adapter
+        elif mode != "off":
             assert row["spec_num_draft_tokens"] > 0  # speculation ran on adapter rows too
     texts = {a: [mixed[f"r{i}"]["generated_text"] for i, x in enumerate(ADAPTER_OF_ROW) if x == a]
              for a in ("upper", "comment", None)}
