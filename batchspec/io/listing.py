@@ -31,7 +31,6 @@ from batchspec.io.paths import (
     _FAMILIES,
     _OBJECT_FAMILIES,
     BOOKKEEPING_DIR,
-    OUTPUT_SUFFIX,
     _family,
     _full_url,
     _glob_base,
@@ -55,17 +54,13 @@ class Shard:
     url: str
     #: Path on ``fs`` (protocol stripped).
     path: str
-    #: Unique output stem: the output file is ``<name>.parquet``.
+    #: Unique output stem: the output files are named from it (OutputDir.output_path).
     name: str
     fs: Any
     #: Size, modification time or ETag: changes when the input file changes.
     fingerprint: dict
     #: How the file is read (``input.format`` or its extension).
     format: FileFormat = PARQUET_FILE
-
-    @property
-    def output_file(self) -> str:
-        return self.name + OUTPUT_SUFFIX
 
 
 

@@ -37,9 +37,7 @@ import re
 import time
 from typing import Any
 
-import pyarrow as pa
-
-from batchspec.columns import ERROR, REQUEST_ID, RESULT_NAMES, error_reason, output_schema
+from batchspec.columns import ERROR, REQUEST_ID, RESULT_NAMES, error_reason
 from batchspec.io.listing import Shard
 from batchspec.io.openai_batch import CHAT, NO_CUSTOM_ID
 from batchspec.io.output_dir import OutputDir, tmp_file_name
@@ -73,7 +71,6 @@ class OpenAIResultWriter:
     def __init__(self, out: OutputDir, shard: Shard, metadata: dict[str, Any]):
         self.out, self.shard, self.metadata = out, shard, metadata
         self.run_id = str(metadata.get("run_id") or "")
-        self.rows_written = 0
         self.created = int(time.time())
         tmp = out.tmp_dir()
         self.tmp_paths = {
@@ -94,7 +91,6 @@ class OpenAIResultWriter:
                                      self.created), "output"
         self._files[name].write(json.dumps(line, ensure_ascii=False, allow_nan=False).encode()
                                 + b"\n")
-        self.rows_written += len(results)
 
     def flush(self) -> None:
         for f in self._files.values():
@@ -246,11 +242,4 @@ def line_rows(line: dict[str, Any]) -> list[dict[str, Any]]:
     error = (body.get("error") or line.get("error") or {}).get("message")
     return [{REQUEST_ID: request_id, **sample, "finish_reason": "error", ERROR: error}
             for sample in extra["samples"]]
-
-
-def read_rows_table(lines) -> pa.Table:
-    """Lines of result and errors files as one table with the Parquet output's schema (without
-    kept columns)."""
-    rows = [row for line in lines for row in line_rows(line)]
-    return pa.Table.from_pylist(rows, schema=output_schema([]))
 

@@ -20,7 +20,7 @@ from batchspec.columns import BASE_RESULT_NAMES, ERROR, FEATURE_FIELDS, REQUEST_
 from batchspec.errors import InputDataError, SpecError
 from batchspec.io.openai_results import line_rows
 from batchspec.io.output_dir import OutputDir
-from batchspec.io.paths import BOOKKEEPING_DIR, ERRORS_SUFFIX, OUTPUT_SUFFIX, OUTPUT_SUFFIXES, is_local_fs
+from batchspec.io.paths import BOOKKEEPING_DIR, ERRORS_SUFFIX, OUTPUT_SUFFIXES, is_local_fs
 from batchspec.io.writer import METADATA_KEY
 from batchspec.redact import sanitize_url
 
@@ -195,7 +195,7 @@ def load_output(url: str, storage_options: dict | None = None) -> Output:
     # local footers through pyarrow's own filesystem, others without fsspec's read-ahead
     arrow_fs = None if output.is_local else PyFileSystem(_RangeReads(out.fs))
     for shard in names:
-        path = out.join(shard + OUTPUT_SUFFIX)
+        path = out.join(shard + out.output_suffix)
         output.files[shard] = path
         name = output.file_url(shard)
         try:
@@ -219,7 +219,7 @@ def _open_openai(out: OutputDir, output: Output, names: list[str]) -> None:
     """An ``openai`` output's committed shards: each results file, its errors file, and the
     lineage its manifest keeps (a Parquet file's footer has it)."""
     for shard in names:
-        output.files[shard] = out.join(shard + OUTPUT_SUFFIXES["openai"])
+        output.files[shard] = out.join(shard + out.output_suffix)
         output.errors_files[shard] = out.join(shard + ERRORS_SUFFIX)
         if not out.exists(output.errors_files[shard]):
             raise InputDataError(output.file_url(shard, ERRORS_SUFFIX),
