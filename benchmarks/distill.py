@@ -30,6 +30,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tools"))
 
+from common import print_report  # noqa: E402
+
 
 def write_job(work: Path, models: Path, target: str, draft: Path, max_tokens: int,
               max_in_flight: int | None = None) -> Path:
@@ -124,10 +126,7 @@ def main() -> int:
     }
     if args.large:
         result["large_tier"] = large_tier(job, args.models.resolve(), out, args)
-    print(json.dumps(result, indent=2))
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    print_report(result, args.json)
     return 0
 
 

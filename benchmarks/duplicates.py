@@ -18,7 +18,6 @@ Usage: ``python benchmarks/duplicates.py [--prompts 384] [--share 0.3] [--repeat
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import random
 import shutil
@@ -30,6 +29,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tools"))
+
+from common import TINY_DRAFT, TINY_ENGINE, print_report  # noqa: E402
 
 
 def workload(n: int, share: float, seed: int = 5) -> tuple[list[str], list[int]]:
@@ -65,11 +66,8 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="batchspec-bench-"))
     base = {
         "name": "bench",
-        "model": {"target": str(ROOT / ".models" / "target"),
-                  "engine": {"max_model_len": 512, "enforce_eager": True, "dtype": "float32",
-                             "max_num_seqs": 128}},
-        "speculative": {"method": "draft_model", "model": str(ROOT / ".models" / "draft"),
-                        "num_speculative_tokens": 4},
+        "model": {"target": str(ROOT / ".models" / "target"), "engine": dict(TINY_ENGINE)},
+        "speculative": dict(TINY_DRAFT),
         "sampling": {"temperature": 0.0, "max_tokens": 64, "ignore_eos": True},
     }
     sets = {"duplicates": workload(args.prompts, args.share),
@@ -118,10 +116,7 @@ def main() -> int:
         }
     engine.shutdown()
     shutil.rmtree(work, ignore_errors=True)
-    print(json.dumps(report, indent=2))
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2) + "\n")
+    print_report(report, args.json)
     return 0
 
 

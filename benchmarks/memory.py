@@ -29,6 +29,8 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tools"))
 
+from common import print_report  # noqa: E402
+
 
 def write_shard(path: Path, rows: int) -> None:
     import pyarrow as pa
@@ -134,10 +136,7 @@ def main() -> int:
               "tree_peak_rss_growth": round(large["peak_rss_tree_mb"] / small["peak_rss_tree_mb"] - 1, 4),
               "target": f"batchspec peak RSS grows < 10% for a {args.factor}x larger shard",
               "met": growth < 0.10}
-    print(json.dumps(report, indent=2))
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2) + "\n")
+    print_report(report, args.json)
     return 0 if report["met"] else 1
 
 

@@ -23,6 +23,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT / "tools"))
 
+from common import TINY_DRAFT, TINY_ENGINE  # noqa: E402
+
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -52,10 +54,8 @@ def main() -> int:
                       "id_column": "id", "sampling_columns": {"max_tokens": "max_tokens"}},
             "output": {"path": str(work / f"out-{kind}-{replicas}")},
             "model": {"target": str(ROOT / ".models" / "target"),
-                      "engine": {"max_model_len": 512, "enforce_eager": True, "dtype": "float32",
-                                 "max_num_seqs": 128}},
-            "speculative": {"method": "draft_model", "model": str(ROOT / ".models" / "draft"),
-                            "num_speculative_tokens": 4},
+                      "engine": dict(TINY_ENGINE)},
+            "speculative": dict(TINY_DRAFT),
             "sampling": {"temperature": 0.0, "max_tokens": 64, "ignore_eos": True},
             "execution": {"max_in_flight": 256, "dedupe_window": 0},  # every row generated
             "executor": {"kind": kind, "replicas": replicas,

@@ -16,7 +16,6 @@ Usage: ``python benchmarks/throughput.py [--prompts 384] [--repeats 2] [--spec d
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import random
 import shutil
@@ -28,9 +27,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tools"))
 
+from common import TINY_DRAFT, TINY_ENGINE, print_report  # noqa: E402
+
 SPECULATIVE = {
-    "draft": {"method": "draft_model", "model": str(ROOT / ".models" / "draft"),
-              "num_speculative_tokens": 4},
+    "draft": dict(TINY_DRAFT),
     "ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
               "prompt_lookup_max": 4},
     "off": None,
@@ -85,8 +85,7 @@ def main() -> int:
                   "id_column": "id", "sampling_columns": {"max_tokens": "max_tokens"}},
         "output": {"path": str(work / "out")},
         "model": {"target": str(ROOT / ".models" / "target"),
-                  "engine": {"max_model_len": 512, "enforce_eager": True, "dtype": "float32",
-                             "max_num_seqs": 128}},
+                  "engine": dict(TINY_ENGINE)},
         "speculative": SPECULATIVE[args.spec],
         "sampling": {"temperature": 0.0, "max_tokens": 64, "ignore_eos": True},
         # every row generated, as bare vLLM and the naive loop do (a repeated snippet would
@@ -141,10 +140,7 @@ def main() -> int:
         "ratio_batchspec_vs_bare": round(best["batchspec"] / best["bare"], 3),
         "ratio_batchspec_vs_naive": round(best["batchspec"] / best["naive"], 3),
     }
-    print(json.dumps(report, indent=2))
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2) + "\n")
+    print_report(report, args.json)
     return 0
 
 
