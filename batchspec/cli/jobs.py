@@ -41,9 +41,12 @@ from batchspec.run.events import LOG_FORMATS, EventLog
 @click.option("--ray-address", default=None, metavar="ADDR",
               help="With --executor ray: the Ray cluster to join (default: executor.ray_address; "
                    "none starts a local cluster).")
+@click.option("--remeasure", is_flag=True,
+              help="With speculative: auto, measure the candidates again even where a choice "
+                   "stored for this job, model, draft, sampling and machine exists.")
 @click.option("-v", "--verbose", is_flag=True, help="Show vLLM's own logs.")
 def run(job, overrides, worker_index, num_workers, overwrite, log_format, progress,
-        progress_interval, grace_seconds, executor, ray_address, verbose):
+        progress_interval, grace_seconds, executor, ray_address, remeasure, verbose):
     """Run JOB: every pending input shard becomes one committed output shard."""
     quiet_vllm(verbose, log_format)
     if progress_interval is not None:
@@ -51,6 +54,9 @@ def run(job, overrides, worker_index, num_workers, overwrite, log_format, progre
     if grace_seconds is not None:
         overrides = (*overrides, f"execution.grace_s={grace_seconds}")
     spec = load_job(job, overrides)
+    if remeasure and spec.speculative_auto is None:
+        fail(SpecError("--remeasure", "only speculative: auto measures; this job's speculative "
+                                      "section is fixed"))
     if ray_address and (executor or spec.executor.kind) != "ray":
         fail(SpecError("--ray-address", "needs --executor ray (or executor.kind: ray)"))
     from batchspec.run.job import new_run_id, run_job
@@ -67,7 +73,7 @@ def run(job, overrides, worker_index, num_workers, overwrite, log_format, progre
     try:
         run_job(spec, worker_index=worker_index, num_workers=num_workers, overwrite=overwrite,
                 events=events, progress_bars=progress, run_id=run_id, executor=executor,
-                ray_address=ray_address)
+                ray_address=ray_address, remeasure=remeasure)
     except KeyboardInterrupt:
         click.echo("batchspec: interrupted", err=True)
         sys.exit(130)

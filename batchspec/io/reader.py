@@ -254,10 +254,11 @@ def open_reader(shard: Shard, spec: JobSpec) -> ShardReader | JsonLinesReader:
 
 
 
-def sample_rows(spec, n: int, seed: int) -> tuple[list[Row], int]:
+def sample_rows(spec, n: int, seed: int, shards=None) -> tuple[list[Row], int]:
     """A seeded uniform sample of ``n`` sendable rows over every input shard of ``spec`` (a
-    JobSpec), in a seeded random order: reservoir sampling, one pass, ``n`` rows in memory.
-    Returns (rows, rows seen). What `tune` and `distill` measure and train on.
+    JobSpec), or over ``shards`` where given, in a seeded random order: reservoir sampling, one
+    pass, ``n`` rows in memory. Returns (rows, rows seen). What `tune` and `distill` measure and
+    train on, and ``speculative: auto`` measures on (a run's pending shards).
 
     Rows the run would write as errors (null or empty prompt, ...) are not sampled, and nothing
     under the output path is read, as in a run."""
@@ -266,9 +267,10 @@ def sample_rows(spec, n: int, seed: int) -> tuple[list[Row], int]:
     from batchspec.io.listing import discover_shards
 
     rng = random.Random(seed)
-    shards = discover_shards(spec.input.paths, spec.input.storage_options,
-                             exclude=spec.output.path, allow_empty=spec.input.allow_empty,
-                             input_format=spec.input.format)
+    if shards is None:
+        shards = discover_shards(spec.input.paths, spec.input.storage_options,
+                                 exclude=spec.output.path, allow_empty=spec.input.allow_empty,
+                                 input_format=spec.input.format)
     chosen: list[Row] = []
     seen = 0
     for shard in shards:

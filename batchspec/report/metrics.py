@@ -226,6 +226,8 @@ def lineage(metadata: dict[str, dict]) -> dict[str, list]:
     values: dict[str, list] = {k: [] for k in LINEAGE_FIELDS}
     for meta in metadata.values():
         speculative = (meta.get("spec") or {}).get("speculative") or {}
+        if not isinstance(speculative, dict):  # a job's section as written (auto) is not what ran
+            speculative = {}
         flat = {**meta, "num_speculative_tokens": speculative.get("num_speculative_tokens")}
         for key in LINEAGE_FIELDS:
             value = flat.get(key)

@@ -35,7 +35,7 @@ FEATURE_TYPES = {f.name: pl.from_arrow(pa.array([], f.type)).dtype for f in FEAT
 
 #: Lineage fields taken from each file's ``batchspec`` metadata, in display order.
 LINEAGE_FIELDS = ("run_id", "job", "target_model", "lora_adapters", "draft_model",
-                  "speculative_method", "num_speculative_tokens", "vllm_version",
+                  "speculative_method", "num_speculative_tokens", "speculative_auto", "vllm_version",
                   "batchspec_version")
 
 

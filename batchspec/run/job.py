@@ -84,14 +84,15 @@ def new_run_id() -> str:
 def run_job(spec: JobSpec, *, worker_index: int = 0, num_workers: int = 1, overwrite: bool = False,
             engine=None, events: EventLog | None = None, progress_bars: bool | None = None,
             run_id: str | None = None, grace_s: float | None = None,
-            executor=None, ray_address: str | None = None) -> RunResult:
+            executor=None, ray_address: str | None = None, remeasure: bool = False) -> RunResult:
     """Run a job: every pending shard of this worker becomes one committed output shard.
 
     ``engine`` lets a caller reuse a started :class:`batchspec.engine.llm.Engine` across jobs.
     ``grace_s`` (default ``execution.grace_s``) bounds the drain after SIGTERM/SIGINT.
     ``executor`` (``local`` or ``ray``) and ``ray_address`` override the spec's ``executor``
     section: with ``ray``, Ray replicas (one engine each) generate the shards. A started
-    :class:`batchspec.run.executors.ray.RayExecutor` may be passed instead, to reuse its replicas."""
+    :class:`batchspec.run.executors.ray.RayExecutor` may be passed instead, to reuse its replicas.
+    ``remeasure``: with ``speculative: auto``, measure again even where a stored choice matches."""
     stop = StopFlag()
     restore_signals = stop.install()  # first: a signal during planning or start-up is ours
     run_id = run_id or new_run_id()
@@ -100,6 +101,7 @@ def run_job(spec: JobSpec, *, worker_index: int = 0, num_workers: int = 1, overw
     grace_s = spec.execution.grace_s if grace_s is None else grace_s
     job = _Job(spec, run_id, events, stop, worker_index, num_workers, overwrite, progress_bars,
                grace_s)
+    job.remeasure = remeasure
     owns_executor = isinstance(executor, str | None)
     try:
         if owns_executor:  # a caller's executor, with its replicas started: it shuts it down
@@ -123,6 +125,10 @@ def _executor(spec: JobSpec, kind: str | None, ray_address: str | None, engine=N
     kind = kind or spec.executor.kind
     if kind not in EXECUTOR_KINDS:
         raise SpecError("executor.kind", f"expected one of {', '.join(EXECUTOR_KINDS)}, got {kind!r}")
+    if kind == "ray" and spec.speculative_auto is not None:
+        raise SpecError("speculative", "auto measures its candidates on this process's own engine "
+                                       "before the shards run; with --executor ray, run `batchspec "
+                                       "tune` and set the speculative section it writes")
     if kind == "local":
         return LocalExecutor(engine)
     from batchspec.run.executors.ray import RayExecutor
@@ -140,6 +146,8 @@ class _Job:
         self.worker_index, self.num_workers, self.overwrite = worker_index, num_workers, overwrite
         self.progress_bars, self.grace_s = progress_bars, grace_s
         self.executor: Executor | None = None
+        #: ``speculative: auto``: measure again even where a stored choice matches
+        self.remeasure = False
         self.out: OutputDir | None = None
         self.progress: Progress | None = None
         self.t0 = time.monotonic()
@@ -180,6 +188,9 @@ class _Job:
         self._check_stop()
         shards, row_counts = check_inputs(spec, todo, ctx.bad_shard)
         self._check_stop()
+        if shards and spec.speculative_auto is not None:
+            ctx.spec = self.choose_speculation(ctx, shards, sum(row_counts.values()))
+            self._check_stop()
         if shards:
             self.executor.start(ctx)
         self.record_engine()
@@ -226,6 +237,22 @@ class _Job:
                             reason="committed")
         remove_orphan_tmp_files(p.out.tmp_dir())  # beside the output, or the local spool
         return todo, p.spec_fingerprint
+
+    def choose_speculation(self, ctx: RunContext, shards: list[Shard], pending_rows: int) -> JobSpec:
+        """``speculative: auto``: the stored choice for this job, or one measured now on a sample
+        of the pending rows (batchspec/tune/auto.py); the job as it runs with it."""
+        from batchspec.engine.checks import check_vllm_keys
+        from batchspec.tune.auto import choose_speculation
+
+        self.stop.raise_now = True  # measuring starts engines: a signal ends it at once
+        try:
+            chosen, choice = choose_speculation(ctx.spec, shards, pending_rows, ctx.out,
+                                                self.events, self.remeasure)
+        finally:
+            self.stop.raise_now = False
+        self.summary["speculative_auto"] = choice.summary()
+        check_vllm_keys(chosen)
+        return chosen
 
     def context(self) -> RunContext:
         return RunContext(spec=self.spec, run_id=self.run_id, out=self.out, owner=self.owner,

@@ -233,6 +233,8 @@ class ShardPipeline:
                 f"{name}={sanitize_url(src)}" for name, src in spec.model.lora.adapters.items())),
             "draft_model": sanitize_url(m) if (m := (spec.speculative or {}).get("model")) else None,
             "speculative_method": (spec.speculative or {}).get("method"),
+            # speculative: auto chose the section above (the run summary names its record)
+            "speculative_auto": True if spec.speculative_auto is not None else None,
             "batchspec_version": batchspec.__version__,
             "vllm_version": vllm_version,
         }

@@ -14,6 +14,7 @@ from batchspec.spec.model import (
     INPUT_FORMATS,
     OUTPUT_FORMATS,
     ROW_OVERRIDABLE,
+    AutoSpeculation,
     ExecutionSpec,
     ExecutorSpec,
     InputSpec,
@@ -38,12 +39,17 @@ def build_spec(raw: dict[str, Any]) -> JobSpec:
         input=_input_spec(raw),
         output=_output_spec(raw),
         model=_model_spec(raw),
-        speculative=_speculative(raw),
+        speculative=None if _auto(raw) else _speculative(raw),
         sampling=dict(_section(raw, "sampling", required=False)),
         execution=_execution_spec(raw),
         raw=raw,
         executor=_executor_spec(raw),
+        speculative_auto=_auto_speculation(raw),
     )
+    if spec.speculative_auto is not None and spec.executor.kind == "ray":
+        raise SpecError("speculative", "auto measures its candidates on this process's own engine "
+                                       "before the shards run; with executor.kind ray, run "
+                                       "`batchspec tune` and set the speculative section it writes")
     if spec.input.lora_column and spec.model.lora is None:
         raise SpecError("input.lora_column", "rows can pick a LoRA adapter only from those "
                                              "model.lora.adapters names; model.lora is not set")
@@ -213,7 +219,7 @@ def _speculative(raw: dict) -> dict[str, Any] | None:
     if speculative is None:
         return None
     if not isinstance(speculative, dict):
-        raise SpecError("speculative", f"expected a mapping or null, got {_kind(speculative)}")
+        raise SpecError("speculative", f"expected a mapping, auto or null, got {_kind(speculative)}")
     speculative = dict(speculative)
     if not speculative.get("method") and not speculative.get("model"):
         raise SpecError("speculative.method",
@@ -221,6 +227,53 @@ def _speculative(raw: dict) -> dict[str, Any] | None:
     if speculative.get("model") and not speculative.get("method"):
         speculative["method"] = "draft_model"
     return speculative
+
+
+def _auto(raw: dict) -> bool:
+    value = raw.get("speculative")
+    return value == "auto" or isinstance(value, dict) and value.get("method") == "auto"
+
+
+def _auto_speculation(raw: dict) -> AutoSpeculation | None:
+    """``speculative: auto`` (off and the methods that need no draft model) or ``speculative:
+    {method: auto, drafts: [...], k: [...], ...}``; None for any other section."""
+    if not _auto(raw):
+        return None
+    if raw["speculative"] == "auto":
+        return AutoSpeculation()
+    auto = _Fields(raw, "speculative", AutoSpeculation, required=True,
+                   keys=["method", *(f.name for f in dataclasses.fields(AutoSpeculation))])
+    drafts = auto.get("drafts", list)
+    if any(not isinstance(d, str) or not d.strip() for d in drafts):
+        raise SpecError("speculative.drafts", f"expected a list of draft model paths or ids, "
+                                              f"got {drafts!r}")
+    k = _positive_ints(auto, "k")
+    if not k:
+        raise SpecError("speculative.k", "expected at least one num_speculative_tokens")
+    concurrency = _positive_ints(auto, "concurrency") if auto.values.get("concurrency") is not None \
+        else None
+    ngram = auto.get("ngram", bool)
+    if not drafts and not ngram:
+        raise SpecError("speculative.drafts", "auto with ngram: false and no drafts has nothing "
+                                              "to try beside speculation off")
+    max_minutes = auto.get("max_minutes", (int, float))
+    if isinstance(max_minutes, bool) or max_minutes <= 0:
+        raise SpecError("speculative.max_minutes", f"expected minutes > 0, got {max_minutes!r}")
+    seed = auto.get("seed", int)
+    if isinstance(seed, bool):
+        raise SpecError("speculative.seed", f"expected an integer, got {seed!r}")
+    return AutoSpeculation(drafts=tuple(drafts), k=tuple(sorted(set(k))), ngram=ngram,
+                           sample=auto.positive("sample"), seed=seed,
+                           concurrency=None if concurrency is None else tuple(sorted(set(concurrency))),
+                           max_minutes=float(max_minutes), remeasure=auto.get("remeasure", bool))
+
+
+def _positive_ints(fields: _Fields, key: str) -> list[int]:
+    value = fields.get(key, (list, tuple, int))
+    values = [value] if isinstance(value, int) and not isinstance(value, bool) else list(value)
+    if any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in values):
+        raise SpecError(f"{fields.name}.{key}", f"expected positive integers, got {value!r}")
+    return values
 
 
 def _execution_spec(raw: dict) -> ExecutionSpec:

@@ -19,7 +19,10 @@ Components (each a 16-hex-digit prefix of the SHA-256 of a canonical JSON):
   without ``model.lora``, so a job without adapters keeps the hashes it had.
 - ``speculative.model``: the draft's identity, the same way with ``speculative.revision``;
   absent when there is no draft model (speculation off, or ngram/suffix methods).
-- ``speculative``: the speculative section without ``model`` (null when speculation is off).
+- ``speculative``: the speculative section without ``model`` (null when speculation is off);
+  ``{"method": "auto"}`` for ``speculative: auto`` whatever its drafts and whatever it chooses:
+  greedy rows are the same text with any choice (speculative decoding is lossless), and sampled
+  rows come from the target's own distribution with any choice, though not the same draws.
 - ``model.engine``: every engine argument except :data:`THROUGHPUT_ENGINE_KEYS` (speed, memory,
   parallelism and logging knobs that leave the text unchanged) and credentials (``hf_token``).
   A key in neither list counts, so an argument vLLM adds later is assumed to shape the output;
@@ -167,8 +170,9 @@ def spec_fingerprint(spec: JobSpec) -> dict[str, str]:
         components["speculative.model"] = model_identity(
             str(speculative["model"]), speculative.get("revision"), None, cache=cache)
     cache.save()
-    components["speculative"] = (None if speculative is None else
-                                 {k: v for k, v in speculative.items() if k != "model"})
+    components["speculative"] = (
+        {"method": "auto"} if spec.speculative_auto is not None else
+        None if speculative is None else {k: v for k, v in speculative.items() if k != "model"})
     # The public view: URLs sanitised, and a string under a key public_spec does not know to be
     # harmless counts as present (``***``) but not by its value.
     public_engine = public_spec({"model": {"engine": dict(engine)}})["model"]["engine"]

@@ -146,6 +146,34 @@ class ExecutionSpec:
     dedupe_window: int = 10000
 
 
+@dataclass(frozen=True)
+class AutoSpeculation:
+    """``speculative: auto`` / ``speculative: {method: auto, drafts: [...]}``: the run measures
+    speculation off and these candidates on a seeded sample of its pending rows before the first
+    shard, runs with the fastest, and keeps the choice under the output's ``_batchspec/auto/``
+    for the next run (batchspec/tune/auto.py)."""
+
+    #: Draft models to try (vLLM's ``draft_model`` method), each at every k in ``k``.
+    drafts: tuple[str, ...] = ()
+    #: num_speculative_tokens tried for each draft (its largest and smallest measured, the
+    #: rest predicted from those two; the best predicted one measured too).
+    k: tuple[int, ...] = (1, 2, 3, 4)
+    #: Try n-gram (prompt lookup) speculation, which needs no draft model, with k 2 and 4.
+    ngram: bool = True
+    #: Rows in the seeded sample of the pending rows the candidates are timed on.
+    sample: int = 64
+    #: Seed of the sample.
+    seed: int = 0
+    #: Requests in flight to measure at; None: the job's own (``model.engine.max_num_seqs``,
+    #: else ``execution.max_in_flight``). Several levels give vLLM a per-batch-size k where one
+    #: draft wins at every level.
+    concurrency: tuple[int, ...] | None = None
+    #: Minutes the measuring may take before the run goes on with the best measured so far.
+    max_minutes: float = 10.0
+    #: Measure again even where a stored choice matches (``batchspec run --remeasure`` too).
+    remeasure: bool = False
+
+
 #: Where a job's shards run: ``local`` (this process's one engine) or ``ray`` (replicas).
 EXECUTOR_KINDS = ("local", "ray")
 
@@ -186,6 +214,9 @@ class JobSpec:
     execution: ExecutionSpec
     raw: dict[str, Any] = field(repr=False, compare=False)
     executor: ExecutorSpec = field(default_factory=ExecutorSpec)
+    #: ``speculative: auto``: what the run chooses ``speculative`` from (then None until chosen;
+    #: the chosen spec keeps this, so the run knows the choice was automatic).
+    speculative_auto: AutoSpeculation | None = None
 
     def public(self) -> dict[str, Any]:
         """The resolved spec as it may be persisted or logged (:func:`batchspec.redact.public_spec`):

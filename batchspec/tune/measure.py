@@ -15,12 +15,12 @@ from batchspec.tune.model import TIME_BUDGET, WARMUP_ROWS, LevelMeasurement, Ski
 # --------------------------------------------------------------------------- sampling
 
 
-def sample_rows(spec: JobSpec, n: int, seed: int) -> tuple[list[Row], int]:
-    """``prompts.sample_rows`` (seeded, uniform over every shard, error rows left out), and bad
-    input (exit 3) when there is nothing to sample."""
+def sample_rows(spec: JobSpec, n: int, seed: int, shards=None) -> tuple[list[Row], int]:
+    """``prompts.sample_rows`` (seeded, uniform over every shard or over ``shards``, error rows
+    left out), and bad input (exit 3) when there is nothing to sample."""
     from batchspec.io import reader as prompts
 
-    chosen, seen = prompts.sample_rows(spec, n, seed)
+    chosen, seen = prompts.sample_rows(spec, n, seed, shards)
     if not chosen:
         where = ", ".join(spec.input.paths)
         raise InputDataError(where, "no prompts to sample: the input has no row that can be sent")

@@ -35,9 +35,10 @@ OBJECTIVES = ("throughput", "latency")
 
 #: How the prediction is made, as the report states it.
 COST_MODEL = ("tokens per step tau(k) = 1 + sum of the first k per-position acceptance rates of "
-              "the largest-k run; time per sequence step linear in k between speculation off "
-              "(1 / tok/s) and the largest k (tau / tok/s), per concurrency; predicted tok/s = "
-              "tau(k) / step time(k)")
+              "the largest-k run; time per sequence step a + b k, fitted through the draft's "
+              "smallest and largest k (tau / tok/s) per concurrency (through speculation off and "
+              "the largest k where only that was measured); predicted tok/s = tau(k) / step "
+              "time(k)")
 
 
 TIME_BUDGET = "time budget (--max-minutes) spent before it was measured"
@@ -184,10 +185,26 @@ class TuneReport:
     mismatches: list[dict[str, Any]]
     wall_s: float
     notes: list[str] = field(default_factory=list)
+    #: The sampled rows' ids, in the order they were sent.
+    sample_ids: list[str] = field(default_factory=list)
 
     def entry(self, label: str, concurrency: int) -> CandidateResult | None:
         return next((e for e in self.entries
                      if e.candidate.label == label and e.concurrency == concurrency), None)
+
+    def predicted_wall_s(self, concurrency: int, rows: int, label: str | None = None
+                         ) -> float | None:
+        """Seconds ``rows`` rows would take at ``concurrency`` with ``label`` (default: the
+        recommended candidate there): the sample's output tokens per row (speculation off's
+        run at that level) over the candidate's measured tok/s, else its predicted tok/s."""
+        label = label or self.recommended.get(concurrency)
+        off, e = self.entry("off", concurrency), self.entry(label, concurrency) if label else None
+        if off is None or off.level is None or not off.level.rows or e is None:
+            return None
+        tps = e.level.tps if e.level is not None and e.level.tokens_per_s else e.predicted
+        if not tps:
+            return None
+        return rows * (off.level.output_tokens / off.level.rows) / tps
 
     def as_dict(self) -> dict[str, Any]:
         """The ``--json`` object."""
@@ -204,6 +221,8 @@ class TuneReport:
             "candidates": [e.as_dict() for e in self.entries],
             "recommended": {str(c): label for c, label in self.recommended.items()},
             "noise": {str(c): v for c, v in self.noise.items()},
+            "predicted_wall_s": {str(c): _round(self.predicted_wall_s(c, self.rows_seen), 1)
+                                 for c in self.recommended},
             "prediction": {"cost_model": COST_MODEL,
                            "max_relative_error": max(errors) if errors else None,
                            "mean_relative_error": round(statistics.fmean(errors), 4)

@@ -160,3 +160,18 @@ def batch_size_schedule(levels: dict[int, tuple[dict | None, int]], max_num_seqs
         lo = hi + 1
     return {**configs[0], "num_speculative_tokens": max(ks.values()),
             "num_speculative_tokens_per_batch_size": schedule}
+
+
+def choose_section(recommended: dict[int, str], section, max_num_seqs: int | None
+                   ) -> tuple[dict | None, int | None]:
+    """The speculative section a job runs with, from the recommendation per measured level:
+    one section with vLLM's per-batch-size k where one draft fits every level
+    (:func:`batch_size_schedule`; returned with concurrency None), else the recommendation at
+    :func:`write_concurrency`'s level, with that level. ``section(c)`` gives the recommended
+    (config or None for off, its k) at level c."""
+    measured = sorted(recommended)
+    schedule = batch_size_schedule({c: section(c) for c in measured}, max_num_seqs)
+    if schedule is not None:
+        return schedule, None
+    c = write_concurrency(measured, max_num_seqs)
+    return section(c)[0], c

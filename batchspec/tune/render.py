@@ -47,6 +47,10 @@ def render_table(report: TuneReport) -> str:
         lines.append(f"concurrency {c}: recommended {label} (* above; by {what}, noise "
                      f"{n['threshold'] * 100:.1f}%: off's spread over {report.options.repeats} "
                      f"repeats, at least {MIN_NOISE * 100:.0f}%)")
+        wall = report.predicted_wall_s(c, report.rows_seen)
+        if wall is not None:
+            lines.append(f"concurrency {c}: predicted wall time of the input's {report.rows_seen} "
+                         f"rows with {label}: {wall:.0f}s (generation only, no engine start)")
     skipped: dict[str, set[str]] = {}
     for e in report.entries:
         if e.skipped:

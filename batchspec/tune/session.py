@@ -12,12 +12,14 @@ How it works (README "Choosing speculation: batchspec tune"):
 - Speculation off is measured first, ``--repeats`` times per level: the relative spread of its
   tok/s (and e2e p50) is the noise. A candidate is recommended at a level only if it beats off by
   more than the noise (never less than :data:`MIN_NOISE`); otherwise off is.
-- Prediction (Leviathan et al. 2023): each draft runs once at its largest k. vLLM's per-position
-  acceptance counters give a_i, the chance that draft position i is accepted, hence
-  tokens per step ``tau(k) = 1 + sum_{i<k} a_i`` for every smaller k. Cost model: the time a
-  sequence spends per target step is linear in k, from off's (k = 0: ``1 / tok/s``) to the
-  largest k's (``tau(K) / tok/s``), per concurrency level. Predicted ``tok/s(k) = tau(k) /
-  step_time(k)``. The best ``--top`` k per level are then measured, predicted beside measured.
+- Prediction (Leviathan et al. 2023): each draft runs at its largest and its smallest k. vLLM's
+  per-position acceptance counters of the largest give a_i, the chance that draft position i is
+  accepted, hence tokens per step ``tau(k) = 1 + sum_{i<k} a_i`` for every k. Cost model: the
+  time a sequence spends per target step is ``a + b k`` (a fixed cost of speculating, plus one
+  per drafted token), fitted through the two measured k per concurrency level
+  (:func:`batchspec.tune.predict.predict_from_two`). Predicted ``tok/s(k) = tau(k) /
+  step_time(k)``. The best ``--top`` other k per level are then measured, predicted beside
+  measured.
 - Losslessness: every greedy row's text from each candidate must equal off's at the same level."""
 
 from __future__ import annotations
@@ -113,11 +115,12 @@ def _levels_text(levels: dict[int, LevelMeasurement]) -> str:
 
 
 def run_tune(spec: JobSpec, options: TuneOptions, job: str = "", stream=None,
-             progress_bar: bool = False) -> TuneReport:
-    """Sample, measure, predict and recommend (see the module docstring)."""
+             progress_bar: bool = False, shards=None) -> TuneReport:
+    """Sample (from ``shards`` where given, else the whole input), measure, predict and
+    recommend (see the module docstring)."""
     started = time.monotonic()
     concurrency = _check_options(spec, options)
-    session = _Session(spec, options, concurrency, started)
+    session = _Session(spec, options, concurrency, started, shards)
     session.measure_all(stream or sys.stderr, progress_bar)
     return session.report(job, started)
 
@@ -129,7 +132,7 @@ def _check_options(spec: JobSpec, options: TuneOptions) -> list[int]:
 
     if options.objective not in OBJECTIVES:
         raise SpecError(None, f"--objective must be one of {', '.join(OBJECTIVES)}")
-    concurrency = sorted(set(options.concurrency or [_default_concurrency(spec)]))
+    concurrency = sorted(set(options.concurrency or [default_concurrency(spec)]))
     if any(c < 1 for c in concurrency):
         raise SpecError(None, "--concurrency: levels must be positive integers")
     if options.sample < 1 or options.repeats < 1 or options.top < 0 or not options.ks \
@@ -146,7 +149,8 @@ class _Session:
     #: The progress line or bar over engines, from :meth:`measure_all` on.
     progress: _Progress
 
-    def __init__(self, spec: JobSpec, options: TuneOptions, concurrency: list[int], started: float):
+    def __init__(self, spec: JobSpec, options: TuneOptions, concurrency: list[int], started: float,
+                 shards=None):
         self.options, self.concurrency = options, concurrency
         self.deadline = started + options.max_minutes * 60 if options.max_minutes is not None else None
         self.max_num_seqs = max(concurrency)
@@ -155,7 +159,7 @@ class _Session:
         # every candidate's spec is checked before any engine starts: a bad key exits 2 at once
         self.specs = {cand.label: candidate_spec(spec, cand.speculative, self.max_num_seqs)
                       for cand in self.every_candidate()}
-        self.rows, self.seen = sample_rows(spec, options.sample, options.seed)
+        self.rows, self.seen = sample_rows(spec, options.sample, options.seed, shards)
         temps = row_temperatures(spec, self.rows)
         self.greedy = {rid for rid, t in temps.items() if t == 0}
         self.sampled = any(t is not None and t > 0 for t in temps.values())
@@ -362,7 +366,8 @@ class _Session:
                          "not checked for losslessness: only greedy rows must match speculation off")
         return TuneReport(scrub_text(job), self.options, self.concurrency, len(self.rows), self.seen,
                           len(self.greedy), self.entries, recommended, noise, self.mismatches,
-                          time.monotonic() - started, notes)
+                          time.monotonic() - started, notes,
+                          [row.request_id for row in self.rows])
 
 
 def tune_secrets(spec: JobSpec, drafts: list[str] | tuple[str, ...] = ()) -> set[str]:
@@ -394,7 +399,7 @@ def check_lossless(label: str, concurrency: int, off: LevelMeasurement | None, l
     return ok
 
 
-def _default_concurrency(spec: JobSpec) -> int:
+def default_concurrency(spec: JobSpec) -> int:
     """The job's own concurrency: model.engine.max_num_seqs, else execution.max_in_flight."""
     mns = spec.model.engine.get("max_num_seqs")
     return int(mns) if isinstance(mns, int) and mns > 0 else spec.execution.max_in_flight

@@ -22,7 +22,7 @@ from batchspec.redact import (
 from batchspec.spec.load import apply_override, load_yaml, unshared
 from batchspec.spec.model import JobSpec
 from batchspec.tune.model import TuneReport
-from batchspec.tune.predict import batch_size_schedule, write_concurrency
+from batchspec.tune.predict import choose_section
 
 # --------------------------------------------------------------------------- --write
 
@@ -115,16 +115,15 @@ def written_spec(job_path: str, overrides: tuple[str, ...], report: TuneReport,
         return copy.deepcopy(cand.speculative), cand.k
 
     recs = "; ".join(f"{k}: {v}" for k, v in sorted(report.recommended.items()))
-    schedule = batch_size_schedule({c: section(c) for c in measured}, max_num_seqs)
-    if schedule is not None:
-        raw["speculative"] = schedule
+    chosen, c = choose_section({c: report.recommended[c] for c in measured}, section, max_num_seqs)
+    if c is None:
+        raw["speculative"] = chosen
         header = ["# Written by batchspec tune from " + Path(job_path).name + ": one speculative "
                   "section for every concurrency measured,",
                   f"# recommended per concurrency ({recs}), as vLLM's per-batch-size k "
                   "(num_speculative_tokens_per_batch_size; k 0 = speculation off there)."]
     else:
-        c = write_concurrency(measured, max_num_seqs)
-        raw["speculative"] = section(c)[0]
+        raw["speculative"] = chosen
         why = ("the only concurrency measured" if len(measured) == 1 else
                f"the measured level nearest the job's max_num_seqs ({max_num_seqs})"
                if max_num_seqs is not None else

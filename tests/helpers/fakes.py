@@ -4,6 +4,7 @@ real vLLM), and ``batchspec`` as a process with it in place of vLLM."""
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import subprocess
@@ -67,6 +68,54 @@ class FakeEngine:
 
     def spec_counters(self):
         return {}
+
+    def shutdown(self):
+        pass
+
+
+class FakeTuneEngine:
+    """Stands in for batchspec.engine.llm.Engine where only tune's bookkeeping is under test (the
+    real engine runs the same paths in the `engine` tests above). Draft position i is accepted
+    with a fixed rate; ``lossy`` makes speculative candidates change one row's text; ``speedup``
+    divides a speculative candidate's time per row; a draft whose path holds "refuse" is refused
+    as vLLM refuses a config (its message quoting the path). ``started`` lists the speculative
+    config of every engine made (None: speculation off)."""
+
+    lossy = False
+    speedup = 1.0
+    started: list = []
+
+    def __init__(self, spec):
+        from batchspec.errors import SpecError
+
+        FakeTuneEngine.started.append(spec.speculative)
+        model = str((spec.speculative or {}).get("model", ""))
+        if "refuse" in model:
+            raise SpecError("speculative", f"vLLM cannot load the draft {model}")
+        self.spec_enabled = spec.speculative is not None
+        self.k = (spec.speculative or {}).get("num_speculative_tokens", 0)
+        self.counters = {"spec_decode_num_drafts": 0,
+                         "spec_decode_num_accepted_tokens_per_pos": [0] * self.k}
+
+    def stream(self, rows, max_in_flight):
+        rates = [0.8, 0.6, 0.45, 0.3, 0.2, 0.1][: self.k]
+        for row in rows:
+            steps = 10
+            time.sleep(0.001 * steps * (1 + 0.1 * self.k) / max_in_flight
+                       / (self.speedup if self.k else 1.0))
+            self.counters["spec_decode_num_drafts"] += steps
+            for i, r in enumerate(rates):
+                self.counters["spec_decode_num_accepted_tokens_per_pos"][i] += round(steps * r)
+            text = f"text of {row.request_id}"
+            if self.lossy and self.k:
+                text += "!"
+            yield row, [{"generated_text": text, "num_output_tokens": 24, "error": None,
+                         "time_e2e_s": 0.01, "spec_num_draft_tokens": steps * self.k or None,
+                         "spec_num_accepted_tokens": round(steps * sum(rates)) if self.k else None,
+                         "spec_num_steps": steps if self.k else None}]
+
+    def spec_counters(self):
+        return json.loads(json.dumps(self.counters))
 
     def shutdown(self):
         pass

@@ -14,6 +14,7 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 import yaml
+from helpers.fakes import FakeTuneEngine
 from helpers.jobs import ENGINE, MODELS, ROOT, run_cli, write_job, write_parquet
 
 from batchspec.errors import SpecError
@@ -443,56 +444,11 @@ def test_cli_registers_tune():
 # --------------------------------------------------------------------------- orchestration, faked
 
 
-class _FakeEngine:
-    """Stands in for batchspec.engine.llm.Engine where only tune's bookkeeping is under test (the
-    real engine runs the same paths in the `engine` tests above). Draft position i is accepted
-    with a fixed rate; ``lossy`` makes speculative candidates change one row's text; ``speedup``
-    divides a speculative candidate's time per row; a draft whose path holds "refuse" is refused
-    as vLLM refuses a config (its message quoting the path)."""
-
-    lossy = False
-    speedup = 1.0
-
-    def __init__(self, spec):
-        from batchspec.errors import SpecError
-
-        model = str((spec.speculative or {}).get("model", ""))
-        if "refuse" in model:
-            raise SpecError("speculative", f"vLLM cannot load the draft {model}")
-        self.spec_enabled = spec.speculative is not None
-        self.k = (spec.speculative or {}).get("num_speculative_tokens", 0)
-        self.counters = {"spec_decode_num_drafts": 0,
-                         "spec_decode_num_accepted_tokens_per_pos": [0] * self.k}
-
-    def stream(self, rows, max_in_flight):
-        rates = [0.8, 0.6, 0.45, 0.3, 0.2, 0.1][: self.k]
-        for row in rows:
-            steps = 10
-            time.sleep(0.001 * steps * (1 + 0.1 * self.k) / max_in_flight
-                       / (self.speedup if self.k else 1.0))
-            self.counters["spec_decode_num_drafts"] += steps
-            for i, r in enumerate(rates):
-                self.counters["spec_decode_num_accepted_tokens_per_pos"][i] += round(steps * r)
-            text = f"text of {row.request_id}"
-            if self.lossy and self.k:
-                text += "!"
-            yield row, [{"generated_text": text, "num_output_tokens": 24, "error": None,
-                         "time_e2e_s": 0.01, "spec_num_draft_tokens": steps * self.k or None,
-                         "spec_num_accepted_tokens": round(steps * sum(rates)) if self.k else None,
-                         "spec_num_steps": steps if self.k else None}]
-
-    def spec_counters(self):
-        return json.loads(json.dumps(self.counters))
-
-    def shutdown(self):
-        pass
-
-
 @pytest.fixture()
 def fake_job(tmp_path, monkeypatch):
     import batchspec.engine.llm
 
-    monkeypatch.setattr(batchspec.engine.llm, "Engine", _FakeEngine)
+    monkeypatch.setattr(batchspec.engine.llm, "Engine", FakeTuneEngine)
     write_parquet(tmp_path / "in" / "a.parquet", {"id": [f"a{i}" for i in range(10)],
                                                  "prompt": [f"prompt {i}" for i in range(10)]})
     job = write_job(tmp_path / "job.yaml",
@@ -542,7 +498,7 @@ def test_a_candidate_that_changes_greedy_text_is_reported_and_never_recommended(
     from batchspec.spec.load import load_spec
     from batchspec.tune.session import run_tune
 
-    monkeypatch.setattr(_FakeEngine, "lossy", True)
+    monkeypatch.setattr(FakeTuneEngine, "lossy", True)
     report = run_tune(load_spec(fake_job), TuneOptions(sample=4, concurrency=[1], ks=[2], top=0,
                                                        ngram=False))
     assert report.mismatches and report.mismatches[0]["candidate"] == "draft k=2"
@@ -591,7 +547,7 @@ def test_tune_measures_an_openai_batch_jobs_lines_and_writes_its_formats_back(fa
     from batchspec.spec.load import load_spec
     from batchspec.tune.measure import sample_rows
 
-    monkeypatch.setattr(_FakeEngine, "speedup", 4.0)
+    monkeypatch.setattr(FakeTuneEngine, "speedup", 4.0)
     monkeypatch.setenv("VLLM_LOGGING_LEVEL", "WARNING")
     lines = [json.dumps({"custom_id": f"c{i}", "method": "POST", "url": "/v1/completions",
                          "body": {"model": "t", "prompt": f"prompt {i}", "max_tokens": 8 + i}})
@@ -623,7 +579,7 @@ def test_write_keeps_variables_as_written_and_never_their_values(fake_job, tmp_p
     """`--set 'model.engine.hf_token=${HF_TOKEN}' --write`: the file says ${HF_TOKEN}, never the
     token; every ${VAR} of the job file stays as written (the recommended section is the job's
     own draft, ${DRAFT_DIR}), quoted ones stay strings; the file is no wider than the job's."""
-    monkeypatch.setattr(_FakeEngine, "speedup", 4.0)  # the draft wins: its section is written
+    monkeypatch.setattr(FakeTuneEngine, "speedup", 4.0)  # the draft wins: its section is written
     monkeypatch.setenv("VLLM_LOGGING_LEVEL", "WARNING")
     env = {"HF_TOKEN": HF_VALUE, "DRAFT_DIR": str(tmp_path / "draft"), "OUT_ROOT": str(tmp_path),
            "MAX_TOKENS": "24", "RUN_NAME": "7"}

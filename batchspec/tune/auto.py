@@ -1,0 +1,305 @@
+"""``speculative: auto``: a run chooses its own speculation before the first shard.
+
+``speculative: auto`` tries speculation off and the methods that need no draft model (n-gram
+prompt lookup); ``speculative: {method: auto, drafts: [...], k: [...]}`` adds draft models. The
+run (batchspec/run/job.py) calls :func:`choose_speculation` once it knows its pending shards:
+
+1. The choice's key: what decides which candidate is fastest, hashed (:func:`choice_key`): the
+   target's and each draft's identity (their contents for local directories, as the output
+   fingerprint identifies them), the LoRA adapters, every engine argument (throughput ones
+   included: ``max_num_seqs`` changes the answer), the sampling and per-row sampling columns,
+   the candidates (drafts, k, n-gram, concurrency levels), vLLM's version and the hardware
+   (CPU model and count, GPU names). Not the input: tomorrow's rows are other rows of the same
+   kind.
+2. ``<output>/_batchspec/auto/<key>.json`` holds a choice made before under that key: the run
+   uses it without measuring (``remeasure: true`` or ``batchspec run --remeasure`` measures
+   again). A changed model, draft, sampling or machine is another key, so it is measured.
+3. Otherwise ``batchspec tune``'s machinery (batchspec/tune/session.py) measures off and the
+   candidates on a seeded sample of the run's pending rows, one engine at a time, within
+   ``max_minutes``, with a progress event per engine; the recommendation per level becomes the
+   section to run (:func:`batchspec.tune.predict.choose_section`: vLLM's per-batch-size k where
+   one draft wins at every level). The record (choice, measurements, the sample's fingerprint,
+   the predicted wall time of the pending rows) is written under the key, secrets scrubbed.
+
+The output's fingerprint holds ``{"method": "auto"}``, never the choice: greedy rows are the
+same text whatever runs (speculative decoding is lossless), and sampled rows are drawn from the
+target's own distribution whatever runs (rejection sampling), though not the same draws as
+another choice would make. Each shard's metadata names what ran (``speculative_method``, the
+section in ``spec``, and ``speculative_auto``)."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import datetime as dt
+import hashlib
+import json
+import os
+import platform
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import batchspec
+from batchspec.io.output_dir import OutputDir
+from batchspec.io.paths import BOOKKEEPING_DIR
+from batchspec.redact import public_spec, scrub_text
+from batchspec.spec.model import JobSpec
+
+#: Bump when the key covers something new or the record's shape changes: older records are
+#: then not reused.
+RECORD_VERSION = 1
+
+
+@dataclass
+class AutoChoice:
+    """What ``speculative: auto`` runs with, and where that came from."""
+
+    #: The speculative section to run; None: speculation off.
+    speculative: dict[str, Any] | None
+    #: How the choice reads: ``off``, ``draft k=3``, or the per-batch-size schedule.
+    label: str
+    #: Where the record is (``_batchspec/auto/<key>.json`` under the output).
+    path: str
+    key: str
+    #: True when a stored record was used, without measuring.
+    reused: bool
+    #: The stored record (public: no secrets).
+    record: dict[str, Any]
+
+    def summary(self) -> dict[str, Any]:
+        """The run summary's ``speculative_auto`` section."""
+        return {"chosen": self.label, "speculative": _public(self.speculative),
+                "reused": self.reused, "record": self.path, "key": self.key,
+                "measured_at": self.record.get("measured_at"),
+                "predicted": self.record.get("predicted")}
+
+
+def choose_speculation(spec: JobSpec, shards: list, pending_rows: int, out: OutputDir, events,
+                       remeasure: bool = False) -> tuple[JobSpec, AutoChoice]:
+    """The job with the chosen speculative section (``spec.speculative_auto`` kept), and the
+    choice. Reuses the stored record under this job's key unless asked to measure."""
+    auto = spec.speculative_auto
+    assert auto is not None
+    key, components = choice_key(spec)
+    path = out.join(BOOKKEEPING_DIR, "auto", f"{key}.json")
+    record = None if remeasure or auto.remeasure else out.read_json(path)
+    if record is not None and record.get("version") == RECORD_VERSION and record.get("key") == key:
+        chosen = _section_from_record(spec, record)
+        if chosen is not None:
+            speculative, label = chosen
+            events.emit("speculative_auto", f"speculative: auto: using {label}, measured "
+                        f"{record.get('measured_at')} (run {record.get('run_id')}); "
+                        f"`--remeasure` measures again", chosen=label, reused=True, record=path)
+            choice = AutoChoice(speculative, label, path, key, True, record)
+            return resolved(spec, speculative, choice), choice
+    record, speculative, label = _measure(spec, shards, pending_rows, events, key, components)
+    out.write_json(path, record)
+    predicted = record.get("predicted") or {}
+    events.emit("speculative_auto", f"speculative: auto: chose {label}"
+                + (f"; predicted generation time of the {pending_rows} pending rows "
+                   f"{predicted['wall_s']:.0f}s" if predicted.get("wall_s") else ""),
+                chosen=label, reused=False, record=path)
+    choice = AutoChoice(speculative, label, path, key, False, record)
+    return resolved(spec, speculative, choice), choice
+
+
+def resolved(spec: JobSpec, speculative: dict | None, choice: AutoChoice) -> JobSpec:
+    """The job as it runs: ``speculative`` set to the choice (in ``raw`` too, so the shards'
+    metadata show what ran), ``speculative_auto`` kept."""
+    raw = copy.deepcopy(spec.raw)
+    raw["speculative"] = copy.deepcopy(speculative)
+    return dataclasses.replace(spec, speculative=copy.deepcopy(speculative), raw=raw)
+
+
+# --------------------------------------------------------------------------- the key
+
+
+def choice_key(spec: JobSpec) -> tuple[str, dict[str, str]]:
+    """(the key, its components' digests): see the module docstring, point 1."""
+    from batchspec.engine.checks import vllm_version
+    from batchspec.spec.fingerprint import DigestCache, model_identity, spec_fingerprint
+    from batchspec.tune.session import default_concurrency
+
+    auto = spec.speculative_auto
+    assert auto is not None
+    fingerprint = spec_fingerprint(spec)
+    cache = DigestCache()
+    drafts = [model_identity(d, cache=cache) for d in auto.drafts]
+    cache.save()
+    engine = public_spec({"model": {"engine": dict(spec.model.engine)}})["model"]["engine"]
+    parts = {
+        "model.target": fingerprint["model.target"],
+        "model.lora": fingerprint.get("model.lora"),
+        "model.engine": engine,
+        "sampling": fingerprint["sampling"],
+        "columns": fingerprint["columns"],
+        "candidates": {"drafts": drafts, "k": list(auto.k), "ngram": auto.ngram,
+                       "concurrency": list(auto.concurrency or [default_concurrency(spec)]),
+                       "sample": auto.sample, "seed": auto.seed},
+        "vllm": vllm_version(),
+        "hardware": hardware(),
+    }
+    digests = {name: _digest(value) for name, value in parts.items()}
+    return _digest(digests), digests
+
+
+def hardware() -> dict[str, Any]:
+    """What the measurements depend on about this machine: architecture, CPU model, the cores
+    this process may use, and the GPUs it sees (none on a CPU build)."""
+    info: dict[str, Any] = {"machine": platform.machine(), "cpu": _cpu_model(),
+                            "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                            else os.cpu_count()}
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            info["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    except Exception:  # no torch or no driver: no GPU to name
+        pass
+    return info
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _digest(value: Any) -> str:
+    text = json.dumps(value, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+# --------------------------------------------------------------------------- measuring
+
+
+class _EventStream:
+    """tune's progress lines (one per engine) as ``speculative_auto_progress`` events."""
+
+    def __init__(self, events):
+        self.events, self.buffer = events, ""
+
+    def write(self, text: str) -> int:
+        self.buffer += text
+        while "\n" in self.buffer:
+            line, self.buffer = self.buffer.split("\n", 1)
+            line = line.removeprefix("batchspec tune: ").strip()
+            if line:
+                self.events.emit("speculative_auto_progress", f"speculative: auto: {line}")
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+    def isatty(self) -> bool:
+        return False
+
+
+def _measure(spec: JobSpec, shards: list, pending_rows: int, events, key: str,
+             components: dict[str, str]) -> tuple[dict, dict | None, str]:
+    """Measure with tune's machinery on the pending shards; (record, section, label)."""
+    from batchspec.tune.model import TuneOptions
+    from batchspec.tune.session import default_concurrency, run_tune, tune_secrets
+
+    auto = spec.speculative_auto
+    assert auto is not None
+    levels = list(auto.concurrency or [default_concurrency(spec)])
+    options = TuneOptions(sample=auto.sample, seed=auto.seed, concurrency=levels,
+                          drafts=list(auto.drafts), ks=list(auto.k), repeats=2, top=1,
+                          max_minutes=auto.max_minutes, ngram=auto.ngram)
+    events.emit("speculative_auto_measuring",
+                "speculative: auto: measuring speculation off, "
+                + ("n-gram, " if auto.ngram else "")
+                + (f"{len(auto.drafts)} draft(s) at k {','.join(map(str, auto.k))} " if auto.drafts
+                   else "")
+                + f"on a sample of {auto.sample} pending rows at concurrency "
+                  f"{','.join(map(str, levels))} (at most {auto.max_minutes:g} min)",
+                drafts=len(auto.drafts), levels=levels)
+    started = time.monotonic()
+    base = dataclasses.replace(spec, speculative_auto=None, speculative=None)
+    report = run_tune(base, options, job=spec.name, stream=_EventStream(events), shards=shards)
+    speculative, label, level = _section(spec, report.recommended)
+    wall = report.predicted_wall_s(level, pending_rows) if level is not None else None
+    if wall is None and report.recommended:
+        top = max(report.recommended)
+        wall = report.predicted_wall_s(top, pending_rows)
+    measured = report.as_dict()
+    sample_digest = _digest(sorted(report.sample_ids))
+    record = {
+        "version": RECORD_VERSION,
+        "key": key,
+        "key_components": components,
+        "chosen": label,
+        "speculative": _public(speculative),
+        "recommended": {str(c): v for c, v in report.recommended.items()},
+        "measured_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "measuring_s": round(time.monotonic() - started, 1),
+        "sample": {"rows": report.sample_rows, "seed": auto.seed, "rows_in_pending_shards":
+                   report.rows_seen, "shards": [s.name for s in shards],
+                   "fingerprint": sample_digest},
+        "predicted": {"rows": pending_rows, "wall_s": None if wall is None else round(wall, 1),
+                      "concurrency": level},
+        "measurements": {k: measured[k] for k in ("candidates", "noise", "prediction",
+                                                  "lossless", "notes")},
+        "batchspec_version": batchspec.__version__,
+    }
+    if report.mismatches:  # lossless broken: never run a candidate that changed greedy text
+        speculative, label = None, "off (a candidate's greedy text differed from off's)"
+        record.update(chosen=label, speculative=None)
+    secrets = tune_secrets(spec, auto.drafts)
+    record = json.loads(scrub_text(json.dumps(record, default=str), secrets))
+    return record, speculative, label
+
+
+def _section(spec: JobSpec, recommended: dict[int, str]) -> tuple[dict | None, str, int | None]:
+    """(the section to run, its label, the level it was chosen at; None for a per-batch-size
+    schedule) from the recommendation per level, with this job's candidates."""
+    from batchspec.tune.predict import choose_section
+    from batchspec.tune.search_space import candidates
+
+    auto = spec.speculative_auto
+    assert auto is not None
+    if not recommended:
+        return None, "off (nothing was measured in time)", None
+    fixed, families = candidates(dataclasses.replace(spec, speculative=None), list(auto.drafts),
+                                 list(auto.k), auto.ngram)
+    by_label = {c.label: c for c in fixed + [c for f in families.values() for c in f]}
+
+    def section(c: int) -> tuple[dict | None, int | None]:
+        cand = by_label.get(recommended[c])
+        if cand is None or cand.speculative is None:
+            return None, None
+        return copy.deepcopy(cand.speculative), cand.k
+
+    max_num_seqs = spec.model.engine.get("max_num_seqs")
+    speculative, level = choose_section(recommended, section,
+                                        max_num_seqs if isinstance(max_num_seqs, int) else None)
+    if level is None:
+        label = "; ".join(f"c={c}: {v}" for c, v in sorted(recommended.items()))
+        return speculative, f"per batch size ({label})", None
+    return speculative, recommended[level], level
+
+
+def _section_from_record(spec: JobSpec, record: dict) -> tuple[dict | None, str] | None:
+    """The stored choice as a section of this job (built from the job's own candidates, so a
+    draft's path is the job's, never the record's public view); None for an unreadable record."""
+    try:
+        recommended = {int(c): str(v) for c, v in (record.get("recommended") or {}).items()}
+    except (AttributeError, TypeError, ValueError):
+        return None
+    if record.get("speculative") is None and record.get("chosen", "").startswith("off"):
+        return None, str(record["chosen"])
+    if not recommended:
+        return None
+    speculative, label, _ = _section(spec, recommended)
+    return speculative, label
+
+
+def _public(speculative: dict | None) -> dict | None:
+    return None if speculative is None else public_spec({"speculative": speculative})["speculative"]
