@@ -38,6 +38,18 @@ def acceptance_per_position(before: dict, after: dict) -> dict | None:
 
 
 
+def prefix_cache(before: dict, after: dict) -> dict | None:
+    """vLLM's prefix cache over an interval, from its engine counters before and after: prompt
+    tokens looked up (``queries``), found cached (``hits``), and ``hit_rate``; None where the
+    engine does not count them."""
+    if after.get("prefix_cache_queries") is None:
+        return None
+    queries = int(after["prefix_cache_queries"] - (before.get("prefix_cache_queries") or 0))
+    hits = int((after.get("prefix_cache_hits") or 0) - (before.get("prefix_cache_hits") or 0))
+    return {"queries": queries, "hits": hits,
+            "hit_rate": round(hits / queries, 4) if queries > 0 else None}
+
+
 #: Result columns that count something: summed over a row's samples for progress.
 _COUNTED = ("num_output_tokens", "spec_num_draft_tokens", "spec_num_accepted_tokens",
             "spec_num_steps")

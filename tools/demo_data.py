@@ -38,6 +38,36 @@ def prompt_table(rows: int, seed: int, first_id: int = 0, max_tokens: tuple[int,
     return table
 
 
+def document_questions_table(documents: int, questions: int, seed: int, doc_chars: int = 1200,
+                             max_tokens: int = 24) -> pa.Table:
+    """Several questions about each of ``documents`` documents (code files the tiny models never
+    saw): every prompt is the document, then one question, so the ``questions`` rows of a
+    document share a long prefix (about 300 tokens of the tiny tokenizer). Rows are in a seeded
+    random order, as a dataset joined from two tables often is: a document's rows are scattered."""
+    rng = random.Random(seed)
+    snippets = held_out_snippets(documents * 8, seed=seed)
+    docs = []
+    for d in range(documents):
+        text = ""
+        for snippet in snippets[d * 8:(d + 1) * 8]:
+            text += snippet + "\n"
+            if len(text) >= doc_chars:
+                break
+        docs.append(text[:doc_chars])
+    asks = ["What does this code do?", "Which functions are defined here?",
+            "What does the first function return?", "Which modules are imported?",
+            "Is there any error handling?", "What would you rename?", "Summarise it in a line.",
+            "What are the inputs?"]
+    rows = [(d, q) for d in range(documents) for q in range(questions)]
+    rng.shuffle(rows)
+    return pa.table({
+        "id": [f"d{d:04d}-q{q:02d}" for d, q in rows],
+        "document": [f"d{d:04d}" for d, _ in rows],
+        "prompt": [f"{docs[d]}\n# Question: {asks[q % len(asks)]} ({q})\n# Answer:" for d, q in rows],
+        "max_tokens": pa.array([max_tokens] * len(rows), pa.int32()),
+    })
+
+
 def write_shards(out_dir: Path, shards: int, rows: int, seed: int = 0,
                  adapters: tuple[str, ...] = ()) -> list[Path]:
     """Write ``shards`` Parquet files of ``rows`` prompts each; returns their paths."""

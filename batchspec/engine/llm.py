@@ -28,6 +28,7 @@ from batchspec.engine.checks import (
     row_constraint,
 )
 from batchspec.engine.lora import Adapters, check_lora
+from batchspec.engine.pacing import PrefixPacer
 from batchspec.engine.rows import Asked, result_rows
 from batchspec.errors import RuntimeFailure, SpecError
 from batchspec.io.reader import Row, length_error, prompt_token_ids
@@ -71,6 +72,10 @@ def _lora_engine(spec: JobSpec) -> tuple | None:
     return None if lora is None else (dict(lora.adapters), lora.max_loras, lora.max_lora_rank)
 
 
+#: vLLM's prefix-cache counters (prompt tokens looked up, and found) a run's summary reports.
+_PREFIX_COUNTERS = ("prefix_cache_queries", "prefix_cache_hits")
+
+
 class Engine:
     """One vLLM engine, reused for every shard of the process."""
 
@@ -105,6 +110,14 @@ class Engine:
         self.max_model_len = self.engine.model_config.max_model_len
         self.serves = _serves(spec)
         self.max_logprobs = self.engine.model_config.max_logprobs
+        config = getattr(self.engine, "vllm_config", None)
+        #: the prefix cache's block, in tokens (None: prefix caching off), and the prompt tokens a
+        #: step may prefill: what :class:`PrefixPacer` needs
+        self.prefix_block = (config.cache_config.block_size
+                             if config is not None and config.cache_config.enable_prefix_caching
+                             else None)
+        self.tokens_per_step = (config.scheduler_config.max_num_batched_tokens
+                                if config is not None else self.max_model_len)
         self._use(spec)
         self._ids = itertools.count()
         self._closed = threading.Event()
@@ -133,6 +146,8 @@ class Engine:
         self.sampling_columns = dict(spec.input.sampling_columns)
         self.refuse_random_sampling = refuses_random_sampling(spec)
         self.adapters = Adapters(spec)
+        #: hold a request whose prefix another is computing (``execution.prefix_window`` > 0)
+        self.pace_prefixes = spec.execution.prefix_window > 0
 
     # ------------------------------------------------------------------ requests
 
@@ -191,8 +206,27 @@ class Engine:
 
         in_flight: dict[str, tuple[Row, Asked]] = {}
         added_at: dict[str, float] = {}  # batchspec's own clock: e2e is measured, not summed
+        pacer = (PrefixPacer(self.prefix_block, self.tokens_per_step)
+                 if self.pace_prefixes and self.prefix_block else None)
+        #: (step to send at, row, prepared request): held by the pacer, oldest first
+        held: list[tuple[int, Row, tuple]] = []
+        steps = 0
         exhausted = False
         deadline: float | None = None
+
+        def admit(row: Row, request: tuple) -> list[dict] | None:
+            """Hand a prepared request to the engine; the error result where vLLM refuses it."""
+            request_id = str(next(self._ids))
+            started = time.monotonic()  # before add_request, where vLLM's arrival is
+            try:
+                self.engine.add_request(request_id, TokensPrompt(prompt_token_ids=request[0]),
+                                        request[1], lora_request=request[3])
+            except self._bad_value as exc:  # refused: empty, too long, a bad grammar...
+                return [error_result(str(exc), num_prompt_tokens=len(request[0]))]
+            in_flight[request_id] = (row, request[2])
+            added_at[request_id] = started
+            return None
+
         try:
             while True:
                 if deadline is None and stop is not None and stop():
@@ -205,9 +239,22 @@ class Engine:
                         added_at.pop(rid, None)
                     if dropped:
                         self._abort_quietly(dropped)
-                if deadline is not None and (not in_flight or time.monotonic() >= deadline):
+                    held = [h for h in held if keep is not None and keep(h[1])]
+                if deadline is not None and (not (in_flight or held)
+                                             or time.monotonic() >= deadline):
                     return
-                while not exhausted and len(in_flight) < max_in_flight:
+                # held requests whose prefix is cached now (all of them once nothing is in
+                # flight: whatever they waited for has run)
+                while held and len(in_flight) < max_in_flight:
+                    ready = next((i for i, h in enumerate(held) if h[0] <= steps or not in_flight),
+                                 None)
+                    if ready is None:
+                        break
+                    _, row, request = held.pop(ready)
+                    refused = admit(row, request)
+                    if refused is not None:
+                        yield row, refused
+                while not exhausted and len(in_flight) + len(held) < max_in_flight:
                     row = next(rows, None)
                     if row is None:
                         exhausted = True
@@ -219,19 +266,15 @@ class Engine:
                     if refused is not None:
                         yield row, [refused]
                         continue
-                    request_id = str(next(self._ids))
-                    started = time.monotonic()  # before add_request, where vLLM's arrival is
-                    try:
-                        self.engine.add_request(request_id,
-                                                TokensPrompt(prompt_token_ids=request[0]),
-                                                request[1], lora_request=request[3])
-                    except self._bad_value as exc:  # refused: empty, too long, a bad grammar...
-                        yield row, [error_result(str(exc), num_prompt_tokens=len(request[0]))]
+                    until = pacer.hold_until(request[0], steps) if pacer is not None else None
+                    if until is not None:
+                        held.append((until, row, request))
                         continue
-                    in_flight[request_id] = (row, request[2])
-                    added_at[request_id] = started
+                    refused = admit(row, request)
+                    if refused is not None:
+                        yield row, refused
                 if not in_flight:
-                    if exhausted:
+                    if exhausted and not held:
                         return
                     continue
                 try:
@@ -239,6 +282,7 @@ class Engine:
                 except Exception as exc:
                     raise RuntimeFailure(f"the vLLM engine failed: {type(exc).__name__}: {exc}") \
                         from exc
+                steps += 1
                 for output in outputs:
                     if output.finished:
                         entry = in_flight.pop(output.request_id, None)
@@ -274,7 +318,8 @@ class Engine:
         return result_rows(output, e2e_s, asked or Asked())
 
     def spec_counters(self) -> dict[str, Any]:
-        """Engine-lifetime speculative-decoding totals from vLLM's own metrics."""
+        """Engine-lifetime speculative-decoding and prefix-cache totals from vLLM's own metrics
+        (``spec_decode_*``, ``prefix_cache_queries`` and ``prefix_cache_hits``)."""
         out: dict[str, Any] = {}
         try:
             metrics = self.llm.get_metrics()
@@ -282,7 +327,7 @@ class Engine:
             return out
         for metric in metrics:
             name = metric.name.removeprefix("vllm:")
-            if not name.startswith("spec_decode"):
+            if not name.startswith("spec_decode") and name not in _PREFIX_COUNTERS:
                 continue
             if hasattr(metric, "values"):
                 out[name] = list(metric.values)

@@ -317,6 +317,9 @@ class _Job:
                     if self.gen_started is not None else 0.0)
         positions = self.executor.acceptance_per_position() if self.executor is not None else None
         summarise(summary, self.outcome, wall, gen_wall, positions)
+        cache = self.executor.prefix_cache() if self.executor is not None else None
+        if cache is not None:
+            summary["prefix_cache"] = cache
         path = None
         if self.out is not None:
             try:

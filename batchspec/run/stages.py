@@ -36,6 +36,7 @@ from batchspec.leases.shard_leases import holder_text
 from batchspec.redact import sanitize_url
 from batchspec.run.events import EventLog
 from batchspec.run.outcome import RunOutcome, ShardStats
+from batchspec.run.prefixes import prefix_order
 from batchspec.run.twins import Twins
 from batchspec.spec.model import JobSpec
 from batchspec.stats import request_totals
@@ -292,7 +293,7 @@ class ShardPipeline:
                 continue
             try:
                 self.open_shard(run)
-                for row in run.reader.rows():
+                for row in prefix_order(run.reader.rows(), self.spec.execution.prefix_window):
                     if self.stop() or run.dropped:
                         break
                     if seen.add(row.request_id):

@@ -285,14 +285,19 @@ def _execution_spec(raw: dict) -> ExecutionSpec:
         grace_s=exe.seconds("grace_s", allow_zero=True),
         lease_s=exe.seconds("lease_s", allow_zero=False),
         dedupe_window=_dedupe_window(exe),
+        prefix_window=_window(exe, "prefix_window", "0: file order"),
     )
 
 
 def _dedupe_window(exe: _Fields) -> int:
-    value = exe.get("dedupe_window", int)
+    return _window(exe, "dedupe_window", "0: every row generated")
+
+
+def _window(exe: _Fields, key: str, zero: str) -> int:
+    value = exe.get(key, int)
     if isinstance(value, bool) or value < 0:
-        raise SpecError("execution.dedupe_window", f"expected a number of requests, 0 or more "
-                                                   f"(0: every row generated), got {value!r}")
+        raise SpecError(f"execution.{key}", f"expected a number of rows, 0 or more ({zero}), "
+                                            f"got {value!r}")
     return value
 
 

@@ -144,6 +144,11 @@ class ExecutionSpec:
     #: seeded) within this many are generated once, the result written to each (``twin_of``);
     #: 0 generates every row (batchspec/run/twins.py).
     dedupe_window: int = 10000
+    #: Rows of a shard sent this many at a time, each window sorted by LoRA adapter and prompt
+    #: text, so rows sharing a prefix go to the engine together and its prefix cache serves
+    #: them; the engine holds a request whose first cache block another request is computing
+    #: until that one's prefill ran. 0: file order, no holding (batchspec/run/prefixes.py).
+    prefix_window: int = 1024
 
 
 @dataclass(frozen=True)

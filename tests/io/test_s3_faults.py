@@ -167,8 +167,11 @@ def retries_logged(caplog, words: str) -> int:
 def test_a_job_survives_a_store_that_faults_38_percent_of_requests(
         buckets, proxy, fast_retries, small_parts, monkeypatch, caplog):
     """botocore's own retries are off: s3fs's few retries and batchspec's policy carry the job.
-    A multipart upload is retried whole (any part failing fails the attempt), hence 8 attempts."""
-    monkeypatch.setattr(storage, "ATTEMPTS", 8)
+    A multipart upload is retried whole (any part failing fails the attempt): a create, four parts
+    and a complete, about six requests, so at this fault rate most attempts fail (seven in a row
+    were seen), hence 20 attempts (no backoff here): the odds of a shard losing all of them are
+    below one in a thousand, whatever order the run's requests come in."""
+    monkeypatch.setattr(storage, "ATTEMPTS", 20)
     fs, options, in_bucket, out_bucket = buckets
     inputs = write_inputs(fs, in_bucket, shards=4, rows=40, blob_bytes=6000)
     through_proxy = {**proxy.storage_options(options), **NO_SDK_RETRIES}

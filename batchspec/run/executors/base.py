@@ -65,6 +65,10 @@ class Executor(Protocol):
     def acceptance_per_position(self) -> dict | None:
         """vLLM's per-position acceptance over this run; None without speculation."""
 
+    def prefix_cache(self) -> dict | None:
+        """vLLM's prefix-cache lookups and hits over this run (summed over engines); None where
+        no engine counts them."""
+
     def abort(self) -> None:
         """After a failed or stopped run: drop uncommitted files and give leases back."""
 

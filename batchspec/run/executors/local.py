@@ -10,7 +10,7 @@ from batchspec.redact import sanitize_url
 from batchspec.run.executors.base import RunContext
 from batchspec.run.lease_wait import LeaseWait
 from batchspec.run.stages import ShardPipeline
-from batchspec.stats import acceptance_per_position
+from batchspec.stats import acceptance_per_position, prefix_cache
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +89,11 @@ class LocalExecutor:
         if self.engine is None:
             return None
         return acceptance_per_position(self.counters_before, self.engine.spec_counters())
+
+    def prefix_cache(self) -> dict | None:
+        if self.engine is None:
+            return None
+        return prefix_cache(self.counters_before, self.engine.spec_counters())
 
     def abort(self) -> None:
         if self.pipeline is not None:

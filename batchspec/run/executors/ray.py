@@ -49,7 +49,7 @@ from batchspec.run.lease_wait import LeaseWait
 from batchspec.run.outcome import RunOutcome
 from batchspec.run.stages import ShardPipeline
 from batchspec.spec.model import JobSpec
-from batchspec.stats import acceptance_per_position
+from batchspec.stats import acceptance_per_position, prefix_cache
 
 log = logging.getLogger(__name__)
 
@@ -413,6 +413,16 @@ class RayExecutor:
     def abort(self) -> None:
         """Nothing to do here: each replica drops its uncommitted files and gives its leases
         back when its shard ends."""
+
+    def prefix_cache(self) -> dict | None:
+        """Prefix-cache lookups and hits over every replica's engine during this run."""
+        parts = [p for before, after in self._counters.values()
+                 if (p := prefix_cache(before, after)) is not None]
+        if not parts:
+            return None
+        queries, hits = sum(p["queries"] for p in parts), sum(p["hits"] for p in parts)
+        return {"queries": queries, "hits": hits,
+                "hit_rate": round(hits / queries, 4) if queries > 0 else None}
 
     def acceptance_per_position(self) -> dict | None:
         """Per-position acceptance over every replica's engine during this run."""
