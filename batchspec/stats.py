@@ -46,6 +46,11 @@ def prefix_cache(before: dict, after: dict) -> dict | None:
         return None
     queries = int(after["prefix_cache_queries"] - (before.get("prefix_cache_queries") or 0))
     hits = int((after.get("prefix_cache_hits") or 0) - (before.get("prefix_cache_hits") or 0))
+    return prefix_cache_figures(queries, hits)
+
+
+def prefix_cache_figures(queries: int, hits: int) -> dict:
+    """``{queries, hits, hit_rate}`` (hit_rate None without a lookup)."""
     return {"queries": queries, "hits": hits,
             "hit_rate": round(hits / queries, 4) if queries > 0 else None}
 

@@ -23,7 +23,8 @@ STEPS = [
     ["benchmarks/distill.py", "--json", str(OUT / "distill.json")],
     ["benchmarks/tune.py", "--json", str(OUT / "tune.json")],
     ["benchmarks/structured.py"],
-    ["benchmarks/duplicates.py", "--json", str(OUT / "duplicates.json")],
+    ["benchmarks/batching.py", "--json", str(OUT / "batching.json")],
+    ["benchmarks/auto.py", "--json", str(OUT / "auto.json")],
 ]
 
 

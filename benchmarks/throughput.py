@@ -89,7 +89,7 @@ def main() -> int:
         "speculative": SPECULATIVE[args.spec],
         "sampling": {"temperature": 0.0, "max_tokens": 64, "ignore_eos": True},
         # every row generated, as bare vLLM and the naive loop do (a repeated snippet would
-        # otherwise be written from its twin: batchspec/run/twins.py, benchmarks/duplicates.py)
+        # otherwise be written from its twin: batchspec/run/twins.py, benchmarks/batching.py)
         "execution": {"max_in_flight": args.max_in_flight, "dedupe_window": 0},
     }
     spec = build_spec(raw)

@@ -181,6 +181,10 @@ class _Job:
         check_no_overlap(spec.input.paths, spec.input.storage_options, spec.output.path,
                          spec.output.storage_options)
         check_vllm_keys(spec)
+        if spec.speculative_auto is not None:
+            from batchspec.tune.auto import check_auto
+
+            check_auto(spec)
         # known before listing, so that a run that fails to plan still leaves its summary
         self.out = OutputDir(spec.output.path, spec.output.storage_options, spec.output.format)
         ctx = self.context()

@@ -64,6 +64,10 @@ def validate_job(spec: JobSpec, worker_index: int = 0, num_workers: int = 1) -> 
     from batchspec.engine.structured import normalise
 
     check_vllm_keys(spec)
+    if spec.speculative_auto is not None:
+        from batchspec.tune.auto import check_auto
+
+        check_auto(spec)
     adapters = tuple(spec.model.lora.adapters) if spec.model.lora is not None else ()
     constraint = spec.sampling.get("structured_outputs")
     base = normalise(constraint) if constraint is not None else None

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import batchspec
+from batchspec.errors import SpecError
 from batchspec.io.output_dir import OutputDir
 from batchspec.io.paths import BOOKKEEPING_DIR
 from batchspec.redact import public_spec, scrub_text
@@ -73,6 +74,20 @@ class AutoChoice:
                 "reused": self.reused, "record": self.path, "key": self.key,
                 "measured_at": self.record.get("measured_at"),
                 "predicted": self.record.get("predicted")}
+
+
+def check_auto(spec: JobSpec) -> None:
+    """Refuse, before any work, what ``speculative: auto`` could only skip later: a draft given
+    as a local path that does not exist (SpecError naming it, exit 2; vLLM would try it as a
+    model hub id). The candidates' sections are batchspec's own, and a draft vLLM refuses or a
+    sampling speculation cannot run is measured as skipped, with the reason, like tune does."""
+    from batchspec.tune.search_space import missing_local_draft
+
+    auto = spec.speculative_auto
+    for i, draft in enumerate(auto.drafts if auto is not None else ()):
+        reason = missing_local_draft({"model": draft})
+        if reason:
+            raise SpecError(f"speculative.drafts[{i}]", reason)
 
 
 def choose_speculation(spec: JobSpec, shards: list, pending_rows: int, out: OutputDir, events,
@@ -244,7 +259,11 @@ def _measure(spec: JobSpec, shards: list, pending_rows: int, events, key: str,
                    report.rows_seen, "shards": [s.name for s in shards],
                    "fingerprint": sample_digest},
         "predicted": {"rows": pending_rows, "wall_s": None if wall is None else round(wall, 1),
-                      "concurrency": level},
+                      "concurrency": level,
+                      # each level measured: what was recommended there, at what rate, and how
+                      # long the pending rows would take at that many in flight
+                      "per_level": {str(c): _level_prediction(report, c, pending_rows)
+                                    for c in sorted(report.recommended)}},
         "measurements": {k: measured[k] for k in ("candidates", "noise", "prediction",
                                                   "lossless", "notes")},
         "batchspec_version": batchspec.__version__,
@@ -255,6 +274,14 @@ def _measure(spec: JobSpec, shards: list, pending_rows: int, events, key: str,
     secrets = tune_secrets(spec, auto.drafts)
     record = json.loads(scrub_text(json.dumps(record, default=str), secrets))
     return record, speculative, label
+
+
+def _level_prediction(report, c: int, rows: int) -> dict[str, Any]:
+    label = report.recommended[c]
+    tps = report.rate(label, c)
+    wall = report.predicted_wall_s(c, rows)
+    return {"recommended": label, "tokens_per_s": None if tps is None else round(tps, 2),
+            "wall_s": None if wall is None else round(wall, 1)}
 
 
 def _section(spec: JobSpec, recommended: dict[int, str]) -> tuple[dict | None, str, int | None]:

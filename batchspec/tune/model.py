@@ -198,13 +198,18 @@ class TuneReport:
         recommended candidate there): the sample's output tokens per row (speculation off's
         run at that level) over the candidate's measured tok/s, else its predicted tok/s."""
         label = label or self.recommended.get(concurrency)
-        off, e = self.entry("off", concurrency), self.entry(label, concurrency) if label else None
-        if off is None or off.level is None or not off.level.rows or e is None:
-            return None
-        tps = e.level.tps if e.level is not None and e.level.tokens_per_s else e.predicted
-        if not tps:
+        off = self.entry("off", concurrency)
+        tps = self.rate(label, concurrency) if label else None
+        if off is None or off.level is None or not off.level.rows or not tps:
             return None
         return rows * (off.level.output_tokens / off.level.rows) / tps
+
+    def rate(self, label: str, concurrency: int) -> float | None:
+        """A candidate's output tok/s at a level: measured, else predicted, else None."""
+        e = self.entry(label, concurrency)
+        if e is None:
+            return None
+        return e.level.tps if e.level is not None and e.level.tokens_per_s else e.predicted
 
     def as_dict(self) -> dict[str, Any]:
         """The ``--json`` object."""

@@ -312,3 +312,21 @@ def test_the_auto_example_on_the_real_engine_reuses_its_choice_and_remeasures_a_
         assert meta["speculative_method"] == (chosen or {}).get("method")
     rows = pq.read_table(tmp_path / "out" / "day-0.parquet").to_pylist()
     assert all(r["error"] is None and r["generated_text"] for r in rows)
+
+
+def test_a_missing_draft_is_refused_before_any_work(tmp_path, monkeypatch):
+    """Not measured as skipped: the job names a draft that is not there (exit 2, naming it)."""
+    import batchspec.engine.checks
+
+    monkeypatch.setattr(batchspec.engine.checks, "check_vllm_keys", lambda spec: None)
+    _shard(tmp_path, 0)
+    job = write_job(tmp_path / "job.yaml",
+                    input={"path": str(tmp_path / "in" / "*.parquet"), "prompt_column": "prompt"},
+                    output={"path": str(tmp_path / "out")}, model={"target": "t"},
+                    speculative={"method": "auto", "drafts": [str(tmp_path / "no-such-draft")]})
+    from helpers.shared_engines import NoEngine, run_library
+
+    run = run_library(load_spec(job), NoEngine())
+    assert run.exit_code == 2 and "speculative.drafts[0]" in str(run.error)
+    assert "no such directory" in str(run.error)
+    assert not (tmp_path / "out" / "_batchspec" / "auto").exists()

@@ -49,7 +49,7 @@ from batchspec.run.lease_wait import LeaseWait
 from batchspec.run.outcome import RunOutcome
 from batchspec.run.stages import ShardPipeline
 from batchspec.spec.model import JobSpec
-from batchspec.stats import acceptance_per_position, prefix_cache
+from batchspec.stats import acceptance_per_position, prefix_cache, prefix_cache_figures
 
 log = logging.getLogger(__name__)
 
@@ -420,9 +420,7 @@ class RayExecutor:
                  if (p := prefix_cache(before, after)) is not None]
         if not parts:
             return None
-        queries, hits = sum(p["queries"] for p in parts), sum(p["hits"] for p in parts)
-        return {"queries": queries, "hits": hits,
-                "hit_rate": round(hits / queries, 4) if queries > 0 else None}
+        return prefix_cache_figures(sum(p["queries"] for p in parts), sum(p["hits"] for p in parts))
 
     def acceptance_per_position(self) -> dict | None:
         """Per-position acceptance over every replica's engine during this run."""
