@@ -9,15 +9,15 @@ For each tier (tiny: ``.models/target``; large: ``.models/target-large``, 205M p
 - ``off``: ``speculative: null``;
 - ``k4``: the draft at ``num_speculative_tokens: 4``;
 - ``auto``: ``speculative: {method: auto, drafts: [draft], k: [1, 2, 3, 4], ngram: false,
-  concurrency: [1, 16, 64]}``. Its first run measures (tune's machinery on 64 sampled rows, the
-  time reported as ``measuring_s``) and stores the choice: one draft at every level with vLLM's
-  per-batch-size k where it pays at some levels, off elsewhere; the other runs reuse it.
+  concurrency: [LEVEL]}``: the job at each level measures at that level (tune's machinery on 64
+  sampled rows, the time reported as ``measuring_s``), stores its choice and runs with it.
 
-Each way starts one engine (start-up excluded) and runs the three levels; the figure compared is
-the generation rate of the run summary (output tokens over the generation wall time). ``auto``
-should never be below the better of ``off`` and ``k4`` beyond the noise tune measured (the
-record's threshold). Also printed: what auto chose, its measuring time, and its predicted rate and
-generation time per level (from the record) against the real ones.
+``off`` and ``k4`` start one engine each and run the three levels on it; each ``auto`` run starts
+its own after measuring (start-up and measuring excluded from the figure compared: the generation
+rate of the run summary, output tokens over the generation wall time). ``auto`` should never be
+below the better of ``off`` and ``k4`` beyond the noise tune measured (the record's threshold).
+Also printed: what auto chose, its measuring time, and its predicted rate and generation time
+(from the record) against the real ones.
 
 Usage: ``python benchmarks/auto.py [--tiers tiny,large] [--json FILE]``
 """
@@ -74,12 +74,14 @@ def run_tier(tier: str, work: Path) -> dict:
         "off": None,
         "k4": {"method": "draft_model", "model": draft, "num_speculative_tokens": 4},
         "auto": {"method": "auto", "drafts": [draft], "k": [1, 2, 3, 4], "ngram": False,
-                 "concurrency": sorted(LEVELS), "sample": 64, "max_minutes": 20},
+                 "sample": 64, "max_minutes": 20},
     }
     out: dict = {"levels": {}}
     for name, speculative in ways.items():
         engine = None
         for level in LEVELS:
+            if name == "auto":  # the job's own concurrency, as a job run at that level has it
+                speculative = {**speculative, "concurrency": [level]}
             spec = build_spec(job(tier, work, level, speculative, name))
             if name != "auto" and engine is None:
                 engine = Engine(spec)
@@ -94,41 +96,26 @@ def run_tier(tier: str, work: Path) -> dict:
                      "run_wall_s": round(wall, 1), "rows": totals["rows"]}
             if name == "auto":
                 auto = result.summary["speculative_auto"]
-                entry["chosen"] = auto["chosen"]
-                entry["reused"] = auto["reused"]
-                if not auto["reused"]:
-                    record = json.loads(Path(auto["record"]).read_text())
-                    out["auto"] = {"chosen": auto["chosen"], "speculative": auto["speculative"],
-                                   "measuring_s": record["measuring_s"],
-                                   "noise": record["measurements"]["noise"],
-                                   "per_level": record["predicted"]["per_level"],
-                                   "tokens_per_row": TOKENS}
-                    # the chosen engine, for the other levels (the choice is reused there)
-                    engine = Engine(result_spec(spec, auto["speculative"]))
+                record = json.loads(Path(auto["record"]).read_text())
+                predicted = record["predicted"]["per_level"][str(level)]
+                entry.update(chosen=auto["chosen"], reused=auto["reused"],
+                             measuring_s=record["measuring_s"],
+                             noise_threshold=record["measurements"]["noise"][str(level)]["threshold"],
+                             predicted_tokens_per_s=predicted["tokens_per_s"])
             out["levels"].setdefault(str(level), {})[name] = entry
         if engine is not None:
             engine.shutdown()
     for level, by_way in out["levels"].items():
+        auto = by_way["auto"]
         best = max(by_way["off"]["tokens_per_s"], by_way["k4"]["tokens_per_s"])
-        by_way["auto_vs_best"] = round(by_way["auto"]["tokens_per_s"] / best, 3)
-        noise = (out.get("auto", {}).get("noise", {}).get(level) or {}).get("threshold")
-        by_way["noise_threshold"] = noise
-        predicted = (out.get("auto", {}).get("per_level", {}).get(level) or {})
-        if predicted.get("tokens_per_s"):
+        by_way["auto_vs_best"] = round(auto["tokens_per_s"] / best, 3)
+        if auto["predicted_tokens_per_s"]:
             rows = LEVELS[int(level)]
             by_way["auto_predicted"] = {
-                "tokens_per_s": predicted["tokens_per_s"],
-                "generation_s": round(rows * TOKENS / predicted["tokens_per_s"], 2),
-                "error": round(abs(predicted["tokens_per_s"] - by_way["auto"]["tokens_per_s"])
-                               / by_way["auto"]["tokens_per_s"], 3)}
+                "generation_s": round(rows * TOKENS / auto["predicted_tokens_per_s"], 2),
+                "error": round(abs(auto["predicted_tokens_per_s"] - auto["tokens_per_s"])
+                               / auto["tokens_per_s"], 3)}
     return out
-
-
-def result_spec(spec, speculative):
-    """The job as auto runs it (its chosen section), to start that engine once."""
-    import dataclasses
-
-    return dataclasses.replace(spec, speculative=speculative)
 
 
 def main() -> int:

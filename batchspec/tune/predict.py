@@ -134,18 +134,20 @@ def batch_size_schedule(levels: dict[int, tuple[dict | None, int]], max_num_seqs
     (``num_speculative_tokens_per_batch_size``), or None where no single one fits.
 
     ``levels`` maps concurrency -> (the recommended speculative config, or None for off; its k).
-    Every recommended config must be the same draft model apart from k; off becomes k = 0 for
-    those batch sizes. Concurrency level c_i covers the batch sizes from just above the geometric midpoint
-    with the level below to the midpoint with the level above; the last one runs on (vLLM
-    carries the last k forward up to max_num_seqs)."""
-    if len(levels) < 2:
+    Every recommended config must be the same draft model apart from k: where off wins at a level
+    there is no schedule, since k = 0 in vLLM's schedule does not cost what speculation off costs
+    (vLLM 0.32's CPU build, tiny pair at 16 and 64 in flight: 0.90x and 0.80x of off's tok/s,
+    about what k = 4 gives; BENCHMARKS.md, "speculative: auto"). Concurrency level c_i covers the
+    batch sizes from just above the geometric midpoint with the level below to the midpoint with
+    the level above; the last one runs on (vLLM carries the last k forward up to max_num_seqs)."""
+    if len(levels) < 2 or any(cfg is None for cfg, _ in levels.values()):
         return None
     bases = {yaml.safe_dump({k: v for k, v in cfg.items() if k != "num_speculative_tokens"})
-             for cfg, _ in levels.values() if cfg is not None}
-    configs = [cfg for cfg, _ in levels.values() if cfg is not None]
+             for cfg, _ in levels.values()}
+    configs = [cfg for cfg, _ in levels.values()]
     if len(bases) != 1 or configs[0].get("method") != "draft_model":
-        return None  # off everywhere, two different drafts, or a method the CPU check did not cover
-    ks = {c: (k if cfg is not None else 0) for c, (cfg, k) in levels.items()}
+        return None  # two different drafts, or a method the CPU check did not cover
+    ks = {c: k for c, (_, k) in levels.items()}
     if len(set(ks.values())) == 1:
         return None  # one k everywhere: a plain section says it
     order = sorted(ks)

@@ -170,12 +170,15 @@ def test_level_rows_and_write_concurrency():
 def test_batch_size_schedule_from_per_level_recommendations():
     d2 = {**DRAFT_CFG, "num_speculative_tokens": 2}
     d4 = {**DRAFT_CFG, "num_speculative_tokens": 4}
-    sched = batch_size_schedule({1: (d4, 4), 16: (d2, 2), 64: (None, None)}, 64)
+    d1 = {**DRAFT_CFG, "num_speculative_tokens": 1}
+    sched = batch_size_schedule({1: (d4, 4), 16: (d2, 2), 64: (d1, 1)}, 128)
     assert sched["num_speculative_tokens"] == 4
-    assert sched["num_speculative_tokens_per_batch_size"] == [[1, 4, 4], [5, 32, 2], [33, 64, 0]]
+    assert sched["num_speculative_tokens_per_batch_size"] == [[1, 4, 4], [5, 32, 2], [33, 128, 1]]
     assert sched["model"] == "d"
-    # one k everywhere, off everywhere, or two different drafts: no schedule
+    # one k everywhere, off anywhere (k 0 in vLLM's schedule costs what speculation does), off
+    # everywhere, or two different drafts: no schedule
     assert batch_size_schedule({1: (d4, 4), 16: (d4, 4)}, None) is None
+    assert batch_size_schedule({1: (d4, 4), 16: (d2, 2), 64: (None, None)}, 64) is None
     assert batch_size_schedule({1: (None, None), 16: (None, None)}, None) is None
     other = {**d2, "model": "e"}
     assert batch_size_schedule({1: (d4, 4), 16: (other, 2)}, None) is None
@@ -384,8 +387,8 @@ def test_tune_writes_a_valid_spec_with_the_recommended_section(tuned):
         # one section for both levels: each level's k over its batch sizes
         sched = section["num_speculative_tokens_per_batch_size"]
         for (_lo, _hi, k), level in zip(sched, ("1", "4"), strict=True):
-            rec = recs[level]
-            assert k == (0 if rec == "off" else int(rec.rsplit("=", 1)[1]))
+            assert recs[level] != "off"  # never k 0 for off: it does not cost what off costs
+            assert k == int(recs[level].rsplit("=", 1)[1])
     else:
         same = {recs["1"], recs["4"]}
         label = recs["4"] if len(same) > 1 else same.pop()  # the job sets no max_num_seqs: 4
