@@ -4,7 +4,7 @@ on both model tiers.
 For each tier (tiny: ``.models/target``; large: ``.models/target-large``, 205M parameters; the
 1-layer ``.models/draft`` for both), one job over the same prompts (greedy, 32 tokens a row with
 ``ignore_eos``, ``max_num_seqs`` 64) is run three ways at each concurrency (``max_in_flight`` 1, 16,
-64; 12, 64 and 192 rows):
+64; tiny: 32, 256 and 768 rows; large: 12, 64 and 128):
 
 - ``off``: ``speculative: null``;
 - ``k4``: the draft at ``num_speculative_tokens: 4``;
@@ -12,9 +12,10 @@ For each tier (tiny: ``.models/target``; large: ``.models/target-large``, 205M p
   concurrency: [LEVEL]}``: the job at each level measures at that level (tune's machinery on 64
   sampled rows, the time reported as ``measuring_s``), stores its choice and runs with it.
 
-``off`` and ``k4`` start one engine each and run the three levels on it; each ``auto`` run starts
-its own after measuring (start-up and measuring excluded from the figure compared: the generation
-rate of the run summary, output tokens over the generation wall time). ``auto`` should never be
+Every way is timed alike at every level: a fresh engine for what it runs (for ``auto``, the choice
+its first run made and stored), a warm-up, then the job (``auto`` reusing its choice, so nothing is
+measured in the timed run). Compared: the generation rate of the run summary (output tokens over
+the generation wall time; start-up excluded). ``auto`` should never be
 below the better of ``off`` and ``k4`` beyond the noise tune measured (the record's threshold).
 Also printed: what auto chose, its measuring time, and its predicted rate and generation time
 (from the record) against the real ones.
@@ -25,11 +26,12 @@ Usage: ``python benchmarks/auto.py [--tiers tiny,large] [--json FILE]``
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import os
 import shutil
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -37,7 +39,8 @@ sys.path.insert(0, str(ROOT / "tools"))
 
 from common import TINY_ENGINE, print_report  # noqa: E402
 
-LEVELS = {1: 12, 16: 64, 64: 192}  # in flight -> rows run at that level
+#: tier -> in flight -> rows run at that level (the large target is 20 times slower)
+LEVELS = {"tiny": {1: 32, 16: 256, 64: 768}, "large": {1: 12, 16: 64, 64: 128}}
 TOKENS = 32
 TIERS = {"tiny": "target", "large": "target-large"}
 
@@ -56,17 +59,25 @@ def job(tier: str, work: Path, level: int, speculative, name: str) -> dict:
     }
 
 
+def quiet():
+    from batchspec.run.events import EventLog
+
+    return EventLog("bench", "json", open(os.devnull, "w"))
+
+
 def run_tier(tier: str, work: Path) -> dict:
     import pyarrow.parquet as pq
     from demo_data import prompt_table
+    from vllm import SamplingParams
 
     from batchspec.engine.llm import Engine
-    from batchspec.run.events import EventLog
     from batchspec.run.job import run_job
     from batchspec.spec.build import build_spec
 
+    levels = LEVELS[tier]
     draft = str(ROOT / ".models" / "draft")
-    for level, rows in LEVELS.items():
+    warm = prompt_table(8, seed=77)["prompt"].to_pylist()
+    for level, rows in levels.items():
         (work / f"in-{level}").mkdir(parents=True)
         pq.write_table(prompt_table(rows, seed=900 + level, first_id=0, max_tokens=(TOKENS, TOKENS)),
                        work / f"in-{level}" / "part-0.parquet")
@@ -77,40 +88,44 @@ def run_tier(tier: str, work: Path) -> dict:
                  "sample": 64, "max_minutes": 20},
     }
     out: dict = {"levels": {}}
-    for name, speculative in ways.items():
-        engine = None
-        for level in LEVELS:
+    for level in levels:
+        for name, speculative in ways.items():
             if name == "auto":  # the job's own concurrency, as a job run at that level has it
                 speculative = {**speculative, "concurrency": [level]}
             spec = build_spec(job(tier, work, level, speculative, name))
-            if name != "auto" and engine is None:
-                engine = Engine(spec)
-            started = time.monotonic()
-            result = run_job(spec, engine=engine, overwrite=True, progress_bars=False,
-                             events=EventLog("bench", "json", open("/dev/null", "w")))
-            wall = time.monotonic() - started
-            totals = result.summary["totals"]
-            entry = {"tokens_per_s": totals.get("generation_output_tokens_per_s"),
-                     "generation_s": round(totals["output_tokens"]
-                                           / totals["generation_output_tokens_per_s"], 2),
-                     "run_wall_s": round(wall, 1), "rows": totals["rows"]}
-            if name == "auto":
-                auto = result.summary["speculative_auto"]
+            entry: dict = {}
+            runs = spec
+            if name == "auto":  # the first run measures and chooses (its own engines)
+                first = run_job(spec, progress_bars=False, events=quiet())
+                auto = first.summary["speculative_auto"]
                 record = json.loads(Path(auto["record"]).read_text())
-                predicted = record["predicted"]["per_level"][str(level)]
-                entry.update(chosen=auto["chosen"], reused=auto["reused"],
-                             measuring_s=record["measuring_s"],
+                entry.update(chosen=auto["chosen"], measuring_s=record["measuring_s"],
                              noise_threshold=record["measurements"]["noise"][str(level)]["threshold"],
-                             predicted_tokens_per_s=predicted["tokens_per_s"])
-            out["levels"].setdefault(str(level), {})[name] = entry
-        if engine is not None:
+                             predicted_tokens_per_s=record["predicted"]["per_level"][str(level)]
+                             ["tokens_per_s"])
+                runs = dataclasses.replace(spec, speculative=auto["speculative"])
+            # every way timed alike: a fresh engine, warmed up, then the job (auto reusing its
+            # stored choice, so nothing is measured in this run)
+            engine = Engine(runs)
+            engine.llm.generate(warm, SamplingParams(max_tokens=8), use_tqdm=False)
+            result = run_job(spec, engine=engine, overwrite=True, progress_bars=False,
+                             events=quiet())
             engine.shutdown()
+            totals = result.summary["totals"]
+            entry.update(tokens_per_s=round(totals["generation_output_tokens_per_s"], 1),
+                         generation_s=round(totals["output_tokens"]
+                                            / totals["generation_output_tokens_per_s"], 2),
+                         rows=totals["rows"])
+            if name == "auto":
+                assert result.summary["speculative_auto"]["reused"], "the timed run measured"
+            out["levels"].setdefault(str(level), {})[name] = entry
+            print(f"{tier} c={level} {name}: {entry}", file=sys.stderr, flush=True)
     for level, by_way in out["levels"].items():
         auto = by_way["auto"]
         best = max(by_way["off"]["tokens_per_s"], by_way["k4"]["tokens_per_s"])
         by_way["auto_vs_best"] = round(auto["tokens_per_s"] / best, 3)
         if auto["predicted_tokens_per_s"]:
-            rows = LEVELS[int(level)]
+            rows = levels[int(level)]
             by_way["auto_predicted"] = {
                 "generation_s": round(rows * TOKENS / auto["predicted_tokens_per_s"], 2),
                 "error": round(abs(auto["predicted_tokens_per_s"] - auto["tokens_per_s"])
