@@ -3,6 +3,7 @@ vLLM's acceptance counters."""
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 
@@ -10,7 +11,14 @@ from batchspec.errors import InputDataError, SpecError
 from batchspec.io.reader import Row
 from batchspec.spec.model import JobSpec
 from batchspec.stats import acceptance_per_position, request_totals
-from batchspec.tune.model import TIME_BUDGET, WARMUP_ROWS, LevelMeasurement, SkipCandidate, level_rows
+from batchspec.tune.model import (
+    MIN_LEVEL_SECONDS,
+    TIME_BUDGET,
+    WARMUP_ROWS,
+    LevelMeasurement,
+    SkipCandidate,
+    level_rows,
+)
 
 # --------------------------------------------------------------------------- sampling
 
@@ -93,9 +101,27 @@ def measure_level(engine, rows: list[Row], concurrency: int,
 
 
 
+def _sized_level(engine, rows: list[Row], concurrency: int) -> tuple[LevelMeasurement, int]:
+    """A level timed on :func:`level_rows`, or, where that took under :data:`MIN_LEVEL_SECONDS`
+    and the sample has more rows, timed again on enough rows to last that long."""
+    first = level_rows(rows, concurrency)
+    level = measure_level(engine, first, concurrency)
+    wall = level.wall_s[0]
+    if wall >= MIN_LEVEL_SECONDS or len(first) >= len(rows):
+        return level, len(first)
+    n = min(len(rows), max(len(first) + 1, math.ceil(len(first) * MIN_LEVEL_SECONDS / max(wall, 1e-3))))
+    return measure_level(engine, rows[:n], concurrency), n
+
+
 def measure_candidate(spec: JobSpec, rows: list[Row], concurrencies: list[int], repeats: int,
-                      deadline: float | None) -> tuple[dict[int, LevelMeasurement], dict[int, str]]:
+                      deadline: float | None, sizes: dict[int, int] | None = None
+                      ) -> tuple[dict[int, LevelMeasurement], dict[int, str]]:
     """Start one engine for ``spec``, time every level, shut it down.
+
+    ``sizes`` (concurrency -> rows timed there) is shared by a tune's candidates, so each times
+    the same rows: a level not in it yet (the first candidate, speculation off) is timed on
+    :func:`level_rows`, and where that took under :data:`MIN_LEVEL_SECONDS` on more rows from the
+    sample, enough to last that long (once; the short run counts as warm-up); the size is kept.
 
     Returns (levels measured, levels skipped -> reason). Raises SkipCandidate when the engine
     refuses the config (the reason names vLLM's error) and RuntimeFailure for an engine that
@@ -116,6 +142,7 @@ def measure_candidate(spec: JobSpec, rows: list[Row], concurrencies: list[int], 
     try:
         warm = rows[:min(WARMUP_ROWS, len(rows))]
         list(engine.stream(iter(warm), max_in_flight=max(concurrencies)))
+        sizes = {} if sizes is None else sizes
         for c in sorted(concurrencies):
             for _ in range(repeats):
                 if deadline is not None and time.monotonic() >= deadline and c in levels:
@@ -123,7 +150,10 @@ def measure_candidate(spec: JobSpec, rows: list[Row], concurrencies: list[int], 
                 if deadline is not None and time.monotonic() >= deadline:
                     skipped[c] = TIME_BUDGET
                     break
-                levels[c] = measure_level(engine, level_rows(rows, c), c, levels.get(c))
+                if c not in sizes:
+                    levels[c], sizes[c] = _sized_level(engine, rows, c)
+                else:
+                    levels[c] = measure_level(engine, rows[:sizes[c]], c, levels.get(c))
     finally:
         engine.shutdown()
         kill_new_children(before)  # the next engine gets the machine to itself

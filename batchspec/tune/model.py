@@ -204,6 +204,13 @@ class TuneReport:
             return None
         return rows * (off.level.output_tokens / off.level.rows) / tps
 
+    def level_size(self, concurrency: int) -> int:
+        """The sampled rows each candidate was timed on at a level (speculation off's)."""
+        off = self.entry("off", concurrency)
+        if off is not None and off.level is not None:
+            return off.level.rows
+        return min(self.sample_rows, len(level_rows(range(self.sample_rows), concurrency)))
+
     def rate(self, label: str, concurrency: int) -> float | None:
         """A candidate's output tok/s at a level: measured, else predicted, else None."""
         e = self.entry(label, concurrency)
@@ -221,8 +228,8 @@ class TuneReport:
             "concurrency": self.concurrency,
             "sample": {"rows": self.sample_rows, "seed": self.options.seed,
                        "rows_in_input": self.rows_seen, "greedy_rows": self.greedy_rows,
-                       "rows_per_concurrency": {str(c): min(self.sample_rows, len(level_rows(
-                           range(self.sample_rows), c))) for c in self.concurrency}},
+                       "rows_per_concurrency": {str(c): self.level_size(c)
+                                                for c in self.concurrency}},
             "candidates": [e.as_dict() for e in self.entries],
             "recommended": {str(c): label for c, label in self.recommended.items()},
             "noise": {str(c): v for c, v in self.noise.items()},
@@ -259,5 +266,9 @@ def public_speculative(config: dict | None) -> dict | None:
     return None if config is None else public_spec({"speculative": config})["speculative"]
 
 
-#: A concurrency level c is timed on the first max(MIN_LEVEL_ROWS, LEVEL_WAVES * c) sampled rows.
+#: A concurrency level c is timed on the first max(MIN_LEVEL_ROWS, LEVEL_WAVES * c) sampled rows ...
 MIN_LEVEL_ROWS, LEVEL_WAVES = 8, 4
+#: ... or, where those took less than this many seconds (for speculation off, the first candidate),
+#: on as many more as last about that long: a one-second timing on a shared machine decides
+#: nothing (the tiny pair at one request in flight: 8 rows of 32 tokens in about a second).
+MIN_LEVEL_SECONDS = 4.0

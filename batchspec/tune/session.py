@@ -8,7 +8,9 @@ How it works (README "Choosing speculation: batchspec tune"):
 - One engine per speculative config (never two alive at once), ``max_num_seqs`` = the largest
   concurrency; a concurrency level is the number of requests kept in flight
   (:meth:`batchspec.engine.llm.Engine.stream`'s ``max_in_flight``). Level ``c`` uses the first
-  ``max(8, 4 c)`` sampled rows (all of them if the sample is smaller).
+  ``max(8, 4 c)`` sampled rows (all of them if the sample is smaller), or more where speculation
+  off took under :data:`~batchspec.tune.model.MIN_LEVEL_SECONDS` on those; every candidate
+  times the same rows.
 - Speculation off is measured first, ``--repeats`` times per level: the relative spread of its
   tok/s (and e2e p50) is the noise. A candidate is recommended at a level only if it beats off by
   more than the noise (never less than :data:`MIN_NOISE`); otherwise off is.
@@ -170,6 +172,8 @@ class _Session:
         self.off_levels: dict[int, LevelMeasurement] = {}
         #: (candidate label, concurrency) -> why that level was not measured
         self.late: dict[tuple[str, int], str] = {}
+        #: concurrency -> the sampled rows every candidate is timed on there (set by the first)
+        self.sizes: dict[int, int] = {}
 
     def every_candidate(self) -> list[Candidate]:
         return self.fixed + [c for family in self.families.values() for c in family]
@@ -233,7 +237,8 @@ class _Session:
             raise SkipCandidate(f"the sample has rows with temperature > 0: {CPU_SAMPLING_REFUSAL}")
         self.progress.start(cand.label)
         try:
-            levels, late = measure_candidate(cspec, self.rows, self.concurrency, repeats, self.deadline)
+            levels, late = measure_candidate(cspec, self.rows, self.concurrency, repeats,
+                                             self.deadline, self.sizes)
         except RuntimeFailure as exc:
             if cand.speculative is None:
                 raise

@@ -729,3 +729,24 @@ def test_url_credentials_never_reach_tunes_table_json_or_html(fake_job, tmp_path
     assert by_label["d k=2"]["speculative"]["model"] == "https://host.example/a/d"
     assert "vLLM cannot load the draft https://host.example/refuse/e" in by_label["e k=2"]["skipped"]
     assert "https://host.example/b/d k=2" in table.stdout and "d k=2" in page.read_text()
+
+
+def test_a_level_too_quick_to_time_is_timed_on_more_rows_and_every_candidate_uses_them(
+        fake_job, monkeypatch):
+    """The first candidate ran through its 8 rows at one request in flight in 0.08 s: it is timed
+    again on enough rows to last the minimum, and the next candidate times the same rows, however
+    fast it is."""
+    import batchspec.tune.measure as measure
+    from batchspec.io.rows import Row
+    from batchspec.spec.load import load_spec
+
+    monkeypatch.setattr(measure, "MIN_LEVEL_SECONDS", 0.2)
+    rows = [Row(shard="s", index=i, request_id=f"r{i}", kept={}, prompt=f"p{i}") for i in range(40)]
+    spec = load_spec(fake_job)
+    sizes: dict[int, int] = {}
+    first, _ = measure.measure_candidate(spec, rows, [1, 16], 1, None, sizes)
+    assert 8 < sizes[1] < 40 and first[1].rows == sizes[1]  # about 0.01 s a row: ~20 rows
+    assert sizes[16] == 40 and first[16].rows == 40  # 64 wanted, the sample has 40: all of them
+    monkeypatch.setattr(FakeTuneEngine, "speedup", 10.0)
+    second, _ = measure.measure_candidate(spec, rows, [1, 16], 1, None, sizes)
+    assert second[1].rows == sizes[1] and set(second[1].texts) == set(first[1].texts)
