@@ -109,7 +109,10 @@ def choose_speculation(spec: JobSpec, shards: list, pending_rows: int, out: Outp
             choice = AutoChoice(speculative, label, path, key, True, record)
             return resolved(spec, speculative, choice), choice
     record, speculative, label = _measure(spec, shards, pending_rows, events, key, components)
-    out.write_json(path, record)
+    if record["recommended"]:
+        out.write_json(path, record)
+    else:  # nothing measured in time: run with off now, measure again next time
+        path = "(not kept: nothing was measured within max_minutes)"
     predicted = record.get("predicted") or {}
     events.emit("speculative_auto", f"speculative: auto: chose {label}"
                 + (f"; predicted generation time of the {pending_rows} pending rows "

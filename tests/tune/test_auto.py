@@ -330,3 +330,25 @@ def test_a_missing_draft_is_refused_before_any_work(tmp_path, monkeypatch):
     assert run.exit_code == 2 and "speculative.drafts[0]" in str(run.error)
     assert "no such directory" in str(run.error)
     assert not (tmp_path / "out" / "_batchspec" / "auto").exists()
+
+
+def test_a_choice_made_without_measuring_anything_is_not_kept(auto_job, tmp_path):
+    """Out of time before speculation off was measured: the run goes on with off and the next
+    run measures, instead of reusing an off nobody measured."""
+    _edit_auto(auto_job, max_minutes=1e-6)
+    run, engine = _run(auto_job)
+    auto = run.summary["speculative_auto"]
+    assert auto["chosen"].startswith("off") and engine.bound[-1].speculative is None
+    assert "not kept" in auto["record"] and _records(tmp_path) == []
+    _edit_auto(auto_job, max_minutes=10)
+    _shard(tmp_path, 1)
+    FakeTuneEngine.started.clear()
+    run, _ = _run(auto_job)
+    assert FakeTuneEngine.started and run.summary["speculative_auto"]["reused"] is False
+    assert len(_records(tmp_path)) == 1
+
+
+def _edit_auto(job: Path, **values) -> None:
+    raw = yaml.safe_load(job.read_text())
+    raw["speculative"].update(values)
+    job.write_text(yaml.safe_dump(raw))
