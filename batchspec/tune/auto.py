@@ -104,10 +104,10 @@ def choose_speculation(spec: JobSpec, shards: list, pending_rows: int, out: Outp
         if chosen is not None:
             speculative, label = chosen
             events.emit("speculative_auto", f"speculative: auto: using {label}, measured "
-                        f"{record.get('measured_at')} (run {record.get('run_id')}); "
-                        f"`--remeasure` measures again", chosen=label, reused=True, record=path)
+                        f"{record.get('measured_at')}; `--remeasure` measures again",
+                        chosen=label, reused=True, record=path)
             choice = AutoChoice(speculative, label, path, key, True, record)
-            return resolved(spec, speculative, choice), choice
+            return resolved(spec, speculative), choice
     record, speculative, label = _measure(spec, shards, pending_rows, events, key, components)
     if record["recommended"]:
         out.write_json(path, record)
@@ -119,10 +119,10 @@ def choose_speculation(spec: JobSpec, shards: list, pending_rows: int, out: Outp
                    f"{predicted['wall_s']:.0f}s" if predicted.get("wall_s") else ""),
                 chosen=label, reused=False, record=path)
     choice = AutoChoice(speculative, label, path, key, False, record)
-    return resolved(spec, speculative, choice), choice
+    return resolved(spec, speculative), choice
 
 
-def resolved(spec: JobSpec, speculative: dict | None, choice: AutoChoice) -> JobSpec:
+def resolved(spec: JobSpec, speculative: dict | None) -> JobSpec:
     """The job as it runs: ``speculative`` set to the choice (in ``raw`` too, so the shards'
     metadata show what ran), ``speculative_auto`` kept."""
     raw = copy.deepcopy(spec.raw)
