@@ -90,8 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--quick", action="store_true", help="k 2,4, no n-gram, one draft")
     parser.add_argument("--predictions", action="store_true",
-                        help="tune only, the job's draft at k 1..4 (k=1 and k=4 fitted, k=2 and "
-                             "k=3 predicted, then measured): how far predictions are from runs")
+                        help="tune only, the job's draft at k 1..6 (k=1, 3 and 6 fitted, k=2, 4 "
+                             "and 5 predicted, then measured): how far predictions are from runs")
     parser.add_argument("--target", default="target-large", help="target-large or target")
     parser.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args(argv)
@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         tune_args = ["tune", str(job), "--concurrency", levels, "--sample", "64", "--json",
                      "--write", str(root / "tuned.yaml")]
         if args.predictions:
-            tune_args += ["--k", "1,2,3,4", "--no-ngram", "--top", "2"]
+            tune_args += ["--k", "1,2,3,4,5,6", "--no-ngram", "--top", "3"]
         else:
             tune_args += (["--k", "2,4", "--no-ngram", "--top", "1"] if args.quick
                           else ["--draft", str(args.models / "draft-large")])

@@ -160,8 +160,8 @@ class AutoSpeculation:
 
     #: Draft models to try (vLLM's ``draft_model`` method), each at every k in ``k``.
     drafts: tuple[str, ...] = ()
-    #: num_speculative_tokens tried for each draft (its largest and smallest measured, the
-    #: rest predicted from those two; the best predicted one measured too).
+    #: num_speculative_tokens tried for each draft (its largest, smallest and, of four or more,
+    #: middle measured, the rest predicted from those; the best predicted one measured too).
     k: tuple[int, ...] = (1, 2, 3, 4)
     #: Try n-gram (prompt lookup) speculation, which needs no draft model, with k 2 and 4.
     ngram: bool = True

@@ -35,10 +35,11 @@ OBJECTIVES = ("throughput", "latency")
 
 #: How the prediction is made, as the report states it.
 COST_MODEL = ("tokens per step tau(k) = 1 + sum of the first k per-position acceptance rates of "
-              "the largest-k run; time per sequence step a + b k, fitted through the draft's "
-              "smallest and largest k (tau / tok/s) per concurrency (through speculation off and "
-              "the largest k where only that was measured); predicted tok/s = tau(k) / step "
-              "time(k)")
+              "the largest-k run; time per sequence step (tau / tok/s) fitted per concurrency "
+              "through the draft's measured k: a + b k through its smallest and largest, a "
+              "parabola through those and the middle one where it has four k or more (through "
+              "speculation off and the largest k where only that was measured); predicted "
+              "tok/s = tau(k) / step time(k)")
 
 
 TIME_BUDGET = "time budget (--max-minutes) spent before it was measured"
@@ -108,7 +109,8 @@ class CandidateResult:
     max_num_seqs: int
     level: LevelMeasurement | None = None
     predicted: float | None = None
-    #: True for the largest-k run the prediction is calibrated on (its prediction is a fit).
+    #: True for a run the prediction is fitted through (its k: the draft's largest, smallest,
+    #: middle; its prediction is the fit).
     calibration: bool = False
     skipped: str | None = None
     lossless: bool | None = None

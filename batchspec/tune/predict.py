@@ -1,5 +1,6 @@
-"""How tune predicts: tokens per step from per-position acceptance, tok/s at k from two measured
-k (one where a draft has a single k), the recommendation per concurrency and the batch sizes to
+"""How tune predicts: tokens per step from per-position acceptance, tok/s at k from the measured
+k of a draft (a line through two, a parabola through three; speculation off and the largest k
+where a draft has a single k), the recommendation per concurrency and the batch sizes to
 write."""
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import yaml
 from batchspec.tune.model import (
     MIN_NOISE,
     OBJECTIVES,
+    Candidate,
     CandidateResult,
 )
 
@@ -39,23 +41,57 @@ def predict_tokens_per_s(off_tps: float, big_tps: float, big_tau: float, rates: 
     return tokens_per_step(rates, k) / step
 
 
-def predict_from_two(low: tuple[int, float, float], high: tuple[int, float, float],
-                     rates: list[float], k: int) -> float | None:
-    """Predicted output tok/s at k from two measured k of one draft at one level, each given as
+def calibration(family: list[Candidate]) -> list[Candidate]:
+    """The k of one draft that tune measures before predicting the others (``family`` sorted by
+    k): the largest (its acceptance counters see every position), the smallest and, for four k
+    or more, the middle one, so the step's cost is fitted through three k where there are k
+    in between to predict (:func:`predict_from_measured`)."""
+    picks = [family[-1]]
+    if len(family) > 1:
+        picks.append(family[0])
+    if len(family) >= 4:
+        picks.append(family[(len(family) - 1) // 2])
+    return picks
+
+
+def predict_from_measured(points: list[tuple[int, float, float]], rates: list[float], k: int
+                          ) -> float | None:
+    """Predicted output tok/s at k from measured k of one draft at one level, each given as
     (k, measured tok/s, measured tokens per step); None where the fit says nothing.
 
-    Time per sequence step is fitted through the two: ``a + b * k``, where ``b`` is what each
-    proposed token adds (the draft's forward pass and one more verified position) and ``a`` what
-    turning speculation on costs every step whatever k is (the draft's own scheduling and
-    bookkeeping, the verification pass's fixed work). Speculation off is not on that line: a
-    line from off to the largest k (:func:`predict_tokens_per_s`) spreads ``a`` over k and so
-    predicts small k too fast (+35% at k = 1 on the tiny pair)."""
-    (k1, tps1, tau1), (k2, tps2, tau2) = sorted([low, high])
-    if k1 == k2 or min(tps1, tps2, tau1, tau2) <= 0:
+    The time a sequence spends per target step (tokens per step / tok/s) is fitted as a function
+    of k through the measured k:
+
+    - two: a line ``a + b * k``, where ``b`` is what each proposed token adds (the draft's
+      forward pass and one more verified position) and ``a`` what turning speculation on costs
+      every step whatever k is (the draft's own scheduling and bookkeeping, the verification
+      pass's fixed work). Speculation off is not on that line: a line from off to the largest k
+      (:func:`predict_tokens_per_s`) spreads ``a`` over k and so predicts small k too fast
+      (+35% at k = 1 on the tiny pair).
+    - three or more: the parabola through the three measured k nearest k. A step's cost need
+      not be linear in k: the target verifies k + 1 tokens per sequence, and how long a matrix
+      kernel takes for a few rows is not proportional to the rows (vLLM 0.32's CPU build, the
+      large tier at one request in flight: 84, 69, 62 and 60 ms a step at k = 1..4, the kernel
+      for 2 rows slower than for 5), which a line through k = 1 and 4 misses by 10% at k = 2.
+      Outside the measured k, the line through the two nearest.
+    """
+    steps: dict[int, float] = {}
+    for kk, tps, tau in points:
+        if min(tps, tau) <= 0:
+            return None
+        steps[kk] = tau / tps
+    if len(steps) < 2:
         return None
-    step1, step2 = tau1 / tps1, tau2 / tps2
-    per_k = (step2 - step1) / (k2 - k1)
-    step = step1 + per_k * (k - k1)
+    near = sorted(steps, key=lambda kk: (abs(kk - k), kk))
+    inside = min(steps) <= k <= max(steps)
+    used = sorted(near[:3] if inside and len(steps) >= 3 else near[:2])
+    step = 0.0
+    for i, ki in enumerate(used):  # Lagrange: the polynomial through the used points
+        weight = 1.0
+        for j, kj in enumerate(used):
+            if j != i:
+                weight *= (k - kj) / (ki - kj)
+        step += steps[ki] * weight
     if step <= 0:
         return None
     return tokens_per_step(rates, k) / step

@@ -14,12 +14,14 @@ How it works (README "Choosing speculation: batchspec tune"):
 - Speculation off is measured first, ``--repeats`` times per level: the relative spread of its
   tok/s (and e2e p50) is the noise. A candidate is recommended at a level only if it beats off by
   more than the noise (never less than :data:`MIN_NOISE`); otherwise off is.
-- Prediction (Leviathan et al. 2023): each draft runs at its largest and its smallest k. vLLM's
-  per-position acceptance counters of the largest give a_i, the chance that draft position i is
-  accepted, hence tokens per step ``tau(k) = 1 + sum_{i<k} a_i`` for every k. Cost model: the
-  time a sequence spends per target step is ``a + b k`` (a fixed cost of speculating, plus one
-  per drafted token), fitted through the two measured k per concurrency level
-  (:func:`batchspec.tune.predict.predict_from_two`). Predicted ``tok/s(k) = tau(k) /
+- Prediction (Leviathan et al. 2023): each draft runs at its largest and its smallest k, and
+  at the middle one where it has four k or more (:func:`batchspec.tune.predict.calibration`).
+  vLLM's per-position acceptance counters of the largest give a_i, the chance that draft
+  position i is accepted, hence tokens per step ``tau(k) = 1 + sum_{i<k} a_i`` for every k.
+  Cost model: the time a sequence spends per target step, fitted through the measured k per
+  concurrency level: ``a + b k`` through two (a fixed cost of speculating, plus one per drafted
+  token), a parabola through three (a step's cost need not be linear in k)
+  (:func:`batchspec.tune.predict.predict_from_measured`). Predicted ``tok/s(k) = tau(k) /
   step_time(k)``. The best ``--top`` other k per level are then measured, predicted beside
   measured.
 - Losslessness: every greedy row's text from each candidate must equal off's at the same level."""
@@ -53,8 +55,9 @@ from batchspec.tune.model import (
     TuneReport,
 )
 from batchspec.tune.predict import (
+    calibration,
     pick_ks,
-    predict_from_two,
+    predict_from_measured,
     predict_tokens_per_s,
     recommend,
 )
@@ -179,9 +182,9 @@ class _Session:
         return self.fixed + [c for family in self.families.values() for c in family]
 
     def engines(self) -> int:
-        """Engines the tune expects to start: each fixed candidate, each draft's largest and
-        smallest k and its ``--top`` best predicted k."""
-        return len(self.fixed) + sum(min(2, len(f)) + self.options.top
+        """Engines the tune expects to start: each fixed candidate, each draft's calibration k
+        and its ``--top`` best predicted k."""
+        return len(self.fixed) + sum(len(calibration(f)) + self.options.top
                                      for f in self.families.values())
 
     def public(self, text: str) -> str:
@@ -254,11 +257,11 @@ class _Session:
         return levels
 
     def measure_family(self, family: list[Candidate]) -> None:
-        """One draft: run its largest and its smallest k, predict every k from the two (a step's
-        cost fitted as fixed plus per-k: :func:`predict_from_two`), run the best predicted
+        """One draft: run its calibration k (:func:`calibration`), predict every k from them (a
+        step's cost fitted through them: :func:`predict_from_measured`), run the best predicted
         others."""
-        big, top = family[-1], self.options.top
-        small = family[0] if len(family) > 1 else None
+        calib, top = calibration(family), self.options.top
+        big = calib[0]
         try:
             big_levels = self.measure(big)
         except SkipCandidate as exc:
@@ -266,30 +269,27 @@ class _Session:
                 for c in self.concurrency:
                     self.entry(cand, c, skipped=str(exc))
             self.progress.finish(big.label, f"skipped: {exc}")
-            self.progress.grow(-top - (small is not None))
+            self.progress.grow(-top - (len(calib) - 1))
             return
-        small_levels: dict[int, LevelMeasurement] = {}
-        if small is not None:
+        fitted: dict[int, dict[int, LevelMeasurement]] = {big.k: big_levels}
+        for cand in calib[1:]:
             try:
-                small_levels = self.measure(small)
-            except SkipCandidate as exc:  # predicted from the largest k alone, as measured
+                fitted[cand.k] = self.measure(cand)
+            except SkipCandidate as exc:  # predicted from the others, as measured
                 for c in self.concurrency:
-                    self.entry(small, c, skipped=str(exc))
-                self.progress.finish(small.label, f"skipped: {exc}")
-        predicted = self._predict(family, big_levels, small_levels)
-        self.record(big, big_levels, {c: p.get(big.k) for c, p in predicted.items()},
-                    calibration=True)
-        measured = {big.k}
-        if small_levels:
-            self.record(small, small_levels, {c: p.get(small.k) for c, p in predicted.items()},
-                        calibration=True)
-            measured.add(small.k)
+                    self.entry(cand, c, skipped=str(exc))
+                self.progress.finish(cand.label, f"skipped: {exc}")
+        predicted = self._predict(family, fitted)
+        for cand in calib:
+            if cand.k in fitted:
+                self.record(cand, fitted[cand.k],
+                            {c: p.get(cand.k) for c, p in predicted.items()}, calibration=True)
         # --top: that many more k, the best predicted of those not measured yet
-        chosen = pick_ks({c: {k: v for k, v in p.items() if k not in measured}
+        chosen = pick_ks({c: {k: v for k, v in p.items() if k not in fitted}
                           for c, p in predicted.items()}, top)
         self.progress.grow(len(chosen) - top)
-        for cand in family[:-1]:
-            if small is not None and cand is small:
+        for cand in family:
+            if any(cand is done for done in calib):
                 continue  # measured above (or skipped, with its reason)
             preds = {c: p[cand.k] for c, p in predicted.items() if cand.k in p}
             if cand.k not in chosen:
@@ -305,25 +305,25 @@ class _Session:
                     self.entry(cand, c, predicted=preds.get(c), skipped=str(exc))
                 self.progress.finish(cand.label, f"skipped: {exc}")
 
-    def _predict(self, family: list[Candidate], big_levels: dict[int, LevelMeasurement],
-                 small_levels: dict[int, LevelMeasurement] | None = None
+    def _predict(self, family: list[Candidate], fitted: dict[int, dict[int, LevelMeasurement]]
                  ) -> dict[int, dict[int, float]]:
-        """Concurrency -> k -> predicted tok/s for every k of ``family``: from its largest and
-        smallest k measured at that level (:func:`predict_from_two`), else from speculation off
-        and the largest k (:func:`predict_tokens_per_s`). The per-position acceptance is the
-        largest k's (it sees every position)."""
-        big, small = family[-1], family[0]
+        """Concurrency -> k -> predicted tok/s for every k of ``family``: from its calibration k
+        measured at that level (``fitted``: k -> levels; :func:`predict_from_measured`), else
+        from speculation off and the largest k (:func:`predict_tokens_per_s`). The per-position
+        acceptance is the largest k's (it sees every position)."""
+        big = family[-1]
         predicted: dict[int, dict[int, float]] = {}
-        for c, lv in big_levels.items():
+        for c, lv in fitted.get(big.k, {}).items():
             if not lv.per_position or not lv.tps or not lv.mean_acceptance_length:
                 continue
             rates = [r or 0.0 for r in lv.per_position["rate"]]
-            low = (small_levels or {}).get(c)
+            points = [(k, levels[c].tps, levels[c].mean_acceptance_length)
+                      for k, levels in sorted(fitted.items())
+                      if c in levels and levels[c].tps and levels[c].mean_acceptance_length]
             by_k: dict[int, float] = {}
-            if low is not None and low.tps and low.mean_acceptance_length:
+            if len(points) >= 2:
                 for cand in family:
-                    p = predict_from_two((small.k, low.tps, low.mean_acceptance_length),
-                                         (big.k, lv.tps, lv.mean_acceptance_length), rates, cand.k)
+                    p = predict_from_measured(points, rates, cand.k)
                     if p is not None:
                         by_k[cand.k] = p
             off = self.off_levels.get(c)
