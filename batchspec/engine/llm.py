@@ -317,6 +317,14 @@ class Engine:
         yields, so a subclass can add what it needs from the output (distill keeps token ids)."""
         return result_rows(output, e2e_s, asked or Asked())
 
+    def reset_prefix_cache(self) -> bool:
+        """Empty vLLM's prefix cache (nothing may be in flight): the next requests prefill their
+        prompts in full. False where vLLM could not (it then leaves the cache as it was)."""
+        try:
+            return bool(self.llm.reset_prefix_cache())
+        except Exception:  # a timing without the reset is still a timing
+            return False
+
     def spec_counters(self) -> dict[str, Any]:
         """Engine-lifetime speculative-decoding and prefix-cache totals from vLLM's own metrics
         (``spec_decode_*``, ``prefix_cache_queries`` and ``prefix_cache_hits``)."""

@@ -69,6 +69,8 @@ class LevelMeasurement:
 
     concurrency: int
     rows: int
+    #: Times the rows were sent in one timing (a sample too quick to time once).
+    passes: int = 1
     tokens_per_s: list[float] = field(default_factory=list)
     e2e_p50_s: list[float] = field(default_factory=list)
     wall_s: list[float] = field(default_factory=list)
@@ -135,7 +137,7 @@ class CandidateResult:
             "skipped": self.skipped,
         }
         if lv:
-            out.update(rows=lv.rows, output_tokens=lv.output_tokens,
+            out.update(rows=lv.rows, passes=lv.passes, output_tokens=lv.output_tokens,
                        wall_s=_round(statistics.fmean(lv.wall_s), 3), lossless=self.lossless)
             if len(lv.tokens_per_s) > 1:
                 out["repeats"] = [_round(v) for v in lv.tokens_per_s]

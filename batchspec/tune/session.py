@@ -175,8 +175,8 @@ class _Session:
         self.off_levels: dict[int, LevelMeasurement] = {}
         #: (candidate label, concurrency) -> why that level was not measured
         self.late: dict[tuple[str, int], str] = {}
-        #: concurrency -> the sampled rows every candidate is timed on there (set by the first)
-        self.sizes: dict[int, int] = {}
+        #: concurrency -> (rows, passes) every candidate is timed on there (set by the first)
+        self.sizes: dict[int, tuple[int, int]] = {}
 
     def every_candidate(self) -> list[Candidate]:
         return self.fixed + [c for family in self.families.values() for c in family]

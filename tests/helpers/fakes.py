@@ -84,6 +84,7 @@ class FakeTuneEngine:
     lossy = False
     speedup = 1.0
     started: list = []
+    resets = 0
 
     def __init__(self, spec):
         from batchspec.errors import SpecError
@@ -113,6 +114,10 @@ class FakeTuneEngine:
                          "time_e2e_s": 0.01, "spec_num_draft_tokens": steps * self.k or None,
                          "spec_num_accepted_tokens": round(steps * sum(rates)) if self.k else None,
                          "spec_num_steps": steps if self.k else None}]
+
+    def reset_prefix_cache(self):
+        FakeTuneEngine.resets += 1
+        return True
 
     def spec_counters(self):
         return json.loads(json.dumps(self.counters))

@@ -127,7 +127,7 @@ def test_documents_and_questions_share_the_prefix_cache_on_the_real_engine(tmp_p
                         execution={"prefix_window": window, "dedupe_window": 0,
                                    "max_in_flight": 8})
         spec = load_spec(job, [f"model.engine.num_gpu_blocks_override={BLOCKS}"])
-        shared_engines.engine(spec).llm.reset_prefix_cache()  # nothing from the other run
+        assert shared_engines.engine(spec).reset_prefix_cache()  # nothing from the other run
         run = shared_engines.run(spec)
         assert run.exit_code == 0, run.log
         rows = pq.read_table(tmp_path / f"out-{window}" / "docs.parquet").to_pylist()
@@ -145,3 +145,18 @@ def test_documents_and_questions_share_the_prefix_cache_on_the_real_engine(tmp_p
     # each document's first question computes its three shared blocks, the other three read them
     assert on["hit_rate"] > 0.45, runs
     assert on["hit_rate"] > off["hit_rate"] + 0.2, runs
+
+    # what tune relies on to time every pass as the job would: a prompt sent again after
+    # Engine.reset_prefix_cache prefills in full, and without it reads the cache
+    from batchspec.stats import prefix_cache
+
+    engine = shared_engines.engine(spec)
+    doc = _row(0, pq.read_table(tmp_path / "in" / "docs.parquet")["prompt"][0].as_py())
+    hits = []
+    for reset in (True, False, True):
+        if reset:
+            assert engine.reset_prefix_cache()
+        before = engine.spec_counters()
+        assert [r[0]["error"] for _, r in engine.stream(iter([doc]), max_in_flight=1)] == [None]
+        hits.append(prefix_cache(before, engine.spec_counters())["hits"])
+    assert hits[0] == 0 and hits[1] > 0 and hits[2] == 0, hits

@@ -785,18 +785,31 @@ def test_a_level_too_quick_to_time_is_timed_on_more_rows_and_every_candidate_use
         fake_job, monkeypatch):
     """The first candidate ran through its 8 rows at one request in flight in 0.08 s: it is timed
     again on enough rows to last the minimum, and the next candidate times the same rows, however
-    fast it is."""
+    fast it is. At 16 in flight the whole sample (40 rows) lasts 0.025 s: it is sent several
+    times in one timing. The prefix cache is emptied before every pass."""
     import batchspec.tune.measure as measure
     from batchspec.io.rows import Row
     from batchspec.spec.load import load_spec
 
     monkeypatch.setattr(measure, "MIN_LEVEL_SECONDS", 0.2)
+    monkeypatch.setattr(FakeTuneEngine, "resets", 0)
     rows = [Row(shard="s", index=i, request_id=f"r{i}", kept={}, prompt=f"p{i}") for i in range(40)]
     spec = load_spec(fake_job)
-    sizes: dict[int, int] = {}
+    sizes: dict[int, tuple[int, int]] = {}
     first, _ = measure.measure_candidate(spec, rows, [1, 16], 1, None, sizes)
-    assert 8 < sizes[1] < 40 and first[1].rows == sizes[1]  # about 0.01 s a row: ~20 rows
-    assert sizes[16] == 40 and first[16].rows == 40  # 64 wanted, the sample has 40: all of them
+    assert 8 < sizes[1][0] < 40 and sizes[1][1] == 1  # about 0.01 s a row: ~20 rows, once
+    assert first[1].rows == sizes[1][0] and first[1].passes == 1
+    assert sizes[16][0] == 40 and first[16].rows == 40  # 64 wanted, the sample has 40: all of them
+    passes = sizes[16][1]  # 0.2 s over about 0.03 s a pass
+    assert 4 <= passes <= measure.MAX_PASSES and first[16].passes == passes
+    assert first[16].output_tokens == 40 * 24  # tokens of one pass: what a row gives
+    assert first[16].wall_s[0] >= 0.15  # the timing lasted the passes
+    assert len(first[16].texts) == 40
+    # a pass per timing, each after a reset: level 1 short then sized (2), level 16 (1 + passes)
+    assert FakeTuneEngine.resets == 2 + 1 + passes
     monkeypatch.setattr(FakeTuneEngine, "speedup", 10.0)
     second, _ = measure.measure_candidate(spec, rows, [1, 16], 1, None, sizes)
-    assert second[1].rows == sizes[1] and set(second[1].texts) == set(first[1].texts)
+    assert second[1].rows == sizes[1][0] and set(second[1].texts) == set(first[1].texts)
+    assert second[16].passes == first[16].passes
+
+
