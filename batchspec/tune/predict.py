@@ -71,8 +71,8 @@ def predict_from_measured(points: list[tuple[int, float, float]], rates: list[fl
     - three or more: the parabola through the three measured k nearest k. A step's cost need
       not be linear in k: the target verifies k + 1 tokens per sequence, and how long a matrix
       kernel takes for a few rows is not proportional to the rows (vLLM 0.32's CPU build, the
-      large tier at one request in flight: 84, 69, 62 and 60 ms a step at k = 1..4, the kernel
-      for 2 rows slower than for 5), which a line through k = 1 and 4 misses by 10% at k = 2.
+      large tier at one request in flight: a step at k = 1 took 79-84 ms, at k = 2..4 51-69 ms,
+      benchmarks/step_cost.py), which a line through k = 1 and 4 misses at k = 2.
       Outside the measured k, the line through the two nearest.
     """
     steps: dict[int, float] = {}
