@@ -6,7 +6,12 @@ target``) with the tiny draft at each k (k = 0: speculation off), greedy, 32 tok
 median of the decode steps (a prompt's first steps, where it is prefilled, left out) is the cost
 of one target step with k drafted tokens, each k in a fresh process with its own engine.
 
-Usage: ``python benchmarks/step_cost.py [--target target-large] [--k 0 1 2 3 4] [--json FILE]``.
+``--kernel`` times vLLM's CPU matrix kernel alone instead (``ops.onednn_mm``, what the CPU build's
+linear layers call): the target's linear layers (its ``config.json`` shapes, random weights) over
+1..8 rows, as a step verifying that many tokens of one sequence runs them.
+
+Usage: ``python benchmarks/step_cost.py [--target target-large] [--k 0 1 2 3 4] [--kernel]
+[--json FILE]``.
 """
 
 from __future__ import annotations
@@ -57,10 +62,41 @@ def one_k(target: Path, k: int) -> dict:
                 round(statistics.median(prefill) * 1000, 1)}
 
 
+def kernel(target: Path, rows: range = range(1, 9), repeats: int = 20) -> list[dict]:
+    """ms for one pass of the target's linear layers through ``ops.onednn_mm`` per row count."""
+    import torch
+    from vllm import _custom_ops as ops
+
+    config = json.loads((target / "config.json").read_text())
+    hidden, inter = config["hidden_size"], config["intermediate_size"]
+    heads, kv, dim = (config["num_attention_heads"], config["num_key_value_heads"],
+                      config.get("head_dim") or hidden // config["num_attention_heads"])
+    shapes = [((heads + 2 * kv) * dim, hidden), (hidden, heads * dim), (2 * inter, hidden),
+              (hidden, inter)]
+    torch.manual_seed(0)
+    handlers = [(ops.create_onednn_mm(torch.randn(n, k).t(), 32), k) for n, k in shapes]
+    out = []
+    for m in rows:
+        inputs = [torch.randn(m, k) for _, k in handlers]
+
+        def one_pass(inputs=inputs):
+            for _ in range(config["num_hidden_layers"]):
+                for (handler, _), x in zip(handlers, inputs, strict=True):
+                    ops.onednn_mm(handler, x, None)
+
+        one_pass()
+        started = time.perf_counter()
+        for _ in range(repeats):
+            one_pass()
+        out.append({"rows": m, "ms": round((time.perf_counter() - started) / repeats * 1000, 1)})
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", default="target-large", help="target-large or target")
     parser.add_argument("--k", type=int, nargs="+", default=[0, 1, 2, 3, 4])
+    parser.add_argument("--kernel", action="store_true", help="time the matrix kernel alone")
     parser.add_argument("--json", type=Path, help="also write the figures here")
     parser.add_argument("--one", type=int, help=argparse.SUPPRESS)  # the child process
     args = parser.parse_args(argv)
@@ -71,6 +107,12 @@ def main(argv: list[str] | None = None) -> int:
     if not (target / ".batchspec-complete").exists():
         print(f"{target} is not built: run `make models`", file=sys.stderr)
         return 2
+    from common import print_report
+
+    if args.kernel:
+        print_report({"target": args.target, "kernel": "onednn_mm", "by_rows": kernel(target)},
+                     args.json)
+        return 0
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2"}
     rows = []
     for k in args.k:
@@ -79,7 +121,6 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(next(json.loads(line) for line in done.stdout.splitlines()
                          if line.startswith('{"k": ')))
         print(f"k={k}: {rows[-1]}", file=sys.stderr, flush=True)
-    from common import print_report
 
     print_report({"target": args.target, "in_flight": 1, "max_tokens": MAX_TOKENS,
                   "prompts": PROMPTS, "by_k": rows}, args.json)

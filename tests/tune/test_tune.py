@@ -93,8 +93,9 @@ def test_two_point_prediction_keeps_the_fixed_cost_of_speculation_on():
 def test_three_point_prediction_follows_a_step_cost_that_is_not_linear_in_k():
     """The large tier at one request in flight on the CPU build: a step costs less at larger k
     (the matrix kernel for 2 rows is slower than for 5): 84, 69, 62, 60 ms at k = 1..4 in one run
-    of benchmarks/step_cost.py, taken as flattening out at 59 ms by k = 6. Through k = 1, 3, 6 (the calibration of six k) the
-    parabola predicts k = 2, 4, 5 within 6%, where the line through k = 1 and 6 is 13-16% slow."""
+    of benchmarks/step_cost.py, taken as flattening out at 59 ms by k = 6. Through k = 1, 3, 6
+    (the calibration of six k) the parabola predicts k = 2, 4, 5 within 6%, where the line
+    through k = 1 and 6 is 13-16% slow."""
     rates = [0.72, 0.59, 0.44, 0.34, 0.25, 0.18]
     cost = {1: 0.0842, 2: 0.0687, 3: 0.0624, 4: 0.0602, 5: 0.0592, 6: 0.0590}
 
