@@ -218,13 +218,15 @@ def test_sigterm_during_engine_start_up_writes_summary(workload):
 
 @pytest.fixture(scope="module")
 def long_requests(tmp_path_factory, models):
-    """Two shards of requests that each take seconds: 300 tokens, EOS ignored."""
+    """Two shards of requests that together take several seconds: 48 rows of 300 tokens, EOS
+    ignored, all in flight at once (about 5 s on the tiny pair; 24 rows, 2.5 s, once finished
+    inside the 1 s sleep and 1 s of grace on a fast machine)."""
     from demo_data import prompt_table
 
     root = tmp_path_factory.mktemp("grace")
     (root / "in").mkdir()
     for i in range(2):
-        pq.write_table(prompt_table(12, seed=700 + i, first_id=12 * i), root / "in" / f"g-{i}.parquet")
+        pq.write_table(prompt_table(24, seed=700 + i, first_id=24 * i), root / "in" / f"g-{i}.parquet")
     return root
 
 
@@ -258,4 +260,4 @@ def test_sigterm_drain_is_bounded_by_the_grace_period(long_requests, grace_s):
     else:
         assert sorted(committed) == ["g-0", "g-1"], run.stderr[-3000:]
         table = read_output(long_requests / name)
-        assert table.num_rows == 24 and set(table["num_output_tokens"].to_pylist()) == {300}
+        assert table.num_rows == 48 and set(table["num_output_tokens"].to_pylist()) == {300}
