@@ -20,6 +20,7 @@ STEPS = [
     ["benchmarks/throughput.py", "--spec", "off", "--json", str(OUT / "throughput-off.json")],
     ["benchmarks/memory.py", "--json", str(OUT / "memory.json")],
     ["benchmarks/memory.py", "--format", "openai", "--json", str(OUT / "memory-openai.json")],
+    ["benchmarks/line_memory.py", "--json", str(OUT / "line-memory.json")],
     ["benchmarks/distill.py", "--json", str(OUT / "distill.json")],
     ["benchmarks/tune.py", "--json", str(OUT / "tune.json")],
     ["benchmarks/tune.py", "--predictions", "--target", "target-large", "--max-tokens", "32",

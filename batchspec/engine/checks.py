@@ -6,6 +6,11 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import math
+import types
+import typing
+from collections.abc import Mapping
+from typing import Any
 
 from batchspec.engine.lora import check_lora
 from batchspec.errors import SpecError
@@ -19,15 +24,11 @@ def vllm_version() -> str:
     return vllm.__version__
 
 
-
-
 def _bad_value_errors() -> tuple[type[BaseException], ...]:
     """The exceptions vLLM raises for a bad value (VLLMClientError is not a ValueError)."""
     from vllm.exceptions import VLLMClientError
 
     return (TypeError, ValueError, VLLMClientError)
-
-
 
 
 #: Why batchspec refuses random sampling with speculative decoding on vLLM's CPU build when its
@@ -39,8 +40,6 @@ CPU_SAMPLING_REFUSAL = (
     "rejection sampler returns corrupt tokens for sampled requests and for greedy requests batched "
     "with them; use temperature 0, or turn speculative decoding off"
 )
-
-
 
 
 def refuses_random_sampling(spec: JobSpec) -> bool:
@@ -55,8 +54,6 @@ def refuses_random_sampling(spec: JobSpec) -> bool:
     return current_platform.is_cpu() and not cpu_plugin.active()
 
 
-
-
 def _seeded_chunks_crash(spec: JobSpec) -> bool:
     """True where a seeded request split by chunked prefill would kill the engine: vLLM's CPU
     build without batchspec's plugin, for a job that can send a seed."""
@@ -69,6 +66,104 @@ def _seeded_chunks_crash(spec: JobSpec) -> bool:
     return current_platform.is_cpu() and not cpu_plugin.active()
 
 
+# ---------------------------------------------------------------------------- value types
+
+#: The range of a 64-bit signed integer: what vLLM's integer fields (``seed`` above all: torch's
+#: generator takes nothing wider) can hold.
+INT64 = (-(1 << 63), (1 << 63) - 1)
+
+
+class ValueTypeError(TypeError, ValueError):
+    """A sampling value of the wrong type (the message names the field and what it wants)."""
+
+
+@functools.cache
+def _sampling_types() -> dict[str, Any]:
+    from vllm import SamplingParams
+
+    return typing.get_type_hints(SamplingParams)
+
+
+def sampling_value(key: str, value: Any) -> Any:
+    """``value`` as SamplingParams' field ``key`` takes it, or :class:`ValueTypeError` naming
+    the field and the type it wants. Checked against vLLM's own annotations before vLLM sees the
+    value: some wrong types pass ``SamplingParams`` and then kill the engine (``seed: "7"``,
+    ``seed: 1.5``, ``stop: [["x"]]``).
+
+    An integer field takes an integer (never a bool) within 64 bits, or a number with no
+    fractional part: a JSON ``7.0`` is an integer as JSON Schema reads it, and pandas writes an
+    integer column with a missing value as float64. A float field takes a finite number; a
+    string field a string; a list field a list whose every item is checked. Types batchspec has
+    no rule for (vLLM's own parameter classes) pass as they are, for vLLM to judge."""
+    hint = _sampling_types().get(key)
+    if hint is None:
+        return value
+    try:
+        return _coerce(value, hint)
+    except _Mismatch:
+        raise ValueTypeError(f"{key}: expected {_describe(hint)}, got "
+                             f"{_short(value)} ({type(value).__name__})") from None
+
+
+class _Mismatch(Exception):
+    pass
+
+
+def _coerce(value: Any, hint: Any) -> Any:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        for option in args:
+            if option is type(None):
+                continue
+            try:
+                return _coerce(value, option)
+            except _Mismatch:
+                continue
+        raise _Mismatch
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        raise _Mismatch
+    if hint is int:
+        if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+            value = int(value)
+        if isinstance(value, bool) or not isinstance(value, int) \
+                or not INT64[0] <= value <= INT64[1]:
+            raise _Mismatch
+        return value
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, int | float) \
+                or not math.isfinite(value):
+            raise _Mismatch
+        return value
+    if hint is str:
+        if isinstance(value, str):
+            return value
+        raise _Mismatch
+    if origin in (list, tuple, set, frozenset):
+        if isinstance(value, str | bytes | Mapping) or not isinstance(value, list | tuple):
+            raise _Mismatch
+        item = args[0] if args else Any
+        return [_coerce(v, item) for v in value] if item is not Any else list(value)
+    if origin is dict:
+        if not isinstance(value, Mapping):
+            raise _Mismatch
+        return dict(value)
+    return value
+
+
+def _describe(hint: Any) -> str:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_describe(a) for a in args if a is not type(None))
+    if origin in (list, tuple, set, frozenset):
+        return f"a list of {_describe(args[0]).removeprefix('an ').removeprefix('a ')}s" \
+            if args else "a list"
+    return {bool: "true or false", int: "an integer (64-bit)", float: "a finite number",
+            str: "a string", dict: "a mapping"}.get(origin or hint, getattr(hint, "__name__",
+                                                                         str(hint)))
 
 
 def check_vllm_keys(spec: JobSpec) -> None:
@@ -86,11 +181,16 @@ def check_vllm_keys(spec: JobSpec) -> None:
     check_known_keys(spec.sampling, SamplingParams.__struct_fields__, "sampling")
     sampling = dict(spec.sampling)
     constraint = sampling.pop("structured_outputs", None)
+    for key, value in sampling.items():
+        try:
+            sampling[key] = sampling_value(key, value)
+        except ValueTypeError as exc:
+            raise SpecError(f"sampling.{key}", str(exc).removeprefix(f"{key}: ")) from exc
     _check_counts(sampling, spec)
     try:
         params = SamplingParams(**sampling)
-    except _bad_value_errors() as exc:
-        raise SpecError("sampling", str(exc)) from exc
+    except (*_bad_value_errors(), AssertionError) as exc:
+        raise SpecError("sampling", str(exc) or type(exc).__name__) from exc
     if constraint is not None:
         check_constraint(constraint, "sampling.structured_outputs")
     if params.temperature > 0 and refuses_random_sampling(spec):
@@ -117,14 +217,17 @@ _COUNTS = {"n": "a positive integer", "logprobs": "a non-negative integer (or -1
            "prompt_logprobs": "a non-negative integer (or -1: every token)"}
 
 
-def count_error(key: str, value, max_logprobs: int = 20) -> str | None:
+def count_error(key: str, value, max_logprobs: int = 20, max_n: int | None = None) -> str | None:
     """Why a value of ``n``, ``logprobs`` or ``prompt_logprobs`` is refused, or None: vLLM
-    would take a string or a float here and fail later, inside the engine."""
+    would take a string or a float here and fail later, inside the engine; ``n`` above the job's
+    ``execution.max_n`` is refused too."""
     if key not in _COUNTS or value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int) \
             or value < (1 if key == "n" else -1):
         return f"expected {_COUNTS[key]}, got {value!r}"
+    if key == "n" and max_n is not None and value > max_n:
+        return f"{value} samples is more than execution.max_n ({max_n}) allows"
     if key != "n" and max_logprobs >= 0 and value > max_logprobs:
         return f"{value} is more than the engine returns (model.engine.max_logprobs: {max_logprobs})"
     return None
@@ -133,25 +236,31 @@ def count_error(key: str, value, max_logprobs: int = 20) -> str | None:
 def _check_counts(sampling: dict, spec: JobSpec) -> None:
     limit = spec.model.engine.get("max_logprobs", 20)
     for key in _COUNTS:
-        why = count_error(key, sampling.get(key), limit)
+        why = count_error(key, sampling.get(key), limit, spec.execution.max_n)
         if why is not None:
             raise SpecError(f"sampling.{key}", why)
 
 
-def row_constraint(base: dict | None, overrides: dict, max_logprobs: int) -> dict | None:
-    """Check a row's own sampling values that vLLM would take and fail on later (counts, a
-    constraint: parsed and compiled as vLLM's ``auto`` backend would, once per distinct value)
-    and return the row's constraint. ValueError naming the field when one is refused."""
+def check_row(base: dict | None, overrides: dict, max_logprobs: int, max_n: int | None = None
+              ) -> tuple[dict, dict | None]:
+    """A row's own sampling values, checked before vLLM sees them, and the row's constraint:
+    each value's type (:func:`sampling_value`: the checked value is returned, an integral float
+    as an int), the counts, a constraint parsed and compiled as vLLM's ``auto`` backend would
+    (once per distinct value). ValueError or TypeError naming the field when one is refused."""
     from batchspec.engine import structured
 
+    plain = {}
     for key, value in overrides.items():
-        why = count_error(key, value, max_logprobs)
+        if key in structured.COLUMN_KEYS:
+            continue
+        plain[key] = value = sampling_value(key, value)
+        why = count_error(key, value, max_logprobs, max_n)
         if why is not None:
             raise ValueError(f"{key}: {why}")
     constraint = structured.from_row(base, overrides)
     if constraint is not None and constraint is not base:
         _compile(json.dumps(constraint, sort_keys=True))
-    return constraint
+    return plain, constraint
 
 
 @functools.lru_cache(maxsize=512)

@@ -14,7 +14,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 from batchspec.columns import error_result
 from batchspec.engine import structured
@@ -22,10 +22,10 @@ from batchspec.engine.checks import (
     CPU_SAMPLING_REFUSAL,
     _bad_value_errors,
     _seeded_chunks_crash,
+    check_row,
     check_vllm_keys,
     override_error,
     refuses_random_sampling,
-    row_constraint,
 )
 from batchspec.engine.lora import Adapters, check_lora
 from batchspec.engine.pacing import PrefixPacer
@@ -35,7 +35,6 @@ from batchspec.io.reader import Row, length_error, prompt_token_ids
 from batchspec.spec.model import JobSpec
 
 log = logging.getLogger(__name__)
-
 
 
 #: Top logprobs batchspec asks for at a ``choice`` row's first position (capped by the engine's
@@ -48,8 +47,6 @@ ENGINE_DEFAULTS: dict[str, Any] = {"seed": 0}
 
 #: Engine arguments batchspec needs and always sets: per-request timing and acceptance.
 _STATS_ON = {"disable_log_stats": False}
-
-
 
 
 #: Engine arguments that change nothing an offline engine generates (only the names a job
@@ -70,6 +67,30 @@ def _lora_engine(spec: JobSpec) -> tuple | None:
     """What of ``model.lora`` an engine is started with (the job-wide adapter is per request)."""
     lora = spec.model.lora
     return None if lora is None else (dict(lora.adapters), lora.max_loras, lora.max_lora_rank)
+
+
+class Prepared(NamedTuple):
+    """A row made ready for the engine: what :meth:`Engine.stream` hands to ``add_request``."""
+
+    token_ids: list[int]
+    params: Any  # vllm.SamplingParams
+    asked: Asked
+    lora_request: Any  # vllm.lora.request.LoRARequest or None
+
+    @property
+    def sequences(self) -> int:
+        """Sequences the engine runs for it: its ``n`` samples."""
+        return max(1, int(self.params.n))
+
+
+@dataclasses.dataclass
+class Held:
+    """A prepared request waiting to be sent: for its prefix to be cached (``until``, an engine
+    step), or for room among the sequences in flight."""
+
+    until: int
+    row: Row
+    request: Prepared
 
 
 #: vLLM's prefix-cache counters (prompt tokens looked up, and found) a run's summary reports.
@@ -148,6 +169,7 @@ class Engine:
         self.adapters = Adapters(spec)
         #: hold a request whose prefix another is computing (``execution.prefix_window`` > 0)
         self.pace_prefixes = spec.execution.prefix_window > 0
+        self.max_n = spec.execution.max_n
 
     # ------------------------------------------------------------------ requests
 
@@ -155,8 +177,8 @@ class Engine:
         """The job's SamplingParams with a row's overrides, and what the row asked for beyond
         text (:class:`Asked`); ValueError/TypeError if invalid (a bad per-row constraint is a
         :class:`~batchspec.engine.structured.ConstraintError`, a ValueError)."""
-        constraint = row_constraint(self.base_constraint, overrides, self.max_logprobs)
-        plain = {k: v for k, v in overrides.items() if k not in structured.COLUMN_KEYS}
+        plain, constraint = check_row(self.base_constraint, overrides, self.max_logprobs,
+                                      self.max_n)
         params = {**self.base_sampling, **plain, "output_kind": self._final_only}
         logprobs = params.get("logprobs")
         if constraint is not None:
@@ -169,16 +191,16 @@ class Engine:
                       prompt_logprobs=params.get("prompt_logprobs"))
         return self._SamplingParams(**params), asked
 
-    def _prepare(self, row: Row):
-        """(token ids, SamplingParams, Asked, LoRARequest or None) for a row, or an error
-        result row."""
+    def _prepare(self, row: Row) -> tuple[Prepared | None, dict | None]:
+        """The row's :class:`Prepared` request, or its error result row. Nothing one row holds
+        raises out of here: whatever vLLM or a check raises is that row's error."""
         try:
             lora, lora_request = self.adapters.pick(row.lora)
         except ValueError as exc:
             return None, error_result(str(exc))
         try:
             params, asked = self.sampling_params(row.overrides)
-        except self._bad_value as exc:
+        except Exception as exc:  # noqa: BLE001 (vLLM asserts on some values: AssertionError)
             return None, error_result(override_error(row.overrides, self.sampling_columns, exc))
         asked = dataclasses.replace(asked, lora=lora)
         try:
@@ -190,42 +212,62 @@ class Engine:
         too_long = length_error(len(ids), self.max_model_len)
         if too_long is not None:
             return None, error_result(too_long, num_prompt_tokens=len(ids))
-        return (ids, params, asked, lora_request), None
+        return Prepared(ids, params, asked, lora_request), None
 
     def stream(self, rows: Iterator[Row], max_in_flight: int, stop: Callable[[], bool] | None = None,
                grace_s: float = 0.0, keep: Callable[[Row], bool] | None = None
                ) -> Iterator[tuple[Row, list[dict]]]:
-        """Feed rows to the engine, at most ``max_in_flight`` at a time, and yield each row with
-        its result rows as it finishes (errors included): one per sample (``n``), in sample
-        order; a row refused before the engine has one error row. Order is completion order.
+        """Feed rows to the engine, at most ``max_in_flight`` sequences at a time (a row asking
+        for ``n`` samples counts ``n``; one with more than ``max_in_flight`` runs alone), and
+        yield each row with its result rows as it finishes (errors included): one per sample
+        (``n``), in sample order; a row refused before the engine has one error row. Order is
+        completion order.
 
         ``stop`` is polled between engine steps. Once it is true no new row is taken; requests
         that ``keep`` rejects (their shard can no longer be committed) are aborted at once, the
         rest may finish for ``grace_s`` seconds, then whatever is left is aborted."""
         from vllm.inputs import TokensPrompt
 
-        in_flight: dict[str, tuple[Row, Asked]] = {}
+        in_flight: dict[str, tuple[Row, Prepared]] = {}
         added_at: dict[str, float] = {}  # batchspec's own clock: e2e is measured, not summed
         pacer = (PrefixPacer(self.prefix_block, self.tokens_per_step)
                  if self.pace_prefixes and self.prefix_block else None)
-        #: (step to send at, row, prepared request): held by the pacer, oldest first
-        held: list[tuple[int, Row, tuple]] = []
+        held: list[Held] = []  # oldest first
+        sequences = {"in_flight": 0, "held": 0}
+        sent_since_step: list[Row] = []  # what the engine got since its last step
         steps = 0
         exhausted = False
         deadline: float | None = None
 
-        def admit(row: Row, request: tuple) -> list[dict] | None:
+        def fits(request: Prepared) -> bool:
+            return not in_flight or sequences["in_flight"] + request.sequences <= max_in_flight
+
+        def admit(row: Row, request: Prepared) -> list[dict] | None:
             """Hand a prepared request to the engine; the error result where vLLM refuses it."""
             request_id = str(next(self._ids))
             started = time.monotonic()  # before add_request, where vLLM's arrival is
             try:
-                self.engine.add_request(request_id, TokensPrompt(prompt_token_ids=request[0]),
-                                        request[1], lora_request=request[3])
-            except self._bad_value as exc:  # refused: empty, too long, a bad grammar...
-                return [error_result(str(exc), num_prompt_tokens=len(request[0]))]
-            in_flight[request_id] = (row, request[2])
+                self.engine.add_request(request_id,
+                                        TokensPrompt(prompt_token_ids=request.token_ids),
+                                        request.params, lora_request=request.lora_request)
+            except Exception as exc:  # refused: empty, too long, a bad grammar, a bad value...
+                if _engine_dead(exc):
+                    raise RuntimeFailure(f"the vLLM engine failed: {type(exc).__name__}: {exc}"
+                                         f"{_suspects([*sent_since_step, row])}") from exc
+                return [error_result(str(exc) or type(exc).__name__,
+                                     num_prompt_tokens=len(request.token_ids))]
+            in_flight[request_id] = (row, request)
             added_at[request_id] = started
+            sequences["in_flight"] += request.sequences
+            sent_since_step.append(row)
             return None
+
+        def forget(request_id: str) -> tuple[Row, Prepared] | None:
+            entry = in_flight.pop(request_id, None)
+            added_at.pop(request_id, None)
+            if entry is not None:
+                sequences["in_flight"] -= entry[1].sequences
+            return entry
 
         try:
             while True:
@@ -235,26 +277,27 @@ class Engine:
                     dropped = [rid for rid, (row, _) in in_flight.items()
                                if keep is None or not keep(row)]
                     for rid in dropped:
-                        in_flight.pop(rid)
-                        added_at.pop(rid, None)
+                        forget(rid)
                     if dropped:
                         self._abort_quietly(dropped)
-                    held = [h for h in held if keep is not None and keep(h[1])]
+                    held = [h for h in held if keep is not None and keep(h.row)]
+                    sequences["held"] = sum(h.request.sequences for h in held)
                 if deadline is not None and (not (in_flight or held)
                                              or time.monotonic() >= deadline):
                     return
                 # held requests whose prefix is cached now (all of them once nothing is in
-                # flight: whatever they waited for has run)
-                while held and len(in_flight) < max_in_flight:
-                    ready = next((i for i, h in enumerate(held) if h[0] <= steps or not in_flight),
-                                 None)
-                    if ready is None:
+                # flight: whatever they waited for has run), while there is room
+                while held:
+                    ready = next((i for i, h in enumerate(held)
+                                  if h.until <= steps or not in_flight), None)
+                    if ready is None or not fits(held[ready].request):
                         break
-                    _, row, request = held.pop(ready)
-                    refused = admit(row, request)
+                    waiting = held.pop(ready)
+                    sequences["held"] -= waiting.request.sequences
+                    refused = admit(waiting.row, waiting.request)
                     if refused is not None:
-                        yield row, refused
-                while not exhausted and len(in_flight) + len(held) < max_in_flight:
+                        yield waiting.row, refused
+                while not exhausted and sequences["in_flight"] + sequences["held"] < max_in_flight:
                     row = next(rows, None)
                     if row is None:
                         exhausted = True
@@ -266,9 +309,13 @@ class Engine:
                     if refused is not None:
                         yield row, [refused]
                         continue
-                    until = pacer.hold_until(request[0], steps) if pacer is not None else None
+                    until = pacer.hold_until(request.token_ids, steps) \
+                        if pacer is not None else None
+                    if until is None and not fits(request):
+                        until = steps  # ready now; waits for room among the sequences
                     if until is not None:
-                        held.append((until, row, request))
+                        held.append(Held(until, row, request))
+                        sequences["held"] += request.sequences
                         continue
                     refused = admit(row, request)
                     if refused is not None:
@@ -280,18 +327,31 @@ class Engine:
                 try:
                     outputs = self.engine.step()
                 except Exception as exc:
-                    raise RuntimeFailure(f"the vLLM engine failed: {type(exc).__name__}: {exc}") \
-                        from exc
+                    raise RuntimeFailure(f"the vLLM engine failed: {type(exc).__name__}: {exc}"
+                                         f"{_suspects(sent_since_step)}") from exc
                 steps += 1
+                sent_since_step.clear()
                 for output in outputs:
                     if output.finished:
-                        entry = in_flight.pop(output.request_id, None)
+                        started = added_at.get(output.request_id)
+                        entry = forget(output.request_id)
                         if entry is not None:
-                            e2e = time.monotonic() - added_at.pop(output.request_id)
-                            yield entry[0], self.result(output, e2e, entry[1])
+                            yield entry[0], self._results(output, time.monotonic() - started,
+                                                          entry[1])
         finally:
             if in_flight:
                 self.abort(list(in_flight))
+
+    def _results(self, output, e2e_s: float, request: Prepared) -> list[dict]:
+        """:meth:`result`, or one error row per sample where reading the output fails: one
+        output never ends the run."""
+        try:
+            return self.result(output, e2e_s, request.asked)
+        except Exception as exc:  # noqa: BLE001
+            log.warning("cannot read the output of request %s", output.request_id, exc_info=True)
+            why = f"cannot read the engine's output: {type(exc).__name__}: {exc}"
+            return [{**error_result(why, num_prompt_tokens=len(request.token_ids)),
+                     "sample_index": i} for i in range(request.sequences)]
 
     def _abort_quietly(self, request_ids: list[str]) -> None:
         """Abort some requests and leave the rest running."""
@@ -389,6 +449,21 @@ class Engine:
                 log.debug("engine shutdown", exc_info=True)
 
 
+def _engine_dead(exc: BaseException) -> bool:
+    """True for vLLM's errors that mean the engine itself is gone, not one request refused."""
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    return isinstance(exc, EngineDeadError)
+
+
+def _suspects(rows: list[Row]) -> str:
+    """The rows the engine got since its last good step (one of them may have killed it), for
+    the run's error message."""
+    if not rows:
+        return ""
+    shown = ", ".join(f"{r.request_id!r} (shard {r.shard})" for r in rows[:10])
+    more = f" and {len(rows) - 10} more" if len(rows) > 10 else ""
+    return f"; the requests sent to it since its last step: {shown}{more}"
 
 
 def child_pids() -> set[int]:
@@ -396,8 +471,6 @@ def child_pids() -> set[int]:
     import psutil
 
     return {p.pid for p in psutil.Process().children(recursive=True)}
-
-
 
 
 def kill_new_children(before: set[int]) -> None:

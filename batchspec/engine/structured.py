@@ -13,8 +13,8 @@ struct) or ``structured_outputs.json``/``.regex``/``.choice``/``.grammar`` (that
 from __future__ import annotations
 
 import copy
+import functools
 import json
-import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -29,8 +29,45 @@ FIELD_COLUMNS = tuple(f"structured_outputs.{k}" for k in ("json", "regex", "choi
 COLUMN_KEYS = ("structured_outputs", *FIELD_COLUMNS)
 
 
+#: The deepest a JSON schema may nest (objects and lists): deeper, its own check recurses past
+#: Python's limit (a 3 KB schema nested 100 deep did).
+MAX_SCHEMA_DEPTH = 64
+
+
 class ConstraintError(ValueError):
     """A constraint that vLLM would refuse, with the reason."""
+
+
+# ---------------------------------------------------------------------------- regular expressions
+
+
+@functools.cache
+def _re2_options():
+    import re2
+
+    options = re2.Options()
+    options.log_errors = False  # RE2 would print every refused pattern to stderr
+    return options
+
+
+@functools.lru_cache(maxsize=256)
+def compile_regex(pattern: str):
+    """``pattern`` compiled by RE2, which matches in time linear in the text (no backtracking:
+    ``(a+)+b`` against 40 characters takes microseconds, not hours, and holds no lock long
+    enough to starve another thread). ConstraintError for a pattern RE2 does not take
+    (backreferences, lookarounds: what a constraint's grammar cannot express either)."""
+    import re2
+
+    try:
+        return re2.compile(pattern, _re2_options())
+    except re2.error as exc:
+        raise ConstraintError(f"regex {pattern[:80]!r}: not a regular expression batchspec "
+                              f"checks in linear time (RE2 syntax): {_text(exc)}") from exc
+
+
+def _text(exc: BaseException) -> str:
+    arg = exc.args[0] if exc.args else exc
+    return arg.decode(errors="replace") if isinstance(arg, bytes) else str(arg)
 
 
 def normalise(value: Any) -> dict[str, Any]:
@@ -78,10 +115,7 @@ def normalise(value: Any) -> dict[str, Any]:
     if "regex" in out:
         if not isinstance(out["regex"], str):
             raise ConstraintError("regex: expected a string")
-        try:
-            re.compile(out["regex"])
-        except re.error as exc:
-            raise ConstraintError(f"regex: {exc}") from exc
+        compile_regex(out["regex"])
     if "json_object" in out and out["json_object"] is not True:
         raise ConstraintError("json_object: must be true (leave structured_outputs out to turn "
                               "it off)")
@@ -104,12 +138,120 @@ def from_row(base: Mapping[str, Any] | None, overrides: Mapping[str, Any]) -> di
 
 
 def _check_schema(schema: Mapping[str, Any]) -> None:
+    """A schema batchspec can check outputs against, safely: at most :data:`MAX_SCHEMA_DEPTH`
+    deep, every ``$ref`` local and acyclic, every ``pattern`` an RE2 expression, and valid
+    under its own meta-schema."""
     import jsonschema
 
+    _check_depth(schema)
+    _check_refs(schema)
+    for pattern in _patterns(schema):
+        compile_regex(pattern)
     try:
         jsonschema.validators.validator_for(schema).check_schema(schema)
     except jsonschema.SchemaError as exc:
         raise ConstraintError(f"json: not a valid JSON schema: {exc.message}") from exc
+    except Exception as exc:  # noqa: BLE001 (a schema no meta-schema check copes with)
+        raise ConstraintError(f"json: cannot check the schema: {type(exc).__name__}: "
+                              f"{exc}") from exc
+
+
+def _nodes(value: Any) -> list[tuple[tuple, Any]]:
+    """Every (JSON pointer as a tuple, value) in a JSON document, iteratively."""
+    out, stack = [], [((), value)]
+    while stack:
+        path, node = stack.pop()
+        out.append((path, node))
+        if isinstance(node, Mapping):
+            stack.extend(((*path, k), v) for k, v in node.items())
+        elif isinstance(node, list | tuple):
+            stack.extend(((*path, i), v) for i, v in enumerate(node))
+    return out
+
+
+def _check_depth(schema: Any) -> None:
+    stack = [(schema, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > MAX_SCHEMA_DEPTH:
+            raise ConstraintError(f"json: the schema nests deeper than {MAX_SCHEMA_DEPTH} levels")
+        children = node.values() if isinstance(node, Mapping) else \
+            node if isinstance(node, list | tuple) else ()
+        stack.extend((child, depth + 1) for child in children
+                     if isinstance(child, Mapping | list | tuple))
+
+
+def _patterns(schema: Any) -> list[str]:
+    """The regular expressions a schema's ``pattern`` and ``patternProperties`` hold."""
+    found = []
+    for path, node in _nodes(schema):
+        if not isinstance(node, Mapping) or (path and path[-1] in ("properties", "$defs",
+                                                                    "definitions")):
+            continue  # a property named "pattern" is no keyword
+        if isinstance(node.get("pattern"), str):
+            found.append(node["pattern"])
+        if isinstance(node.get("patternProperties"), Mapping):
+            found.extend(k for k in node["patternProperties"] if isinstance(k, str))
+    return found
+
+
+def _check_refs(schema: Any) -> None:
+    """Every ``$ref`` is a JSON pointer into this schema (``#`` or ``#/...``) that resolves, and
+    no chain of them leads back into itself: a schema that refers to the network, or to itself
+    (``{"$ref": "#"}``), is refused."""
+    refs: list[tuple[tuple, tuple]] = []  # (where the $ref is, what it points at)
+    for path, node in _nodes(schema):
+        if not isinstance(node, Mapping) or "$ref" not in node:
+            continue
+        if path and path[-1] in ("properties", "$defs", "definitions"):
+            continue
+        ref = node["$ref"]
+        where = "/".join(map(str, path)) or "(root)"
+        if not isinstance(ref, str) or not (ref == "#" or ref.startswith("#/")):
+            raise ConstraintError(f"json: $ref {_short(ref)} at {where}: only local references "
+                                  "('#/...') are supported")
+        target = _resolve(schema, ref, where)
+        refs.append((path, target))
+    # a $ref at P pointing at T: following T's subtree may reach P's own subtree again
+    edges = {t: {t2 for p, t2 in refs if p[:len(t)] == t} for _, t in refs}
+    state: dict[tuple, int] = {}  # 1: on the path, 2: done
+    for start in edges:
+        if state.get(start):
+            continue
+        stack = [(start, iter(edges[start]))]
+        state[start] = 1
+        while stack:
+            node, children = stack[-1]
+            child = next(children, None)
+            if child is None:
+                state[node] = 2
+                stack.pop()
+            elif state.get(child) == 1:
+                raise ConstraintError("json: $ref cycle through '#" + "".join(f"/{p}" for p in child)
+                                      + "': recursive schemas are not supported")
+            elif not state.get(child):
+                state[child] = 1
+                stack.append((child, iter(edges.get(child, ()))))
+
+
+def _resolve(schema: Any, ref: str, where: str) -> tuple:
+    node, path = schema, []
+    for raw in ref[2:].split("/") if ref != "#" else ():
+        part = raw.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, Mapping) and part in node:
+            node, key = node[part], part
+        elif isinstance(node, list | tuple) and part.isdigit() and int(part) < len(node):
+            node, key = node[int(part)], int(part)
+        else:
+            raise ConstraintError(f"json: $ref {_short(ref)} at {where} points at nothing in "
+                                  "the schema")
+        path.append(key)
+    return tuple(path)
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def vllm_params(constraint: Mapping[str, Any]):
@@ -146,7 +288,16 @@ def check_output(constraint: Mapping[str, Any], text: str | None, finish_reason:
                  ) -> tuple[bool, str | None]:
     """(valid, why not) for a finished output: valid when it finished with ``stop`` and its text
     satisfies its own constraint. A ``grammar`` constraint is trusted to vLLM's backend: its
-    output is valid when it finished with ``stop``."""
+    output is valid when it finished with ``stop``. Never raises, and takes time linear in the
+    text: a regex (the constraint's, or a schema's ``pattern``) is matched by RE2."""
+    try:
+        return _check_output(constraint, text, finish_reason)
+    except Exception as exc:  # noqa: BLE001 (an output nested past the recursion limit, ...)
+        return False, f"cannot check the output: {type(exc).__name__}: {exc}"[:300]
+
+
+def _check_output(constraint: Mapping[str, Any], text: str | None, finish_reason: str | None
+                  ) -> tuple[bool, str | None]:
     if text is None or finish_reason in ("error", "abort"):
         return False, f"no complete output (finish_reason {finish_reason})"
     if finish_reason != "stop":
@@ -154,7 +305,7 @@ def check_output(constraint: Mapping[str, Any], text: str | None, finish_reason:
     if "choice" in constraint:
         return (True, None) if text in constraint["choice"] else (False, "not one of the choices")
     if "regex" in constraint:
-        return (True, None) if re.fullmatch(constraint["regex"], text) \
+        return (True, None) if compile_regex(constraint["regex"]).fullmatch(text) \
             else (False, "does not match the regex")
     if "json" in constraint or "json_object" in constraint:
         try:
@@ -165,10 +316,53 @@ def check_output(constraint: Mapping[str, Any], text: str | None, finish_reason:
             return (True, None) if isinstance(value, dict) else (False, "not a JSON object")
         import jsonschema
 
-        validator = jsonschema.validators.validator_for(constraint["json"])(constraint["json"])
+        validator = _validator_class(constraint["json"])(constraint["json"])
         error = jsonschema.exceptions.best_match(validator.iter_errors(value))
         if error is not None:
             where = "/".join(map(str, error.absolute_path)) or "(root)"
             return False, f"schema: at {where}: {error.message}"[:300]
         return True, None
     return True, None
+
+
+def _validator_class(schema: Mapping[str, Any]):
+    """jsonschema's validator for the schema's draft, its regular expressions matched by RE2."""
+    import jsonschema
+
+    _jsonschema_on_re2()
+    return jsonschema.validators.validator_for(schema)
+
+
+class _Re2Search:
+    """What jsonschema's keyword modules use of :mod:`re` (``search``), by RE2; the rest of the
+    module as it is."""
+
+    def __getattr__(self, name: str):
+        import re
+
+        return getattr(re, name)
+
+    @staticmethod
+    def search(pattern, string, flags=0):
+        if flags or not isinstance(pattern, str):
+            import re
+
+            return re.search(pattern, string, flags)
+        return compile_regex(pattern).search(string)
+
+
+@functools.cache
+def _jsonschema_on_re2() -> None:
+    """jsonschema matches ``pattern``, ``patternProperties`` and ``additionalProperties`` with
+    Python's backtracking ``re.search`` in three modules; a model's output is then checked in
+    time exponential in its length (``(a+)+b``). Those modules' ``re`` becomes RE2's search
+    (every pattern a constraint holds was compiled by RE2 when it was checked)."""
+    import importlib
+
+    for name in ("jsonschema._keywords", "jsonschema._utils", "jsonschema._legacy_keywords"):
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        if getattr(module, "re", None) is not None:
+            module.re = _Re2Search()

@@ -7,7 +7,11 @@ their types (the kept columns' Parquet types, as pyarrow infers them), as pyarro
 JSON readers do.
 
 A bad *line* is a bad row, written with ``finish_reason = error`` and a message naming the line:
-not JSON, not an object, no prompt, a value of another type than the first lines gave its column.
+not JSON, not an object, no prompt, a value of another type than the first lines gave its column,
+nested deeper than :data:`MAX_JSON_DEPTH`, longer than ``input.max_line_bytes`` (read past in
+bounded memory: no more of a line than that many bytes is kept, see :func:`_lines`).
+No line raises out of the reader: whatever goes wrong turning one line into a row is that row's
+error.
 A bad *file* (it does not decompress, a prompt key no line of its first records has) is an
 :class:`~batchspec.errors.InputDataError` naming the shard, found before any model loads: the
 check stage counts each shard's records in one streamed pass, which also reads it whole.
@@ -32,21 +36,107 @@ from batchspec.spec.model import InputSpec, OutputSpec
 #: Bytes read from the store at a time.
 CHUNK_BYTES = 1 << 20
 
+#: Arrays and objects a line may nest, one inside another (``[[1]]`` nests 2): a deeper line is
+#: an error row. 48 leaves a kept key 47 levels, which Parquet readers still open (pyarrow
+#: refuses a file whose lists nest 50 deep), and an OpenAI Batch line's JSON schema over 40
+#: (OpenAI's own limit is 10 levels of objects). It is checked without recursion: a line with no
+#: more ``[`` and ``{`` bytes than this cannot nest deeper and is parsed as it is; any other is
+#: parsed with RecursionError caught (json's C parser raises it about 1,000 levels down, never
+#: overflowing the stack), then its value's depth measured with a stack of its own
+#: (:func:`_too_deep`, linear in the value's arrays and objects).
+MAX_JSON_DEPTH = 48
+
 _MISSING = object()
 
 
-def _lines(stream) -> Iterator[bytes]:
-    """The lines of a binary stream without their line ends, a chunk in memory at a time."""
-    rest = b""
+class _LongLine:
+    """A line over the cap, read past: its size in bytes (without its line end)."""
+
+    __slots__ = ("size",)
+
+    def __init__(self, size: int):
+        self.size = size
+
+
+def _lines(stream, max_bytes: int) -> Iterator[bytes | _LongLine]:
+    """The lines of a binary stream without their line ends, a chunk in memory at a time.
+
+    A line longer than ``max_bytes`` comes as a :class:`_LongLine` (a line of whitespace only, as
+    ``b""``): its bytes are dropped once it is over the cap, so it costs at most the cap in
+    memory whatever its length. A line cut across chunks is gathered in one ``bytearray``, grown
+    in place (geometrically, by ``mremap`` once large: what came before is not copied again for
+    each chunk) and handed on as it is. That holds a line once; pieces joined at its end would
+    hold it twice at the join. ``max_bytes`` 0 keeps no line: each non-blank one comes as a
+    _LongLine (what counting the records needs)."""
+    pending = bytearray()  # the line cut across chunks, while it is within max_bytes
+    size = 0  # its bytes so far (past max_bytes too)
+    blank = True  # whether they are whitespace only (tracked once the line is over max_bytes)
     while True:
         chunk = stream.read(CHUNK_BYTES)
         if not chunk:
             break
-        lines = (rest + chunk).split(b"\n")
-        rest = lines.pop()
-        yield from lines
-    if rest:
-        yield rest
+        parts = chunk.split(b"\n")
+        last = len(parts) - 1
+        for i, part in enumerate(parts):
+            if not size and i < last and len(part) <= max_bytes:
+                yield part  # a whole line within this chunk
+                continue
+            size += len(part)
+            if size <= max_bytes:
+                pending += part
+            else:
+                if pending:  # the line just went over: keep only whether it is blank
+                    blank = pending.isspace()
+                    pending = bytearray()
+                blank = blank and (not part or part.isspace())
+            if i < last:  # the line ends in this chunk
+                line = pending if size <= max_bytes else b"" if blank else _LongLine(size)
+                pending, size, blank = bytearray(), 0, True
+                yield line
+    if size:
+        yield pending if size <= max_bytes else b"" if blank else _LongLine(size)
+
+
+def _blank(raw: bytes | _LongLine) -> bool:
+    """Whether a line is empty or whitespace (no record)."""
+    return not isinstance(raw, _LongLine) and (not raw or raw.isspace())
+
+
+class _TooDeep(Exception):
+    """A line nested deeper than MAX_JSON_DEPTH."""
+
+
+def _too_deep(value: Any, limit: int) -> bool:
+    """Whether a parsed JSON value nests more than ``limit`` arrays and objects, one inside
+    another; iterative (its own stack, never Python's)."""
+    stack = [(value, 1)] if isinstance(value, dict | list) else []
+    while stack:
+        node, depth = stack.pop()
+        if depth > limit:
+            return True
+        for child in node.values() if isinstance(node, dict) else node:
+            if isinstance(child, dict | list):
+                stack.append((child, depth + 1))
+    return False
+
+
+def _parse(raw: bytes) -> Any:
+    """One line's JSON value. Raises ValueError (not JSON), UnicodeError (not UTF-8, or a
+    ``\\ud800``-style escape of half a surrogate pair, which no UTF-8 file or Parquet string can
+    hold), or :class:`_TooDeep` (see :data:`MAX_JSON_DEPTH`)."""
+    text = raw.decode("utf-8")
+    if raw.count(b"[") + raw.count(b"{") <= MAX_JSON_DEPTH:
+        value = json.loads(text)  # it cannot nest deeper than it has brackets
+    else:
+        try:
+            value = json.loads(text)
+        except RecursionError:
+            raise _TooDeep from None
+        if _too_deep(value, MAX_JSON_DEPTH):
+            raise _TooDeep
+    if b"\\ud" in raw or b"\\uD" in raw:  # a surrogate escape: are its strings UTF-8 text?
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    return value
 
 
 class JsonLinesReader:
@@ -99,13 +189,16 @@ class JsonLinesReader:
         self._handles.append(stream)
         return stream
 
-    def _read_lines(self) -> Iterator[bytes]:
-        """The file's lines from its start. An error reading it is bad input data naming the
-        shard and the line it stopped after (a transient one on a store is raised as it is, for
-        the caller to retry)."""
+    def _read_lines(self, max_bytes: int | None = None) -> Iterator[bytes | _LongLine]:
+        """The file's lines from its start, each longer than ``max_bytes`` (default
+        ``input.max_line_bytes``) a :class:`_LongLine`. An error reading it is bad input data
+        naming the shard and the line it stopped after (a transient one on a store is raised as
+        it is, for the caller to retry)."""
         number = 0
+        if max_bytes is None:
+            max_bytes = self.spec.max_line_bytes
         try:
-            for raw in _lines(self._open()):
+            for raw in _lines(self._open(), max_bytes):
                 number += 1
                 yield raw
         except (pa.ArrowException, OSError, EOFError) as exc:
@@ -118,14 +211,26 @@ class JsonLinesReader:
         """``(line number, parsed value or _BadLine)`` for each non-blank line after the first
         ``skip`` lines."""
         for number, raw in enumerate(self._read_lines(), 1):
-            if number <= skip or not raw.strip():
+            if number <= skip or _blank(raw):
+                continue
+            if isinstance(raw, _LongLine):
+                yield number, _BadLine(f"line too long: line {number} has {raw.size} bytes, more "
+                                       f"than input.max_line_bytes ({self.spec.max_line_bytes})")
                 continue
             try:
-                yield number, json.loads(raw.decode("utf-8"))
+                value = _parse(raw)
             except UnicodeDecodeError:
-                yield number, _BadLine(f"not UTF-8: line {number}")
+                value = _BadLine(f"not UTF-8: line {number}")
+            except UnicodeEncodeError:
+                value = _BadLine(f"not UTF-8: line {number} escapes half a surrogate pair")
+            except _TooDeep:
+                value = _BadLine(f"too deep: line {number} nests more than {MAX_JSON_DEPTH} "
+                                 "arrays and objects")
             except ValueError as exc:
-                yield number, _BadLine(f"not JSON: line {number} ({exc})")
+                value = _BadLine(f"not JSON: line {number} ({_cut(str(exc))})")
+            except Exception as exc:  # no line raises out of the reader
+                value = _BadLine(unreadable(number, exc))
+            yield number, value
 
     @property
     def num_rows(self) -> int:
@@ -133,8 +238,8 @@ class JsonLinesReader:
         (again from the start after a transient storage error)."""
         if self._num_rows is None:
             def count() -> int:
-                try:
-                    return sum(1 for raw in self._read_lines() if raw.strip())
+                try:  # no line kept: a chunk in memory however long the lines
+                    return sum(1 for raw in self._read_lines(max_bytes=0) if not _blank(raw))
                 finally:
                     self.close()
 
@@ -150,7 +255,7 @@ class JsonLinesReader:
         while True:
             try:
                 for number, record in self._records(skip=done_lines):
-                    yield self._row(index, number, record)
+                    yield self._safe_row(index, number, record)
                     index += 1
                     done_lines = number
                 return
@@ -216,6 +321,17 @@ class JsonLinesReader:
             kept[name] = value
         return kept, error
 
+    def _safe_row(self, index: int, number: int, record: Any) -> Row:
+        """The line's row; whatever goes wrong making it is the row's error, naming the line."""
+        try:
+            return self._row(index, number, record)
+        except Exception as exc:
+            name = self.shard.name
+            row = Row(shard=name, index=index, request_id=f"{name}/{index}",
+                      kept=dict.fromkeys(self._types))
+            row.error = unreadable(number, exc)
+            return row
+
     def _row(self, index: int, number: int, record: Any) -> Row:
         spec, name = self.spec, self.shard.name
         if isinstance(record, _BadLine) or not isinstance(record, dict):
@@ -280,3 +396,13 @@ class _BadLine:
 
     def __init__(self, why: str):
         self.why = why
+
+
+def _cut(text: str, limit: int = 200) -> str:
+    """``text``, cut to ``limit`` characters (a message quotes no line whole)."""
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def unreadable(number: int, exc: BaseException) -> str:
+    """The error of a line whose reading raised ``exc`` (none is raised out of the reader)."""
+    return f"unreadable line: line {number} ({type(exc).__name__}: {_cut(str(exc))})"

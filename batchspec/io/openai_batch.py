@@ -13,22 +13,32 @@ line then runs with that adapter); any other name is an error line, never a sile
 The body's sampling fields become the row's SamplingParams overrides (:data:`CHAT_FIELDS`,
 :data:`COMPLETION_FIELDS`); a field the line leaves out takes the job's ``sampling`` value.
 
-Every problem of a line is an error row naming the line and the field: not JSON, no
-``custom_id``, a ``custom_id`` an earlier line of the file has, a method other than POST, a URL
-batchspec does not run (``/v1/embeddings``), an unknown or unsupported body field, a value of the
-wrong type. The rest of the file runs. The output keeps ``url`` and ``model`` of each line.
+Every problem of a line is an error row naming the line and the field: not JSON (or nested
+deeper, or longer, than :mod:`batchspec.io.jsonl` reads), no ``custom_id``, a ``custom_id`` an
+earlier line of the file has, a method other than POST, a URL batchspec does not run
+(``/v1/embeddings``), an unknown or unsupported body field, a value of the wrong JSON type. No line
+raises out of the reader. The rest of the file runs. The output keeps ``url`` and ``model`` of
+each line.
+
+Each ``custom_id`` is answered once: a line repeating an earlier line's id is an error whose
+output line has a null ``custom_id`` (:data:`NO_CUSTOM_ID`). The ids seen are kept as 8-byte
+digests with the line that had each first, about 100 bytes an id whatever its length (a
+collision, odds of about 3 in 10^8 for a file of a million ids, would take a line for a repeat).
 """
 
 from __future__ import annotations
 
+import hashlib
+import reprlib
 from collections.abc import Mapping
 from typing import Any
 
 import pyarrow as pa
 
-from batchspec.io.jsonl import JsonLinesReader, _BadLine
+from batchspec.io.jsonl import JsonLinesReader, _BadLine, _cut, unreadable
 from batchspec.io.listing import Shard
 from batchspec.io.rows import Row, check_messages
+from batchspec.redact import sanitize_url
 from batchspec.spec.model import JobSpec
 
 CHAT = "/v1/chat/completions"
@@ -45,9 +55,11 @@ COMPLETION_FIELDS = (*_SAMPLING, "logprobs")
 #: Body fields that change nothing batchspec generates: accepted and left alone.
 _NO_EFFECT = ("user", "metadata", "store")
 
-#: Error categories of a line whose ``custom_id`` could not be read (its request id is then
-#: ``<shard>/<index>``, not a ``custom_id``).
-NO_CUSTOM_ID = ("not JSON", "not UTF-8", "not an object", "no custom_id")
+#: Error categories of a line that answers no ``custom_id``: its ``custom_id`` could not be read
+#: (its request id is then ``<shard>/<index>``, not a ``custom_id``), or an earlier line of the
+#: file has it (that line answers it). Their output lines have a null ``custom_id``.
+NO_CUSTOM_ID = ("not JSON", "not UTF-8", "not an object", "no custom_id", "too deep",
+                "line too long", "unreadable line", "duplicate custom_id")
 
 #: The columns kept from each line.
 KEPT = [pa.field("url", pa.string()), pa.field("model", pa.string())]
@@ -68,13 +80,30 @@ class _LineError(Exception):
     """What is wrong with one line (its message names the line)."""
 
 
+_REPR = reprlib.Repr()
+_REPR.maxstring = _REPR.maxother = 80
+
+
+def _shown(value: Any) -> str:
+    """A value as a message quotes it: its repr, cut short without building it whole (a line's
+    value may be megabytes)."""
+    return _REPR.repr(value)
+
+
+def _json_type(value: Any) -> str:
+    """The JSON type of a parsed value, by JSON's names."""
+    return {dict: "object", list: "array", str: "string", bool: "boolean", int: "number",
+            float: "number"}.get(type(value), type(value).__name__)
+
+
 class OpenAIBatchReader(JsonLinesReader):
     """Reads an OpenAI Batch request file's lines as rows (the interface of
     :class:`~batchspec.io.reader.ShardReader`)."""
 
     def __init__(self, shard: Shard, spec: JobSpec, batch_rows: int = 1024):
         self.served = served_names(spec)
-        self._first_line: dict[str, int] = {}  # custom_id -> the line that had it first
+        # custom_id's 8-byte digest -> the line that had it first
+        self._first_line: dict[bytes, int] = {}
         super().__init__(shard, spec.input, spec.output, batch_rows)
 
     def _columns(self, head, output_spec) -> list[pa.Field]:
@@ -91,6 +120,9 @@ class OpenAIBatchReader(JsonLinesReader):
             self._read_line(row, number, record)
         except _LineError as exc:
             row.error = str(exc)
+        except Exception as exc:  # no line raises out of the reader
+            row.error = (unreadable(number, exc) if row.request_id == f"{name}/{index}" else
+                         f"bad line: line {number} ({type(exc).__name__}: {_cut(str(exc))})")
         return row
 
     def _read_line(self, row: Row, number: int, record: Any) -> None:
@@ -99,31 +131,37 @@ class OpenAIBatchReader(JsonLinesReader):
         custom_id = record.get("custom_id")
         if not isinstance(custom_id, str) or not custom_id:
             raise _LineError(f"no custom_id: line {number} has "
-                             f"{'none' if custom_id is None else repr(custom_id)}")
+                             f"{'none' if custom_id is None else _shown(custom_id)}")
         row.request_id = custom_id
-        first = self._first_line.setdefault(custom_id, number)
+        key = hashlib.blake2b(custom_id.encode(), digest_size=8).digest()
+        first = self._first_line.setdefault(key, number)
         if first != number:
-            raise _LineError(f"duplicate custom_id: line {number} repeats {custom_id!r} of line "
-                             f"{first}")
+            raise _LineError(f"duplicate custom_id: line {number} repeats {_shown(custom_id)} of "
+                             f"line {first}")
         unknown = sorted(set(record) - {"custom_id", "method", "url", "body"})
         if unknown:
-            raise _LineError(f"unknown field: line {number}, {unknown[0]!r}")
+            raise _LineError(f"unknown field: line {number}, {_shown(unknown[0])}")
         if record.get("method") != "POST":
-            raise _LineError(f"unsupported method: line {number}, {record.get('method')!r} "
+            raise _LineError(f"unsupported method: line {number}, {_shown(record.get('method'))} "
                              "(POST only)")
         url = record.get("url")
         row.kept["url"] = url if isinstance(url, str) else None
         if url not in (CHAT, COMPLETIONS):
-            raise _LineError(f"unsupported url: line {number}, {url!r} (batchspec runs {CHAT} "
-                             f"and {COMPLETIONS})")
+            raise _LineError(f"unsupported url: line {number}, {_shown(url)} (batchspec runs "
+                             f"{CHAT} and {COMPLETIONS})")
         body = record.get("body")
         if not isinstance(body, dict):
             raise _LineError(f"no body: line {number} has no JSON object in body")
         model = body.get("model")
-        row.kept["model"] = model if isinstance(model, str) else None
+        if model is not None and not isinstance(model, str):
+            raise _LineError(f"bad value: line {number}, body.model must be a string, not a JSON "
+                             f"{_json_type(model)}")
+        # kept, and echoed in the result's body: a model named as a URL may carry a login
+        row.kept["model"] = sanitize_url(model) if model is not None else None
         if model not in self.served:
-            raise _LineError(f"unknown model: line {number}, body.model {model!r} is not one this "
-                             f"job serves ({', '.join(map(repr, self.served))})")
+            raise _LineError(f"unknown model: line {number}, body.model "
+                             f"{_shown(sanitize_url(model) if model else model)} is not one this "
+                             f"job serves ({', '.join(repr(sanitize_url(n)) for n in self.served)})")
         row.lora = self.served[model]
         if url == CHAT:
             row.messages = _messages(body.get("messages"), number)

@@ -20,8 +20,10 @@ manifest, as OpenAI's Batch API returns them:
 - ``<stem>.errors.jsonl``: one line per request that failed, ``response.status_code`` 400 (the
   line or its prompt was refused) or 500 (the engine failed it) and ``response.body.error``
   (``message``, ``type``, ``param``, ``code``). A line that names no ``custom_id`` (not JSON, not
-  an object, none given) has ``"custom_id": null``, ``"response": null`` and the top-level
-  ``error`` (``code``, ``message``) OpenAI uses for failures that are not an HTTP response.
+  an object, none given) or repeats an earlier line's (that line answers it: each ``custom_id``
+  is on one line of the two files) has ``"custom_id": null``, ``"response": null`` and the
+  top-level ``error`` (``code``, ``message``) OpenAI uses for failures that are not an HTTP
+  response.
 
 Every line of the input is in exactly one of the two files; the ids of a line's output are
 derived from the run id, the shard and the line's place in it (unique where the input repeats
@@ -98,9 +100,11 @@ class OpenAIResultWriter:
 
     def commit(self) -> dict[str, Any]:
         """Make the errors file, then the results file visible (each in one step); the manifest
-        written after them is the commit (a crash between leaves the shard ``partial``).
-        Returns the manifest's fields for both files and the output's lineage (``metadata``:
-        what a Parquet file keeps in its footer)."""
+        written after them is the commit (a crash between leaves the shard ``partial``: the
+        caller removed any earlier manifest first, and the new one binds each file by its size
+        and identity, :meth:`OutputDir.file_info`). Returns the manifest's fields for both
+        files and the output's lineage (``metadata``: what a Parquet file keeps in its
+        footer)."""
         for f in self._files.values():
             f.close()
         errors, output = self.out.errors_path(self.shard), self.out.output_path(self.shard)

@@ -202,6 +202,15 @@ class OutputDir:
         """The committed record of a shard, or None."""
         return self.read_json(self.manifest_path(shard_name))
 
+    def invalidate_manifest(self, shard_name: str) -> None:
+        """Remove a shard's manifest (if any) before its files are replaced: from the first
+        publish until the new manifest is written, the shard is ``partial``, never an old
+        record over files of two runs (a crash between an ``openai`` output's two files)."""
+        path = self.manifest_path(shard_name)
+        self.remove(path)
+        if self.is_local and os.path.isdir(posixpath.dirname(path)):
+            fsync_dir(posixpath.dirname(path))  # gone for good before the first rename
+
     def write_json(self, path: str, record: dict) -> None:
         """Write a small JSON object in one put (a rename on local disk)."""
         data = (json.dumps(record, indent=2, sort_keys=True, default=str) + "\n").encode()
@@ -227,11 +236,22 @@ class OutputDir:
         return retry(lambda: self.fs.exists(path), f"checking {path}")
 
     def output_info(self, shard: Shard) -> dict | None:
-        """The committed output file's size and version (ETag, generation), or None if absent."""
+        """The committed output file's size and identity (see :meth:`file_info`), or None if
+        absent."""
         return self.file_info(self.output_path(shard))
 
     def file_info(self, path: str) -> dict | None:
-        """A file's size and version (ETag, generation), or None if it is absent."""
+        """A file's size and identity, or None if it is absent: on an object store its version
+        (ETag, generation), on local disk its inode and modification time in nanoseconds (a
+        file rewritten with other bytes, even as many, has another). The manifest records it
+        for each file of a shard; :meth:`inspect` compares every field it recorded."""
+        if self.is_local:
+            try:
+                st = os.stat(path)
+            except FileNotFoundError:
+                return None
+            return {"size": st.st_size, "ino": st.st_ino, "mtime_ns": st.st_mtime_ns}
+
         def info():
             try:
                 return self.fs.info(path)
@@ -246,15 +266,20 @@ class OutputDir:
     def inspect(self, shard: Shard, spec_fingerprint: dict | None = None) -> tuple[str, list[str]]:
         """A shard's state and, for ``stale``, the spec components that changed.
 
-        ``committed``: the manifest, the output file (its size and version as recorded) and the
-        current input agree, and the spec fingerprint matches; ``stale``: all that, but written
-        under a different spec; ``partial``: a record or a file without the other, or they
-        disagree (a crash between steps, an input changed since, a truncated upload);
-        ``pending``: nothing yet."""
+        ``committed``: the manifest, the output file (an ``openai`` output's two files: each
+        one's size and identity as recorded, see :meth:`file_info`) and the current input
+        agree, and the spec fingerprint matches; ``stale``: all that, but written under a
+        different spec; ``partial``: a record or a file without the other, or they disagree (a
+        crash between steps, a file written again, an input changed since, a truncated upload);
+        ``pending``: nothing yet. A manifest of an older batchspec (local: the size alone) is
+        judged on the fields it has."""
         record = self.read_manifest(shard.name)
         found = self.output_info(shard)
         if record is None and found is None:
-            return "pending", []
+            errors = self.errors_path(shard)  # an openai output's first file, alone
+            if errors is None or self.file_info(errors) is None:
+                return "pending", []
+            return "partial", []
         if record is None or found is None or record.get("input_fingerprint") != shard.fingerprint:
             return "partial", []
         expected = record.get("output_info")

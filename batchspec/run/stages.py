@@ -33,7 +33,7 @@ from batchspec.io.output_dir import OutputDir
 from batchspec.io.reader import Row, ShardReader, open_reader
 from batchspec.io.writer import ShardWriter
 from batchspec.leases.shard_leases import holder_text
-from batchspec.redact import sanitize_url
+from batchspec.redact import sanitize_url, scrub_text
 from batchspec.run.events import EventLog
 from batchspec.run.outcome import RunOutcome, ShardStats
 from batchspec.run.prefixes import prefix_order
@@ -185,6 +185,10 @@ class ShardRun:
         return self.state in (ShardState.FAILED, ShardState.ABANDONED)
 
 
+#: Result columns of free text, which pass the run summary's sanitiser before they are written.
+_FREE_TEXT = ("error", "structured_error")
+
+
 class SeenIds:
     """Request ids seen in this run, across shards, as 8-byte digests (~70 bytes an id)."""
 
@@ -221,6 +225,7 @@ class ShardPipeline:
         self.spec_fingerprint, self.overwrite, self.stop = spec_fingerprint, overwrite, stop
         self.grace_s, self.bad_shard = grace_s, bad_shard
         self.runs: list[ShardRun] = []
+        self.secrets = spec.secret_values()
         self.fatal: list[BaseException] = []
         self.row_counts: dict[str, int] = {}
         self.metadata_base = {
@@ -293,15 +298,26 @@ class ShardPipeline:
                 continue
             try:
                 self.open_shard(run)
+                name = run.shard.name
+                expected = (self.row_counts[name] if name in self.row_counts
+                            else run.reader.num_rows)
                 for row in prefix_order(run.reader.rows(), self.spec.execution.prefix_window):
                     if self.stop() or run.dropped:
                         break
+                    if run.rows_read >= expected:
+                        raise InputDataError(run.shard.url, f"the shard has more rows than the "
+                                             f"{expected} it had when the run was planned")
                     if seen.add(row.request_id):
                         run.stats.duplicate_ids += 1
                     run.rows_read += 1
+                    if run.rows_read == expected:
+                        # its last row is handed over now: a stop that comes before the engine
+                        # pulls another row must let this shard drain and commit
+                        run.move(ShardState.READ)
                     yield row
                 else:
-                    run.move(ShardState.READ)
+                    if run.state is ShardState.READING:  # fewer rows than planned, or none
+                        run.move(ShardState.READ)
                     self.maybe_commit(run)
                 if self.stop():
                     return
@@ -341,26 +357,31 @@ class ShardPipeline:
             return by_name[row.shard].state is ShardState.READ
 
         twins = Twins(self.spec.sampling, self.spec.execution.dedupe_window,
-                      hold=self.spec.execution.max_in_flight)
-        stream = engine.stream(twins.primaries(self.read_prompts(runs, SeenIds())),
-                               self.spec.execution.max_in_flight, stop=self.stop,
-                               grace_s=self.grace_s, keep=keep)
+                      hold=self.spec.execution.max_in_flight,
+                      max_bytes=self.spec.execution.dedupe_max_bytes)
+        rows: Iterator[Row] | None = twins.primaries(self.read_prompts(runs, SeenIds()))
 
         def deliver(row: Row, results: list[dict]) -> None:
             run = by_name[row.shard]
             if not run.dropped:
                 self.write(run, row, results)
 
-        try:
-            for row, results in stream:
-                self.abandon_lost(runs)  # the keeper thread marks a lease lost: act between steps
-                deliver(row, results)
-                for twin, copied in twins.finished(row, results):
-                    deliver(twin, copied)
-            for twin, copied in twins.ready():  # answered after the engine's last result
-                deliver(twin, copied)
-        finally:
-            stream.close()  # aborts whatever is still in the engine
+        while rows is not None:
+            stream = engine.stream(rows, self.spec.execution.max_in_flight, stop=self.stop,
+                                   grace_s=self.grace_s, keep=keep)
+            try:
+                for row, results in stream:
+                    # the keeper thread marks a lease lost: act between steps
+                    self.abandon_lost(runs)
+                    deliver(row, results)
+                    for twin, copied in twins.finished(row, results):
+                        deliver(twin, copied)
+            finally:
+                stream.close()  # aborts whatever is still in the engine
+            # twins of a request the engine failed after the input ran out: sent themselves
+            rows = None if self.stop() else twins.retries()
+        for twin, copied in twins.ready():  # answered after the engine's last result
+            deliver(twin, copied)
 
     def abandon_lost(self, runs: list[ShardRun]) -> None:
         """Abandon every shard whose lease the renewal thread found lost."""
@@ -373,6 +394,10 @@ class ShardPipeline:
     def write(self, run: ShardRun, row: Row, results: list[dict]) -> None:
         """One input row's result rows (one per sample) into the shard's temporary file; commit
         the shard if it was the last."""
+        for result in results:  # a message may quote the spec (a target URL with a token)
+            for key in _FREE_TEXT:
+                if result.get(key):
+                    result[key] = scrub_text(result[key], self.secrets)
         run.writer.add_request(row, results)
         for result in results:
             run.stats.add(result)
@@ -386,13 +411,15 @@ class ShardPipeline:
 
     def commit(self, run: ShardRun) -> None:
         """Make the shard's output visible under its name, then its manifest, while the lease
-        is still ours (checked right before)."""
+        is still ours (checked right before). An earlier manifest goes first: a crash between
+        the steps leaves the shard ``partial``, never an old record over new files."""
         from batchspec.spec.fingerprint import FINGERPRINT_VERSION
 
         name, out = run.shard.name, self.out
         if not self.leases.confirm(name):
             self.abandon(run, "taken over by another run before commit")
             return
+        out.invalidate_manifest(name)
         written = run.writer.commit()
         wall = time.monotonic() - run.started
         record = {

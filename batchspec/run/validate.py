@@ -59,7 +59,7 @@ def validate_job(spec: JobSpec, worker_index: int = 0, num_workers: int = 1) -> 
     """Check everything a run would check before generating, without loading weights."""
     from transformers import AutoTokenizer
 
-    from batchspec.engine.checks import check_vllm_keys, override_error, row_constraint
+    from batchspec.engine.checks import check_row, check_vllm_keys, override_error
     from batchspec.engine.lora import unknown_adapter
     from batchspec.engine.structured import normalise
 
@@ -97,8 +97,8 @@ def validate_job(spec: JobSpec, worker_index: int = 0, num_workers: int = 1) -> 
                     reason = unknown_adapter(row.lora, spec.input.lora_column, adapters)
                 if reason is None and row.overrides:
                     try:
-                        row_constraint(base, row.overrides, max_logprobs)
-                    except (TypeError, ValueError) as exc:
+                        check_row(base, row.overrides, max_logprobs, spec.execution.max_n)
+                    except Exception as exc:  # noqa: BLE001 (what a run makes an error row)
                         reason = override_error(row.overrides, spec.input.sampling_columns, exc)
                 if reason is None:
                     ids = prompt_token_ids(tokenizer, row)

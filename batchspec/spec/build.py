@@ -132,6 +132,7 @@ def _input_spec(raw: dict) -> InputSpec:
         storage_options=inp.get("storage_options", dict),
         on_bad_shard=on_bad_shard,
         allow_empty=allow_empty,
+        max_line_bytes=inp.positive("max_line_bytes"),
     )
 
 
@@ -170,6 +171,16 @@ def _model_spec(raw: dict) -> ModelSpec:
     for reserved, where in _ENGINE_RESERVED.items():
         if reserved in model_spec.engine:
             raise SpecError(f"model.engine.{reserved}", f"set this with `{where}` instead")
+    if model_spec.lora is not None:
+        served = model_spec.engine.get("served_model_name") or model_spec.target
+        served = {str(n) for n in (served if isinstance(served, list | tuple) else [served])}
+        for name in model_spec.lora.adapters:
+            if name in served:
+                # an OpenAI Batch line naming the base model would run with the adapter
+                raise SpecError(f"model.lora.adapters.{name}",
+                                "an adapter may not share its name with the model the job serves "
+                                "(model.target or model.engine.served_model_name): rows naming "
+                                "that model would run with the adapter; rename the adapter")
     return model_spec
 
 
@@ -280,17 +291,27 @@ def _execution_spec(raw: dict) -> ExecutionSpec:
     exe = _Fields(raw, "execution", ExecutionSpec, required=False)
     return ExecutionSpec(
         max_in_flight=exe.positive("max_in_flight"),
+        max_n=exe.positive("max_n"),
         read_batch_rows=exe.positive("read_batch_rows"),
         progress_interval_s=float(exe.get("progress_interval_s", (int, float))),
         grace_s=exe.seconds("grace_s", allow_zero=True),
         lease_s=exe.seconds("lease_s", allow_zero=False),
         dedupe_window=_dedupe_window(exe),
+        dedupe_max_bytes=_dedupe_max_bytes(exe),
         prefix_window=_window(exe, "prefix_window", "0: file order"),
     )
 
 
 def _dedupe_window(exe: _Fields) -> int:
     return _window(exe, "dedupe_window", "0: every row generated")
+
+
+def _dedupe_max_bytes(exe: _Fields) -> int:
+    value = exe.get("dedupe_max_bytes", int)
+    if isinstance(value, bool) or value < 0:
+        raise SpecError("execution.dedupe_max_bytes", "expected a number of bytes, 0 or more (0: "
+                                                      f"no finished result kept), got {value!r}")
+    return value
 
 
 def _window(exe: _Fields, key: str, zero: str) -> int:

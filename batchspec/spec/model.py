@@ -69,6 +69,9 @@ class InputSpec:
     #: An input path or glob that matches no file is fine: the run exits 0 with a summary
     #: (for scheduled jobs whose input may be empty some days). False: it is bad input data.
     allow_empty: bool = False
+    #: Bytes a line of a JSON-lines or OpenAI Batch file may have (its line end not counted): a
+    #: longer line is one error row, read past in constant memory (batchspec/io/jsonl.py).
+    max_line_bytes: int = 64 * 2**20
 
     @property
     def text_column(self) -> str:
@@ -128,8 +131,12 @@ class ModelSpec:
 class ExecutionSpec:
     """How the runner feeds the engine."""
 
-    #: Requests handed to the engine at once; refilled as requests finish.
+    #: Sequences handed to the engine at once (a row asking for ``n`` samples counts ``n``);
+    #: refilled as requests finish. A row with more samples than this runs alone.
     max_in_flight: int = 512
+    #: The most samples (``n``) one row may ask for, job-wide or per row; more is refused (exit 2
+    #: for ``sampling.n``, an error row for a per-row ``n``). 128 is OpenAI's own limit.
+    max_n: int = 128
     #: Rows per record batch read from a shard.
     read_batch_rows: int = 1024
     #: Seconds between progress log lines when not at a terminal.
@@ -144,6 +151,13 @@ class ExecutionSpec:
     #: seeded) within this many are generated once, the result written to each (``twin_of``);
     #: 0 generates every row (batchspec/run/twins.py).
     dedupe_window: int = 10000
+    #: Bytes (estimated) the results kept for later identical requests may hold; the least
+    #: recently used go first, and a later twin of one is generated again. 64 MiB keeps the
+    #: whole default window of single-sample results of a thousand characters (about 2 KB
+    #: each with the row's other columns; 20 MB for 10,000) and bounds what large ``n`` or
+    #: long outputs would keep (about 500 results at n = 64), small beside the engine's own
+    #: memory. 0 keeps no finished result (twins of a request in flight are still served).
+    dedupe_max_bytes: int = 64 * 2**20
     #: Rows of a shard sent this many at a time, each window sorted by LoRA adapter and prompt
     #: text, so rows sharing a prefix go to the engine together and its prefix cache serves
     #: them; the engine holds a request whose first cache block another request is computing

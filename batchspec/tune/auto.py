@@ -13,7 +13,13 @@ run (batchspec/run/job.py) calls :func:`choose_speculation` once it knows its pe
    kind.
 2. ``<output>/_batchspec/auto/<key>.json`` holds a choice made before under that key: the run
    uses it without measuring (``remeasure: true`` or ``batchspec run --remeasure`` measures
-   again). A changed model, draft, sampling or machine is another key, so it is measured.
+   again). A changed model, draft, sampling or machine is another key, so it is measured. A
+   record of any other shape than the one written (edited, torn, another version, a field
+   missing or of another type, a label that is not one of this job's candidates, a choice its
+   recommendations do not give) is no record: a ``speculative_auto_record_ignored`` warning
+   names it and what is wrong, and the run measures again. A reused choice is the section
+   built from the job's own candidates, and it is reported (log, summary, shard metadata) by
+   that section's label: what runs.
 3. Otherwise ``batchspec tune``'s machinery (batchspec/tune/session.py) measures off and the
    candidates on a seeded sample of the run's pending rows, one engine at a time, within
    ``max_minutes``, with a progress event per engine; the recommendation per level becomes the
@@ -98,16 +104,25 @@ def choose_speculation(spec: JobSpec, shards: list, pending_rows: int, out: Outp
     assert auto is not None
     key, components = choice_key(spec)
     path = out.join(BOOKKEEPING_DIR, "auto", f"{key}.json")
-    record = None if remeasure or auto.remeasure else out.read_json(path)
-    if record is not None and record.get("version") == RECORD_VERSION and record.get("key") == key:
-        chosen = _section_from_record(spec, record)
+    if not (remeasure or auto.remeasure):
+        record = out.read_json(path)
+        if record is None and out.exists(path):
+            chosen, why = None, "it is not readable as JSON (torn, or null)"
+        elif record is None:
+            chosen, why = None, None
+        else:
+            chosen, why = _section_from_record(spec, record, key)
         if chosen is not None:
             speculative, label = chosen
             events.emit("speculative_auto", f"speculative: auto: using {label}, measured "
-                        f"{record.get('measured_at')}; `--remeasure` measures again",
+                        f"{record['measured_at']}; `--remeasure` measures again",
                         chosen=label, reused=True, record=path)
             choice = AutoChoice(speculative, label, path, key, True, record)
             return resolved(spec, speculative), choice
+        if why is not None:
+            events.emit("speculative_auto_record_ignored",
+                        f"speculative: auto: not using the stored choice {path}: {why}; "
+                        "measuring again", level="warning", record=path, reason=why)
     record, speculative, label = _measure(spec, shards, pending_rows, events, key, components)
     if record["recommended"]:
         out.write_json(path, record)
@@ -287,19 +302,25 @@ def _level_prediction(report, c: int, rows: int) -> dict[str, Any]:
             "wall_s": None if wall is None else round(wall, 1)}
 
 
-def _section(spec: JobSpec, recommended: dict[int, str]) -> tuple[dict | None, str, int | None]:
-    """(the section to run, its label, the level it was chosen at; None for a per-batch-size
-    schedule) from the recommendation per level, with this job's candidates."""
-    from batchspec.tune.predict import choose_section
+def _candidates(spec: JobSpec) -> dict[str, Any]:
+    """This job's candidates (``tune.model.Candidate``) by label."""
     from batchspec.tune.search_space import candidates
 
     auto = spec.speculative_auto
     assert auto is not None
-    if not recommended:
-        return None, "off (nothing was measured in time)", None
     fixed, families = candidates(dataclasses.replace(spec, speculative=None), list(auto.drafts),
                                  list(auto.k), auto.ngram)
-    by_label = {c.label: c for c in fixed + [c for f in families.values() for c in f]}
+    return {c.label: c for c in fixed + [c for f in families.values() for c in f]}
+
+
+def _section(spec: JobSpec, recommended: dict[int, str]) -> tuple[dict | None, str, int | None]:
+    """(the section to run, its label, the level it was chosen at; None for a per-batch-size
+    schedule) from the recommendation per level, with this job's candidates."""
+    from batchspec.tune.predict import choose_section
+
+    if not recommended:
+        return None, "off (nothing was measured in time)", None
+    by_label = _candidates(spec)
 
     def section(c: int) -> tuple[dict | None, int | None]:
         cand = by_label.get(recommended[c])
@@ -316,19 +337,50 @@ def _section(spec: JobSpec, recommended: dict[int, str]) -> tuple[dict | None, s
     return speculative, recommended[level], level
 
 
-def _section_from_record(spec: JobSpec, record: dict) -> tuple[dict | None, str] | None:
-    """The stored choice as a section of this job (built from the job's own candidates, so a
-    draft's path is the job's, never the record's public view); None for an unreadable record."""
-    try:
-        recommended = {int(c): str(v) for c, v in (record.get("recommended") or {}).items()}
-    except (AttributeError, TypeError, ValueError):
-        return None
-    if record.get("speculative") is None and record.get("chosen", "").startswith("off"):
-        return None, str(record["chosen"])
-    if not recommended:
-        return None
-    speculative, label, _ = _section(spec, recommended)
-    return speculative, label
+def _section_from_record(spec: JobSpec, record: Any, key: str
+                         ) -> tuple[tuple[dict | None, str] | None, str | None]:
+    """(the stored choice as a section of this job and its label, None) where the record has
+    the shape :func:`_measure` writes and names only this job's candidates; else (None, what is
+    wrong with it). The section is built from the job's own candidates, so a draft's path is
+    the job's, never the record's public view, and the label is what that section runs."""
+    if not isinstance(record, dict):
+        return None, f"it holds a JSON {type(record).__name__}, not a JSON object"
+    if record.get("version") != RECORD_VERSION:
+        return None, f"its version is {_json_text(record.get('version'))}, not {RECORD_VERSION}"
+    if record.get("key") != key:
+        return None, f"its key is {_json_text(record.get('key'))}, not the {key} it is filed under"
+    for field, types in (("chosen", str), ("measured_at", str), ("predicted", dict),
+                         ("speculative", (dict, type(None)))):
+        if field not in record:
+            return None, f"its {field} is missing"
+        if not isinstance(record[field], types):
+            return None, f"its {field} is {_json_text(record[field])}"
+    chosen = record["chosen"]
+    recommended = record.get("recommended")
+    if not isinstance(recommended, dict) or not recommended:
+        return None, f"its recommended is {_json_text(recommended)}, not a label per level"
+    labels = _candidates(spec)
+    levels: dict[int, str] = {}
+    for c, label in recommended.items():
+        if not (c.isdecimal() and int(c) > 0):
+            return None, f"its recommended has the level {_json_text(c)}, not a number of requests"
+        if not isinstance(label, str) or label not in labels:
+            return None, (f"its recommended names {_json_text(label)}, not a candidate of "
+                          f"this job ({', '.join(labels)})")
+        levels[int(c)] = label
+    if record["speculative"] is None and (chosen == "off" or chosen.startswith("off (")):
+        return (None, chosen), None  # off, measured so, or no candidate kept greedy text
+    speculative, label, _ = _section(spec, levels)
+    if label != chosen:
+        return None, (f"its chosen is {_json_text(chosen)}, but its recommended gives "
+                      f"{_json_text(label)}")
+    return (speculative, label), None
+
+
+def _json_text(value: Any) -> str:
+    """A record's value as a message quotes it: its JSON, cut short."""
+    text = json.dumps(value, default=str)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _public(speculative: dict | None) -> dict | None:

@@ -12,7 +12,7 @@ import pytest
 from helpers.jobs import write_job
 
 from batchspec.engine import structured
-from batchspec.engine.checks import check_vllm_keys, row_constraint
+from batchspec.engine.checks import check_row, check_vllm_keys
 from batchspec.engine.rows import Asked, choice_probs, result_rows
 from batchspec.errors import SpecError
 from batchspec.spec.load import load_spec
@@ -81,11 +81,11 @@ def test_a_bad_job_wide_value_is_a_spec_error_naming_the_key(tmp_path, sampling,
 
 
 def test_a_rows_own_bad_values_are_refused_naming_the_field():
-    with pytest.raises(ValueError, match="logprobs: expected a non-negative integer"):
-        row_constraint(None, {"logprobs": "many"}, 20)
+    with pytest.raises(ValueError, match="logprobs: expected an integer"):
+        check_row(None, {"logprobs": "many"}, 20)
     with pytest.raises(ValueError, match="vLLM cannot compile it"):
-        row_constraint(None, {"structured_outputs.grammar": "root ::= ("}, 20)
-    assert row_constraint(None, {"structured_outputs.regex": "[a-z]+"}, 20) == {"regex": "[a-z]+"}
+        check_row(None, {"structured_outputs.grammar": "root ::= ("}, 20)
+    assert check_row(None, {"structured_outputs.regex": "[a-z]+"}, 20) == ({}, {"regex": "[a-z]+"})
 
 
 @pytest.mark.parametrize("constraint, text, finish, valid, why", [

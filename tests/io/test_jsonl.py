@@ -20,6 +20,7 @@ from batchspec.io.jsonl import JsonLinesReader
 from batchspec.io.listing import discover_shards
 from batchspec.io.reader import ShardReader, open_reader
 from batchspec.spec.build import build_spec
+from batchspec.spec.model import OutputSpec
 
 
 def _spec(path, batch_rows: int = 1024, **input_keys):
@@ -224,6 +225,169 @@ def test_a_torn_jsonl_shard_ends_the_run_before_any_engine_or_is_skipped(tmp_pat
     assert skipped.exit_code == 0, skipped.log[-2000:]
     assert sorted(p.name for p in (tmp_path / "out").glob("*.parquet")) == ["a.parquet"]
     assert list(skipped.summary["bad_shards"]) == ["b"]
+
+
+# ---------------------------------------------------------------------------- no line stops a run
+
+#: A line nested 5,000 deep: json's parser raises RecursionError on it.
+DEEP = "[" * 5000 + "]" * 5000
+
+
+def _nested(depth: int) -> str:
+    """A record whose prompt is fine and whose ``k`` makes the line nest ``depth`` deep."""
+    return json.dumps({"prompt": "p", "k": 0}).replace("0}", "[" * (depth - 1) + "0"
+                                                        + "]" * (depth - 1) + "}")
+
+
+@pytest.mark.parametrize("where", ["among the first records", "after them"])
+@pytest.mark.parametrize("compression", [None, "gzip"])
+def test_a_line_nested_5000_deep_is_an_error_row_where_the_columns_are_read_or_later(
+        tmp_path, where, compression):
+    """The reader's first records (which settle the columns, in the check stage), its count and
+    its rows all read past a line json's parser would recurse on: one error row naming it."""
+    from batchspec.io.jsonl import MAX_JSON_DEPTH
+
+    before = 1 if where == "among the first records" else 5
+    good = [json.dumps({"prompt": f"p{i}"}) for i in range(7)]
+    lines = [*good[:before], DEEP, '{"prompt": ' + DEEP + "}", _nested(MAX_JSON_DEPTH),
+             _nested(MAX_JSON_DEPTH + 1), json.dumps({"prompt": "wide", "k": [[]] * 500}),
+             *good[before:]]
+    suffix = {None: "", "gzip": ".gz"}[compression]
+    spec = _spec(_write(tmp_path / f"deep.jsonl{suffix}", lines, compression), batch_rows=3)
+    [shard] = discover_shards(spec.input.paths, {})
+    # no kept keys: the lines that nest do so under "k", which none of the others has
+    reader = JsonLinesReader(shard, spec.input, OutputSpec(path="o", keep_columns=()), 3)
+    assert reader.num_rows == len(lines)
+    rows = list(reader.rows())
+    errors = {i + 1: r.error for i, r in enumerate(rows) if r.error}
+    deep = f"nests more than {MAX_JSON_DEPTH} arrays and objects"
+    assert errors == {before + 1: f"too deep: line {before + 1} {deep}",
+                      before + 2: f"too deep: line {before + 2} {deep}",
+                      before + 4: f"too deep: line {before + 4} {deep}"}
+    # MAX_JSON_DEPTH itself is read, as is a line of many brackets that nests 2 deep
+    assert [r.prompt for r in rows if r.error is None] == [
+        *[f"p{i}" for i in range(before)], "p", "wide", *[f"p{i}" for i in range(before, 7)]]
+
+
+def test_a_run_reads_past_a_deep_line_in_its_first_records(tmp_path):
+    """The check stage reads a JSON-lines shard's first records and counts its lines: a line
+    nested 5,000 deep among them is one error row of a run that exits 0."""
+    from helpers.fakes import FakeEngine
+    from helpers.shared_engines import run_library
+
+    _write(tmp_path / "in" / "a.jsonl", [DEEP, *LINES])
+    raw = {"input": {"path": str(tmp_path / "in" / "*"), "prompt_column": "prompt"},
+           "output": {"path": str(tmp_path / "out")}, "model": {"target": "unused"},
+           "execution": {"read_batch_rows": 2}}
+    done = run_library(build_spec(raw), FakeEngine())
+    assert done.error is None, done.log[-2000:]
+    out = read_output(tmp_path / "out").to_pylist()
+    assert len(out) == 5
+    assert [r["error"] for r in out if r["finish_reason"] == "error"] == [
+        "too deep: line 1 nests more than 48 arrays and objects"]
+
+
+def test_any_error_making_a_row_is_that_rows_error_naming_the_line(tmp_path, monkeypatch):
+    from batchspec.io import jsonl
+
+    def broken(messages):
+        raise RuntimeError("a check that raised")
+
+    monkeypatch.setattr(jsonl, "check_messages", broken)
+    good = [{"role": "user", "content": "hi"}]
+    path = _write(tmp_path / "c.jsonl", [json.dumps({"m": good}), json.dumps({"m": "text"})])
+    rows = list(_reader(path, messages_column="m", prompt_column=None).rows())
+    assert [r.error for r in rows] == [
+        "unreadable line: line 1 (RuntimeError: a check that raised)",
+        "bad messages: line 2 has no list of {role, content} objects"]
+    assert rows[0].request_id == "c/0"
+
+
+def test_a_lone_surrogate_escape_is_an_error_row_and_a_pair_is_text(tmp_path):
+    """``"\\ud800"`` parses to a string no UTF-8 file holds: it would fail the run where the row
+    is written or its id digested; an escaped pair is one character."""
+    from helpers.fakes import FakeEngine
+    from helpers.shared_engines import run_library
+
+    _write(tmp_path / "in" / "s.jsonl", ['{"id": "a", "prompt": "x \\ud800"}',
+                                         '{"id": "b\\uDC00", "prompt": "y"}',
+                                         '{"id": "c", "prompt": "\\ud83d\\ude00"}'])
+    raw = {"input": {"path": str(tmp_path / "in" / "*"), "prompt_column": "prompt",
+                     "id_column": "id"},
+           "output": {"path": str(tmp_path / "out")}, "model": {"target": "unused"}}
+    done = run_library(build_spec(raw), FakeEngine())
+    assert done.error is None, done.log[-2000:]
+    out = read_output(tmp_path / "out").to_pylist()
+    assert [(r["request_id"], r["error"]) for r in out] == [
+        ("s/0", "not UTF-8: line 1 escapes half a surrogate pair"),
+        ("s/1", "not UTF-8: line 2 escapes half a surrogate pair"), ("c", None)]
+
+
+# ---------------------------------------------------------------------------- input.max_line_bytes
+
+
+@pytest.mark.parametrize("compression", [None, "gzip", "zstd"])
+def test_a_line_over_max_line_bytes_is_one_error_row_and_the_next_line_reads(
+        tmp_path, compression, monkeypatch):
+    from batchspec.io import jsonl
+
+    monkeypatch.setattr(jsonl, "CHUNK_BYTES", 7)  # the long lines span many reads
+    at_cap = json.dumps({"prompt": "x" * 80})
+    cap = len(at_cap)
+    lines = [LINES[0], json.dumps({"prompt": "y" * 500}), LINES[1], " " * 300, at_cap,
+             json.dumps({"prompt": "z" * (cap - 15)}) + "  ", LINES[2]]
+    suffix = {None: "", "gzip": ".gz", "zstd": ".zst"}[compression]
+    path = _write(tmp_path / f"long.jsonl{suffix}", lines, compression)
+    reader = _reader(path, batch_rows=2, max_line_bytes=cap)
+    assert reader.num_rows == 6  # the blank line of 300 spaces is no record, however long
+    rows = list(reader.rows())
+    assert [r.error for r in rows] == [
+        None, f"line too long: line 2 has 514 bytes, more than input.max_line_bytes ({cap})",
+        None, None, f"line too long: line 6 has {cap + 1} bytes, more than input.max_line_bytes "
+                    f"({cap})", None]
+    assert [r.prompt for r in rows] == ["def f0(x):", None, "def f1(x):", "x" * 80, None,
+                                        "def f2(x):"]
+
+
+def test_a_long_line_is_read_past_in_constant_memory(monkeypatch):
+    """64 MiB of one line over a 1 MiB cap: what the reader holds stays within a few chunks
+    (the line is never gathered), and the lines around it come whole."""
+    import tracemalloc
+
+    from batchspec.io import jsonl
+
+    class Stream:  # a line of 64 one-MiB chunks between two short lines, never all in memory
+        def __init__(self):
+            self.reads = 0
+
+        def read(self, n):
+            self.reads += 1
+            if self.reads == 1:
+                return b"first\n" + b"x" * (n - 6)
+            if self.reads <= 64:
+                return b"x" * n
+            return b"\nlast\n" if self.reads == 65 else b""
+
+    tracemalloc.start()
+    try:
+        lines = [x if isinstance(x, bytes) else x.size for x in jsonl._lines(Stream(), 2**20)]
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert lines == [b"first", 64 * 2**20 - 6, b"last"]
+    assert peak < 5 * jsonl.CHUNK_BYTES, f"{peak / 2**20:.1f} MiB held"
+
+
+@pytest.mark.parametrize("value", [0, -1, 1.5, "64MiB", True])
+def test_a_bad_max_line_bytes_is_a_spec_error_naming_the_key(value):
+    with pytest.raises(SpecError) as err:
+        _spec("in.jsonl", max_line_bytes=value)
+    assert err.value.key == "input.max_line_bytes" and err.value.exit_code == 2
+    assert "integer" in str(err.value)
+
+
+def test_max_line_bytes_defaults_to_64_mib():
+    assert _spec("in.jsonl").input.max_line_bytes == 64 * 2**20
 
 
 # ---------------------------------------------------------------------------- on the real engine

@@ -152,6 +152,91 @@ def test_column_keys_are_refused_for_openai_files(tmp_path, key):
     assert err.value.key == f"input.{key}"
 
 
+#: A line nested 5,000 deep: json's parser raises RecursionError on it.
+DEEP = "[" * 5000 + "]" * 5000
+
+
+@pytest.mark.parametrize("before", [0, 5])
+def test_a_line_nested_5000_deep_is_an_error_row_where_the_file_is_first_read_or_later(
+        tmp_path, before):
+    """Among the first ``read_batch_rows`` lines (which the check stage reads, and counts) or
+    after them: one error row naming the line, and the rest run."""
+    lines = [_line(f"r{i}") for i in range(before)]
+    lines += [DEEP, json.dumps({"custom_id": "deep", "method": "POST",
+                                "url": "/v1/chat/completions", "body": {"model": TARGET}})[:-2]
+              + ', "metadata": ' + DEEP + "}}", _line("last")]
+    path = tmp_path / "requests.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    job = _job(path)
+    job["execution"] = {"read_batch_rows": 3}
+    spec = build_spec(job)
+    [shard] = discover_shards(spec.input.paths, {}, input_format=spec.input.format)
+    reader = open_reader(shard, spec)
+    assert reader.num_rows == len(lines)
+    rows = list(reader.rows())
+    deep = "nests more than 48 arrays and objects"
+    assert [(r.request_id, r.error) for r in rows][before:] == [
+        (f"requests/{before}", f"too deep: line {before + 1} {deep}"),
+        (f"requests/{before + 1}", f"too deep: line {before + 2} {deep}"), ("last", None)]
+    assert all(r.error is None for r in rows[:before])
+
+
+@pytest.mark.parametrize(("model", "kind"), [(["a", "list"], "array"), ({"a": 1}, "object"),
+                                             (7, "number"), (True, "boolean")])
+def test_a_body_model_of_another_json_type_is_an_error_row_naming_body_model(tmp_path, model,
+                                                                             kind):
+    rows = _rows(tmp_path, [_line("a"), _line("b", model=model), _line("c")])
+    assert [r.error for r in rows] == [
+        None, f"bad value: line 2, body.model must be a string, not a JSON {kind}", None]
+    assert rows[1].kept == {"url": "/v1/chat/completions", "model": None}
+
+
+def test_a_line_over_max_line_bytes_or_with_half_a_surrogate_pair_is_an_error_row(tmp_path):
+    lines = [_line("a"), _line("long", metadata={"pad": "x" * 400}), _line("b"),
+             _line("sur").replace('"sur"', '"s\\ud800"'), _line("c")]
+    path = tmp_path / "requests.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    job = _job(path)
+    job["input"]["max_line_bytes"] = 300
+    spec = build_spec(job)
+    [shard] = discover_shards(spec.input.paths, {}, input_format=spec.input.format)
+    rows = list(open_reader(shard, spec).rows())
+    assert [r.error for r in rows] == [
+        None, f"line too long: line 2 has {len(lines[1])} bytes, more than "
+              "input.max_line_bytes (300)",
+        None, "not UTF-8: line 4 escapes half a surrogate pair", None]
+
+
+def test_any_error_reading_a_line_is_its_error_row_naming_the_line(tmp_path, monkeypatch):
+    """Whatever raises while a line becomes a row is that row's error, its custom_id kept where
+    it was read."""
+    from batchspec.io import openai_batch
+
+    def broken(messages):
+        raise RuntimeError("a check that raised")
+
+    monkeypatch.setattr(openai_batch, "check_messages", broken)
+    rows = _rows(tmp_path, [_line("a"), _line("t", url="/v1/completions")])
+    assert [(r.request_id, r.error) for r in rows] == [
+        ("a", "bad line: line 1 (RuntimeError: a check that raised)"), ("t", None)]
+
+
+def test_the_custom_ids_seen_are_kept_as_8_byte_digests(tmp_path):
+    """The duplicate check holds a digest and a line number an id, whatever the id's length."""
+    path = tmp_path / "requests.jsonl"
+    ids = [f"{i:04d}" + "x" * 10_000 for i in range(50)]
+    path.write_text("\n".join([*map(_line, ids), _line(ids[7])]) + "\n")
+    spec = build_spec(_job(path))
+    [shard] = discover_shards(spec.input.paths, {}, input_format=spec.input.format)
+    reader = open_reader(shard, spec)
+    rows = list(reader.rows())
+    # the id is quoted cut short, as every value a message quotes
+    assert rows[-1].error == ("duplicate custom_id: line 51 repeats '0007" + "x" * 33 + "..."
+                              + "x" * 38 + "' of line 8")
+    assert len(reader._first_line) == 50
+    assert all(isinstance(k, bytes) and len(k) == 8 for k in reader._first_line)
+
+
 @pytest.mark.engine
 def test_a_request_file_runs_on_the_real_engine(tmp_path, shared_engines):
     """Chat and completion lines with their own sampling, a JSON schema, two samples, greedy
@@ -219,8 +304,9 @@ def test_a_request_file_runs_on_the_real_engine(tmp_path, shared_engines):
     results, errors = read_openai_output(tmp_path / "openai-out", "requests")
     ok = {line["custom_id"]: line["response"]["body"] for line in results}
     assert sorted(ok) == ["chat-greedy", "json", "text-greedy", "text-two"]
-    assert sorted(str(line["custom_id"]) for line in errors) == ["None", "None", "emb",
-                                                                  "text-greedy", "typo"]
+    # each custom_id on one line: the repeated text-greedy's error line has a null custom_id
+    assert sorted(str(line["custom_id"]) for line in errors) == ["None", "None", "None", "emb",
+                                                                  "typo"]
     assert {(line["error"] or line["response"]["body"]["error"])["code"] for line in errors} == {
         "not_json", "no_custom_id", "unsupported_url", "duplicate_custom_id", "unsupported_field"}
     for custom_id in ("chat-greedy", "text-greedy"):

@@ -127,9 +127,9 @@ def test_every_request_is_in_exactly_one_file_in_openais_format(tmp_path):
     assert sorted(ok) == ["chat-1", "chat-logprobs", "chat-n3", "text-1", "text-logprobs"]
     assert len(results) == len(ok)
     bad = [line["custom_id"] for line in errors]
-    # each input line once: the repeated chat-1 is an error line of its own, as is each line
-    # without a custom_id (null)
-    assert sorted(map(str, bad)) == sorted(map(str, ["text-long", None, None, "emb", "chat-1",
+    # each input line once, each custom_id on one line: the repeated chat-1 is an error line
+    # with a null custom_id, as is each line without a custom_id
+    assert sorted(map(str, bad)) == sorted(map(str, ["text-long", None, None, "emb", None,
                                                      "tools", "other-model"]))
     assert len(results) + len(errors) == len(REQUESTS)
 
@@ -157,11 +157,11 @@ def test_every_request_is_in_exactly_one_file_in_openais_format(tmp_path):
     long = by_id[("text-long", "prompt_too_long")]["response"]
     assert long["status_code"] == 400
     assert long["body"]["error"]["type"] == "invalid_request_error"
-    assert {code for cid, code in by_id if cid is None} == {"not_json", "no_custom_id"}
+    assert {code for cid, code in by_id if cid is None} == {"not_json", "no_custom_id",
+                                                            "duplicate_custom_id"}
     assert by_id[("tools", "unsupported_field")]["response"]["body"]["error"]["param"] == \
         "body.tools"
-    assert "line 10" in by_id[("chat-1", "duplicate_custom_id")]["response"]["body"]["error"][
-        "message"]
+    assert "line 10" in by_id[(None, "duplicate_custom_id")]["error"]["message"]
     # every id unique in the output, the same on a rerun of the run
     ids = [line["id"] for line in results + errors]
     assert len(set(ids)) == len(ids)
@@ -256,3 +256,34 @@ def test_keys_an_openai_output_cannot_honour_are_refused(tmp_path, change, key):
     with pytest.raises(SpecError) as err:
         build_spec(job)
     assert err.value.key == key
+
+
+def test_each_custom_id_is_on_exactly_one_line_of_the_two_files(tmp_path):
+    """A repeated custom_id is answered once, by the line that had it first: each repeat is an
+    errors-file line with a null custom_id (as a line without a readable one), naming the line
+    it repeats. Lines nested too deep or too long are error lines too, and the run goes on."""
+    from collections import Counter
+
+    deep = "[" * 5000 + "]" * 5000
+    (tmp_path / "in").mkdir()
+    lines = [deep, _line("r1"), _line("r2", url=COMPLETIONS), _line("r1"), _line("r3"),
+             _line("r2", url=COMPLETIONS), _line("r1", model=["not", "a", "string"]),
+             _line("long", metadata={"pad": "x" * 30_000}), _line("r4")]
+    (tmp_path / "in" / "dup.jsonl").write_text("\n".join(lines) + "\n")
+    job = _job(tmp_path)
+    job["input"]["max_line_bytes"] = 20_000
+    result, _ = run(build_spec(job), engine=FiguresEngine())
+    assert result.summary["status"] == "ok"
+    results, errors = read_openai_output(tmp_path / "out", "dup")
+    assert len(results) + len(errors) == len(lines)
+    ids = Counter(line["custom_id"] for line in results + errors)
+    assert ids == {"r1": 1, "r2": 1, "r3": 1, "r4": 1, None: 5}
+    assert sorted(line["custom_id"] for line in results) == ["r1", "r2", "r3", "r4"]
+    assert sorted(line["error"]["message"] for line in errors) == [
+        "duplicate custom_id: line 4 repeats 'r1' of line 2",
+        "duplicate custom_id: line 6 repeats 'r2' of line 3",
+        "duplicate custom_id: line 7 repeats 'r1' of line 2",
+        f"line too long: line 8 has {len(lines[7])} bytes, more than input.max_line_bytes (20000)",
+        "too deep: line 1 nests more than 48 arrays and objects"]
+    assert {line["error"]["code"] for line in errors} == {"duplicate_custom_id", "line_too_long",
+                                                          "too_deep"}

@@ -1,8 +1,10 @@
 """Identical requests generated once (batchspec/run/twins.py, ``execution.dedupe_window``): on
 the fake engine, which counts what it is sent. Each twin's row is written with the generated
 row's text and ``twin_of`` naming it, every row exactly once across shards; sampled rows without
-a seed, refused rows and ``dedupe_window: 0`` are generated as they are; what waits is bounded.
-And one run on the real engine, against the same job with every row generated."""
+a seed, refused rows and ``dedupe_window: 0`` are generated as they are; what waits is bounded,
+and what is kept too (``dedupe_max_bytes``); an error is never a twin's answer (a failed
+request's twins are generated). And one run on the real engine, against the same job with every
+row generated."""
 
 from __future__ import annotations
 
@@ -166,3 +168,226 @@ def test_twins_on_the_real_engine_get_the_text_generating_them_would_give(tmp_pa
     assert all(r["twin_of"] is None for r in again.values())
     assert {k: r["generated_text"] for k, r in again.items()} == \
         {k: r["generated_text"] for k, r in rows.items()}
+
+
+# --------------------------------------------------------------------------- the cache's bytes
+
+
+class SamplingEngine(CountingEngine):
+    """Answers each row with the job's ``sampling.n`` samples, as vLLM does."""
+
+    def stream(self, rows, *args, **kwargs):
+        n = self.bound[-1].sampling.get("n", 1)
+        for row, results in super().stream(rows, *args, **kwargs):
+            if results[0]["error"] is None:
+                results = [{**results[0], "sample_index": i,
+                            "generated_text": f"{results[0]['generated_text']} #{i}"}
+                           for i in range(n)]
+            yield row, results
+
+
+def test_the_cache_stays_within_dedupe_max_bytes_and_every_row_is_written_once(tmp_path,
+                                                                                monkeypatch):
+    """Seeded rows at n = 4 repeating in pairs over five prompts, with room in the cache for
+    about two results: the estimated bytes kept never exceed ``dedupe_max_bytes``, a prompt
+    whose result was evicted is generated again, and every row is written once with its n
+    samples, ``twin_of`` exactly on the rows that were not generated."""
+    import batchspec.run.stages
+    from batchspec.columns import empty_result
+    from batchspec.run.twins import Twins, result_bytes
+
+    made = []
+
+    class Watched(Twins):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.peak = 0
+            made.append(self)
+
+        def finished(self, row, results):
+            served = super().finished(row, results)
+            self.peak = max(self.peak, self.cached_bytes)
+            return served
+
+    monkeypatch.setattr(batchspec.run.stages, "Twins", Watched)
+    prompts = [f"p{(i // 2) % 5}" for i in range(60)]
+    _shards(tmp_path, [prompts[:30], prompts[30:]])
+    one = result_bytes([{**empty_result(), "generated_text": f"P0 #{i}", "sample_index": i,
+                         "finish_reason": "stop", "num_prompt_tokens": 2, "num_output_tokens": 2}
+                        for i in range(4)])
+    bound = 2 * one + one // 2  # room for two results of four samples
+    spec = build_spec({**_raw(tmp_path), "sampling": {"temperature": 0.8, "seed": 3, "n": 4},
+                       "execution": {"max_in_flight": 2, "prefix_window": 0,
+                                     "dedupe_max_bytes": bound}})
+    assert spec.execution.dedupe_max_bytes == bound
+    engine = SamplingEngine()
+    result, _ = run(spec, engine=engine)
+    [twins] = made
+    assert twins.max_bytes == bound and 0 < twins.peak <= bound
+    written = [r for p in sorted((tmp_path / "out").glob("*.parquet"))
+               for r in pq.read_table(p).to_pylist()]
+    by_id: dict[str, list[dict]] = {}
+    for r in written:
+        by_id.setdefault(r["request_id"], []).append(r)
+    assert sorted(by_id) == sorted(f"s{s}-{j}" for s in range(2) for j in range(30))
+    assert all(sorted(r["sample_index"] for r in rs) == [0, 1, 2, 3] for rs in by_id.values())
+    assert len(engine.sent) == len(set(engine.sent))
+    generated = {rid for rid, rs in by_id.items() if rs[0]["twin_of"] is None}
+    assert generated == set(engine.sent)
+    prompt_of = {f"s{s}-{j}": prompts[30 * s + j] for s in range(2) for j in range(30)}
+    for rid, rs in by_id.items():
+        of = rs[0]["twin_of"]
+        assert all(r["twin_of"] == of for r in rs)
+        if of is not None:
+            assert of in generated and prompt_of[of] == prompt_of[rid]
+            assert sorted(r["generated_text"] for r in rs) == \
+                sorted(r["generated_text"] for r in by_id[of])
+    # evicted results were generated again; the rest came from a twin
+    assert 5 < len(engine.sent) < 60
+    assert result.summary["totals"]["rows_from_twin"] == 4 * (60 - len(engine.sent))
+
+
+def test_eviction_drops_only_finished_results_never_what_a_waiting_twin_needs():
+    """A request in flight with twins waiting while many other results finish and are evicted
+    from a tiny cache: its twins are still served when it finishes; a result larger than the
+    whole bound is not kept; the estimate never exceeds the bound."""
+    from batchspec.columns import empty_result
+    from batchspec.run.twins import result_bytes
+
+    one = [{**empty_result(), "generated_text": "x" * 100, "finish_reason": "stop"}]
+    bound = 3 * result_bytes(one)
+    twins = Twins({"temperature": 0.0}, window=100, hold=8, max_bytes=bound)
+    slow = [Row("s", i, f"slow{i}", {}, prompt="slow") for i in range(3)]
+    assert list(twins.primaries(iter(slow))) == slow[:1]  # two twins wait
+    for i in range(10):
+        row = Row("s", 10 + i, f"r{i}", {}, prompt=f"other {i}")
+        assert list(twins.primaries(iter([row]))) == [row]
+        assert twins.finished(row, [{**one[0], "generated_text": f"{i}" * 100}]) == []
+        assert 0 < twins.cached_bytes <= bound
+    served = twins.finished(slow[0], [{**one[0], "generated_text": "SLOW"}])
+    assert [(t.request_id, r[0]["generated_text"], r[0]["twin_of"]) for t, r in served] == \
+        [("slow1", "SLOW", "slow0"), ("slow2", "SLOW", "slow0")]
+    # the oldest went first: r9 is still kept, r0 was generated again
+    late = [Row("s", 30, "late9", {}, prompt="other 9"),
+            Row("s", 31, "late0", {}, prompt="other 0")]
+    assert list(twins.primaries(iter(late))) == late[1:]
+    assert [t.request_id for t, _ in twins.ready()] == ["late9"]
+    # a result larger than the bound is not kept: its later twin is generated
+    big = Row("s", 40, "big", {}, prompt="big")
+    assert list(twins.primaries(iter([big]))) == [big]
+    twins.finished(big, [{**one[0], "generated_text": "x" * (2 * bound)}])
+    assert twins.cached_bytes <= bound
+    again = Row("s", 41, "big again", {}, prompt="big")
+    assert list(twins.primaries(iter([again]))) == [again]
+
+
+def test_dedupe_max_bytes_is_a_number_of_bytes():
+    from batchspec.errors import SpecError
+    from batchspec.spec.model import ExecutionSpec
+
+    raw = {"input": {"path": "in/*.parquet", "prompt_column": "prompt"},
+           "output": {"path": "out"}, "model": {"target": "t"}}
+    assert build_spec(raw).execution.dedupe_max_bytes == ExecutionSpec.dedupe_max_bytes > 0
+    assert build_spec({**raw, "execution": {"dedupe_max_bytes": 0}}).execution \
+        .dedupe_max_bytes == 0
+    for bad in (-1, "64MiB", 1.5, True):
+        with pytest.raises(SpecError) as err:
+            build_spec({**raw, "execution": {"dedupe_max_bytes": bad}})
+        assert err.value.key == "execution.dedupe_max_bytes"
+
+
+# --------------------------------------------------------------------------- engine errors
+
+
+class _First:
+    """An engine that finishes requests in the order it took them."""
+
+    def randrange(self, n):
+        return 0
+
+
+class FailingOnce(CountingEngine):
+    """Fails the first request for ``prompt`` as vLLM fails a request (finish reason
+    ``error``), once; finishes requests in order."""
+
+    def __init__(self, prompt, **kw):
+        super().__init__(**kw)
+        self.rng = _First()
+        self.prompt, self.failed = prompt, False
+
+    def stream(self, rows, *args, **kwargs):
+        from batchspec.columns import empty_result
+
+        for row, results in super().stream(rows, *args, **kwargs):
+            if row.prompt == self.prompt and not self.failed:
+                self.failed = True
+                results = [{**empty_result(), "finish_reason": "error", "num_output_tokens": 0,
+                            "error": "engine error: vLLM failed this request after 0 output "
+                                     "tokens"}]
+            yield row, results
+
+
+def _engine_error_run(tmp_path, prompts, max_in_flight):
+    _shards(tmp_path, [prompts])
+    spec = build_spec({**_raw(tmp_path), "execution": {"max_in_flight": max_in_flight,
+                                                       "prefix_window": 0}})
+    engine = FailingOnce("x")
+    result, _ = run(spec, engine=engine)
+    return engine, result, _rows(tmp_path)
+
+
+def test_twins_of_a_request_the_engine_failed_are_generated_not_given_its_error(tmp_path):
+    """``x`` fails once in the engine while two twins wait for it and the input goes on: the
+    failed row keeps its error, one twin is sent to the engine, the other and a later ``x``
+    get that twin's text; the error is never copied or kept."""
+    engine, result, rows = _engine_error_run(
+        tmp_path, ["x", "x", "x", "a", "b", "c", "d", "e", "x", "f"], max_in_flight=2)
+    assert len(rows) == 10
+    assert rows["s0-0"]["error"].startswith("engine error") and rows["s0-0"]["twin_of"] is None
+    assert engine.sent.count("s0-0") == 1 and "s0-1" in engine.sent
+    assert rows["s0-1"]["twin_of"] is None and rows["s0-1"]["generated_text"] == "X"
+    for rid in ("s0-2", "s0-8"):
+        assert rows[rid]["error"] is None and rows[rid]["generated_text"] == "X"
+        assert rows[rid]["twin_of"] == "s0-1"
+    assert sorted(engine.sent) == sorted(["s0-0", "s0-1", "s0-3", "s0-4", "s0-5", "s0-6", "s0-7",
+                                          "s0-9"])
+    assert [r for r in rows.values() if r["error"] is not None] == [rows["s0-0"]]
+    assert result.summary["totals"]["rows_from_twin"] == 2
+
+
+def test_twins_of_a_request_failed_after_the_input_ran_out_are_generated_too(tmp_path):
+    """The same once every row was read: the waiting twins are not stranded (the shard is
+    committed with every row) and not given the error."""
+    engine, result, rows = _engine_error_run(tmp_path, ["x", "x", "x", "y"], max_in_flight=5)
+    assert sorted(rows) == ["s0-0", "s0-1", "s0-2", "s0-3"]
+    assert rows["s0-0"]["error"].startswith("engine error")
+    assert rows["s0-1"]["twin_of"] is None and rows["s0-1"]["generated_text"] == "X"
+    assert rows["s0-2"]["twin_of"] == "s0-1" and rows["s0-2"]["generated_text"] == "X"
+    assert engine.sent == ["s0-0", "s0-3", "s0-1"]
+    assert list(result.summary["shards"]) == ["s0"]
+
+
+def test_an_error_is_never_a_twins_answer():
+    """Unit view: a refusal or an engine error is neither copied to waiting twins nor kept; one
+    waiting twin goes to the engine next, the others wait for it again. Answers are kept."""
+    twins = Twins({"temperature": 0.0}, window=100, hold=8)
+    rows = [Row("s", i, f"r{i}", {}, prompt="p") for i in range(4)]
+    assert list(twins.primaries(iter(rows[:3]))) == rows[:1]
+    refused = [{"generated_text": None, "error": "prompt too long", "finish_reason": "error"}]
+    assert twins.finished(rows[0], refused) == []
+    assert twins.cached_bytes == 0
+    # r1 goes next (before the rest of the input), r2 and r3 wait for it
+    assert list(twins.primaries(iter(rows[3:]))) == [rows[1]]
+    failed = [{"generated_text": None, "error": "engine error: vLLM failed this request",
+               "finish_reason": "error"}]
+    assert twins.finished(rows[1], failed) == []
+    # the input ran out: what is left to send comes from retries()
+    again = twins.retries()
+    assert again is not None and list(again) == [rows[2]]
+    assert twins.retries() is None
+    served = twins.finished(rows[2], [{"generated_text": "P", "error": None,
+                                       "finish_reason": "stop"}])
+    assert [(t.request_id, r[0]["twin_of"]) for t, r in served] == [("r3", "r2")]
+    later = Row("s", 9, "r9", {}, prompt="p")
+    assert list(twins.primaries(iter([later]))) == []
+    assert [(t.request_id, r[0]["twin_of"]) for t, r in twins.ready()] == [("r9", "r2")]

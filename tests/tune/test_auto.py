@@ -352,3 +352,63 @@ def _edit_auto(job: Path, **values) -> None:
     raw = yaml.safe_load(job.read_text())
     raw["speculative"].update(values)
     job.write_text(yaml.safe_dump(raw))
+
+
+def _edited(record: dict, edit: str):
+    """The first run's record as a user (or a torn sync) might leave it."""
+    if edit == "only chosen: null":
+        return {"chosen": None}
+    if edit == "chosen: null":
+        return {**record, "chosen": None, "speculative": None}
+    if edit == "a list":
+        return []
+    if edit == "a label outside the job":
+        return {**record, "chosen": "draft k=9", "recommended": {"4": "draft k=9"}}
+    if edit == "recommended mistyped":
+        return {**record, "recommended": {"four": "off"}}
+    if edit == "a label that is a list":
+        return {**record, "recommended": {"4": [record["chosen"]]}}
+    if edit == "chosen not what recommended gives":
+        return {**record, "chosen": "off"}
+    if edit == "no measured_at":
+        return {k: v for k, v in record.items() if k != "measured_at"}
+    raise AssertionError(edit)
+
+
+@pytest.mark.parametrize("edit, why", [
+    ("only chosen: null", "version"), ("chosen: null", "chosen"), ("a list", "not a JSON object"),
+    ("a label outside the job", "draft k=9"), ("recommended mistyped", "recommended"),
+    ("a label that is a list", "recommended"), ("chosen not what recommended gives", "chosen"),
+    ("no measured_at", "measured_at"),
+])
+def test_a_record_of_the_wrong_shape_is_measured_again_saying_why(auto_job, tmp_path, edit,
+                                                                  why):
+    """An edited ``_batchspec/auto/`` record is no record: the run measures again, a warning
+    names the record and what was wrong with it, and the summary, the log and the shards'
+    metadata say what ran (never a label the job cannot run)."""
+    first, _ = _run(auto_job)
+    path = Path(first.summary["speculative_auto"]["record"])
+    path.write_text(json.dumps(_edited(json.loads(path.read_text()), edit)))
+    _shard(tmp_path, 1)
+    FakeTuneEngine.started.clear()
+    run, engine = _run(auto_job)
+    assert FakeTuneEngine.started, "measured again"
+    [warning] = run.events("speculative_auto_record_ignored")
+    assert warning["level"] == "warning" and warning["record"] == str(path)
+    assert str(path) in warning["message"] and why in warning["message"]
+    auto = run.summary["speculative_auto"]
+    assert auto["reused"] is False and auto["chosen"].startswith("draft k=")
+    assert engine.bound[-1].speculative == auto["speculative"]
+    [chose] = run.events("speculative_auto")
+    assert chose["chosen"] == auto["chosen"] and chose["reused"] is False
+    meta = json.loads(pq.read_schema(tmp_path / "out" / "part-1.parquet").metadata[b"batchspec"])
+    assert meta["speculative_method"] == auto["speculative"]["method"]
+    assert meta["spec"]["speculative"]["num_speculative_tokens"] == \
+        auto["speculative"]["num_speculative_tokens"]
+    # the record written again is whole: the next run reuses it, and says nothing more
+    _shard(tmp_path, 2)
+    FakeTuneEngine.started.clear()
+    again, engine = _run(auto_job)
+    assert FakeTuneEngine.started == [] and again.summary["speculative_auto"]["reused"] is True
+    assert not again.events("speculative_auto_record_ignored")
+    assert engine.bound[-1].speculative == again.summary["speculative_auto"]["speculative"]
