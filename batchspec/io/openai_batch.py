@@ -22,7 +22,7 @@ each line.
 
 Each ``custom_id`` is answered once: a line repeating an earlier line's id is an error whose
 output line has a null ``custom_id`` (:data:`NO_CUSTOM_ID`). The ids seen are kept as 8-byte
-digests with the line that had each first, about 100 bytes an id whatever its length (a
+digests with the line that had each first, about 120 bytes an id whatever its length (a
 collision, odds of about 3 in 10^8 for a file of a million ids, would take a line for a repeat).
 """
 
