@@ -61,7 +61,7 @@ def compile_regex(pattern: str):
     try:
         return re2.compile(pattern, _re2_options())
     except re2.error as exc:
-        raise ConstraintError(f"regex {pattern[:80]!r}: not a regular expression batchspec "
+        raise ConstraintError(f"regex: {pattern[:80]!r} is not a regular expression batchspec "
                               f"checks in linear time (RE2 syntax): {_text(exc)}") from exc
 
 
