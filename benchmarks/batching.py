@@ -78,7 +78,7 @@ def main() -> int:
 
     from batchspec.engine.llm import Engine
     from batchspec.run.events import EventLog
-    from batchspec.run.job import run_job
+    from batchspec.run.job import RunOptions, run_job
     from batchspec.spec.build import build_spec
 
     work = Path(tempfile.mkdtemp(prefix="batchspec-bench-"))
@@ -115,8 +115,8 @@ def main() -> int:
         shutil.rmtree(out, ignore_errors=True)
         engine.llm.reset_prefix_cache()  # nothing left from the run before
         t0 = time.monotonic()
-        result = run_job(specs[key], engine=engine, progress_bars=False,
-                         events=EventLog("bench", "json", open("/dev/null", "w")))
+        result = run_job(specs[key], RunOptions(engine=engine, progress_bars=False,
+                                                events=EventLog("bench", "json", open("/dev/null", "w"))))
         wall = time.monotonic() - t0
         texts = {r["request_id"]: r["generated_text"]
                  for r in pq.read_table(out / "part-0.parquet").to_pylist()}

@@ -39,7 +39,7 @@ def main() -> int:
     from throughput import workload, write_shards
 
     from batchspec.run.events import EventLog
-    from batchspec.run.job import run_job
+    from batchspec.run.job import RunOptions, run_job
     from batchspec.spec.build import build_spec
 
     prompts, lengths = workload(args.prompts)
@@ -70,7 +70,7 @@ def main() -> int:
                      runtime_env={"env_vars": {"VLLM_CPU_KVCACHE_SPACE":
                                                os.environ["VLLM_CPU_KVCACHE_SPACE"]}})
         t0 = time.monotonic()
-        summary = run_job(spec(kind, replicas), events=quiet, progress_bars=False).summary
+        summary = run_job(spec(kind, replicas), RunOptions(events=quiet, progress_bars=False)).summary
         wall = time.monotonic() - t0
         t = summary["totals"]
         results.append({"executor": kind, "replicas": replicas, "wall_s": round(wall, 1),

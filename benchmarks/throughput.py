@@ -72,7 +72,7 @@ def main() -> int:
 
     from batchspec.engine.llm import Engine
     from batchspec.run.events import EventLog
-    from batchspec.run.job import run_job
+    from batchspec.run.job import RunOptions, run_job
     from batchspec.spec.build import build_spec
 
     prompts, lengths = workload(args.prompts)
@@ -115,8 +115,8 @@ def main() -> int:
 
     def batchspec() -> int:
         shutil.rmtree(work / "out", ignore_errors=True)
-        result = run_job(spec, engine=engine, events=EventLog("bench", "json", open("/dev/null", "w")),
-                         progress_bars=False)
+        result = run_job(spec, RunOptions(engine=engine, progress_bars=False,
+                                          events=EventLog("bench", "json", open("/dev/null", "w"))))
         return result.summary["totals"]["output_tokens"]
 
     modes = {"bare": bare, "batchspec": batchspec, "naive": naive}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 from pathlib import Path
@@ -11,14 +12,26 @@ from helpers.jobs import MODELS, ROOT, S3_KEY, S3_SECRET, free_port
 
 sys.path.insert(0, str(ROOT / "tools"))
 
+#: Whether vLLM is installed (looked up, not imported: importing it takes seconds). Where it is
+#: not, as in `make test-py313` (Python 3.13, batchspec without the engine extra), every test marked
+#: ``vllm`` is skipped: those that start an engine or need the built models, marked here, and those
+#: marked by hand that reach vLLM's own classes, torch or transformers (a run checks its spec against
+#: vLLM's classes, on the fake engine too). Every other test must pass without vLLM.
+HAVE_VLLM = importlib.util.find_spec("vllm") is not None
+_NEEDS_VLLM = "needs vLLM installed (marker vllm)"
 
 
 def pytest_collection_modifyitems(items):
     """Mark every test that needs the built models, so `make test-fast` (no models, no engine)
-    can leave them out on a fresh clone."""
+    can leave them out on a fresh clone; mark the engine and models tests as needing vLLM, and
+    skip what needs vLLM where it is not installed."""
     for item in items:
         if "models" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.models)
+        if item.get_closest_marker("engine") or item.get_closest_marker("models"):
+            item.add_marker(pytest.mark.vllm)
+        if not HAVE_VLLM and item.get_closest_marker("vllm"):
+            item.add_marker(pytest.mark.skip(reason=_NEEDS_VLLM))
 
 
 @pytest.fixture(scope="session")
@@ -84,10 +97,16 @@ if os.environ.get(ENGINE_LOG_ENV):
 
 
 def pytest_terminal_summary(terminalreporter):
-    """Engine start-ups per test file and per test, when they were counted."""
+    """Without vLLM, how many tests that need it were skipped; engine start-ups per test file
+    and per test, when they were counted."""
     import collections
     import json
 
+    if not HAVE_VLLM:
+        skipped = sum(1 for r in terminalreporter.stats.get("skipped", ())
+                      if isinstance(r.longrepr, tuple) and _NEEDS_VLLM in r.longrepr[2])
+        terminalreporter.write_line(f"vLLM is not installed: {skipped} tests that need it were "
+                                    "skipped (marker vllm)")
     path = os.environ.get(ENGINE_LOG_ENV)
     if not path or not Path(path).exists():
         return

@@ -59,7 +59,7 @@ def run(job, overrides, worker_index, num_workers, overwrite, log_format, progre
                                       "section is fixed"))
     if ray_address and (executor or spec.executor.kind) != "ray":
         fail(SpecError("--ray-address", "needs --executor ray (or executor.kind: ray)"))
-    from batchspec.run.job import new_run_id, run_job
+    from batchspec.run.job import RunOptions, new_run_id, run_job
 
     run_id = new_run_id()
     stream = None
@@ -71,9 +71,10 @@ def run(job, overrides, worker_index, num_workers, overwrite, log_format, progre
         events.emit("engine_log", f"vLLM's own output goes to {engine_log} (-v shows it here)",
                     path=engine_log)
     try:
-        run_job(spec, worker_index=worker_index, num_workers=num_workers, overwrite=overwrite,
-                events=events, progress_bars=progress, run_id=run_id, executor=executor,
-                ray_address=ray_address, remeasure=remeasure)
+        run_job(spec, RunOptions(worker_index=worker_index, num_workers=num_workers,
+                                 overwrite=overwrite, events=events, progress_bars=progress,
+                                 run_id=run_id, executor=executor, ray_address=ray_address,
+                                 remeasure=remeasure))
     except KeyboardInterrupt:
         click.echo("batchspec: interrupted", err=True)
         sys.exit(130)

@@ -61,7 +61,7 @@ def public_job(spec: JobSpec, job_path: str | None, overrides: tuple[str, ...] =
 
 
 
-def _public_path(value: str | None) -> str | None:
+def public_path(value: str | None) -> str | None:
     return None if value is None else sanitize_url(str(value))
 
 
@@ -76,14 +76,14 @@ def build_card(spec: JobSpec, opts: DistillOptions, *, sample, gen, trained, lay
     model = job.get("model") if isinstance(job.get("model"), dict) else {}
     return {
         "role": "draft",
-        "parent_draft": _public_path(opts.draft) if opts.init == "draft" else None,
+        "parent_draft": public_path(opts.draft) if opts.init == "draft" else None,
         "init": opts.init,
         "layers": layers,
         "parameters": parameters,
         "target": model.get("target"),
         # the adapters whose outputs the draft learned (rows per input.lora_column), if any
         "lora": model.get("lora"),
-        "job": {"name": job.get("name", spec.name), "path": _public_path(opts.job_path),
+        "job": {"name": job.get("name", spec.name), "path": public_path(opts.job_path),
                 "spec": job},
         "sample_size": len(sample.train),
         "heldout_size": len(sample.heldout),

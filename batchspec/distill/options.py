@@ -52,6 +52,6 @@ class DistillResult:
         return {"before": self.before, "after": self.after, "out": self.out}
 
 
-def _job_k(spec: JobSpec) -> int:
+def job_k(spec: JobSpec) -> int:
     spec_cfg = spec.speculative or {}
     return int(spec_cfg.get("num_speculative_tokens") or DEFAULT_K)

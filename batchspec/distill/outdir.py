@@ -151,7 +151,7 @@ def _read_holder(fd: int) -> dict | None:
 # --------------------------------------------------------------------------- the model directory
 
 
-def _remove_leftovers(work: Path) -> None:
+def remove_leftovers(work: Path) -> None:
     """Drafts being built or replaced by a distill that died (only the lock holder calls this)."""
     for leftover in (*work.glob("model-*"), *work.glob("replaced-*")):
         shutil.rmtree(leftover, ignore_errors=True)

@@ -28,15 +28,15 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from batchspec.distill.card import _public_path, build_card
-from batchspec.distill.options import DistillOptions, DistillResult, _job_k
+from batchspec.distill.card import build_card, public_path
+from batchspec.distill.options import DistillOptions, DistillResult, job_k
 from batchspec.distill.outdir import (
     CARD_NAME,
     OutLock,
-    _remove_leftovers,
     build_dir,
     install,
     out_dir,
+    remove_leftovers,
     work_dir,
 )
 from batchspec.errors import InputDataError, SpecError
@@ -169,7 +169,7 @@ def _distill(spec: JobSpec, opts: DistillOptions, say: Callable[[str], None]) ->
     started = time.monotonic()
     out = out_dir(opts.out)
     work = work_dir(out)
-    _remove_leftovers(work)
+    remove_leftovers(work)
 
     sample = sample_rows(spec, opts.sample, opts.heldout, opts.seed)
     if not sample.train:
@@ -204,10 +204,10 @@ def _distill(spec: JobSpec, opts: DistillOptions, say: Callable[[str], None]) ->
 
         before = after = None
         if opts.evaluate and sample.heldout:
-            k = opts.k or _job_k(spec)
+            k = opts.k or job_k(spec)
             if opts.draft:
                 before = evaluate(spec, opts.draft, sample.heldout, k, opts.eval_concurrency, say)
-                before["draft"] = _public_path(opts.draft)
+                before["draft"] = public_path(opts.draft)
             after = evaluate(spec, str(built), sample.heldout, k, opts.eval_concurrency, say)
             after["draft"] = str(opts.out)  # where it is from now on
 

@@ -28,9 +28,9 @@ import pyarrow as pa
 from batchspec.columns import OUTPUT_NAMES
 from batchspec.errors import InputDataError, SpecError
 from batchspec.io.listing import Shard
-from batchspec.io.paths import is_local_fs
 from batchspec.io.retry import Attempts, is_transient, retry
 from batchspec.io.rows import Row, check_messages
+from batchspec.io.urls import is_local_fs
 from batchspec.spec.model import InputSpec, OutputSpec
 
 #: Bytes read from the store at a time.
@@ -141,7 +141,7 @@ def _parse(raw: bytes) -> Any:
 
 class JsonLinesReader:
     """Reads one JSON-lines shard's records in order (the interface of
-    :class:`~batchspec.io.reader.ShardReader`)."""
+    :class:`~batchspec.io.reader.ParquetReader`)."""
 
     def __init__(self, shard: Shard, input_spec: InputSpec, output_spec: OutputSpec,
                  batch_rows: int = 1024):
@@ -208,28 +208,28 @@ class JsonLinesReader:
                                  f"cannot read the file after line {number}: {exc}") from exc
 
     def _records(self, skip: int = 0) -> Iterator[tuple[int, Any]]:
-        """``(line number, parsed value or _BadLine)`` for each non-blank line after the first
+        """``(line number, parsed value or BadLine)`` for each non-blank line after the first
         ``skip`` lines."""
         for number, raw in enumerate(self._read_lines(), 1):
             if number <= skip or _blank(raw):
                 continue
             if isinstance(raw, _LongLine):
-                yield number, _BadLine(f"line too long: line {number} has {raw.size} bytes, more "
+                yield number, BadLine(f"line too long: line {number} has {raw.size} bytes, more "
                                        f"than input.max_line_bytes ({self.spec.max_line_bytes})")
                 continue
             try:
                 value = _parse(raw)
             except UnicodeDecodeError:
-                value = _BadLine(f"not UTF-8: line {number}")
+                value = BadLine(f"not UTF-8: line {number}")
             except UnicodeEncodeError:
-                value = _BadLine(f"not UTF-8: line {number} escapes half a surrogate pair")
+                value = BadLine(f"not UTF-8: line {number} escapes half a surrogate pair")
             except _TooDeep:
-                value = _BadLine(f"too deep: line {number} nests more than {MAX_JSON_DEPTH} "
+                value = BadLine(f"too deep: line {number} nests more than {MAX_JSON_DEPTH} "
                                  "arrays and objects")
             except ValueError as exc:
-                value = _BadLine(f"not JSON: line {number} ({_cut(str(exc))})")
+                value = BadLine(f"not JSON: line {number} ({cut_text(str(exc))})")
             except Exception as exc:  # no line raises out of the reader
-                value = _BadLine(unreadable(number, exc))
+                value = BadLine(unreadable(number, exc))
             yield number, value
 
     @property
@@ -334,10 +334,10 @@ class JsonLinesReader:
 
     def _row(self, index: int, number: int, record: Any) -> Row:
         spec, name = self.spec, self.shard.name
-        if isinstance(record, _BadLine) or not isinstance(record, dict):
+        if isinstance(record, BadLine) or not isinstance(record, dict):
             row = Row(shard=name, index=index, request_id=f"{name}/{index}",
                       kept=dict.fromkeys(self._types))
-            row.error = (record.why if isinstance(record, _BadLine) else
+            row.error = (record.why if isinstance(record, BadLine) else
                          f"not an object: line {number} is a JSON {type(record).__name__}")
             return row
         request_id = record.get(spec.id_column) if spec.id_column else None
@@ -391,18 +391,18 @@ class JsonLinesReader:
                 pass
 
 
-class _BadLine:
+class BadLine:
     """A line that is no JSON value."""
 
     def __init__(self, why: str):
         self.why = why
 
 
-def _cut(text: str, limit: int = 200) -> str:
+def cut_text(text: str, limit: int = 200) -> str:
     """``text``, cut to ``limit`` characters (a message quotes no line whole)."""
     return text if len(text) <= limit else text[:limit] + "..."
 
 
 def unreadable(number: int, exc: BaseException) -> str:
     """The error of a line whose reading raised ``exc`` (none is raised out of the reader)."""
-    return f"unreadable line: line {number} ({type(exc).__name__}: {_cut(str(exc))})"
+    return f"unreadable line: line {number} ({type(exc).__name__}: {cut_text(str(exc))})"

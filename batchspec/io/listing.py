@@ -1,17 +1,6 @@
-"""Input shards over fsspec: find them, name their outputs, assign them to workers, and know
-which are committed.
-
-Bookkeeping lives under ``<output.path>/_batchspec/``:
-
-- ``manifest/<shard>.json``: one small object per committed shard (its row count, the input's
-  fingerprint, the run that committed it). One object per shard, never a shared file, so that
-  workers never read-modify-write the same object.
-- ``runs/<run_id>.json``: the summary of each run.
-- ``locks/<shard>.json``: the lease of the process working on a shard (run id, host, pid,
-  heartbeat), so that a second process started on the same job by mistake leaves it alone
-  (see :mod:`batchspec.leases.stores`).
-- ``tmp/``: files being written (local output only; for object stores they are spooled on
-  local disk and committed with a single put)."""
+"""Input shards over fsspec: find them, name their outputs, and assign them to workers. Which
+are committed is the output's to say (:mod:`batchspec.io.output_dir`, which also lays out the
+bookkeeping under ``<output.path>/_batchspec/``)."""
 
 from __future__ import annotations
 
@@ -27,20 +16,20 @@ from fsspec.core import split_protocol
 
 from batchspec.errors import InputDataError, SpecError
 from batchspec.io.formats import PARQUET, FileFormat, file_format, is_input_file, output_stem
-from batchspec.io.paths import (
-    _FAMILIES,
-    _OBJECT_FAMILIES,
-    BOOKKEEPING_DIR,
-    _family,
-    _full_url,
-    _glob_base,
-    _has_glob,
-    _inside,
-    _open_url,
-    _path_forms,
-    _unwrap,
-)
+from batchspec.io.output_dir import BOOKKEEPING_DIR
 from batchspec.io.retry import retry
+from batchspec.io.urls import (
+    FAMILIES,
+    OBJECT_FAMILIES,
+    full_url,
+    glob_base,
+    has_glob,
+    inside,
+    open_url,
+    path_forms,
+    store_family,
+    unwrap,
+)
 from batchspec.redact import sanitize_url
 
 PARQUET_FILE = FileFormat(PARQUET)
@@ -82,18 +71,18 @@ def fingerprint(info: dict) -> dict:
 def _exclusion(fs, exclude: str) -> frozenset | None:
     """The spellings of ``exclude`` on ``fs``: a path on ``fs`` (as :func:`plan` passes it) or a
     URL (as ``output.path`` is written); None when it names another kind of store."""
-    fs, _ = _unwrap(fs, "")
+    fs, _ = unwrap(fs, "")
     last = exclude.rsplit("::", 1)[-1]
     protocol, _ = split_protocol(last)
     if protocol:
-        if _FAMILIES.get(protocol, protocol) != _family(fs):
+        if FAMILIES.get(protocol, protocol) != store_family(fs):
             return None
         path = fs._strip_protocol(last)
-    elif _family(fs) in _OBJECT_FAMILIES and os.path.isabs(exclude):
+    elif store_family(fs) in OBJECT_FAMILIES and os.path.isabs(exclude):
         return None  # a local output path: bucket keys never start with /
     else:
         path = exclude
-    return _path_forms(fs, path)
+    return path_forms(fs, path)
 
 
 
@@ -110,12 +99,12 @@ def discover_shards(paths: tuple[str, ...] | list[str], storage_options: dict,
     by its extension without it). Files under ``exclude`` (the output path) are never listed."""
     found: list[tuple[Any, str, str]] = []  # (fs, path, path relative to its base)
     for url in paths:
-        fs, path = _open_url(url, storage_options, "input.path")
+        fs, path = open_url(url, storage_options, "input.path")
         shown = sanitize_url(url)
         skip = _exclusion(fs, exclude) if exclude else None
         try:
-            if _has_glob(path):
-                base = _glob_base(path)
+            if has_glob(path):
+                base = glob_base(path)
                 listed = retry(partial(fs.glob, path, detail=True), f"listing {shown}")
                 matches = sorted(p for p, info in listed.items() if info.get("type") != "directory")
             elif retry(partial(fs.isdir, path), f"listing {shown}"):
@@ -133,7 +122,7 @@ def discover_shards(paths: tuple[str, ...] | list[str], storage_options: dict,
             raise SpecError("input.path", f"bad glob pattern {shown!r}: {exc}") from exc
         if skip:
             matches = [p for p in matches
-                       if not any(_inside(f, s) for f in _path_forms(*_unwrap(fs, p)) for s in skip)]
+                       if not any(inside(f, s) for f in path_forms(*unwrap(fs, p)) for s in skip)]
         if not matches and not allow_empty:
             raise InputDataError(shown, "no input shards matched this path")
         for p in matches:
@@ -142,7 +131,7 @@ def discover_shards(paths: tuple[str, ...] | list[str], storage_options: dict,
 
     shards: dict[str, Shard] = {}
     for fs, p, rel in found:
-        url = _full_url(fs, p)
+        url = full_url(fs, p)
         if _is_http(fs):  # a presigned URL's query (its signature) never names anything
             rel = rel.split("#", 1)[0].split("?", 1)[0]
         file = file_format(rel, input_format, url)

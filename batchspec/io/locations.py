@@ -11,16 +11,16 @@ from urllib.parse import unquote, urlsplit
 
 from batchspec.errors import SpecError
 from batchspec.io.output_dir import OutputDir
-from batchspec.io.paths import (
-    _OBJECT_FAMILIES,
-    _family,
-    _glob_base,
-    _has_glob,
-    _inside,
-    _key_forms,
-    _open_url,
-    _path_forms,
-    _unwrap,
+from batchspec.io.urls import (
+    OBJECT_FAMILIES,
+    glob_base,
+    has_glob,
+    inside,
+    key_forms,
+    open_url,
+    path_forms,
+    store_family,
+    unwrap,
 )
 from batchspec.redact import sanitize_url
 
@@ -217,8 +217,8 @@ def _http_location(url: str, pattern: bool) -> Location:
     parts = urlsplit(url)
     endpoint = parse_endpoint(f"{parts.scheme}://{parts.netloc}", "http")
     path = parts.path
-    if pattern and _has_glob(path):
-        path = _glob_base(path)
+    if pattern and has_glob(path):
+        path = glob_base(path)
     spellings = {path, unquote(path)}
     json_api = re.match(r"^/(?:download/)?storage/v1/b/([^/]+)/o/(.+)$", path)
     if json_api:
@@ -229,7 +229,7 @@ def _http_location(url: str, pattern: bool) -> Location:
             spellings |= {".".join(labels[:i]) + "/" + p.lstrip("/") for p in (path, unquote(path))}
     if endpoint.kind != "cloud":
         spellings |= {p.lstrip("/").partition("/")[2] for p in (path, unquote(path))}
-    forms = frozenset().union(*(_key_forms(p, True) for p in spellings))
+    forms = frozenset().union(*(key_forms(p, True) for p in spellings))
     return Location("object", endpoint, forms)
 
 
@@ -238,22 +238,22 @@ def _http_location(url: str, pattern: bool) -> Location:
 def store_location(url: str, storage_options: dict, key: str, pattern: bool = False) -> Location:
     """The store, endpoint and path a URL names, normalised (``pattern``: a glob stands for the
     directory before its first wildcard)."""
-    fs, path = _open_url(url, storage_options, key)
-    fs, path = _unwrap(fs, path)
-    family = _family(fs)
+    fs, path = open_url(url, storage_options, key)
+    fs, path = unwrap(fs, path)
+    family = store_family(fs)
     if family == "http":
         return _http_location(path, pattern)
-    if pattern and _has_glob(path):
-        path = _glob_base(path) or ("/" if path.startswith("/") else "")
+    if pattern and has_glob(path):
+        path = glob_base(path) or ("/" if path.startswith("/") else "")
     if family == "file":
-        return Location("file", _LOCAL, _path_forms(fs, path))
+        return Location("file", _LOCAL, path_forms(fs, path))
     if family == "memory":
-        return Location("memory", _LOCAL, _path_forms(fs, path))
-    if family in _OBJECT_FAMILIES:
+        return Location("memory", _LOCAL, path_forms(fs, path))
+    if family in OBJECT_FAMILIES:
         return Location("object", _store_endpoint(fs, family, storage_options),
-                        _path_forms(fs, path))
+                        path_forms(fs, path))
     return Location(family, Endpoint("unknown", note=f"a {family}:// server"),
-                    _path_forms(fs, path))
+                    path_forms(fs, path))
 
 
 
@@ -288,7 +288,7 @@ def _overlap(inputs: frozenset, outputs: frozenset) -> tuple[str, str] | None:
     """The first (input, output) spellings where one is inside the other, or None."""
     for i in sorted(inputs):
         for o in sorted(outputs):
-            if _inside(o, i) or _inside(i, o):
+            if inside(o, i) or inside(i, o):
                 return i, o
     return None
 
@@ -317,7 +317,7 @@ def location_overlap(a: Location, b: Location) -> str | None:
         return None
     other, mine = pair
     return ("is the same location as" if mine == other else
-            "lies inside" if _inside(mine, other) else "contains")
+            "lies inside" if inside(mine, other) else "contains")
 
 
 
@@ -326,11 +326,11 @@ def _store_identity(fs, storage_options: dict) -> tuple:
     """A comparable summary of a filesystem's store (realm and endpoint). Equal summaries are one
     store; unequal ones may still be one (an unnamed endpoint): judge overlap with
     :func:`store_location` and :func:`location_overlap`, as :func:`check_no_overlap` does."""
-    fs, _ = _unwrap(fs, "")
-    family = _family(fs)
+    fs, _ = unwrap(fs, "")
+    family = store_family(fs)
     if family in ("file", "memory"):
         return (family,)
-    if family in _OBJECT_FAMILIES and family != "http":
+    if family in OBJECT_FAMILIES and family != "http":
         return ("object", _store_endpoint(fs, family, storage_options).key)
     return (family,)
 
@@ -339,7 +339,7 @@ def _store_identity(fs, storage_options: dict) -> tuple:
 
 def _norm(fs, path: str) -> str:
     """One normalised spelling of a path on ``fs`` (symlinks resolved on local disk)."""
-    return min(_path_forms(*_unwrap(fs, path)))
+    return min(path_forms(*unwrap(fs, path)))
 
 
 

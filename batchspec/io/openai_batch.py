@@ -35,7 +35,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from batchspec.io.jsonl import JsonLinesReader, _BadLine, _cut, unreadable
+from batchspec.io.jsonl import BadLine, JsonLinesReader, cut_text, unreadable
 from batchspec.io.listing import Shard
 from batchspec.io.rows import Row, check_messages
 from batchspec.redact import sanitize_url
@@ -98,7 +98,7 @@ def _json_type(value: Any) -> str:
 
 class OpenAIBatchReader(JsonLinesReader):
     """Reads an OpenAI Batch request file's lines as rows (the interface of
-    :class:`~batchspec.io.reader.ShardReader`)."""
+    :class:`~batchspec.io.reader.ParquetReader`)."""
 
     def __init__(self, shard: Shard, spec: JobSpec, batch_rows: int = 1024):
         self.served = served_names(spec)
@@ -113,7 +113,7 @@ class OpenAIBatchReader(JsonLinesReader):
         name = self.shard.name
         row = Row(shard=name, index=index, request_id=f"{name}/{index}",
                   kept={"url": None, "model": None})
-        if isinstance(record, _BadLine):
+        if isinstance(record, BadLine):
             row.error = record.why
             return row
         try:
@@ -122,7 +122,7 @@ class OpenAIBatchReader(JsonLinesReader):
             row.error = str(exc)
         except Exception as exc:  # no line raises out of the reader
             row.error = (unreadable(number, exc) if row.request_id == f"{name}/{index}" else
-                         f"bad line: line {number} ({type(exc).__name__}: {_cut(str(exc))})")
+                         f"bad line: line {number} ({type(exc).__name__}: {cut_text(str(exc))})")
         return row
 
     def _read_line(self, row: Row, number: int, record: Any) -> None:

@@ -43,7 +43,6 @@ from batchspec.columns import ERROR, REQUEST_ID, RESULT_NAMES, error_reason
 from batchspec.io.listing import Shard
 from batchspec.io.openai_batch import CHAT, NO_CUSTOM_ID
 from batchspec.io.output_dir import OutputDir, tmp_file_name
-from batchspec.io.paths import ERRORS_SUFFIX, OUTPUT_SUFFIXES
 from batchspec.io.rows import Row
 from batchspec.io.writer import committed_info
 from batchspec.redact import sanitize_url
@@ -67,18 +66,17 @@ def _digest(*parts: str) -> str:
 
 
 class OpenAIResultWriter:
-    """Streams one shard's results to temporary result and error files, then commits both (the
-    interface of :class:`batchspec.io.writer.ShardWriter`)."""
+    """Streams one shard's results to temporary result and error files, then commits both (a
+    :class:`batchspec.io.output_formats.ResultWriter`, as :class:`batchspec.io.writer.ParquetWriter`
+    is)."""
 
     def __init__(self, out: OutputDir, shard: Shard, metadata: dict[str, Any]):
         self.out, self.shard, self.metadata = out, shard, metadata
         self.run_id = str(metadata.get("run_id") or "")
         self.created = int(time.time())
         tmp = out.tmp_dir()
-        self.tmp_paths = {
-            "output": os.path.join(tmp, tmp_file_name(shard.name, OUTPUT_SUFFIXES["openai"])),
-            "errors": os.path.join(tmp, tmp_file_name(shard.name, ERRORS_SUFFIX)),
-        }
+        self.tmp_paths = {part: os.path.join(tmp, tmp_file_name(shard.name, suffix))
+                          for part, suffix in out.format.parts.items()}
         self._files = {k: open(p, "wb") for k, p in self.tmp_paths.items()}
 
     def add_request(self, row: Row, results: list[dict]) -> None:
@@ -107,7 +105,8 @@ class OpenAIResultWriter:
         footer)."""
         for f in self._files.values():
             f.close()
-        errors, output = self.out.errors_path(self.shard), self.out.output_path(self.shard)
+        paths = self.out.part_paths(self.shard)
+        errors, output = paths["errors"], paths["output"]
         self.out.publish(self.tmp_paths["errors"], errors)
         self.out.publish(self.tmp_paths["output"], output)
         return {"output": sanitize_url(output), "output_info": committed_info(self.out, output),

@@ -1,5 +1,17 @@
 """The output directory: committed shards and their manifests, atomic commit, temporary files
-(beside the output, or a local spool), the run summaries."""
+(beside the output, or a local spool), the run summaries.
+
+Every bookkeeping path is built here, on :class:`OutputDir`, under ``<output.path>/_batchspec/``:
+
+- ``manifest/<shard>.json``: one small object per committed shard (its row count, the input's
+  fingerprint, the run that committed it, each file's size and identity). One object per shard,
+  never a shared file, so that workers never read-modify-write the same object.
+- ``locks/<shard>.json``: the lease of the process working on a shard
+  (:mod:`batchspec.leases.shard_leases`).
+- ``runs/<run_id>.json``: the summary of each run.
+- ``auto/<key>.json``: a ``speculative: auto`` choice (:mod:`batchspec.tune.auto`).
+- ``tmp/``: files being written (local output only; for object stores they are spooled on
+  local disk and committed with a single put)."""
 
 from __future__ import annotations
 
@@ -10,23 +22,26 @@ import re
 import shutil
 import stat
 import tempfile
+from typing import TYPE_CHECKING
 
 from fsspec.core import url_to_fs
 
 from batchspec.io.host import pid_alive, this_host
-from batchspec.io.listing import Shard
-from batchspec.io.paths import (
-    BOOKKEEPING_DIR,
-    ERRORS_SUFFIX,
-    OUTPUT_SUFFIXES,
-    _full_url,
-    _version,
-    is_local_fs,
-)
+from batchspec.io.output_formats import OUTPUT_FORMATS, OutputFormat, all_suffixes
 from batchspec.io.retry import retry
+from batchspec.io.states import ShardState
+from batchspec.io.urls import full_url, is_local_fs, store_version
+from batchspec.redact import sanitize_url
+
+if TYPE_CHECKING:
+    from batchspec.io.listing import Shard
+
+#: The output's bookkeeping folder (see this module's docstring); never an output file.
+BOOKKEEPING_DIR = "_batchspec"
 
 _TMP_NAME = re.compile(r"^(?P<shard>.+)~(?P<host>[^~]+)~(?P<pid>\d+)~[0-9a-f]+"
-                       r"\.(parquet|output\.jsonl|errors\.jsonl)\.tmp$")
+                       r"(?P<suffix>" + "|".join(re.escape(s) for s in all_suffixes())
+                       + r")\.tmp$")
 
 
 
@@ -126,16 +141,15 @@ def remove_orphan_tmp_files(directory: str) -> int:
 
 class OutputDir:
     """The output directory and its bookkeeping, on any fsspec filesystem. ``output_format``
-    (``output.format``) names the files a shard's results are in."""
+    (``output.format``) names the files a shard's results are in (:attr:`format`)."""
 
     def __init__(self, url: str, storage_options: dict, output_format: str = "parquet"):
         self.url = url.rstrip("/")
         self.storage_options = storage_options
-        self.output_format = output_format
-        self.output_suffix = OUTPUT_SUFFIXES[output_format]
+        self.format: OutputFormat = OUTPUT_FORMATS[output_format]
         self.fs, self.path = url_to_fs(self.url, **storage_options)
         self.path = self.path.rstrip("/")
-        self.display_url = _full_url(self.fs, self.path)
+        self.display_url = full_url(self.fs, self.path)
 
     @property
     def is_local(self) -> bool:
@@ -145,12 +159,17 @@ class OutputDir:
         return posixpath.join(self.path, *parts)
 
     def output_path(self, shard: Shard) -> str:
-        """The shard's output file (an ``openai`` output's results file)."""
-        return self.join(shard.name + self.output_suffix)
+        """The shard's output file (its results file, where the format has more than one)."""
+        return self.join(shard.name + self.format.suffix)
 
-    def errors_path(self, shard: Shard) -> str | None:
-        """An ``openai`` output's errors file of the shard (None for Parquet: errors are rows)."""
-        return self.join(shard.name + ERRORS_SUFFIX) if self.output_format == "openai" else None
+    def part_paths(self, shard: Shard) -> dict[str, str]:
+        """Every file of the shard, by part (:attr:`OutputFormat.parts`), the results first."""
+        return {part: self.join(shard.name + suffix) for part, suffix in self.format.parts.items()}
+
+    def file_url(self, shard_name: str, part: str = "output") -> str:
+        """The URL of one of a shard's files, for messages (no credentials, no query)."""
+        return sanitize_url(f"{self.display_url.rstrip('/')}/{shard_name}"
+                            f"{self.format.parts[part]}")
 
     def publish(self, local_file: str, final: str) -> None:
         """Make a finished local file visible as ``final`` in one step: an atomic rename on
@@ -164,11 +183,31 @@ class OutputDir:
             os.unlink(local_file)
             self.fs.invalidate_cache(final)
 
+    # ------------------------------------------------------------------ bookkeeping paths
+
     def manifest_path(self, shard_name: str) -> str:
+        """The committed record of a shard."""
         return self.join(BOOKKEEPING_DIR, "manifest", shard_name + ".json")
 
+    def locks_dir(self) -> str:
+        """Where the shards' leases are."""
+        return self.join(BOOKKEEPING_DIR, "locks")
+
     def lock_path(self, shard_name: str) -> str:
-        return self.join(BOOKKEEPING_DIR, "locks", shard_name + ".json")
+        """A shard's lease."""
+        return posixpath.join(self.locks_dir(), shard_name + ".json")
+
+    def run_summary_path(self, run_id: str) -> str:
+        """A run's summary."""
+        return self.join(BOOKKEEPING_DIR, "runs", f"{run_id}.json")
+
+    def run_summary_paths(self) -> list[str]:
+        """Every run summary present, sorted (run ids start with their UTC start time)."""
+        return sorted(self.fs.glob(self.run_summary_path("*")))
+
+    def auto_choice_path(self, key: str) -> str:
+        """A ``speculative: auto`` choice stored under its key."""
+        return self.join(BOOKKEEPING_DIR, "auto", f"{key}.json")
 
     def tmp_dir(self) -> str:
         """Where shards are written before commit: beside the output on local disk (the commit
@@ -261,45 +300,46 @@ class OutputDir:
         found = retry(info, f"checking {path}")
         if found is None:
             return None
-        return {"size": int(found.get("size") or 0), **_version(found)}
+        return {"size": int(found.get("size") or 0), **store_version(found)}
 
-    def inspect(self, shard: Shard, spec_fingerprint: dict | None = None) -> tuple[str, list[str]]:
+    def inspect(self, shard: Shard, spec_fingerprint: dict | None = None
+                ) -> tuple[ShardState, list[str]]:
         """A shard's state and, for ``stale``, the spec components that changed.
 
-        ``committed``: the manifest, the output file (an ``openai`` output's two files: each
-        one's size and identity as recorded, see :meth:`file_info`) and the current input
-        agree, and the spec fingerprint matches; ``stale``: all that, but written under a
-        different spec; ``partial``: a record or a file without the other, or they disagree (a
-        crash between steps, a file written again, an input changed since, a truncated upload);
-        ``pending``: nothing yet. A manifest of an older batchspec (local: the size alone) is
-        judged on the fields it has."""
+        ``committed``: the manifest, the shard's files (each one's size and identity as
+        recorded, see :meth:`file_info`) and the current input agree, and the spec fingerprint
+        matches; ``stale``: all that, but written under a different spec; ``partial``: a record
+        or a file without the other, or they disagree (a crash between steps, a file written
+        again, an input changed since, a truncated upload); ``pending``: nothing yet. A
+        manifest of an older batchspec (local: the size alone) is judged on the fields it
+        has."""
         record = self.read_manifest(shard.name)
         found = self.output_info(shard)
+        # the files committed with the results file (an openai output's errors file)
+        others = list(self.part_paths(shard).items())[1:]
         if record is None and found is None:
-            errors = self.errors_path(shard)  # an openai output's first file, alone
-            if errors is None or self.file_info(errors) is None:
-                return "pending", []
-            return "partial", []
+            if any(self.file_info(path) is not None for _, path in others):
+                return ShardState.PARTIAL, []  # a first file, alone
+            return ShardState.PENDING, []
         if record is None or found is None or record.get("input_fingerprint") != shard.fingerprint:
-            return "partial", []
+            return ShardState.PARTIAL, []
         expected = record.get("output_info")
         if expected and any(found.get(k) != v for k, v in expected.items()):
-            return "partial", []
-        if self.output_format == "openai":  # the errors file is committed with the results file
-            errors = self.file_info(self.errors_path(shard))
-            expected = record.get("errors_info")
-            if errors is None or not expected or any(errors.get(k) != v
-                                                     for k, v in expected.items()):
-                return "partial", []
+            return ShardState.PARTIAL, []
+        for part, path in others:
+            info = self.file_info(path)
+            expected = record.get(f"{part}_info")
+            if info is None or not expected or any(info.get(k) != v for k, v in expected.items()):
+                return ShardState.PARTIAL, []
         if spec_fingerprint is not None:
             from batchspec.spec.fingerprint import describe_changes
 
             changed = describe_changes(record.get("spec_fingerprint") or {}, spec_fingerprint)
             if changed:
-                return "stale", changed
-        return "committed", []
+                return ShardState.STALE, changed
+        return ShardState.COMMITTED, []
 
-    def shard_state(self, shard: Shard, spec_fingerprint: dict | None = None) -> str:
+    def shard_state(self, shard: Shard, spec_fingerprint: dict | None = None) -> ShardState:
         """``committed``, ``stale``, ``partial`` or ``pending`` (see :meth:`inspect`)."""
         return self.inspect(shard, spec_fingerprint)[0]
 
@@ -312,8 +352,9 @@ class OutputDir:
                 return []
 
         names = []
+        suffix = self.format.suffix
         for p in retry(find, f"listing {self.display_url}"):
             rel = p[len(self.path):].lstrip("/")
-            if rel.endswith(self.output_suffix) and not rel.startswith(BOOKKEEPING_DIR + "/"):
-                names.append(rel[: -len(self.output_suffix)])
+            if rel.endswith(suffix) and not rel.startswith(BOOKKEEPING_DIR + "/"):
+                names.append(rel[: -len(suffix)])
         return sorted(names)

@@ -1,6 +1,6 @@
 """Turn input rows into engine requests, and spot bad rows before they reach the engine.
 
-:func:`open_reader` gives a shard's reader by its format: :class:`ShardReader` for Parquet (here),
+:func:`open_reader` gives a shard's reader by its format: :class:`ParquetReader` for Parquet (here),
 :class:`~batchspec.io.jsonl.JsonLinesReader` for JSON lines,
 :class:`~batchspec.io.openai_batch.OpenAIBatchReader` for OpenAI Batch request files. A Parquet
 shard is read in record batches (never whole). Its schema is checked first: a missing or
@@ -22,9 +22,9 @@ from batchspec.io.formats import JSONL, OPENAI
 from batchspec.io.jsonl import JsonLinesReader
 from batchspec.io.listing import Shard
 from batchspec.io.openai_batch import OpenAIBatchReader
-from batchspec.io.paths import is_local_fs
 from batchspec.io.retry import Attempts, is_transient, retry
 from batchspec.io.rows import Row, check_messages
+from batchspec.io.urls import is_local_fs
 from batchspec.spec.model import InputSpec, JobSpec, OutputSpec
 
 
@@ -47,7 +47,7 @@ def _is_messages(t: pa.DataType) -> bool:
 
 
 
-class ShardReader:
+class ParquetReader:
     """Reads one shard's rows in record batches, after checking its schema."""
 
     def __init__(self, shard: Shard, input_spec: InputSpec, output_spec: OutputSpec,
@@ -242,14 +242,14 @@ def length_error(num_prompt_tokens: int, max_model_len: int) -> str | None:
 
 
 
-def open_reader(shard: Shard, spec: JobSpec) -> ShardReader | JsonLinesReader:
+def open_reader(shard: Shard, spec: JobSpec) -> ParquetReader | JsonLinesReader:
     """The reader of ``shard``'s format (:mod:`batchspec.io.formats`), its columns checked."""
     batch_rows = spec.execution.read_batch_rows
     if shard.format.name == OPENAI:
         return OpenAIBatchReader(shard, spec, batch_rows)
     if shard.format.name == JSONL:
         return JsonLinesReader(shard, spec.input, spec.output, batch_rows)
-    return ShardReader(shard, spec.input, spec.output, batch_rows)
+    return ParquetReader(shard, spec.input, spec.output, batch_rows)
 
 
 

@@ -3,7 +3,8 @@
 Rows are written in row groups to a temporary file; the output name appears only when the
 whole shard is written: a rename on a local filesystem, a single put on an object store (s3fs
 uploads a large file in parts that become visible together, on completion). The writer of
-``output.format: openai`` (:mod:`batchspec.io.openai_results`) has the same interface."""
+``output.format: openai`` (:mod:`batchspec.io.openai_results`) has the same interface
+(:class:`batchspec.io.output_formats.ResultWriter`)."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ METADATA_KEY = b"batchspec"
 
 
 
-class ShardWriter:
+class ParquetWriter:
     """Streams one shard's result rows to a temporary Parquet file, then commits it."""
 
     def __init__(self, out: OutputDir, shard: Shard, kept: list[pa.Field], metadata: dict[str, Any],

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from batchspec.leases.protocol import _ObjectStore, _status_of
+from batchspec.leases.protocol import ObjectStore, status_of
 
 
-class _AzureStore(_ObjectStore):
+class AzureStore(ObjectStore):
     """Azure Blob conditional writes through the adlfs filesystem's own service client: create
     with ``If-None-Match: *`` (``overwrite=False``), replace and delete with ``If-Match: <ETag>``;
     the version is the blob's ETag."""
@@ -70,4 +70,4 @@ class _AzureStore(_ObjectStore):
                 pass
 
     def _refuses_header(self, exc: BaseException) -> bool:
-        return _status_of(exc) in (400, 501)
+        return status_of(exc) in (400, 501)

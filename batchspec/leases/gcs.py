@@ -6,13 +6,13 @@ import json
 from typing import Any
 from urllib.parse import quote
 
-from batchspec.leases.protocol import _ObjectStore, _status_of
+from batchspec.leases.protocol import ObjectStore, status_of
 
 #: Separates the parts of a lease upload to GCS; never inside a lease record (JSON, no "==").
 _GCS_BOUNDARY = "==batchspec-lease=="
 
 
-class _GcsStore(_ObjectStore):
+class GcsStore(ObjectStore):
     """GCS generation preconditions through the gcsfs filesystem's own session: create with
     ``ifGenerationMatch=0``, replace and delete with ``ifGenerationMatch=<generation>``; the
     version is the object's generation. gcsfs raises FileExistsError for 412 (conditionNotMet)
@@ -87,4 +87,4 @@ class _GcsStore(_ObjectStore):
             pass
 
     def _refuses_header(self, exc: BaseException) -> bool:
-        return isinstance(exc, ValueError) or _status_of(exc) in (400, 501)
+        return isinstance(exc, ValueError) or status_of(exc) in (400, 501)

@@ -8,7 +8,7 @@ import os
 import time
 
 from batchspec.errors import RuntimeFailure
-from batchspec.leases.protocol import _decode, _encode
+from batchspec.leases.protocol import decode_record, encode_record
 
 # ---------------------------------------------------------------------- an flock this process holds
 
@@ -17,7 +17,7 @@ class HeldFlock:
     """An open file this process holds an flock on. Closed only by the process that took it; a
     forked child (an engine process, a Ray worker) drops its copy of the descriptor at once, so
     that the lock ends with the process that took it, not with the last of its children. The
-    shard leases' :class:`_LocalLock` and distill's ``--out`` lock are both one."""
+    shard leases' :class:`LocalLock` and distill's ``--out`` lock are both one."""
 
     #: Every flock this process holds, until it is closed.
     _held: set[HeldFlock] = set()
@@ -56,7 +56,7 @@ os.register_at_fork(after_in_child=HeldFlock._forget_all_in_child)
 # ---------------------------------------------------------------------- local disk
 
 
-class _LocalLock(HeldFlock):
+class LocalLock(HeldFlock):
     """An flock held on a lock file; the file's content names the holder."""
 
     def __init__(self, path: str, fd: int):
@@ -66,7 +66,7 @@ class _LocalLock(HeldFlock):
         super().__init__(fd)
 
     @classmethod
-    def take(cls, path: str, record: dict) -> _LocalLock | None:
+    def take(cls, path: str, record: dict) -> LocalLock | None:
         """Lock ``path`` and write ``record`` into it; None if another open file holds it."""
         os.makedirs(os.path.dirname(path), exist_ok=True)
         for _ in range(20):
@@ -84,7 +84,7 @@ class _LocalLock(HeldFlock):
             if lock.still_ours():
                 try:
                     os.ftruncate(fd, 0)
-                    os.pwrite(fd, _encode(record), 0)
+                    os.pwrite(fd, encode_record(record), 0)
                 except BaseException:
                     lock.release()
                     raise
@@ -114,12 +114,12 @@ class _LocalLock(HeldFlock):
         self.close()
 
 
-def _read_local_record(path: str) -> dict | None:
+def read_local_record(path: str) -> dict | None:
     """The holder's record in a local lock file; None if absent or being written."""
     for attempt in range(3):
         try:
             with open(path, "rb") as f:
-                record = _decode(f.read())
+                record = decode_record(f.read())
         except FileNotFoundError:
             return None
         if record is not None:

@@ -17,15 +17,15 @@ from batchspec.io.retry import retry
 SETTLE_S = 0.2
 
 
-def _now_iso() -> str:
+def now_iso() -> str:
     return dt.datetime.now(dt.UTC).isoformat()
 
 
-def _encode(record: dict) -> bytes:
+def encode_record(record: dict) -> bytes:
     return (json.dumps(record, indent=2, sort_keys=True, default=str) + "\n").encode()
 
 
-def _decode(data: bytes | None) -> dict | None:
+def decode_record(data: bytes | None) -> dict | None:
     """A lease record, or None when the bytes are not one (a torn or foreign file)."""
     if not data:
         return None
@@ -36,7 +36,7 @@ def _decode(data: bytes | None) -> dict | None:
     return record if isinstance(record, dict) else None
 
 
-def _unknown_holder(path: str, why: str) -> dict:
+def unknown_holder(path: str, why: str) -> dict:
     """What ``acquire`` reports when the shard is taken but its record cannot be read."""
     return {"run_id": "unknown", "host": "unknown", "pid": None, "lock": path, "note": why}
 
@@ -44,7 +44,7 @@ def _unknown_holder(path: str, why: str) -> dict:
 # ---------------------------------------------------------------------- process identity
 
 
-def _pid_space() -> str | None:
+def pid_space() -> str | None:
     """Which pid numbers this process's ``pid`` belongs to: the kernel boot and pid namespace.
 
     Two containers may share a host name and a pid number; they never share this."""
@@ -56,7 +56,7 @@ def _pid_space() -> str | None:
         return None
 
 
-def _process_start(pid: int) -> str | None:
+def process_start(pid: int) -> str | None:
     """The start time of a process (clock ticks since boot), to tell a reused pid apart."""
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -72,7 +72,7 @@ def holder_is_dead(record: dict) -> bool:
     """Whether a lease record's holder is certainly gone: a process of this machine and pid
     namespace that no longer runs (or whose pid now belongs to a later process)."""
     space = record.get("pid_space")
-    if not space or space != _pid_space():
+    if not space or space != pid_space():
         return False  # another machine or namespace: only its heartbeat can tell
     try:
         pid = int(record.get("pid") or 0)
@@ -83,14 +83,14 @@ def holder_is_dead(record: dict) -> bool:
     if not pid_alive(pid):
         return True
     started = record.get("pid_start")
-    now_started = _process_start(pid)
+    now_started = process_start(pid)
     return bool(started and now_started and started != now_started)
 
 
 # ---------------------------------------------------------------------- compare-and-swap stores
 
 
-class _CasStore:
+class CasStore:
     """A store of small objects with compare-and-swap on a version (ETag, generation): what every
     lease adapter offers. The records and the release rule are here; an adapter gives only its
     store's calls (:meth:`_fetch`, :meth:`_write`, :meth:`_delete`)."""
@@ -105,7 +105,7 @@ class _CasStore:
         """``(record, version)``; ``(None, None)`` when absent, ``(None, version)`` when the
         object exists but is not a lease record."""
         data, version = self._fetch(path)
-        return _decode(data), version
+        return decode_record(data), version
 
     def create_if_absent(self, path: str, record: dict) -> Any | None:
         """Write ``record`` if nothing is at ``path``; its new version, or None if taken."""
@@ -146,7 +146,7 @@ class _CasStore:
         raise NotImplementedError
 
 
-class _ObjectStore(_CasStore):
+class ObjectStore(CasStore):
     """An object store's adapter, through its fsspec filesystem's own async client (its
     credentials, endpoint, retries and extra request arguments): each store call is a coroutine
     run on the filesystem's event loop, from any thread, and retried
@@ -177,7 +177,7 @@ class _ObjectStore(_CasStore):
         return retry(lambda: self._run(self._get, path), f"reading lease {path}")
 
     def _write(self, path: str, record: dict, version: Any | None, what: str) -> Any | None:
-        body = _encode(record)
+        body = encode_record(record)
         return retry(lambda: self._run(self._put, path, body, version), f"{what} {path}")
 
     def _delete(self, path: str, version: Any) -> bool | None:
@@ -220,7 +220,7 @@ class _ObjectStore(_CasStore):
         raise NotImplementedError
 
     async def _delete_on(self, path: str, version: Any) -> bool | None:
-        """Delete the object if it is at ``version`` (see :meth:`_CasStore._delete`)."""
+        """Delete the object if it is at ``version`` (see :meth:`CasStore._delete`)."""
         raise NotImplementedError
 
     async def _remove(self, path: str) -> None:
@@ -234,10 +234,10 @@ class _ObjectStore(_CasStore):
 
 def _released_record() -> dict:
     """What a released lease holds where it cannot be deleted conditionally: free to any taker."""
-    return {"released": True, "released_at": _now_iso()}
+    return {"released": True, "released_at": now_iso()}
 
 
-def _is_released(record: dict | None) -> bool:
+def is_released(record: dict | None) -> bool:
     return record is not None and record.get("released") is True
 
 
@@ -256,20 +256,20 @@ def _error_response(exc: BaseException) -> tuple[str | None, int | None]:
     return None, None
 
 
-def _someone_else_won(exc: BaseException) -> bool:
+def someone_else_won(exc: BaseException) -> bool:
     """A conditional write refused: 412 PreconditionFailed, or 409 ConditionalRequestConflict
     (another conditional write to the key was in progress)."""
     code, status = _error_response(exc)
     return code in ("PreconditionFailed", "ConditionalRequestConflict") or status in (409, 412)
 
 
-def _unsupported(exc: BaseException) -> bool:
+def condition_unsupported(exc: BaseException) -> bool:
     """The server refused a conditional header it does not implement."""
     code, status = _error_response(exc)
     return code in ("NotImplemented", "InvalidArgument", "InvalidRequest") or status in (400, 501)
 
 
-def _status_of(exc: BaseException) -> int | None:
+def status_of(exc: BaseException) -> int | None:
     """The HTTP status a GCS (gcsfs ``HttpError.code``) or Azure (``status_code``) error carries."""
     for attr in ("status_code", "code"):
         value = getattr(exc, attr, None)

@@ -6,10 +6,10 @@ from __future__ import annotations
 from typing import Any
 
 from batchspec.io.retry import retry
-from batchspec.leases.protocol import _ObjectStore, _someone_else_won, _unsupported
+from batchspec.leases.protocol import ObjectStore, condition_unsupported, someone_else_won
 
 
-class _S3Store(_ObjectStore):
+class S3Store(ObjectStore):
     """S3 conditional writes through the s3fs filesystem's own client: create with
     ``If-None-Match: *``, replace and delete with ``If-Match: <ETag>``; the version is the ETag.
     Some S3-compatible servers honour If-Match on PutObject but not on DeleteObject: the probe
@@ -47,7 +47,7 @@ class _S3Store(_ObjectStore):
                 return None  # the record is gone: nothing to match
             raise
         except Exception as exc:
-            if _someone_else_won(exc):
+            if someone_else_won(exc):
                 return None
             raise
         return resp.get("ETag")
@@ -70,15 +70,15 @@ class _S3Store(_ObjectStore):
         except FileNotFoundError:
             return "gone"
         except Exception as exc:
-            if _someone_else_won(exc):
+            if someone_else_won(exc):
                 return "refused"
-            if _unsupported(exc):
+            if condition_unsupported(exc):
                 return "unsupported"
             raise
         return "deleted"
 
     def _refuses_header(self, exc: BaseException) -> bool:
-        return _unsupported(exc)
+        return condition_unsupported(exc)
 
     def _probe_delete(self, path: str) -> None:
         """A DeleteObject with a stale If-Match must be refused (412); a server that rejects the

@@ -33,9 +33,9 @@ conditional delete (it refuses ``If-Match`` on DeleteObject, or ignores it) neve
 unconditional delete: the lease is released by overwriting it, ``If-Match`` on our ETag, with a
 ``released`` record, which the next taker replaces (compare-and-swap on its version) at once.
 
-Adapters: :class:`_S3Store` (``If-None-Match`` / ``If-Match`` on PutObject), :class:`_GcsStore`
-(``ifGenerationMatch``) and :class:`_AzureStore` (``If-None-Match`` / ``If-Match`` with the ETag).
-Each is chosen by :func:`_cas_store_for` only after a probe shows the server applies the
+Adapters: :class:`S3Store` (``If-None-Match`` / ``If-Match`` on PutObject), :class:`GcsStore`
+(``ifGenerationMatch``) and :class:`AzureStore` (``If-None-Match`` / ``If-Match`` with the ETag).
+Each is chosen by :func:`cas_store_for` only after a probe shows the server applies the
 conditions (some emulators and S3-compatible servers ignore them); otherwise best effort."""
 
 from __future__ import annotations
@@ -46,22 +46,22 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 if TYPE_CHECKING:
     from batchspec.io.output_dir import OutputDir
-from batchspec.leases.local import _LocalLock, _read_local_record
+from batchspec.leases.local import LocalLock, read_local_record
 from batchspec.leases.protocol import (
-    _CasStore,
-    _is_released,
-    _now_iso,
-    _pid_space,
-    _process_start,
-    _unknown_holder,
+    CasStore,
     holder_is_dead,
+    is_released,
+    now_iso,
+    pid_space,
+    process_start,
+    unknown_holder,
 )
-from batchspec.leases.s3 import _S3Store
-from batchspec.leases.stores import _BestEffortStore, _cas_store_for
+from batchspec.leases.s3 import S3Store
+from batchspec.leases.stores import BestEffortStore, cas_store_for
 
 log = logging.getLogger(__name__)
 
@@ -77,54 +77,81 @@ LEASE_S = float(os.environ.get("BATCHSPEC_LEASE_S", "120"))
 # ---------------------------------------------------------------------- the lease set
 
 
-class HolderWatch:
-    """What one observer has seen of leases held by others: per shard, the holder's key
-    ``(token, heartbeat, lease_s)`` (``("unreadable", version, 0.0)`` for a record that is not
-    one) and when, on this process's monotonic clock, that key was first seen.
+class HolderKey(NamedTuple):
+    """A lease holder's heartbeat as read: the same key read again means the holder has not
+    renewed in between. A record that is not one reads as ``("unreadable", version, 0.0)``."""
 
-    Only durations leave a process: :meth:`get` says how long ago a key was first seen, and
-    :meth:`merge` continues another observer's watch from that. A heartbeat only grows and a
-    token is never reused, so a key read again later has been there the whole time in between:
-    the holder has been still for at least the time since the first sighting, and a watch that
-    travels (and so starts a little later) only ever understates it."""
+    token: Any
+    heartbeat: Any
+    #: the holder's own ``lease_s``
+    lease_s: float
+
+
+class LeaseObservation(NamedTuple):
+    """What one observer saw of a shard's holder: its key, first seen ``seen_s`` seconds ago (of
+    the observer's clock). Only this duration leaves a process, never a time: another object,
+    process or host (a Ray replica given the shard's retry) continues the watch from it."""
+
+    key: HolderKey
+    seen_s: float
+
+
+class _Sighting(NamedTuple):
+    key: HolderKey
+    #: when the key was first seen, on this process's monotonic clock
+    since: float
+
+
+class HolderWatch:
+    """What one observer has seen of leases held by others: per shard, the holder's
+    :class:`HolderKey` and when, on this process's monotonic clock, that key was first seen.
+
+    Only durations leave a process: :meth:`get` says how long ago a key was first seen
+    (a :class:`LeaseObservation`), and :meth:`merge` continues another observer's watch from
+    that. A heartbeat only grows and a token is never reused, so a key read again later has
+    been there the whole time in between: the holder has been still for at least the time since
+    the first sighting, and a watch that travels (and so starts a little later) only ever
+    understates it."""
 
     def __init__(self):
-        self._seen: dict[str, tuple[tuple, float]] = {}
+        self._seen: dict[str, _Sighting] = {}
         self._lock = threading.Lock()
 
-    def note(self, shard_name: str, key: tuple) -> float:
+    def note(self, shard_name: str, key: HolderKey) -> float:
         """The holder's key as read just now; seconds since it was first seen (0 if new)."""
         now = time.monotonic()
         with self._lock:
             seen = self._seen.get(shard_name)
-            if seen is None or seen[0] != key:
-                self._seen[shard_name] = (key, now)
+            if seen is None or seen.key != key:
+                self._seen[shard_name] = _Sighting(key, now)
                 return 0.0
-            return now - seen[1]
+            return now - seen.since
 
-    def merge(self, shard_name: str, key: tuple, seen_s: float) -> None:
-        """Another observer first saw ``key`` ``seen_s`` seconds ago (of its clock)."""
-        key = tuple(key)
-        since = time.monotonic() - max(0.0, float(seen_s))
+    def merge(self, shard_name: str, observation: LeaseObservation) -> None:
+        """Another observer first saw the key ``observation.seen_s`` seconds ago (of its
+        clock)."""
+        key = HolderKey(*observation.key)
+        since = time.monotonic() - max(0.0, float(observation.seen_s))
         with self._lock:
             seen = self._seen.get(shard_name)
-            if seen is not None and seen[0] == key:
-                since = min(since, seen[1])
-            self._seen[shard_name] = (key, since)
+            if seen is not None and seen.key == key:
+                since = min(since, seen.since)
+            self._seen[shard_name] = _Sighting(key, since)
 
-    def get(self, shard_name: str) -> tuple[tuple, float] | None:
-        """``(key, seconds since first seen)``, or None for a shard not seen held."""
+    def get(self, shard_name: str) -> LeaseObservation | None:
+        """The holder's key and seconds since it was first seen, or None for a shard not seen
+        held."""
         with self._lock:
             seen = self._seen.get(shard_name)
-        return None if seen is None else (seen[0], time.monotonic() - seen[1])
+        return None if seen is None else LeaseObservation(seen.key, time.monotonic() - seen.since)
 
     def takeover_in(self, shard_name: str, lease_s: float) -> float | None:
         """Seconds until the holder, if its key stays as seen, may be taken over."""
         seen = self.get(shard_name)
         if seen is None:
             return None
-        key, seen_s = seen
-        return max(0.0, max(lease_s, _lease_s_of({"lease_s": key[2]})) - seen_s)
+        holder_lease_s = _lease_s_of({"lease_s": seen.key.lease_s})
+        return max(0.0, max(lease_s, holder_lease_s) - seen.seen_s)
 
     def forget(self, shard_name: str) -> None:
         with self._lock:
@@ -159,7 +186,7 @@ class BusyRetry:
         self._watch = HolderWatch()
         self._waited: set[str] = set()
 
-    def after(self, shard_name: str, observation: tuple[tuple, float] | None) -> float | None:
+    def after(self, shard_name: str, observation: LeaseObservation | None) -> float | None:
         """A shard was found busy, with what the finder saw of its holder
         (:meth:`ShardLeases.observation`): seconds from now until its retry, or None when it
         stays busy (already waited for, or its holder was never seen: a local lease's holder
@@ -167,11 +194,10 @@ class BusyRetry:
         if observation is None or shard_name in self._waited:
             return None
         self._waited.add(shard_name)
-        key, seen_s = observation
-        self._watch.merge(shard_name, key, seen_s)
+        self._watch.merge(shard_name, observation)
         return self._watch.takeover_in(shard_name, self.lease_s) + RETRY_MARGIN_S
 
-    def observation(self, shard_name: str) -> tuple[tuple, float] | None:
+    def observation(self, shard_name: str) -> LeaseObservation | None:
         """What to hand the process that retries the shard."""
         return self._watch.get(shard_name)
 
@@ -188,7 +214,7 @@ class _Lease:
     token: str
     record: dict
     version: Any = None  # CAS stores: ETag or digest of the record we wrote last
-    local: _LocalLock | None = None
+    local: LocalLock | None = None
     last_ok: float = 0.0  # monotonic time the last successful renewal was sent
     next_renew_at: float = 0.0
     lost: bool = False
@@ -212,7 +238,7 @@ class ShardLeases:
         self.owner = dict(owner)
         self.lease_s = float(lease_s)
         self.local = out.is_local
-        self._store: _CasStore | None = None
+        self._store: CasStore | None = None
         self._store_lock = threading.Lock()
         self._held: dict[str, _Lease] = {}
         self._lock = threading.Lock()
@@ -221,7 +247,7 @@ class ShardLeases:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         if self.owner.get("pid") == os.getpid():
-            self._identity = {"pid_space": _pid_space(), "pid_start": _process_start(os.getpid())}
+            self._identity = {"pid_space": pid_space(), "pid_start": process_start(os.getpid())}
         else:
             self._identity = {}
 
@@ -300,11 +326,11 @@ class ShardLeases:
         """The record in a shard's lease (who holds it), or None when nobody does."""
         path = self.out.lock_path(shard_name)
         if self.local:
-            return _read_local_record(path)
+            return read_local_record(path)
         record, version = self._reader().read(path)
         if record is None and version is not None:
-            return _unknown_holder(path, "unreadable lease record")
-        return None if _is_released(record) else record
+            return unknown_holder(path, "unreadable lease record")
+        return None if is_released(record) else record
 
     def held(self) -> list[str]:
         """The shards this object holds and has not lost."""
@@ -315,17 +341,17 @@ class ShardLeases:
         stays still; None for a shard not seen held. A runner retries busy shards after this."""
         return self._seen.takeover_in(shard_name, self.lease_s)
 
-    def observation(self, shard_name: str) -> tuple[tuple, float] | None:
-        """What this object saw of the holder of a shard it found held: the holder's key
-        ``(token, heartbeat, lease_s)`` and seconds since it first saw that key; None if never
-        seen held (or taken since). Hand it to another object (another task, process or host)
-        with :meth:`note_observation`, so that the wait for a dead holder is not started over."""
+    def observation(self, shard_name: str) -> LeaseObservation | None:
+        """What this object saw of the holder of a shard it found held: the holder's key and
+        seconds since it first saw that key; None if never seen held (or taken since). Hand it
+        to another object (another task, process or host) with :meth:`note_observation`, so
+        that the wait for a dead holder is not started over."""
         return self._seen.get(shard_name)
 
-    def note_observation(self, shard_name: str, key: tuple, seen_s: float) -> None:
+    def note_observation(self, shard_name: str, observation: LeaseObservation) -> None:
         """Continue a watch another observer began (see :meth:`observation`): if this object
         then reads the same key, the holder has been still at least ``seen_s`` longer."""
-        self._seen.merge(shard_name, key, seen_s)
+        self._seen.merge(shard_name, observation)
 
     def start(self) -> None:
         """Start the renewal thread (idempotent)."""
@@ -352,22 +378,22 @@ class ShardLeases:
 
     # .................................................................. internals
 
-    def _cas(self) -> _CasStore:
+    def _cas(self) -> CasStore:
         with self._store_lock:
             if self._store is None:
-                self._store = _cas_store_for(self.out)
+                self._store = cas_store_for(self.out)
             return self._store
 
-    def _reader(self) -> _CasStore:
+    def _reader(self) -> CasStore:
         """A store to read records with: reading needs no probe of conditional writes."""
         if self._store is not None:
             return self._store
-        return _S3Store(self.out.fs) if hasattr(self.out.fs, "_call_s3") else _BestEffortStore(self.out)
+        return S3Store(self.out.fs) if hasattr(self.out.fs, "_call_s3") else BestEffortStore(self.out)
 
     def _new_lease(self) -> _Lease:
         token = uuid.uuid4().hex
         record = {**self.owner, **self._identity, "token": token, "heartbeat": 0,
-                  "lease_s": self.lease_s, "acquired_at": _now_iso(), "renewed_at": _now_iso()}
+                  "lease_s": self.lease_s, "acquired_at": now_iso(), "renewed_at": now_iso()}
         return _Lease(token=token, record=record)
 
     def _hold(self, shard_name: str, lease: _Lease, sent: float) -> None:
@@ -380,9 +406,9 @@ class ShardLeases:
     def _acquire_local(self, shard_name: str) -> dict | None:
         path = self.out.lock_path(shard_name)
         lease = self._new_lease()
-        lock = _LocalLock.take(path, lease.record)
+        lock = LocalLock.take(path, lease.record)
         if lock is None:
-            return _read_local_record(path) or _unknown_holder(path, "lease record being written")
+            return read_local_record(path) or unknown_holder(path, "lease record being written")
         lease.local = lock
         self._hold(shard_name, lease, time.monotonic())
         return None
@@ -392,7 +418,7 @@ class ShardLeases:
         path = self.out.lock_path(shard_name)
         for _ in range(3):
             record, version = store.read(path)
-            if record is None and version is None or _is_released(record):
+            if record is None and version is None or is_released(record):
                 # free; a released record (no conditional delete on this store) is swapped
                 if self._claim(store, path, shard_name, version, create=record is None):
                     return None
@@ -403,7 +429,7 @@ class ShardLeases:
             still_for = self._observe(shard_name, record, version)
             wait_s = max(self.lease_s, _lease_s_of(record))
             if not ours and not dead and still_for < wait_s:
-                return record or _unknown_holder(path, "unreadable lease record")
+                return record or unknown_holder(path, "unreadable lease record")
             if self._claim(store, path, shard_name, version, create=False):
                 why = "its process is gone" if dead else \
                     f"its heartbeat did not change for {still_for:.0f}s"
@@ -414,12 +440,12 @@ class ShardLeases:
                 return None
             # the holder renewed, or another process took it over first: look again
         record, version = store.read(path)
-        if record is None and version is None or _is_released(record):
-            return _unknown_holder(path, "lease changing hands")
+        if record is None and version is None or is_released(record):
+            return unknown_holder(path, "lease changing hands")
         self._observe(shard_name, record, version)
-        return record or _unknown_holder(path, "unreadable lease record")
+        return record or unknown_holder(path, "unreadable lease record")
 
-    def _claim(self, store: _CasStore, path: str, shard_name: str, version: Any,
+    def _claim(self, store: CasStore, path: str, shard_name: str, version: Any,
                create: bool) -> bool:
         """Write a new lease record (``create``: only if none exists; else compare-and-swap on
         ``version``), make sure it landed, and hold it; False if another process won."""
@@ -437,7 +463,7 @@ class ShardLeases:
         return True
 
     @staticmethod
-    def _landed(store: _CasStore, path: str, lease: _Lease) -> Any | None:
+    def _landed(store: CasStore, path: str, lease: _Lease) -> Any | None:
         """After a refused conditional write: whether it was ours after all (its reply was lost
         and a retry of the same write was refused); the version if so."""
         record, version = store.read(path)
@@ -449,9 +475,9 @@ class ShardLeases:
     def _observe(self, shard_name: str, record: dict | None, version: Any) -> float:
         """Note the holder's heartbeat; seconds (of our clock) it has stayed the same."""
         if record is not None:
-            key = (record.get("token"), record.get("heartbeat"), _lease_s_of(record))
+            key = HolderKey(record.get("token"), record.get("heartbeat"), _lease_s_of(record))
         else:
-            key = ("unreadable", version, 0.0)
+            key = HolderKey("unreadable", version, 0.0)
         return self._seen.note(shard_name, key)
 
     def _renew(self, lease: _Lease, shard_name: str) -> bool:
@@ -463,7 +489,7 @@ class ShardLeases:
             return ok
         store = self._cas()
         path = self.out.lock_path(shard_name)
-        record = {**lease.record, "heartbeat": lease.record["heartbeat"] + 1, "renewed_at": _now_iso()}
+        record = {**lease.record, "heartbeat": lease.record["heartbeat"] + 1, "renewed_at": now_iso()}
         sent = time.monotonic()
         new = store.replace_if_match(path, record, lease.version)
         if new is None:

@@ -9,10 +9,10 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from batchspec.io.retry import retry
-from batchspec.leases.azure import _AzureStore
-from batchspec.leases.gcs import _GcsStore
-from batchspec.leases.protocol import SETTLE_S, _CasStore, _encode
-from batchspec.leases.s3 import _S3Store
+from batchspec.leases.azure import AzureStore
+from batchspec.leases.gcs import GcsStore
+from batchspec.leases.protocol import SETTLE_S, CasStore, encode_record
+from batchspec.leases.s3 import S3Store
 
 if TYPE_CHECKING:
     from batchspec.io.output_dir import OutputDir
@@ -20,10 +20,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 #: The compare-and-swap adapters, in the order a filesystem is matched against them.
-_ADAPTERS = (_S3Store, _GcsStore, _AzureStore)
+_ADAPTERS = (S3Store, GcsStore, AzureStore)
 
 
-class _BestEffortStore(_CasStore):
+class BestEffortStore(CasStore):
     """For stores without conditional writes: check, write, wait, read back. Two writers that
     write within ``SETTLE_S`` of each other may both believe they won. The version is the
     record's SHA-256."""
@@ -47,7 +47,7 @@ class _BestEffortStore(_CasStore):
     def _write(self, path: str, record: dict, version: Any | None, what: str) -> Any | None:
         if self.read(path)[1] != version:
             return None
-        data = _encode(record)
+        data = encode_record(record)
         retry(lambda: self.out.fs.pipe_file(path, data), f"writing lease {path}")
         time.sleep(SETTLE_S)  # let a racing writer's write land, then see who is last
         now, written = self.read(path)
@@ -73,7 +73,7 @@ def _warn_best_effort(protocol: str, why: str) -> None:
                     "moment may both take a shard", protocol, why)
 
 
-def _cas_store_for(out: OutputDir) -> _CasStore:
+def cas_store_for(out: OutputDir) -> CasStore:
     """The compare-and-swap adapter for the output's store, once a probe shows the server applies
     its conditions; best effort (with a warning) where it does not or the store has none."""
     fs = out.fs
@@ -81,10 +81,10 @@ def _cas_store_for(out: OutputDir) -> _CasStore:
     for adapter in _ADAPTERS:
         if adapter.serves(fs, set(protocols)):
             store = adapter(fs)
-            if store.honours_conditions(out.join("_batchspec", "locks")):
+            if store.honours_conditions(out.locks_dir()):
                 return store
             _warn_best_effort(protocols[0], f"this server ignores conditional writes "
                                             f"({adapter.CONDITIONS})")
-            return _BestEffortStore(out)
+            return BestEffortStore(out)
     _warn_best_effort(protocols[0], "this store has no conditional writes")
-    return _BestEffortStore(out)
+    return BestEffortStore(out)

@@ -206,14 +206,14 @@ def scatter_chart(series: list[tuple[str, str, list, list]], x_label: str, y_lab
 
 # ---- the page -------------------------------------------------------------------------------
 
-def _legend(series: list[tuple[str, str]]) -> str:
+def series_legend(series: list[tuple[str, str]]) -> str:
     items = "".join(f'<span><i style="background:{c}"></i>{escape(n)}</span>' for n, c in series)
     return f'<div class="legend">{items}</div>'
 
 
 
 
-def _card(title: str, subtitle: str, body: str, wide: bool = False) -> str:
+def chart_card(title: str, subtitle: str, body: str, wide: bool = False) -> str:
     return (f'<section class="card{" wide" if wide else ""}"><h3>{escape(title)}</h3>'
             f'<div class="sub">{escape(subtitle)}</div>{body}</section>')
 
@@ -235,7 +235,7 @@ def _charts(runs: list[tuple[str, Output, dict]]) -> list[str]:
         return own if single else (BLUE, ORANGE)[i]
 
     def legend(series: list[tuple[str, str]]) -> str:  # even one series needs its name in a comparison
-        return "" if single else _legend(series)
+        return "" if single else series_legend(series)
 
     cards = []
     spec_runs = [(i, n, o, r) for i, (n, o, r) in enumerate(runs) if r["overall"]["speculative"]]
@@ -257,7 +257,7 @@ def _charts(runs: list[tuple[str, Output, dict]]) -> list[str]:
             body += _off(off)
     else:
         body = _off(off)
-    cards.append(_card("Acceptance histogram", "share of target steps that accepted j of the "
+    cards.append(chart_card("Acceptance histogram", "share of target steps that accepted j of the "
                        "k draft tokens", body, wide=not positions))
 
     if positions:
@@ -267,7 +267,7 @@ def _charts(runs: list[tuple[str, Output, dict]]) -> list[str]:
         body = legend([(n, c) for n, c, _ in series]) + bar_chart(
             [str(j + 1) for j in range(k)], series, "position in the draft", "% of drafts accepted",
             digits=1, y_max=100)
-        cards.append(_card("Acceptance per draft position", "share of drafts whose token at this "
+        cards.append(chart_card("Acceptance per draft position", "share of drafts whose token at this "
                            "position was accepted (vLLM counters)", body))
 
     if spec_runs:
@@ -284,7 +284,7 @@ def _charts(runs: list[tuple[str, Output, dict]]) -> list[str]:
         sub = f"one point per successful request ({shown:,} shown)"
     else:
         body, sub = _off(off), "one point per successful request"
-    cards.append(_card("Acceptance rate vs output length", sub, body, wide=True))
+    cards.append(chart_card("Acceptance rate vs output length", sub, body, wide=True))
 
     for title, column, unit, own in (("End-to-end latency", "time_e2e_s", "arrival to finish", TEAL),
                                      ("Time to first token", "time_to_first_token_s",
@@ -296,7 +296,7 @@ def _charts(runs: list[tuple[str, Output, dict]]) -> list[str]:
         series = [s for s in series if s[2].len()]
         body = (legend([(n, c) for n, c, _ in series]) + histogram_chart(series, "seconds")
                 if series else '<div class="off">No timings.</div>')
-        cards.append(_card(title, f"{unit}, successful requests (s)", body))
+        cards.append(chart_card(title, f"{unit}, successful requests (s)", body))
 
     names = list(dict.fromkeys(s for _, _, r in runs for s in r["shards"]))
     for title, sub, key, axis, digits in (
@@ -318,7 +318,7 @@ def _charts(runs: list[tuple[str, Output, dict]]) -> list[str]:
             series.append((n, colour(i, BLUE if key is None else TEAL), vals))
         body = legend([(n, c) for n, c, _ in series]) + bar_chart(names, series, "shard", axis,
                                                                    digits=digits)
-        cards.append(_card(title, sub, body))
+        cards.append(chart_card(title, sub, body))
     return cards
 
 

@@ -132,7 +132,15 @@ class Progress:
 
     def rows_dropped(self, count: int) -> None:
         """Rows that will not be produced (a skipped bad shard): shrink the total."""
-        self.total_rows -= count
+        self._total(self.total_rows - count)
+
+    def rows_restored(self, count: int) -> None:
+        """Rows dropped earlier that will be produced after all (a busy shard handed out again,
+        a dead replica's rows to be done again): grow the total."""
+        self._total(self.total_rows + count)
+
+    def _total(self, total_rows: int) -> None:
+        self.total_rows = total_rows
         if self._row_bar is not None:
             self._row_bar.total = self.total_rows
             self._row_bar.refresh()

@@ -29,6 +29,7 @@ from batchspec.io.host import this_host
 from batchspec.io.listing import Shard
 from batchspec.io.locations import check_no_overlap
 from batchspec.io.output_dir import OutputDir, remove_orphan_tmp_files
+from batchspec.io.states import ShardState
 from batchspec.run.events import EventLog, Progress
 from batchspec.run.executors.base import Executor, RunContext
 from batchspec.run.executors.local import LocalExecutor
@@ -37,6 +38,38 @@ from batchspec.run.stages import check_inputs, plan, stale_error
 from batchspec.spec.model import JobSpec
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """How one run goes, beside its spec: what ``batchspec run``'s options say, and what a
+    library caller may hand it (an engine, an event log, a Ray executor)."""
+
+    #: This worker's index, 0-based, of ``num_workers`` sharing the job's shards.
+    worker_index: int = 0
+    #: How many workers share the job's shards.
+    num_workers: int = 1
+    #: Redo every shard, committed or not.
+    overwrite: bool = False
+    #: Seconds the drain after SIGTERM/SIGINT may take; None: ``execution.grace_s``.
+    grace_s: float | None = None
+    #: Progress bars; None: only when the event stream is a terminal.
+    progress_bars: bool | None = None
+    #: The run's id; None: a new one (:func:`new_run_id`).
+    run_id: str | None = None
+    #: Where the run's events go; None: text lines on stderr.
+    events: EventLog | None = None
+    #: A started :class:`batchspec.engine.llm.Engine` to reuse across jobs (local runs; the
+    #: caller shuts it down).
+    engine: Any = None
+    #: ``local`` or ``ray`` over the spec's ``executor.kind``, or a started
+    #: :class:`batchspec.run.executors.ray.RayExecutor` whose replicas the run reuses (the
+    #: caller shuts it down).
+    executor: str | Executor | None = None
+    #: With ``ray``: the cluster to join over ``executor.ray_address``.
+    ray_address: str | None = None
+    #: With ``speculative: auto``: measure again even where a stored choice matches.
+    remeasure: bool = False
 
 
 @dataclass
@@ -81,39 +114,27 @@ def new_run_id() -> str:
     return dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ") + "-" + uuid.uuid4().hex[:6]
 
 
-def run_job(spec: JobSpec, *, worker_index: int = 0, num_workers: int = 1, overwrite: bool = False,
-            engine=None, events: EventLog | None = None, progress_bars: bool | None = None,
-            run_id: str | None = None, grace_s: float | None = None,
-            executor=None, ray_address: str | None = None, remeasure: bool = False) -> RunResult:
+def run_job(spec: JobSpec, options: RunOptions | None = None) -> RunResult:
     """Run a job: every pending shard of this worker becomes one committed output shard.
 
-    ``engine`` lets a caller reuse a started :class:`batchspec.engine.llm.Engine` across jobs.
-    ``grace_s`` (default ``execution.grace_s``) bounds the drain after SIGTERM/SIGINT.
-    ``executor`` (``local`` or ``ray``) and ``ray_address`` override the spec's ``executor``
-    section: with ``ray``, Ray replicas (one engine each) generate the shards. A started
-    :class:`batchspec.run.executors.ray.RayExecutor` may be passed instead, to reuse its replicas.
-    ``remeasure``: with ``speculative: auto``, measure again even where a stored choice matches."""
+    ``options`` (:class:`RunOptions`) says which worker this is, whether to redo committed
+    shards, where events go, and may hand the run a started engine or Ray executor to reuse.
+    With ``executor`` ``ray`` (or ``executor.kind: ray``), Ray replicas (one engine each)
+    generate the shards."""
+    options = options or RunOptions()
     stop = StopFlag()
     restore_signals = stop.install()  # first: a signal during planning or start-up is ours
-    run_id = run_id or new_run_id()
-    events = events or EventLog(run_id)
+    run_id = options.run_id or new_run_id()
+    events = options.events or EventLog(run_id)
     events.add_secrets(spec.secret_values())
-    grace_s = spec.execution.grace_s if grace_s is None else grace_s
-    job = _Job(spec, run_id, events, stop, worker_index, num_workers, overwrite, progress_bars,
-               grace_s)
-    job.remeasure = remeasure
-    owns_executor = isinstance(executor, str | None)
+    job = _Job(spec, options, run_id, events, stop)
     try:
-        if owns_executor:  # a caller's executor, with its replicas started: it shuts it down
-            executor = _executor(spec, executor, ray_address, engine)
-        job.executor = executor
         job.run()
     except BaseException as exc:
         raise job.fail(exc) from None
     finally:
         restore_signals()
-        if owns_executor and job.executor is not None:
-            job.executor.shutdown()
+        job.shutdown()
     return RunResult(run_id=run_id, summary=job.summary, summary_path=job.summary_path)
 
 
@@ -139,15 +160,13 @@ def _executor(spec: JobSpec, kind: str | None, ray_address: str | None, engine=N
 class _Job:
     """One run of one worker, from plan to summary."""
 
-    def __init__(self, spec: JobSpec, run_id: str, events: EventLog, stop: StopFlag,
-                 worker_index: int, num_workers: int, overwrite: bool,
-                 progress_bars: bool | None, grace_s: float):
-        self.spec, self.run_id, self.events, self.stop = spec, run_id, events, stop
-        self.worker_index, self.num_workers, self.overwrite = worker_index, num_workers, overwrite
-        self.progress_bars, self.grace_s = progress_bars, grace_s
+    def __init__(self, spec: JobSpec, options: RunOptions, run_id: str, events: EventLog,
+                 stop: StopFlag):
+        self.spec, self.options, self.run_id, self.events, self.stop = \
+            spec, options, run_id, events, stop
+        self.grace_s = spec.execution.grace_s if options.grace_s is None else options.grace_s
+        #: the run's executor (:meth:`run` makes it, unless the caller gave a started one)
         self.executor: Executor | None = None
-        #: ``speculative: auto``: measure again even where a stored choice matches
-        self.remeasure = False
         self.out: OutputDir | None = None
         self.progress: Progress | None = None
         self.t0 = time.monotonic()
@@ -163,7 +182,7 @@ class _Job:
             "job": spec.name,
             "spec": spec.public(),
             "versions": {"batchspec": batchspec.__version__},
-            "worker": {"index": worker_index, "count": num_workers},
+            "worker": {"index": options.worker_index, "count": options.num_workers},
             "started_at": started_at.isoformat(),
         }
         #: what happened to each shard
@@ -175,7 +194,11 @@ class _Job:
         """Every stage in order; each one checks for a stop signal before the next."""
         from batchspec.engine.checks import check_vllm_keys
 
-        spec = self.spec
+        spec, options = self.spec, self.options
+        if isinstance(options.executor, str | None):
+            self.executor = _executor(spec, options.executor, options.ray_address, options.engine)
+        else:  # a caller's executor, with its replicas started: it shuts it down
+            self.executor = options.executor
         # cheap checks first: overlapping locations, then a misspelled vLLM key, both exit 2
         # before any input is listed or read
         check_no_overlap(spec.input.paths, spec.input.storage_options, spec.output.path,
@@ -220,23 +243,23 @@ class _Job:
     def plan_shards(self) -> tuple[list[Shard], dict[str, str]]:
         """Stage 1: this worker's shards and their states; returns the ones to do and the spec
         fingerprint. Stale output exits 2; committed shards are skipped."""
-        spec, events = self.spec, self.events
-        p = plan(spec, self.worker_index, self.num_workers, self.overwrite, self.out)
+        spec, events, options = self.spec, self.events, self.options
+        p = plan(spec, options.worker_index, options.num_workers, options.overwrite, self.out)
         self.summary["spec_fingerprint"] = p.spec_fingerprint
         if p.stale:
             raise stale_error(p)
-        todo = [s for s in p.shards if p.states[s.name] != "committed"]
+        todo = [s for s in p.shards if p.states[s.name] is not ShardState.COMMITTED]
         events.emit("run_started", f"run {self.run_id} of job {spec.name!r}: {len(todo)} of "
                     f"{len(p.shards)} shards to do", job=spec.name, shards=len(p.shards),
                     pending=len(todo), output=p.out.display_url,
-                    worker=f"{self.worker_index}/{self.num_workers}")
+                    worker=f"{options.worker_index}/{options.num_workers}")
         if p.orphans:
             self.summary["orphan_outputs"] = p.orphans
             events.emit("orphan_outputs", f"{len(p.orphans)} output file(s) have no current input "
                         f"and are not part of this job's result (e.g. {p.orphans[0]!r}); "
                         "`batchspec status` lists them", level="warning", count=len(p.orphans))
         for s in p.shards:
-            if p.states[s.name] == "committed":
+            if p.states[s.name] is ShardState.COMMITTED:
                 events.emit("shard_skipped", f"shard {s.name} already committed", shard=s.name,
                             reason="committed")
         remove_orphan_tmp_files(p.out.tmp_dir())  # beside the output, or the local spool
@@ -251,7 +274,7 @@ class _Job:
         self.stop.raise_now = True  # measuring starts engines: a signal ends it at once
         try:
             chosen, choice = choose_speculation(ctx.spec, shards, pending_rows, ctx.out,
-                                                self.events, self.remeasure)
+                                                self.events, self.options.remeasure)
         finally:
             self.stop.raise_now = False
         self.summary["speculative_auto"] = choice.summary()
@@ -260,7 +283,7 @@ class _Job:
 
     def context(self) -> RunContext:
         return RunContext(spec=self.spec, run_id=self.run_id, out=self.out, owner=self.owner,
-                          events=self.events, stop=self.stop, overwrite=self.overwrite,
+                          events=self.events, stop=self.stop, overwrite=self.options.overwrite,
                           grace_s=self.grace_s, new_progress=self.new_progress,
                           outcome=self.outcome)
 
@@ -277,12 +300,18 @@ class _Job:
 
     def new_progress(self, total_rows: int, total_shards: int) -> Progress:
         """Live progress for the driver: bars at a terminal, else periodic events."""
-        bars = _isatty(self.events.stream) if self.progress_bars is None else self.progress_bars
+        bars = self.options.progress_bars
+        bars = _isatty(self.events.stream) if bars is None else bars
         self.progress = Progress(self.events, total_rows, total_shards, bars,
                                  self.spec.execution.progress_interval_s)
         return self.progress
 
     # ------------------------------------------------------------------ endings
+
+    def shutdown(self) -> None:
+        """Stop the executor this run made (never a caller's: it shuts that down itself)."""
+        if self.executor is not None and self.executor is not self.options.executor:
+            self.executor.shutdown()
 
     def fail(self, exc: BaseException) -> BaseException:
         """Clean up after a failed or stopped run, write its summary, and return the exception

@@ -11,18 +11,16 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from batchspec.leases.shard_leases import BusyRetry
+from batchspec.leases.shard_leases import BusyRetry, LeaseObservation
 from batchspec.run.events import EventLog
 from batchspec.run.outcome import RunOutcome
-
-#: What a finder saw of a busy shard's holder (:meth:`ShardLeases.observation`).
-Observation = tuple[tuple, float] | None
 
 
 class LeaseWait:
     """One run's busy shards: which are retried, when, and which stay busy in ``outcome``.
 
-    ``progress`` takes ``rows_dropped(n)``; ``row_counts`` is each shard's rows."""
+    ``progress`` takes ``rows_dropped(n)`` and ``rows_restored(n)``; ``row_counts`` is each
+    shard's rows."""
 
     def __init__(self, lease_s: float, outcome: RunOutcome, events: EventLog, progress,
                  row_counts: dict[str, int]):
@@ -32,13 +30,14 @@ class LeaseWait:
         #: shard -> monotonic time its retry is due, for the shards waiting for one
         self._due: dict[str, float] = {}
 
-    def sort(self, busy: dict[str, str], observation: Callable[[str], Observation],
-             stopping: bool = False, **fields) -> list[str]:
+    def schedule_retries(self, busy: dict[str, str],
+                         observation: Callable[[str], LeaseObservation | None],
+                         stopping: bool = False, **fields) -> list[str]:
         """Shards found busy (shard -> holder in words), with what the finder saw of each
-        holder: every one is busy in the outcome; those whose holder may be dead (and not waited
-        for yet, and the run not stopping) get one retry, due once the holder could have been
-        still for ``lease_s``, and one ``shards_waiting`` event (with ``fields``) says so.
-        Returns the shards to retry, by name."""
+        holder (:meth:`ShardLeases.observation`): every one is busy in the outcome; those whose
+        holder may be dead (and not waited for yet, and the run not stopping) get one retry,
+        due once the holder could have been still for ``lease_s``, and one ``shards_waiting``
+        event (with ``fields``) says so. Returns the shards to retry, by name."""
         waits: dict[str, float] = {}
         for name, holder in busy.items():
             self.outcome.busy[name] = holder
@@ -77,9 +76,9 @@ class LeaseWait:
         if self._due.pop(name, None) is None:
             return
         self.outcome.busy.pop(name, None)
-        self.progress.rows_dropped(-self.row_counts[name])
+        self.progress.rows_restored(self.row_counts[name])
 
-    def observation(self, name: str) -> Observation:
+    def observation(self, name: str) -> LeaseObservation | None:
         """What to hand the process that retries the shard
         (:meth:`ShardLeases.note_observation`)."""
         return self.rule.observation(name)

@@ -10,7 +10,6 @@ from typing import Any
 from batchspec.columns import error_reason
 from batchspec.errors import RuntimeFailure
 from batchspec.io.output_dir import OutputDir
-from batchspec.io.paths import BOOKKEEPING_DIR
 from batchspec.stats import acceptance_rate, mean_acceptance_length, tokens_per_s
 
 
@@ -164,7 +163,7 @@ def summarise(summary: dict, outcome: RunOutcome, wall_s: float, generation_wall
 
 def write_summary(out: OutputDir, run_id: str, summary: dict) -> str:
     """Write the run summary to ``_batchspec/runs/<run_id>.json``; returns its path."""
-    path = out.join(BOOKKEEPING_DIR, "runs", f"{run_id}.json")
+    path = out.run_summary_path(run_id)
     out.write_json(path, summary)
     return path
 

@@ -17,7 +17,6 @@ run/executors/ray.py: replicas on a Ray cluster):
 from __future__ import annotations
 
 import datetime as dt
-import enum
 import hashlib
 import time
 from collections.abc import Callable, Iterator
@@ -28,10 +27,10 @@ from batchspec.errors import InputDataError, SpecError
 from batchspec.io.jsonl import JsonLinesReader
 from batchspec.io.listing import Shard, assign, check_worker, discover_shards
 from batchspec.io.locations import check_no_overlap, same_store
-from batchspec.io.openai_results import OpenAIResultWriter
 from batchspec.io.output_dir import OutputDir
-from batchspec.io.reader import Row, ShardReader, open_reader
-from batchspec.io.writer import ShardWriter
+from batchspec.io.output_formats import ResultWriter
+from batchspec.io.reader import ParquetReader, Row, open_reader
+from batchspec.io.states import ShardState
 from batchspec.leases.shard_leases import holder_text
 from batchspec.redact import sanitize_url, scrub_text
 from batchspec.run.events import EventLog
@@ -50,7 +49,8 @@ class Plan:
 
     out: OutputDir
     shards: list[Shard]
-    states: dict[str, str]
+    #: shard -> what storage says of it: committed, stale, partial or pending
+    states: dict[str, ShardState]
     #: shard -> spec components that changed since it was committed (state ``stale``)
     stale: dict[str, list[str]]
     #: output files whose input no longer exists (never counted as done)
@@ -74,11 +74,11 @@ def plan(spec: JobSpec, worker_index: int = 0, num_workers: int = 1,
                             allow_empty=spec.input.allow_empty, input_format=spec.input.format)
     shards = assign(every, worker_index, num_workers)
     fp = spec_fingerprint(spec)
-    states: dict[str, str] = {}
+    states: dict[str, ShardState] = {}
     stale: dict[str, list[str]] = {}
     for s in shards:
         if overwrite:
-            states[s.name] = "pending"
+            states[s.name] = ShardState.PENDING
             continue
         states[s.name], changed = out.inspect(s, fp)
         if changed:
@@ -131,22 +131,10 @@ def check_inputs(spec: JobSpec, todo: list[Shard],
 # ---------------------------------------------------------------------------- 3. per shard
 
 
-class ShardState(enum.Enum):
-    """Where a shard is on its way through the stages. A shard moves only forward, along
-    :data:`_MOVES`: from ``PENDING`` through ``READING`` and ``READ`` (while its lease is ours)
-    to one of the final states."""
-
-    PENDING = "pending"  # not claimed yet
-    BUSY = "busy"  # another process holds its lease: left alone
-    SKIPPED = "skipped"  # committed by another process since this run planned
-    READING = "reading"  # its lease is ours; its rows are being read into the stream
-    READ = "read"  # its lease is ours; every row read, committed when the last result arrives
-    COMMITTED = "committed"  # its output and manifest are visible; its lease given back
-    FAILED = "failed"  # unreadable midway: its copy discarded, its lease given back
-    ABANDONED = "abandoned"  # its lease went to another process: its copy discarded
-
-
-_MOVES: dict[ShardState, frozenset[ShardState]] = {
+#: Where a shard may go from each state on its way through the stages (the one vocabulary of
+#: states is :class:`batchspec.io.states.ShardState`): only forward, from ``PENDING`` through
+#: ``READING`` and ``READ`` (while its lease is ours) to one of the final states.
+MOVES: dict[ShardState, frozenset[ShardState]] = {
     ShardState.PENDING: frozenset({ShardState.BUSY, ShardState.SKIPPED, ShardState.READING}),
     ShardState.READING: frozenset({ShardState.READ, ShardState.FAILED, ShardState.ABANDONED}),
     ShardState.READ: frozenset({ShardState.COMMITTED, ShardState.FAILED, ShardState.ABANDONED}),
@@ -158,8 +146,8 @@ class ShardRun:
     """One shard on its way through the stages."""
 
     shard: Shard
-    reader: ShardReader | JsonLinesReader | None = None
-    writer: ShardWriter | OpenAIResultWriter | None = None
+    reader: ParquetReader | JsonLinesReader | None = None
+    writer: ResultWriter | None = None
     state: ShardState = ShardState.PENDING
     rows_read: int = 0
     #: Rows of the shard whose every result row (one per sample) is written.
@@ -168,8 +156,8 @@ class ShardRun:
     stats: ShardStats = field(default_factory=ShardStats)
 
     def move(self, to: ShardState) -> None:
-        """The one way a shard changes state; a move :data:`_MOVES` does not allow is a bug."""
-        if to not in _MOVES.get(self.state, frozenset()):
+        """The one way a shard changes state; a move :data:`MOVES` does not allow is a bug."""
+        if to not in MOVES.get(self.state, frozenset()):
             raise RuntimeError(f"shard {self.shard.name}: no move from {self.state.value} to "
                                f"{to.value}")
         self.state = to
@@ -261,7 +249,7 @@ class ShardPipeline:
                              f"({holder_text(holder)}); leaving it alone", level="warning",
                              shard=name, holder=holder.get("run_id"))
             return False
-        if not self.overwrite and self.out.shard_state(run.shard) == "committed":
+        if not self.overwrite and self.out.shard_state(run.shard) is ShardState.COMMITTED:
             self.leases.release(name)  # committed by another process since this run began
             run.move(ShardState.SKIPPED)
             self.progress.rows_dropped(self.row_counts[name])
@@ -279,11 +267,8 @@ class ShardPipeline:
         run.reader = open_reader(run.shard, spec)
         metadata = {**self.metadata_base, "shard": name, "input": sanitize_url(run.shard.url),
                     "input_fingerprint": run.shard.fingerprint}
-        if spec.output.format == "openai":
-            run.writer = OpenAIResultWriter(self.out, run.shard, metadata)
-        else:
-            run.writer = ShardWriter(self.out, run.shard, run.reader.kept_fields, metadata,
-                                     spec.output.row_group_rows, spec.output.compression)
+        run.writer = self.out.format.writer(self.out, run.shard, spec.output,
+                                            run.reader.kept_fields, metadata)
         run.started = time.monotonic()
         self.events.emit("shard_started", f"shard {name} started", shard=name,
                          rows=self.row_counts[name] if name in self.row_counts

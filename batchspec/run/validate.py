@@ -13,6 +13,7 @@ from batchspec.columns import error_reason
 from batchspec.engine.checks import max_model_len
 from batchspec.errors import InputDataError
 from batchspec.io.reader import length_error, open_reader, prompt_token_ids
+from batchspec.io.states import ShardState
 from batchspec.run.stages import plan
 from batchspec.spec.model import JobSpec
 
@@ -21,7 +22,7 @@ from batchspec.spec.model import JobSpec
 class ShardCheck:
     name: str
     url: str
-    state: str
+    state: ShardState
     rows: int = 0
     bad_rows: dict[str, int] = field(default_factory=dict)
     max_prompt_tokens: int = 0

@@ -194,7 +194,9 @@ def spec_fingerprint(spec: JobSpec) -> dict[str, str]:
         from batchspec.io.openai_batch import served_names
 
         components["columns"]["served_names"] = sorted(served_names(spec))
-    if spec.output.format != "parquet":  # only when set: Parquet outputs keep their hashes
+    from batchspec.io.output_formats import output_format
+
+    if output_format(spec.output.format).in_fingerprint:  # Parquet outputs keep their hashes
         components["columns"]["output_format"] = spec.output.format
     return {name: _digest(value) for name, value in components.items()}
 

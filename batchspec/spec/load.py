@@ -16,7 +16,7 @@ import yaml
 from yaml.nodes import MappingNode, ScalarNode, SequenceNode
 
 from batchspec.errors import SpecError
-from batchspec.spec.build import _kind, build_spec
+from batchspec.spec.build import build_spec, kind_of
 from batchspec.spec.model import JobSpec
 
 _VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
@@ -46,7 +46,7 @@ def load_spec(path: str | os.PathLike, overrides: list[str] | tuple[str, ...] = 
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
-        raise SpecError(None, f"{path}: the job spec must be a mapping of keys, not {_kind(raw)}")
+        raise SpecError(None, f"{path}: the job spec must be a mapping of keys, not {kind_of(raw)}")
     for item in overrides:
         apply_override(raw, item, environ)
     # Only now: a variable is needed only if no --set replaced the value that names it.
@@ -75,7 +75,7 @@ def apply_override(raw: dict, item: str, environ: Mapping[str, str] | None = Non
             child = node[part] = {}
         elif not isinstance(child, dict):
             raise SpecError(".".join(parts[: i + 1]),
-                            f"--set {key}: this key holds {_kind(child)}, not a mapping")
+                            f"--set {key}: this key holds {kind_of(child)}, not a mapping")
         node = child
     node[parts[-1]] = parsed
 

@@ -4,17 +4,29 @@ meaning. Every default lives here (spec/build.py reads them from these fields)."
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, get_args
 
 from batchspec.redact import public_spec
 from batchspec.redact import secret_values as _secret_values
 
+# Every choice a key offers is a Literal type on its field: spec/build.py checks each value
+# against its field's type, in one place.
+
 #: Input file formats (``input.format``): see batchspec/io/formats.py; ``openai``: OpenAI Batch
 #: request files (batchspec/io/openai_batch.py).
-INPUT_FORMATS = ("parquet", "jsonl", "openai")
+InputFormatName = Literal["parquet", "jsonl", "openai"]
+INPUT_FORMATS: tuple[InputFormatName, ...] = get_args(InputFormatName)
 #: Output file formats (``output.format``): ``parquet`` (the contract's columns, one file a
 #: shard) or ``openai`` (OpenAI Batch result and error files, batchspec/io/openai_results.py).
-OUTPUT_FORMATS = ("parquet", "openai")
+#: Each one is a class in batchspec/io/output_formats.py.
+OutputFormatName = Literal["parquet", "openai"]
+OUTPUT_FORMATS: tuple[OutputFormatName, ...] = get_args(OutputFormatName)
+#: What a run does with an unreadable shard (``input.on_bad_shard``).
+OnBadShard = Literal["fail", "skip"]
+#: Where a job's shards run (``executor.kind``): ``local`` (this process's one engine) or
+#: ``ray`` (replicas).
+ExecutorKind = Literal["local", "ray"]
+EXECUTOR_KINDS: tuple[ExecutorKind, ...] = get_args(ExecutorKind)
 
 #: SamplingParams fields a row may override from its own column (``input.sampling_columns``).
 ROW_OVERRIDABLE = (
@@ -45,13 +57,17 @@ ROW_OVERRIDABLE = (
 class InputSpec:
     """Where the prompts are and how to read them."""
 
-    #: fsspec URLs of the input shards: paths or globs (local, s3://, gs://, az://, memory://).
+    #: fsspec URLs of the input shards: one path or glob (local, s3://, gs://, az://, memory://),
+    #: or a list of them. Listing never picks up files under ``output.path``.
     paths: tuple[str, ...]
     #: ``parquet``, ``jsonl`` (JSON lines, plain or .gz/.zst) or ``openai`` (OpenAI Batch request
-    #: files, whose lines name their prompt, id and sampling); None: each file's extension says
-    #: (``.parquet``, ``.jsonl``, ``.ndjson``, compressed or not).
-    format: str | None = None
-    #: Column holding the text prompt (exclusive with ``messages_column``).
+    #: files, whose lines name their prompt, id and sampling); None: each file's name says:
+    #: ``*.jsonl`` and ``*.ndjson`` (plain, ``.gz`` or ``.zst``) are JSON lines, a ``.json`` file
+    #: needs ``jsonl`` (it may be one JSON document), any other name is Parquet, and a compressed
+    #: one is refused naming this key.
+    format: InputFormatName | None = None
+    #: Column holding the text prompt (exclusive with ``messages_column``; give exactly one of
+    #: the two, and neither with ``format: openai``).
     prompt_column: str | None = None
     #: Column holding chat messages (list of {role, content}), rendered by the chat template.
     messages_column: str | None = None
@@ -62,10 +78,11 @@ class InputSpec:
     lora_column: str | None = None
     #: SamplingParams field -> input column that overrides it per row (null keeps the job value).
     sampling_columns: dict[str, str] = field(default_factory=dict)
-    #: Handed to fsspec as is (endpoint, credentials, ...).
+    #: Handed to fsspec as is (endpoint, credentials, ...); every value is ``***`` wherever
+    #: batchspec writes.
     storage_options: dict[str, Any] = field(default_factory=dict)
     #: ``fail``: an unreadable shard exits 3; ``skip``: it is recorded in the run summary.
-    on_bad_shard: str = "fail"
+    on_bad_shard: OnBadShard = "fail"
     #: An input path or glob that matches no file is fine: the run exits 0 with a summary
     #: (for scheduled jobs whose input may be empty some days). False: it is bad input data.
     allow_empty: bool = False
@@ -83,19 +100,24 @@ class InputSpec:
 class OutputSpec:
     """Where results go."""
 
-    #: Directory URL; may be on another filesystem than the input.
+    #: Directory URL; may be on another filesystem than the input, but never equal to, inside
+    #: or containing an input location (exit 2).
     path: str
-    #: Input columns copied to the output; None keeps all but the prompt/messages column.
+    #: Input columns copied to the output; None keeps all but the prompt/messages column. JSON
+    #: lines: typed from the first ``execution.read_batch_rows`` records; OpenAI Batch files: each
+    #: line's ``url`` and ``model``.
     keep_columns: tuple[str, ...] | None = None
-    #: Handed to fsspec as is.
+    #: Handed to fsspec as is; every value is ``***`` wherever batchspec writes.
     storage_options: dict[str, Any] = field(default_factory=dict)
     #: Rows per Parquet row group; results are written as they complete, in groups this size.
     row_group_rows: int = 1024
     #: Parquet compression codec.
     compression: str = "zstd"
     #: ``parquet`` (the contract's columns) or ``openai`` (OpenAI Batch result and error files
-    #: per input file, for ``input.format: openai``; batchspec/io/openai_results.py).
-    format: str = "parquet"
+    #: per input file, for ``input.format: openai``; batchspec/io/openai_results.py). ``openai``
+    #: needs ``input.format: openai`` and refuses ``keep_columns``, ``row_group_rows`` and
+    #: ``compression``.
+    format: OutputFormatName = "parquet"
 
 
 @dataclass(frozen=True)
@@ -121,7 +143,10 @@ class ModelSpec:
 
     #: Local path or model id, as ``vllm.LLM(model=...)`` takes it.
     target: str
-    #: ``vllm.LLM`` keyword arguments (max_model_len, dtype, tensor_parallel_size, ...).
+    #: ``vllm.LLM`` keyword arguments (max_model_len, dtype, tensor_parallel_size, ...), checked
+    #: against vLLM's ``EngineArgs`` before any weights load. ``model``, ``speculative_config``,
+    #: ``enable_lora``, ``max_loras`` and ``max_lora_rank`` come from other keys (``model.target``,
+    #: ``speculative``, ``model.lora``).
     engine: dict[str, Any] = field(default_factory=dict)
     #: LoRA adapters rows may run with; None: LoRA off.
     lora: LoraSpec | None = None
@@ -139,10 +164,11 @@ class ExecutionSpec:
     max_n: int = 128
     #: Rows per record batch read from a shard.
     read_batch_rows: int = 1024
-    #: Seconds between progress log lines when not at a terminal.
+    #: Seconds between progress log lines when not at a terminal (``--progress-interval``).
     progress_interval_s: float = 30.0
     #: Seconds a run stopped by SIGTERM may spend finishing its in-flight requests (and
-    #: committing the shards they complete) before it aborts them; 0 aborts at once.
+    #: committing the shards they complete) before it aborts them; 0 aborts at once
+    #: (``--grace-seconds``).
     grace_s: float = 30.0
     #: Seconds after which a shard lease that was not renewed counts as abandoned and another
     #: process may take the shard over.
@@ -193,22 +219,20 @@ class AutoSpeculation:
     remeasure: bool = False
 
 
-#: Where a job's shards run: ``local`` (this process's one engine) or ``ray`` (replicas).
-EXECUTOR_KINDS = ("local", "ray")
-
-
 @dataclass(frozen=True)
 class ExecutorSpec:
     """Where the shards run (``executor:``); never part of the output's fingerprint: a job run
     locally and on Ray writes the same files, and either may resume the other."""
 
-    #: ``local``: one engine in this process; ``ray``: ``replicas`` Ray actors, one engine each.
-    kind: str = "local"
+    #: ``local``: one engine in this process; ``ray``: ``replicas`` Ray actors, one engine each
+    #: (``--executor``).
+    kind: ExecutorKind = "local"
     #: Ray actors, each holding one vLLM engine (tensor/pipeline parallel stay engine args).
     replicas: int = 1
     #: Ray resources each replica reserves: ``CPU``, ``GPU``, or custom resource names.
     resources_per_replica: dict[str, float] = field(default_factory=lambda: {"CPU": 1})
-    #: The Ray cluster to join (``ray://host:10001``, ``auto``); unset starts a local one.
+    #: The Ray cluster to join (``ray://host:10001``, ``auto``); unset starts a local one
+    #: (``--ray-address``).
     ray_address: str | None = None
     #: Tries a shard gets when the replica running it dies, before it is reported failed.
     max_shard_attempts: int = 3
@@ -222,13 +246,18 @@ DEFAULT_JOB_NAME = "batchspec"
 class JobSpec:
     """A whole job, validated. ``raw`` is the resolved YAML mapping it was built from."""
 
+    #: The job's name, in its events, run summaries, output metadata and reports.
     name: str
     input: InputSpec
     output: OutputSpec
     model: ModelSpec
-    #: vLLM ``speculative_config``; None turns speculative decoding off.
+    #: vLLM ``speculative_config``, passed through and checked against vLLM's
+    #: ``SpeculativeConfig`` before any weights load; None turns speculative decoding off. A draft
+    #: ``model`` with no ``method`` means ``draft_model``; ``auto`` (or ``method: auto``) lets the
+    #: run choose (``speculative: auto`` below).
     speculative: dict[str, Any] | None
-    #: ``vllm.SamplingParams`` keyword arguments.
+    #: ``vllm.SamplingParams`` keyword arguments, job-wide, checked against vLLM's
+    #: ``SamplingParams`` before any weights load.
     sampling: dict[str, Any]
     execution: ExecutionSpec
     raw: dict[str, Any] = field(repr=False, compare=False)

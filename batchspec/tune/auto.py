@@ -49,7 +49,6 @@ from typing import Any
 import batchspec
 from batchspec.errors import SpecError
 from batchspec.io.output_dir import OutputDir
-from batchspec.io.paths import BOOKKEEPING_DIR
 from batchspec.redact import public_spec, scrub_text
 from batchspec.spec.model import JobSpec
 
@@ -103,7 +102,7 @@ def choose_speculation(spec: JobSpec, shards: list, pending_rows: int, out: Outp
     auto = spec.speculative_auto
     assert auto is not None
     key, components = choice_key(spec)
-    path = out.join(BOOKKEEPING_DIR, "auto", f"{key}.json")
+    path = out.auto_choice_path(key)
     if not (remeasure or auto.remeasure):
         record = out.read_json(path)
         if record is None and out.exists(path):

@@ -13,7 +13,7 @@ from html import escape
 from typing import Any
 
 from batchspec.redact import scrub_text
-from batchspec.report.html import CSS, Plot, _card, _legend, nice_ticks, tick_label
+from batchspec.report.html import CSS, Plot, chart_card, nice_ticks, series_legend, tick_label
 
 #: Line colours, one per candidate (off is always the first, dark slate).
 PALETTE = ("#334155", "#2563eb", "#16a34a", "#d97706", "#db2777", "#7c3aed", "#0891b2", "#dc2626",
@@ -95,9 +95,9 @@ def render_tune_html(data: dict[str, Any]) -> str:
     pred = data["prediction"]
     sub = (f"Dashed: speculation off. Recommended ({escape(data['objective'])}): {escape(rec)}. "
            f"Noise threshold {escape(noise)}.")
-    body = _card("Output tok/s against concurrency", sub, _legend(legend) + svg, wide=True)
+    body = chart_card("Output tok/s against concurrency", sub, series_legend(legend) + svg, wide=True)
     err = pred.get("mean_relative_error")
-    table = _card("Candidates", "★ recommended; error = |predicted - measured| / measured. Cost "
+    table = chart_card("Candidates", "★ recommended; error = |predicted - measured| / measured. Cost "
                   f"model: {pred['cost_model']}. Mean error "
                   f"{'n/a' if err is None else f'{err * 100:.0f}%'}.", _table(data), wide=True)
     generated = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")

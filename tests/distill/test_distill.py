@@ -102,6 +102,7 @@ def test_a_draft_with_another_vocabulary_exits_2_before_any_engine(tmp_path, mod
     assert done.stdout == ""
 
 
+@pytest.mark.vllm
 def test_training_batch_predicts_the_continuation_only():
     examples = [{"prompt_token_ids": [5, 6, 7], "output_token_ids": [8, 9],
                  "topk_token_ids": [[8, 3], [9, 4]], "topk_logprobs": [[-0.1, -2.5], [-0.2, -1.9]]},

@@ -52,6 +52,7 @@ def _reference_expand(values, ends, replace_from, replace_to):
     return out
 
 
+@pytest.mark.vllm
 @pytest.mark.parametrize("dtype, values, replace", [
     ("float32", [0.8, 0.0, 1.3, 0.0], (0, 1)),      # temperature: greedy rows divide by 1
     ("int32", [50, 0, 7, 1000], (0, 0)),            # top_k
@@ -80,6 +81,7 @@ def _vllm_cpu_expand_kernel():
     return module._expand_kernel_impl
 
 
+@pytest.mark.vllm
 def test_vllm_cpu_expand_kernel_leaves_float_output_unwritten():
     """The bug itself, on the installed vLLM: the CPU wrapper writes into an int64 copy of the
     output and drops it. Fails (and the plugin's version gate needs updating) once vLLM fixes it."""
@@ -95,6 +97,7 @@ def test_vllm_cpu_expand_kernel_leaves_float_output_unwritten():
     assert out.tolist() == [-7.0] * 5, "vLLM's CPU expand kernel now writes its output: drop the fix"
 
 
+@pytest.mark.vllm
 def test_plugin_active_only_where_checked(monkeypatch):
     pytest.importorskip("vllm")
     from vllm.platforms import current_platform
@@ -114,6 +117,7 @@ def test_plugin_active_only_where_checked(monkeypatch):
     assert "not a version the fixes were checked against" in vllm_plugin.inactive_reason()
 
 
+@pytest.mark.vllm
 def test_plugin_is_a_no_op_on_unchecked_versions(monkeypatch, caplog):
     pytest.importorskip("vllm")
     from vllm.utils import cpu_triton_utils
@@ -154,6 +158,7 @@ class _Lib:
         return lambda *args: None
 
 
+@pytest.mark.vllm
 def test_kernel_overrides_register_beside_values_vllms_scan_cannot_read(monkeypatch):
     """Fix 4: vLLM's kernel rebind scan over every module's values raises on a proxy that raises
     and on a ``__dict__`` that is no mapping (a second engine in one process then fails to
@@ -180,6 +185,7 @@ def test_kernel_overrides_register_beside_values_vllms_scan_cannot_read(monkeypa
     assert isinstance(vars(module)["request"], _Proxy) and isinstance(vars(module)["lib"], _Lib)
 
 
+@pytest.mark.vllm
 def test_refusal_follows_the_plugin(monkeypatch, tmp_path):
     pytest.importorskip("vllm")
     from vllm.platforms import current_platform
@@ -230,6 +236,7 @@ def permutation_p_value(a: list[list[int]], b: list[list[int]], positions, permu
     return (1 + at_least) / (1 + permutations)
 
 
+@pytest.mark.vllm
 def test_permutation_test_tells_distributions_apart():
     import numpy as np
 

@@ -84,6 +84,7 @@ def test_the_rank_vllm_is_given_fits_the_largest_adapter(tmp_path):
         {"enable_lora": True, "max_loras": 1, "max_lora_rank": 16}
 
 
+@pytest.mark.vllm
 def test_a_row_picks_its_adapter_or_the_jobs(tmp_path):
     make_adapter(tmp_path / "a")
     make_adapter(tmp_path / "b")
@@ -253,6 +254,7 @@ def test_a_row_naming_no_adapter_is_an_error_row_and_the_rest_run(tmp_path, shar
     assert "'upperr' in column 'adapter'" in rows["bad"]["error"]
 
 
+@pytest.mark.vllm
 def test_cpu_lora_kernels_give_a_token_without_an_adapter_no_lora_term():
     """The plugin's kernels (batchspec.engine.cpu_plugin, fix 3) against the sum they stand for:
     vLLM's own read index -1 as the last adapter."""
@@ -287,6 +289,7 @@ def test_cpu_lora_kernels_give_a_token_without_an_adapter_no_lora_term():
     assert not torch.allclose(theirs[0], torch.zeros(4))
 
 
+@pytest.mark.vllm
 def test_base_rows_with_adapter_rows_are_refused_where_the_plugin_is_off(tmp_path, monkeypatch):
     from batchspec.engine import cpu_plugin
 

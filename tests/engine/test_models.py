@@ -22,6 +22,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
 import grow_model  # noqa: E402
 import tiny_models  # noqa: E402
 
+#: torch and transformers, which the engine extra installs
+pytestmark = pytest.mark.vllm
+
 #: Held-out prompts and tokens for the checks on the built models.
 CHECK_PROMPTS = 8
 CHECK_TOKENS = 32

@@ -17,6 +17,9 @@ from batchspec.errors import RuntimeFailure
 from batchspec.io.rows import Row
 from batchspec.spec.build import build_spec
 
+#: vLLM's SamplingParams, stubbed engine or not
+pytestmark = pytest.mark.vllm
+
 
 class StubTokenizer:
     def encode(self, text):

@@ -54,6 +54,7 @@ def test_constraints_are_normalised_from_json_text_and_struct_columns():
     assert structured.from_row(None, {"temperature": 0.5}) is None
 
 
+@pytest.mark.vllm
 def test_vllm_compiles_what_batchspec_passes_and_refuses_what_it_cannot(tmp_path):
     structured.check_with_vllm({"choice": ["yes", "no"]})
     structured.check_with_vllm({"grammar": 'root ::= "a" | "b"'})
@@ -61,6 +62,7 @@ def test_vllm_compiles_what_batchspec_passes_and_refuses_what_it_cannot(tmp_path
         structured.check_with_vllm({"grammar": "root ::= ("})
 
 
+@pytest.mark.vllm
 @pytest.mark.parametrize("sampling, key", [
     ({"structured_outputs": {"json": {"type": 12}}}, "sampling.structured_outputs"),
     ({"structured_outputs": {"grammar": "root ::= ("}}, "sampling.structured_outputs"),
@@ -80,6 +82,7 @@ def test_a_bad_job_wide_value_is_a_spec_error_naming_the_key(tmp_path, sampling,
     assert err.value.key == key, err.value
 
 
+@pytest.mark.vllm
 def test_a_rows_own_bad_values_are_refused_naming_the_field():
     with pytest.raises(ValueError, match="logprobs: expected an integer"):
         check_row(None, {"logprobs": "many"}, 20)

@@ -53,7 +53,7 @@ def stop_commit(setattr_, after, stop) -> list[str]:
     happen (``publish <name>``, ``remove <name>``, ``write_json <name>``)."""
     from batchspec.io.openai_results import OpenAIResultWriter
     from batchspec.io.output_dir import OutputDir
-    from batchspec.io.writer import ShardWriter
+    from batchspec.io.writer import ParquetWriter
 
     steps: list[str] = []
 
@@ -91,7 +91,7 @@ def stop_commit(setattr_, after, stop) -> list[str]:
     setattr_(OutputDir, "remove", removing)
     setattr_(OutputDir, "write_json", writing_json)
     if after == "writing":
-        for writer in (OpenAIResultWriter, ShardWriter):
+        for writer in (OpenAIResultWriter, ParquetWriter):
             add = writer.add_request
 
             def adding(self, row, results, add=add):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pyarrow.parquet as pq
 
 from batchspec.run.events import EventLog
-from batchspec.run.job import run_job
+from batchspec.run.job import RunOptions, run_job
 from batchspec.spec.build import build_spec
 from helpers.fakes import FakeEngine
 from helpers.jobs import write_parquet
@@ -30,11 +30,14 @@ def shards(tmp_path, n=3, rows=10):
                       {"prompt": [f"prompt {i}-{j}" for j in range(rows)], "k": list(range(rows))})
 
 
-def run(spec, engine=None, **kw):
+def run(spec, engine=None, **options):
+    """A run on ``engine`` (a FakeEngine by default) with its events captured; ``options`` are
+    :class:`RunOptions` fields."""
     events = []
     log = EventLog("test", "json")
     log.emit = lambda event, message="", level="info", **f: events.append((event, f))
-    result = run_job(spec, engine=engine or FakeEngine(), events=log, progress_bars=False, **kw)
+    result = run_job(spec, RunOptions(engine=engine or FakeEngine(), events=log,
+                                      progress_bars=False, **options))
     return result, events
 
 

@@ -4,10 +4,10 @@ An engine start-up costs about 28 s on the tiny models with vLLM's engine and wo
 (4 s where they run in this process, as shared engines do), and most end-to-end
 tests need "a run of job X on the real engine", not a process of their own. So one
 :class:`batchspec.engine.llm.Engine` per (target model, engine arguments, speculative config) is
-started the first time a test asks for it and reused, as ``run_job(spec, engine=...)`` allows, by
-every later job with that key; the ``shared_engines`` fixture (conftest.py) holds them for the
-session. Tests of what a process does (exit codes, signals, kills, the CLI's flags and output)
-keep running ``batchspec`` as a subprocess.
+started the first time a test asks for it and reused, as ``run_job(spec, RunOptions(engine=...))``
+allows, by every later job with that key; the ``shared_engines`` fixture (conftest.py) holds them
+for the session. Tests of what a process does (exit codes, signals, kills, the CLI's flags and
+output) keep running ``batchspec`` as a subprocess.
 
 vLLM keeps its metrics (``LLM.get_metrics()``, which batchspec reads for a run's per-position
 acceptance) in prometheus_client's process-wide registry, and each new engine takes the registry
@@ -65,26 +65,26 @@ class LibraryRun:
         if self.result is not None:
             return self.result.summary
         from batchspec.io.output_dir import OutputDir
-        from batchspec.io.paths import BOOKKEEPING_DIR
 
         out = OutputDir(self.spec.output.path, self.spec.output.storage_options,
                         self.spec.output.format)
-        return out.read_json(out.join(BOOKKEEPING_DIR, "runs", f"{self.run_id}.json"))
+        return out.read_json(out.run_summary_path(self.run_id))
 
 
 def run_library(spec: JobSpec, engine, *, fmt: str = "json", progress_bars: bool = False,
-                **kwargs) -> LibraryRun:
-    """``run_job(spec, engine=engine)`` with its events captured; a failed run is returned, not
-    raised (its ``error`` carries the exit code the CLI would exit with)."""
-    from batchspec.run.job import new_run_id, run_job
+                **options) -> LibraryRun:
+    """``run_job(spec, RunOptions(engine=engine, ...))`` with its events captured (``options``:
+    more :class:`RunOptions` fields); a failed run is returned, not raised (its ``error``
+    carries the exit code the CLI would exit with)."""
+    from batchspec.run.job import RunOptions, new_run_id, run_job
 
     run_id = new_run_id()
     stream = io.StringIO()
     started = time.monotonic()
     result = error = None
     try:
-        result = run_job(spec, engine=engine, events=EventLog(run_id, fmt, stream),
-                         progress_bars=progress_bars, run_id=run_id, **kwargs)
+        result = run_job(spec, RunOptions(engine=engine, events=EventLog(run_id, fmt, stream),
+                                          progress_bars=progress_bars, run_id=run_id, **options))
     except BatchspecError as exc:
         error = exc
     return LibraryRun(spec, run_id, result, error, stream.getvalue(), time.monotonic() - started)
@@ -139,7 +139,7 @@ class SharedEngines:
             self._engines[key] = self._start(spec)
         engine = self._engines[key]
         _own_metrics(engine)
-        return engine  # run_job(spec, engine=...) binds it to each job's sampling
+        return engine  # run_job(spec, RunOptions(engine=...)) binds it to each job's sampling
 
     @staticmethod
     def probe_spec(target, engine_args: dict, speculative: dict | None = None) -> JobSpec:

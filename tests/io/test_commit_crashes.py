@@ -28,6 +28,9 @@ from batchspec.io.writer import read_metadata
 from batchspec.run.status import job_status
 from batchspec.spec.build import build_spec
 
+#: every run checks its spec against vLLM's classes, on the fake engine too
+pytestmark = pytest.mark.vllm
+
 MODEL = "tiny-target"
 CHAT = "/v1/chat/completions"
 IDS = ["r1", "r2"]

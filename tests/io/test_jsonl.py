@@ -18,7 +18,7 @@ from batchspec.errors import InputDataError, SpecError
 from batchspec.io.formats import FileFormat, file_format, is_input_file, output_stem
 from batchspec.io.jsonl import JsonLinesReader
 from batchspec.io.listing import discover_shards
-from batchspec.io.reader import ShardReader, open_reader
+from batchspec.io.reader import ParquetReader, open_reader
 from batchspec.spec.build import build_spec
 from batchspec.spec.model import OutputSpec
 
@@ -43,7 +43,7 @@ def _write(path: Path, lines: list[str], compression: str | None = None) -> Path
     return path
 
 
-def _reader(path: Path, batch_rows: int = 1024, **input_keys) -> JsonLinesReader | ShardReader:
+def _reader(path: Path, batch_rows: int = 1024, **input_keys) -> JsonLinesReader | ParquetReader:
     spec = _spec(path, batch_rows, **input_keys)
     [shard] = discover_shards(spec.input.paths, {}, input_format=spec.input.format)
     return open_reader(shard, spec)
@@ -202,6 +202,7 @@ def test_a_bad_file_is_bad_input_data_naming_the_shard(tmp_path, monkeypatch):
     assert err.value.exit_code == 3
 
 
+@pytest.mark.vllm
 def test_a_torn_jsonl_shard_ends_the_run_before_any_engine_or_is_skipped(tmp_path, monkeypatch):
     """The check stage reads every JSON-lines shard whole (to count it): a gzip file cut short
     is found there, its first records readable or not: exit 3 naming it before any row reaches
@@ -269,6 +270,7 @@ def test_a_line_nested_5000_deep_is_an_error_row_where_the_columns_are_read_or_l
         *[f"p{i}" for i in range(before)], "p", "wide", *[f"p{i}" for i in range(before, 7)]]
 
 
+@pytest.mark.vllm
 def test_a_run_reads_past_a_deep_line_in_its_first_records(tmp_path):
     """The check stage reads a JSON-lines shard's first records and counts its lines: a line
     nested 5,000 deep among them is one error row of a run that exits 0."""
@@ -303,6 +305,7 @@ def test_any_error_making_a_row_is_that_rows_error_naming_the_line(tmp_path, mon
     assert rows[0].request_id == "c/0"
 
 
+@pytest.mark.vllm
 def test_a_lone_surrogate_escape_is_an_error_row_and_a_pair_is_text(tmp_path):
     """``"\\ud800"`` parses to a string no UTF-8 file holds: it would fail the run where the row
     is written or its id digested; an escaped pair is one character."""

@@ -114,6 +114,7 @@ def _inputs(tmp_path: Path) -> None:
         "\n".join(_line(f"b-{i}", url=COMPLETIONS if i % 2 else CHAT) for i in range(7)) + "\n")
 
 
+@pytest.mark.vllm
 def test_every_request_is_in_exactly_one_file_in_openais_format(tmp_path):
     _inputs(tmp_path)
     spec = build_spec(_job(tmp_path))
@@ -178,6 +179,7 @@ def test_every_request_is_in_exactly_one_file_in_openais_format(tmp_path):
     assert status["shards"][0]["output"].endswith("batch-a.output.jsonl")
 
 
+@pytest.mark.vllm
 def test_an_errors_file_lost_or_changed_makes_its_shard_partial_and_a_rerun_redoes_it(tmp_path):
     _inputs(tmp_path)
     spec = build_spec(_job(tmp_path))
@@ -199,6 +201,7 @@ def test_an_errors_file_lost_or_changed_makes_its_shard_partial_and_a_rerun_redo
     assert sorted(f["shard"] for e, f in events if e == "shard_skipped") == ["batch-a", "batch-b"]
 
 
+@pytest.mark.vllm
 def test_report_reads_the_same_figures_as_from_parquet(tmp_path):
     """The same job written both ways, by an engine whose figures depend only on the request:
     ``batchspec report``'s overall, per-shard and per-adapter figures are equal."""
@@ -228,6 +231,7 @@ def test_report_reads_the_same_figures_as_from_parquet(tmp_path):
     assert a["lineage"]["job"] == b["lineage"]["job"] == ["openai-out"]
 
 
+@pytest.mark.vllm
 def test_report_names_a_line_it_cannot_read(tmp_path):
     from batchspec.errors import InputDataError
 
@@ -258,6 +262,7 @@ def test_keys_an_openai_output_cannot_honour_are_refused(tmp_path, change, key):
     assert err.value.key == key
 
 
+@pytest.mark.vllm
 def test_each_custom_id_is_on_exactly_one_line_of_the_two_files(tmp_path):
     """A repeated custom_id is answered once, by the line that had it first: each repeat is an
     errors-file line with a null custom_id (as a line without a readable one), naming the line

@@ -27,7 +27,7 @@ from helpers.jobs import DRAFT, write_job
 from batchspec.errors import InputDataError
 from batchspec.io import retry as storage
 from batchspec.run.events import EventLog
-from batchspec.run.job import RunResult, run_job
+from batchspec.run.job import RunOptions, RunResult, run_job
 from batchspec.spec.build import build_spec
 from batchspec.spec.load import load_spec
 from batchspec.spec.model import JobSpec
@@ -137,7 +137,7 @@ def run(spec: JobSpec, on_event=None) -> RunResult:
             on_event(event, fields)
 
     log.emit = emit
-    return run_job(spec, engine=FakeEngine(), events=log, progress_bars=False)
+    return run_job(spec, RunOptions(engine=FakeEngine(), events=log, progress_bars=False))
 
 
 def run_with_failing_reads(proxy, spec: JobSpec, bucket: str, file: str, kind: str,
@@ -164,6 +164,7 @@ def retries_logged(caplog, words: str) -> int:
                and words in r.getMessage())
 
 
+@pytest.mark.vllm
 def test_a_job_survives_a_store_that_faults_38_percent_of_requests(
         buckets, proxy, fast_retries, small_parts, monkeypatch, caplog):
     """botocore's own retries are off: s3fs's few retries and batchspec's policy carry the job.
@@ -198,6 +199,7 @@ def test_a_job_survives_a_store_that_faults_38_percent_of_requests(
     assert retries_logged(caplog, "") > 0, "no fault reached batchspec's own retries"
 
 
+@pytest.mark.vllm
 @pytest.mark.parametrize("kind", ["drop", "drop_mid_body", "error_500"])
 def test_a_read_error_mid_shard_resumes_after_the_last_row_yielded(
         buckets, proxy, fast_retries, monkeypatch, caplog, kind):
@@ -218,6 +220,7 @@ def test_a_read_error_mid_shard_resumes_after_the_last_row_yielded(
     assert retries_logged(caplog, "reading row group") >= 1, [r.getMessage() for r in caplog.records]
 
 
+@pytest.mark.vllm
 @pytest.mark.parametrize("kind", ["drop_mid_body", "error_500"])
 def test_a_read_error_mid_jsonl_shard_resumes_after_the_last_line_yielded(
         buckets, proxy, fast_retries, monkeypatch, caplog, kind):
@@ -249,15 +252,16 @@ def test_a_read_error_mid_jsonl_shard_resumes_after_the_last_line_yielded(
         [r.getMessage() for r in caplog.records]
 
 
+@pytest.mark.vllm
 def test_corrupt_data_on_a_store_exits_3_at_once_without_retries(
         buckets, proxy, fast_retries, monkeypatch, caplog):
     """A garbled page is bad input (exit 3, naming the shard), not a storage fault to retry:
     pyarrow reports it as a bare OSError, which must not be taken for a flaky store."""
-    from batchspec.io.reader import ShardReader
+    from batchspec.io.reader import ParquetReader
 
     opens = []
-    real_open = ShardReader._open
-    monkeypatch.setattr(ShardReader, "_open", lambda self: (opens.append(1), real_open(self))[1])
+    real_open = ParquetReader._open
+    monkeypatch.setattr(ParquetReader, "_open", lambda self: (opens.append(1), real_open(self))[1])
     fs, options, in_bucket, out_bucket = buckets
     table = pa.table({"id": [f"r{i}" for i in range(40)], "prompt": [f"p{i}" for i in range(40)]})
     buf = io.BytesIO()

@@ -105,6 +105,7 @@ def test_retry_gives_up_with_a_clear_message():
         storage.retry(lambda: (_ for _ in ()).throw(FileNotFoundError("x")), "x")
 
 
+@pytest.mark.vllm
 def test_a_job_survives_a_transient_failure_of_every_storage_call(tmp_path):
     for i in range(2):
         buf = io.BytesIO()
@@ -127,6 +128,7 @@ def test_a_job_survives_a_transient_failure_of_every_storage_call(tmp_path):
     assert {"info", "open", "read", "pipe", "put"} <= kinds, kinds
 
 
+@pytest.mark.vllm
 def test_a_live_lease_keeps_a_second_process_off_the_shard(tmp_path):
     from helpers.fake_runs import make_spec, outputs, shards
     from helpers.jobs import write_parquet

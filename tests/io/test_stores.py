@@ -44,10 +44,10 @@ from helpers.shared_engines import NoEngine, run_library
 from batchspec.errors import InputDataError
 from batchspec.io.output_dir import OutputDir
 from batchspec.leases import stores as leases
-from batchspec.leases.azure import _AzureStore
-from batchspec.leases.gcs import _GcsStore
+from batchspec.leases.azure import AzureStore
+from batchspec.leases.gcs import GcsStore
 from batchspec.leases.shard_leases import ShardLeases
-from batchspec.leases.stores import _cas_store_for
+from batchspec.leases.stores import cas_store_for
 from batchspec.spec.load import load_spec
 
 STORES = ("s3", "gcs", "azure")
@@ -114,7 +114,7 @@ def gcs_store(gcs_cas_server) -> Store:  # noqa: F811
     emulator = gcs_cas_server
     return Store("gcs", ("gs", "gcs"), emulator.storage_options, lambda: gcs_fs(emulator),
                  emulator.storage_options, emulator.storage_options, dict(emulator.env), (),
-                 ("input", "endpoint_url"), _GcsStore)
+                 ("input", "endpoint_url"), GcsStore)
 
 
 @pytest.fixture(scope="session")
@@ -126,7 +126,7 @@ def azure_store(azure_server) -> Store:  # noqa: F811
     return Store("azure", ("az", "abfs"), emulator.storage_options, lambda: azure_fs(emulator),
                  {}, {"connection_string": "${AZURE_CONN}"},
                  {"AZURE_STORAGE_CONNECTION_STRING": conn, "AZURE_CONN": conn},
-                 (AZURE_KEY, AZURE_KEY[:20]), ("output", "connection_string"), _AzureStore)
+                 (AZURE_KEY, AZURE_KEY[:20]), ("output", "connection_string"), AzureStore)
 
 
 @pytest.fixture(params=STORES)
@@ -341,6 +341,7 @@ def _garble_footer(data: bytes) -> bytes:
     return data[:start] + b"\xff" * footer_len + data[-8:]
 
 
+@pytest.mark.vllm
 @pytest.mark.parametrize("corruption", ["garbled footer", "not parquet"])
 def test_a_corrupt_shard_exits_3_naming_it_before_any_row_is_generated(
         store_env, tmp_path, corruption):
@@ -381,7 +382,7 @@ def test_compare_and_swap_leases(store):
     fs = store.fs()
     bucket = store.new_bucket()
     out = OutputDir(f"{store.scheme}://{bucket}/out", store.storage_options)
-    cas = _cas_store_for(out)
+    cas = cas_store_for(out)
     assert isinstance(cas, store.cas) and cas.exclusive
     assert not [k for k in fs.find(bucket) if "cas-probe" in k], "the probe left its object behind"
 
@@ -394,7 +395,7 @@ def test_racing_processes_get_one_winner_per_shard(store):
     url = f"{store.scheme}://{bucket}/out"
     # what makes one winner certain: every racer's leases use the store's preconditions (the GCS
     # emulator answers one request at a time, so even best effort could get lucky there)
-    assert isinstance(_cas_store_for(OutputDir(url, store.storage_options)), store.cas)
+    assert isinstance(cas_store_for(OutputDir(url, store.storage_options)), store.cas)
     race(url, store.storage_options, processes=6, rounds=8)
     assert not [k for k in store.fs().find(bucket) if k.endswith(".json")], "leases left behind"
 
@@ -430,7 +431,7 @@ def test_gcs_emulator_without_preconditions_is_best_effort_and_says_so(
     bucket = f"bs-{uuid.uuid4().hex[:12]}"
     fs.mkdir(bucket)
     url = f"gs://{bucket}/out"
-    assert not _GcsStore(fs).honours_conditions(f"{bucket}/out/_batchspec/locks")
+    assert not GcsStore(fs).honours_conditions(f"{bucket}/out/_batchspec/locks")
     with caplog.at_level(logging.WARNING, logger="batchspec.leases.stores"):
         first = ShardLeases(OutputDir(url, gcs_server.storage_options), owner("first"))
         second = ShardLeases(OutputDir(url, gcs_server.storage_options), owner("second"))
@@ -453,7 +454,7 @@ def test_gcs_lease_reads_without_a_generation_header(gcs_server, gcs_cas_server)
         fs = gcs_fs(emulator)
         bucket = f"bs-{uuid.uuid4().hex[:12]}"
         fs.mkdir(bucket)
-        store = _GcsStore(fs)
+        store = GcsStore(fs)
         path = f"{bucket}/locks/a.json"
         version = store.create_if_absent(path, {"who": "me"})
         assert store.read(path) == ({"who": "me"}, version)

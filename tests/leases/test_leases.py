@@ -189,10 +189,10 @@ def test_a_forked_child_keeps_neither_a_shard_lease_nor_the_distill_out_lock(tmp
     local shard lease and distill's --out lock are held closes its copies at once, so each lock
     is free as soon as its taker releases it, with the child still running."""
     from batchspec.distill.outdir import OutLock
-    from batchspec.leases.local import _LocalLock
+    from batchspec.leases.local import LocalLock
 
     lease_path, out = str(tmp_path / "locks" / "a.json"), tmp_path / "draft"
-    lease, out_lock = _LocalLock.take(lease_path, {"run_id": "me"}), OutLock.take(out)
+    lease, out_lock = LocalLock.take(lease_path, {"run_id": "me"}), OutLock.take(out)
     fds = (lease.fd, out_lock.fd)
     report_r, report_w = os.pipe()
     go_r, go_w = os.pipe()
@@ -366,10 +366,10 @@ def test_a_store_without_conditional_writes_is_best_effort_and_says_so(caplog, m
 def test_the_s3_server_honours_conditional_writes(s3_out):
     """The probe that picks compare-and-swap on S3: moto's server (as pinned) honours
     If-None-Match and If-Match on PutObject, so the S3 tests above test real CAS."""
-    from batchspec.leases.s3 import _S3Store
+    from batchspec.leases.s3 import S3Store
 
     url, _, fs = s3_out
-    assert _S3Store(fs).honours_conditions(url.removeprefix("s3://") + "/_batchspec/locks")
+    assert S3Store(fs).honours_conditions(url.removeprefix("s3://") + "/_batchspec/locks")
     fs.invalidate_cache()
     assert not [k for k in fs.find(url.removeprefix("s3://").split("/")[0]) if "cas-probe" in k]
 
@@ -400,8 +400,8 @@ def test_a_dead_holder_is_taken_over_by_the_next_task_and_a_live_one_is_waited_f
         def task(seen=None):
             """One task on a replica: a fresh lease set, seeded with the driver's watch."""
             leases = ShardLeases(OutputDir(url, options), owner("this-run"), lease_s)
-            for name, (key, seen_s) in (seen or {}).items():
-                leases.note_observation(name, key, seen_s)
+            for name, observation in (seen or {}).items():
+                leases.note_observation(name, observation)
             return leases, {n: leases.acquire(n) for n in ("a", "b")}
 
         first, held = task()
@@ -426,19 +426,19 @@ def test_a_dead_holder_is_taken_over_by_the_next_task_and_a_live_one_is_waited_f
 
 
 def test_a_watch_that_travels_never_overstates_how_long_a_holder_was_still():
-    from batchspec.leases.shard_leases import HolderWatch
+    from batchspec.leases.shard_leases import HolderKey, HolderWatch, LeaseObservation
 
     here, there = HolderWatch(), HolderWatch()
-    key = ("token", 3, 2.0)
+    key = HolderKey("token", 3, 2.0)
     assert here.note("a", key) == 0.0
     time.sleep(0.2)
     seen = here.get("a")
     assert seen[0] == key and 0.2 <= seen[1] < 1.0
-    there.merge("a", *seen)
+    there.merge("a", seen)
     assert there.takeover_in("a", 1.0) <= 2.0 - 0.2  # the record's own lease_s (2.0) counts
     assert there.note("a", key) >= seen[1]  # read again unchanged: still since the first look
-    assert there.note("a", ("token", 4, 2.0)) == 0.0  # it beat: the wait starts over
-    there.merge("a", ("token", 4, 2.0), 0.1)
+    assert there.note("a", HolderKey("token", 4, 2.0)) == 0.0  # it beat: the wait starts over
+    there.merge("a", LeaseObservation(HolderKey("token", 4, 2.0), 0.1))
     assert there.get("a")[1] >= 0.0  # an older sighting of the same key is kept, not replaced
     assert HolderWatch().takeover_in("a", 1.0) is None
 

@@ -63,6 +63,7 @@ def test_incomplete_names_busy_then_lost_then_failed_shards():
                                                "were left alone: s0 (run r on h pid 1)")
 
 
+@pytest.mark.vllm
 def test_the_summary_file_keeps_its_keys(tmp_path):
     shards(tmp_path, n=2, rows=3)
     (tmp_path / "in" / "s9.parquet").write_bytes(b"garbage")

@@ -33,7 +33,7 @@ from batchspec.errors import BatchspecError, SpecError
 from batchspec.io.output_dir import OutputDir
 from batchspec.leases.shard_leases import ShardLeases
 from batchspec.run.events import EventLog
-from batchspec.run.job import run_job
+from batchspec.run.job import RunOptions, run_job
 from batchspec.run.stages import plan
 from batchspec.spec.build import build_spec
 
@@ -102,11 +102,11 @@ def _as_if_on_another_host(url: str, options: dict, shard: str, pid: int) -> Non
         time.sleep(0.05)
     else:
         raise AssertionError(f"replica process {pid} still runs")
-    from batchspec.leases.s3 import _S3Store
+    from batchspec.leases.s3 import S3Store
 
     fs = s3fs.S3FileSystem(**options, skip_instance_cache=True)
     path = OutputDir(url, options).lock_path(shard)
-    record, etag = _S3Store(fs).read(path)
+    record, etag = S3Store(fs).read(path)
     assert record["pid"] == pid, record
     record["pid_space"] = "another-machine:4026531836"
     bucket, key, _ = fs.split_path(path)
@@ -223,6 +223,7 @@ def _echo_inputs(root, shards=SHARDS, rows=20):
     return {f"r{i}-{j}": f"P {i} {j}" for i in range(shards) for j in range(rows)}
 
 
+@pytest.mark.vllm
 def test_scheduling_kill_and_poison_with_a_stand_in_engine(ray_cluster, tmp_path, monkeypatch):
     """The driver's side with a stand-in engine (seconds, no vLLM): shards spread over both
     replicas; a killed replica's shard is redone elsewhere; a shard that kills its replica
@@ -234,7 +235,7 @@ def test_scheduling_kill_and_poison_with_a_stand_in_engine(ray_cluster, tmp_path
     executor = RayExecutor(_spec(inputs, tmp_path / "unused"), engine_factory=_SlowEcho)
     try:
         events = _Events()
-        result = run_job(_spec(inputs, tmp_path / "a"), executor=executor, events=events)
+        result = run_job(_spec(inputs, tmp_path / "a"), RunOptions(executor=executor, events=events))
         assert _texts(tmp_path / "a") == expected
         assert {f["replica"] for e, f in events.seen if e == "shard_committed"} == {0, 1}
 
@@ -246,7 +247,7 @@ def test_scheduling_kill_and_poison_with_a_stand_in_engine(ray_cluster, tmp_path
                 ray_cluster.kill(next(h.actor for h in executor.handles
                                       if h.index == fields["replica"]))
 
-        result = run_job(_spec(inputs, tmp_path / "b"), executor=executor, events=_Events(kill))
+        result = run_job(_spec(inputs, tmp_path / "b"), RunOptions(executor=executor, events=_Events(kill)))
         deaths = result.summary["executor"]["replica_deaths"]
         assert [(d["replica"], d["shard"]) for d in deaths] == [(killed[0]["replica"],
                                                                 killed[0]["shard"])]
@@ -254,8 +255,8 @@ def test_scheduling_kill_and_poison_with_a_stand_in_engine(ray_cluster, tmp_path
 
         monkeypatch.setenv(DIE_ON_SHARD_ENV, "s1")
         with pytest.raises(BatchspecError) as err:
-            run_job(_spec(inputs, tmp_path / "c", max_shard_attempts=2), executor=executor,
-                    events=_Events())
+            run_job(_spec(inputs, tmp_path / "c", max_shard_attempts=2),
+                    RunOptions(executor=executor, events=_Events()))
         assert err.value.exit_code == 1 and "s1" in str(err.value)
         assert sorted(p.stem for p in (tmp_path / "c").glob("*.parquet")) == ["s0", "s2", "s3"]
         assert _texts(tmp_path / "c") == {k: v for k, v in expected.items() if "r1-" not in k}
@@ -273,6 +274,7 @@ def _garble_midway(path) -> None:
     path.write_bytes(bytes(data))
 
 
+@pytest.mark.vllm
 def test_a_shard_a_replica_finds_unreadable_is_judged_by_the_run(ray_cluster, tmp_path):
     """A replica reports a shard unreadable midway; the driver's RunContext.bad_shard (the
     local run's) decides: ``on_bad_shard: skip`` records it and the rest commit, ``fail`` ends
@@ -287,7 +289,7 @@ def test_a_shard_a_replica_finds_unreadable_is_judged_by_the_run(ray_cluster, tm
     try:
         events = _Events()
         result = run_job(_spec(inputs, tmp_path / "skip", on_bad_shard="skip", replicas=1),
-                         executor=executor, events=events)
+                         RunOptions(executor=executor, events=events))
         assert result.summary["status"] == "ok" and list(result.summary["bad_shards"]) == ["s1"]
         assert "s1.parquet" in result.summary["bad_shards"]["s1"]
         assert sorted(result.summary["shards"]) == ["s0", "s2"]
@@ -295,8 +297,8 @@ def test_a_shard_a_replica_finds_unreadable_is_judged_by_the_run(ray_cluster, tm
         assert [f["shard"] for e, f in events.seen if e == "shard_failed"] == ["s1"]
 
         with pytest.raises(BatchspecError) as err:
-            run_job(_spec(inputs, tmp_path / "fail", replicas=1), executor=executor,
-                    events=_Events())
+            run_job(_spec(inputs, tmp_path / "fail", replicas=1),
+                    RunOptions(executor=executor, events=_Events()))
         assert err.value.exit_code == 3 and "s1.parquet" in str(err.value)
         assert not (tmp_path / "fail" / "s1.parquet").exists()
     finally:
@@ -358,6 +360,7 @@ def _replica_env(self):
                                                           "HF_HUB_DISABLE_TELEMETRY")}
 
 
+@pytest.mark.vllm
 def test_on_s3_dead_replicas_and_crashed_runs_are_taken_over_and_live_holders_end_the_run(
         ray_cluster, s3_server, tmp_path, monkeypatch):
     """The driver on S3 with a stand-in engine (no vLLM), lease_s 4. A replica killed while on
@@ -391,7 +394,7 @@ def test_on_s3_dead_replicas_and_crashed_runs_are_taken_over_and_live_holders_en
         events = _Events(kill)
         with _deadline(120, "the run with a killed replica"):
             result = run_job(_spec(tmp_path / "in", url, options, lease_s=LEASE_S),
-                             executor=executor, events=events)
+                             RunOptions(executor=executor, events=events))
         assert not problems, problems
         deaths = result.summary["executor"]["replica_deaths"]
         assert [(d["replica"], d["shard"]) for d in deaths] == [(killed[0]["replica"],
@@ -419,7 +422,7 @@ def test_on_s3_dead_replicas_and_crashed_runs_are_taken_over_and_live_holders_en
         _dead_holder(url, options, "s2", "crashed-run")
         with _deadline(120, "the rerun after a crash"):
             result = run_job(_spec(tmp_path / "short", url, options, lease_s=LEASE_S),
-                             executor=executor, events=_Events())
+                             RunOptions(executor=executor, events=_Events()))
         assert result.summary["status"] == "ok" and not result.summary["busy_shards"]
         assert _texts(url, options) == expected
 
@@ -432,7 +435,7 @@ def test_on_s3_dead_replicas_and_crashed_runs_are_taken_over_and_live_holders_en
             with _deadline(120, "the run beside a live holder"), \
                     pytest.raises(BatchspecError) as err:
                 run_job(_spec(tmp_path / "short", url, options, lease_s=LEASE_S),
-                        executor=executor, events=_Events())
+                        RunOptions(executor=executor, events=_Events()))
             assert time.monotonic() - started < 60
         assert err.value.exit_code == 1
         assert "s0" in str(err.value) and "live-run" in str(err.value), str(err.value)
@@ -502,7 +505,7 @@ def replicas(ray_cluster, local_texts, inputs, tmp_path_factory):
 def test_ray_run_writes_what_a_local_run_writes(replicas, inputs, local_texts, tmp_path):
     out = tmp_path / "out"
     events = _Events()
-    result = run_job(_spec(inputs, out), executor=replicas, events=events, progress_bars=False)
+    result = run_job(_spec(inputs, out), RunOptions(executor=replicas, events=events, progress_bars=False))
     texts = _texts(out)
     assert len(texts) == SHARDS * ROWS
     assert texts == local_texts  # greedy: the same text for every request id
@@ -518,7 +521,7 @@ def test_ray_run_writes_what_a_local_run_writes(replicas, inputs, local_texts, t
     # status and reruns see a finished job: every shard committed, nothing left to do
     p = plan(_spec(inputs, out))
     assert set(p.states.values()) == {"committed"}
-    again = run_job(_spec(inputs, out), executor=replicas, events=_Events(), progress_bars=False)
+    again = run_job(_spec(inputs, out), RunOptions(executor=replicas, events=_Events(), progress_bars=False))
     assert again.summary["totals"]["rows"] == 0
 
 
@@ -546,8 +549,8 @@ def test_killed_replica_loses_only_its_shard(replicas, inputs, local_texts, s3_s
 
     events = _Events(kill_first_replica_on_a_shard)
     with _deadline(400, "the run with a killed replica"):
-        result = run_job(_spec(inputs, url, options, lease_s=lease_s), executor=replicas,
-                         events=events, progress_bars=False)
+        result = run_job(_spec(inputs, url, options, lease_s=lease_s),
+                         RunOptions(executor=replicas, events=events, progress_bars=False))
     assert killed, "no shard started"
     assert not problems, problems
     deaths = result.summary["executor"]["replica_deaths"]
@@ -595,8 +598,8 @@ def test_shard_that_kills_every_replica_fails_after_bounded_tries(replicas, inpu
     monkeypatch.setenv(DIE_ON_SHARD_ENV, "s3")
     out = poisoned_out
     with pytest.raises(BatchspecError) as err:
-        run_job(_spec(inputs, out, max_shard_attempts=2), executor=replicas, events=_Events(),
-                progress_bars=False)
+        run_job(_spec(inputs, out, max_shard_attempts=2),
+                RunOptions(executor=replicas, events=_Events(), progress_bars=False))
     assert err.value.exit_code == 1
     assert "s3" in str(err.value) and "failed on every try" in str(err.value)
     runs = list((out / "_batchspec" / "runs").glob("*.json"))

@@ -23,10 +23,11 @@ from helpers.jobs import write_parquet
 from batchspec.columns import RESULT_NAMES
 from batchspec.errors import InputDataError, RuntimeFailure, SpecError
 from batchspec.run.events import EventLog
-from batchspec.run.job import run_job
+from batchspec.run.job import RunOptions, run_job
 from batchspec.spec.build import build_spec
 
 
+@pytest.mark.vllm
 def test_every_row_once_in_one_file_per_shard(tmp_path):
     shards(tmp_path)
     engine = FakeEngine()
@@ -45,6 +46,7 @@ def test_every_row_once_in_one_file_per_shard(tmp_path):
     assert manifest["rows"] == 10 and manifest["run_id"] == result.run_id
 
 
+@pytest.mark.vllm
 def test_rerun_skips_committed_and_redoes_changed_input(tmp_path):
     shards(tmp_path)
     run(make_spec(tmp_path))
@@ -62,6 +64,7 @@ def test_rerun_skips_committed_and_redoes_changed_input(tmp_path):
     assert sorted(result.summary["shards"]) == ["s0", "s1", "s2"]
 
 
+@pytest.mark.vllm
 def test_zero_row_shard_commits_an_empty_file_with_the_full_schema(tmp_path):
     write_parquet(tmp_path / "in" / "empty.parquet", {"prompt": pa.array([], pa.string())})
     run(make_spec(tmp_path))
@@ -69,6 +72,7 @@ def test_zero_row_shard_commits_an_empty_file_with_the_full_schema(tmp_path):
     assert table.num_rows == 0 and table.column_names == ["request_id", *RESULT_NAMES]
 
 
+@pytest.mark.vllm
 def test_duplicate_ids_are_processed_and_counted(tmp_path):
     write_parquet(tmp_path / "in" / "d.parquet", {"id": ["a", "b", "a", "a"], "prompt": ["x"] * 4})
     result, _ = run(make_spec(tmp_path, id_column="id"))
@@ -77,6 +81,7 @@ def test_duplicate_ids_are_processed_and_counted(tmp_path):
     assert result.summary["totals"]["duplicate_ids"] == 2
 
 
+@pytest.mark.vllm
 @pytest.mark.parametrize("columns, extra, words", [
     ({"text": ["a"]}, {}, "missing prompt column 'prompt'"),
     ({"prompt": [1, 2]}, {}, "has type int64, expected text"),
@@ -93,6 +98,7 @@ def test_bad_columns_exit_3_naming_shard_and_column(tmp_path, columns, extra, wo
     assert "zz-bad.parquet" in str(info.value) and words in str(info.value)
 
 
+@pytest.mark.vllm
 def test_corrupt_shard_exits_3_and_loses_nothing_already_done(tmp_path):
     shards(tmp_path, n=2)
     run(make_spec(tmp_path))
@@ -104,6 +110,7 @@ def test_corrupt_shard_exits_3_and_loses_nothing_already_done(tmp_path):
     assert sorted(outputs(tmp_path)) == ["s0", "s1"]
 
 
+@pytest.mark.vllm
 def test_corrupt_shard_skip_records_it_and_goes_on(tmp_path):
     shards(tmp_path, n=3)
     (tmp_path / "in" / "s1.parquet").write_bytes(b"garbage")
@@ -113,6 +120,7 @@ def test_corrupt_shard_skip_records_it_and_goes_on(tmp_path):
     assert any(e == "shard_failed" and f["shard"] == "s1" for e, f in events)
 
 
+@pytest.mark.vllm
 def test_corrupt_row_group_midway_commits_nothing_partial(tmp_path):
     shards(tmp_path, n=1)
     path = tmp_path / "in" / "s5.parquet"
@@ -129,6 +137,7 @@ def test_corrupt_row_group_midway_commits_nothing_partial(tmp_path):
     assert not list((tmp_path / "out" / "_batchspec" / "tmp").glob("*"))
 
 
+@pytest.mark.vllm
 def test_engine_failure_commits_nothing_partial_and_rerun_finishes(tmp_path):
     shards(tmp_path, n=3)
     with pytest.raises(RuntimeFailure, match="EngineDeadError"):
@@ -144,6 +153,7 @@ def test_engine_failure_commits_nothing_partial_and_rerun_finishes(tmp_path):
     assert all(t.num_rows == 10 for t in outputs(tmp_path).values())
 
 
+@pytest.mark.vllm
 def test_bad_rows_become_error_rows(tmp_path):
     write_parquet(tmp_path / "in" / "b.parquet",
                   {"prompt": pa.array(["ok", None, "", "  \n"], pa.string())})
@@ -155,6 +165,7 @@ def test_bad_rows_become_error_rows(tmp_path):
     assert all(rows[k]["finish_reason"] == "error" for k in ("b/1", "b/2", "b/3"))
 
 
+@pytest.mark.vllm
 def test_keep_columns_and_metadata(tmp_path):
     write_parquet(tmp_path / "in" / "m.parquet",
                   {"prompt": ["a"], "keep": [1.5], "drop": ["x"],
@@ -173,9 +184,11 @@ def test_keep_columns_and_metadata(tmp_path):
     assert "hunter2" not in (tmp_path / "out" / "m.parquet").read_bytes().decode("latin-1")
 
 
+@pytest.mark.vllm
 def test_progress_bars_show_throughput(tmp_path, capsys):
     shards(tmp_path, n=2)
-    run_job(make_spec(tmp_path), engine=FakeEngine(), events=EventLog("t", "text"), progress_bars=True)
+    run_job(make_spec(tmp_path),
+            RunOptions(engine=FakeEngine(), events=EventLog("t", "text"), progress_bars=True))
     err = capsys.readouterr().err
     assert "shards" in err and "rows" in err and "tok/s" in err
     assert "20/20" in err and "2/2" in err
@@ -204,8 +217,9 @@ def test_sample_rows_is_seeded_uniform_over_shards_and_skips_rows_a_run_would_re
     assert len(everything) == 60 and len({r.request_id for r in everything}) == 60
 
 
+@pytest.mark.vllm
 def test_a_reused_engine_generates_with_each_jobs_sampling_and_refuses_another_model(tmp_path):
-    """run_job(spec, engine=...) reuses a started engine across jobs: each job's own sampling is
+    """run_job(spec, RunOptions(engine=...)) reuses a started engine across jobs: each job's own sampling is
     what it generates with (it used to keep the first spec's), and a job for another model,
     engine arguments or speculative config is a spec error naming the key, before any row."""
     from batchspec.engine.llm import Engine
@@ -214,8 +228,8 @@ def test_a_reused_engine_generates_with_each_jobs_sampling_and_refuses_another_m
     shards(tmp_path / "a", n=1)
     shards(tmp_path / "b", n=1)
     first, second = make_spec(tmp_path / "a"), make_spec(tmp_path / "b")
-    run_job(first, engine=engine, events=EventLog("t", "text"), progress_bars=False)
-    run_job(second, engine=engine, events=EventLog("t", "text"), progress_bars=False)
+    run_job(first, RunOptions(engine=engine, events=EventLog("t", "text"), progress_bars=False))
+    run_job(second, RunOptions(engine=engine, events=EventLog("t", "text"), progress_bars=False))
     assert [s.output.path for s in engine.bound] == [first.output.path, second.output.path]
 
     real = Engine.__new__(Engine)  # bind's bookkeeping alone, no vLLM

@@ -174,6 +174,7 @@ def test_an_unresolvable_store_is_refused_with_how_to_tell_them_apart():
     assert "127.0.0.1:9000" in message and "endpoint_url" in message
 
 
+@pytest.mark.vllm
 def test_cli_refuses_overlap_before_writing_anything(tmp_path):
     write_parquet(tmp_path / "data" / "p0.parquet", {"prompt": ["a", "b"]})
     before = sorted(p.name for p in (tmp_path / "data").iterdir())
@@ -200,6 +201,7 @@ def test_listing_never_picks_up_files_under_the_output_path(tmp_path):
 # ---------------------------------------------------------------- 3. one spec per output
 
 
+@pytest.mark.vllm
 def test_rerun_with_a_different_spec_exits_2_naming_what_changed(tmp_path):
     shards(tmp_path, n=2, rows=4)
     run(spec_with(tmp_path))
@@ -224,6 +226,7 @@ def test_rerun_with_a_different_spec_exits_2_naming_what_changed(tmp_path):
     assert plan(faster).states == {"s0": "committed", "s1": "committed"}
 
 
+@pytest.mark.vllm
 def test_status_shows_stale_shards_and_orphan_outputs(tmp_path):
     shards(tmp_path, n=2, rows=4)
     job = write_job(tmp_path / "job.yaml",
@@ -246,6 +249,7 @@ def test_status_shows_stale_shards_and_orphan_outputs(tmp_path):
 # ---------------------------------------------------------------- 7. durability, checked
 
 
+@pytest.mark.vllm
 def test_a_truncated_output_is_not_committed(tmp_path):
     shards(tmp_path, n=2, rows=10)
     spec = spec_with(tmp_path)
@@ -261,6 +265,7 @@ def test_a_truncated_output_is_not_committed(tmp_path):
     assert outputs(tmp_path)["s0"].num_rows == 10
 
 
+@pytest.mark.vllm
 def test_commit_fsyncs_file_and_directory(tmp_path, monkeypatch):
     synced = []
     real = os.fsync
@@ -317,8 +322,10 @@ def test_engine_log_is_private_and_never_follows_a_planted_link(tmp_path):
 @pytest.mark.parametrize("path, code, words", [
     ("sftp://host/in/*.parquet", 2, "input.path"),           # a backend that is not installed
     ("nosuchproto://bucket/*.parquet", 2, "input.path"),     # not a protocol at all
-    ("{tmp}/in/a**/*.parquet", 2, "input.path"),             # a glob fsspec cannot compile
-    ("{tmp}/nothing/*.parquet", 3, "no input shards"),
+    # planned after the spec is checked against vLLM's classes
+    pytest.param("{tmp}/in/a**/*.parquet", 2, "input.path",  # a glob fsspec cannot compile
+                 marks=pytest.mark.vllm),
+    pytest.param("{tmp}/nothing/*.parquet", 3, "no input shards", marks=pytest.mark.vllm),
 ])
 def test_planning_errors_exit_with_their_code_and_a_json_error(tmp_path, path, code, words):
     job = write_job(tmp_path / "job.yaml",
@@ -333,6 +340,7 @@ def test_planning_errors_exit_with_their_code_and_a_json_error(tmp_path, path, c
     assert events[-1]["event"] == "run_finished" and events[-1]["exit_code"] == code
 
 
+@pytest.mark.vllm
 def test_an_unexpected_error_exits_1_with_summary(tmp_path):
     class Broken(FakeEngine):
         def stream(self, rows, max_in_flight, **kw):
@@ -348,6 +356,7 @@ def test_an_unexpected_error_exits_1_with_summary(tmp_path):
     assert "ZeroDivisionError" in summary["error"]
 
 
+@pytest.mark.vllm
 def test_engine_that_fails_to_start_still_writes_summary_and_run_finished(tmp_path):
     shards(tmp_path, n=1, rows=3)
     job = write_job(tmp_path / "job.yaml",
@@ -368,6 +377,7 @@ def test_engine_that_fails_to_start_still_writes_summary_and_run_finished(tmp_pa
 # ---------------------------------------------------------------- bookkeeping
 
 
+@pytest.mark.vllm
 def test_duplicate_ids_are_counted_across_shards(tmp_path):
     write_parquet(tmp_path / "in" / "a.parquet", {"prompt": ["p", "q", "r"], "id": ["1", "2", "2"]})
     write_parquet(tmp_path / "in" / "b.parquet", {"prompt": ["s", "t"], "id": ["1", "3"]})
@@ -378,6 +388,7 @@ def test_duplicate_ids_are_counted_across_shards(tmp_path):
     assert sum(t.num_rows for t in outputs(tmp_path).values()) == 5  # every row still written
 
 
+@pytest.mark.vllm
 def test_a_shard_skipped_mid_read_gives_its_lease_back(tmp_path):
     shards(tmp_path, n=2, rows=10)
     path = tmp_path / "in" / "s1.parquet"
@@ -401,6 +412,7 @@ def test_a_shard_skipped_mid_read_gives_its_lease_back(tmp_path):
     other.release_all()
 
 
+@pytest.mark.vllm
 def test_empty_input_is_fine_when_allowed(tmp_path):
     (tmp_path / "in").mkdir()
     with pytest.raises(InputDataError):
@@ -436,6 +448,7 @@ def test_unknown_and_error_finish_reasons_are_kept(tmp_path):
     assert result_row(output("repetition"))["finish_reason"] == "repetition"
 
 
+@pytest.mark.vllm
 def test_sigterm_drains_only_shards_that_can_commit(tmp_path):
     """After a stop the runner takes no new row and commits nothing partial (fake engine; the
     real engine's drain and grace period are tested in test_recovery.py)."""
@@ -461,6 +474,7 @@ def test_sigterm_drains_only_shards_that_can_commit(tmp_path):
     assert len(outputs(tmp_path)) < 3
 
 
+@pytest.mark.vllm
 def test_nested_shards_mirror_their_directories_and_are_reported(tmp_path):
     for day in (1, 2):
         write_parquet(tmp_path / "in" / f"day={day}" / "part-0.parquet", {"prompt": ["a", "b"]})
@@ -476,6 +490,7 @@ def test_nested_shards_mirror_their_directories_and_are_reported(tmp_path):
     assert plan(spec).states == {"day=1/part-0": "committed", "day=2/part-0": "committed"}
 
 
+@pytest.mark.vllm
 def test_a_shard_held_by_a_silent_worker_on_object_storage_is_taken_over(tmp_path, s3_server):
     """A worker that died on another host leaves its lease behind on S3; the next run waits
     out the lease on its own clock and takes the shard over instead of exiting 1."""
@@ -500,6 +515,7 @@ def test_a_shard_held_by_a_silent_worker_on_object_storage_is_taken_over(tmp_pat
     assert names.count("shards_waiting") == 1 and "shard_busy" in names
 
 
+@pytest.mark.vllm
 def test_s3_overlap_spelled_with_another_endpoint_is_refused_before_any_work(tmp_path, s3_server):
     """The attack that replaced an input object: the input's endpoint with a trailing slash, the
     output's without, output.path the input directory. `validate` and `run` exit 2 naming

@@ -44,6 +44,7 @@ def _rows(tmp_path):
             for r in pq.read_table(p).to_pylist()}
 
 
+@pytest.mark.vllm
 def test_identical_greedy_requests_are_generated_once_and_written_to_each_row(tmp_path):
     _shards(tmp_path, [["a", "b", "a", "c", "a"], ["b", "d", "a", "", "a"]])
     spec = make_spec(tmp_path, id_column="id")
@@ -70,6 +71,7 @@ def test_identical_greedy_requests_are_generated_once_and_written_to_each_row(tm
     assert sum(s["rows_from_twin"] for s in result.summary["shards"].values()) == 5
 
 
+@pytest.mark.vllm
 def test_sampled_rows_without_a_seed_and_a_window_of_0_are_all_generated(tmp_path):
     _shards(tmp_path, [["a", "a", "a"]])
     sampled = build_spec({**_raw(tmp_path), "sampling": {"temperature": 0.8, "max_tokens": 8}})
@@ -186,6 +188,7 @@ class SamplingEngine(CountingEngine):
             yield row, results
 
 
+@pytest.mark.vllm
 def test_the_cache_stays_within_dedupe_max_bytes_and_every_row_is_written_once(tmp_path,
                                                                                 monkeypatch):
     """Seeded rows at n = 4 repeating in pairs over five prompts, with room in the cache for
@@ -336,6 +339,7 @@ def _engine_error_run(tmp_path, prompts, max_in_flight):
     return engine, result, _rows(tmp_path)
 
 
+@pytest.mark.vllm
 def test_twins_of_a_request_the_engine_failed_are_generated_not_given_its_error(tmp_path):
     """``x`` fails once in the engine while two twins wait for it and the input goes on: the
     failed row keeps its error, one twin is sent to the engine, the other and a later ``x``
@@ -355,6 +359,7 @@ def test_twins_of_a_request_the_engine_failed_are_generated_not_given_its_error(
     assert result.summary["totals"]["rows_from_twin"] == 2
 
 
+@pytest.mark.vllm
 def test_twins_of_a_request_failed_after_the_input_ran_out_are_generated_too(tmp_path):
     """The same once every row was read: the waiting twins are not stranded (the shard is
     committed with every row) and not given the error."""

@@ -25,7 +25,7 @@ from batchspec.redact import (
     secret_values,
 )
 from batchspec.run.events import EventLog
-from batchspec.run.job import run_job
+from batchspec.run.job import RunOptions, run_job
 from batchspec.spec.build import build_spec
 
 # ----------------------------------------------------------------------------------- URLs
@@ -252,7 +252,7 @@ def _run_and_read(spec, out_dir: Path) -> dict[str, str]:
     """Run ``spec`` with the fake engine; the text of everything the run persisted."""
     log = EventLog("test", "json")
     log.emit = lambda *a, **f: None
-    result = run_job(spec, engine=FakeEngine(), events=log, progress_bars=False)
+    result = run_job(spec, RunOptions(engine=FakeEngine(), events=log, progress_bars=False))
     assert result.summary["status"] == "ok" and result.summary["totals"]["rows"] == 5
     outputs = sorted(out_dir.rglob("*.parquet"))
     assert len(outputs) == 1 and pq.read_table(outputs[0]).num_rows == 5
@@ -277,6 +277,7 @@ def _assert_clean(persisted: dict[str, str]) -> None:
         assert "X-Amz-Signature" not in text, f"a presigned query in the {where}"
 
 
+@pytest.mark.vllm
 def test_run_persists_no_secret_of_its_spec(tmp_path, http_root):
     root, host = http_root
     write_parquet(root / "in" / "s0.parquet", {"prompt": [f"p{i}" for i in range(5)],
@@ -304,6 +305,7 @@ def test_run_persists_no_secret_of_its_spec(tmp_path, http_root):
     assert summary["spec"]["input"]["storage_options"] == {"headers": {"Authorization": REDACTED}}
 
 
+@pytest.mark.vllm
 def test_run_from_a_presigned_input_url_persists_no_secret(tmp_path, http_root):
     root, host = http_root
     write_parquet(root / "in" / "s0.parquet", {"prompt": [f"p{i}" for i in range(5)],

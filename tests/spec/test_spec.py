@@ -383,6 +383,7 @@ def test_new_keys_bad_values(tmp_path, item, key, words):
     assert words in str(info.value)
 
 
+@pytest.mark.vllm
 def test_vllm_owned_keys_are_checked_against_vllm(tmp_path):
     from batchspec.engine.checks import check_vllm_keys
 
@@ -401,6 +402,7 @@ def test_vllm_owned_keys_are_checked_against_vllm(tmp_path):
         assert info.value.key == key
 
 
+@pytest.mark.vllm
 def test_cli_exits_2_naming_the_key(tmp_path):
     raw = yaml.safe_load(yaml.safe_dump(BASE))
     raw["sampling"]["temprature"] = 0.3
@@ -412,6 +414,7 @@ def test_cli_exits_2_naming_the_key(tmp_path):
         assert "did you mean 'temperature'" in result.stderr
 
 
+@pytest.mark.vllm
 def test_cli_exits_2_on_bad_yaml_and_bad_set(tmp_path):
     job = write(tmp_path, "input: [unclosed")
     result = run_cli("run", job, timeout=60)

@@ -118,6 +118,7 @@ def _records(tmp_path: Path) -> list[dict]:
             for p in sorted((tmp_path / "out" / "_batchspec" / "auto").glob("*.json"))]
 
 
+@pytest.mark.vllm
 def test_a_run_measures_once_then_reuses_its_choice(auto_job, tmp_path):
     first, engine = _run(auto_job)
     auto = first.summary["speculative_auto"]
@@ -151,6 +152,7 @@ def test_a_run_measures_once_then_reuses_its_choice(auto_job, tmp_path):
     assert second.summary["totals"]["rows"] == 10 and len(_records(tmp_path)) == 1
 
 
+@pytest.mark.vllm
 def test_a_changed_draft_sampling_machine_or_remeasure_measures_again(auto_job, tmp_path,
                                                                       monkeypatch):
     _run(auto_job)
@@ -185,6 +187,7 @@ def _edit(job: Path, key: str, value) -> None:
     job.write_text(yaml.safe_dump(raw))
 
 
+@pytest.mark.vllm
 def test_off_is_chosen_where_no_candidate_beats_it(auto_job, tmp_path, monkeypatch):
     monkeypatch.setattr(FakeTuneEngine, "speedup", 1.0)  # speculation only adds work here
     run, engine = _run(auto_job)
@@ -198,6 +201,7 @@ def test_off_is_chosen_where_no_candidate_beats_it(auto_job, tmp_path, monkeypat
     assert FakeTuneEngine.started == [] and engine.bound[-1].speculative is None
 
 
+@pytest.mark.vllm
 def test_a_lossy_candidate_is_never_chosen(auto_job, monkeypatch):
     monkeypatch.setattr(FakeTuneEngine, "lossy", True)
     run, engine = _run(auto_job)
@@ -205,6 +209,7 @@ def test_a_lossy_candidate_is_never_chosen(auto_job, monkeypatch):
     assert engine.bound[-1].speculative is None
 
 
+@pytest.mark.vllm
 def test_the_record_holds_no_credential(tmp_path, monkeypatch):
     import batchspec.engine.checks
     import batchspec.engine.llm
@@ -332,6 +337,7 @@ def test_a_missing_draft_is_refused_before_any_work(tmp_path, monkeypatch):
     assert not (tmp_path / "out" / "_batchspec" / "auto").exists()
 
 
+@pytest.mark.vllm
 def test_a_choice_made_without_measuring_anything_is_not_kept(auto_job, tmp_path):
     """Out of time before speculation off was measured: the run goes on with off and the next
     run measures, instead of reusing an off nobody measured."""
@@ -375,6 +381,7 @@ def _edited(record: dict, edit: str):
     raise AssertionError(edit)
 
 
+@pytest.mark.vllm
 @pytest.mark.parametrize("edit, why", [
     ("only chosen: null", "version"), ("chosen: null", "chosen"), ("a list", "not a JSON object"),
     ("a label outside the job", "draft k=9"), ("recommended mistyped", "recommended"),

@@ -291,6 +291,7 @@ def test_table_and_write_without_engine(tmp_path):
 # --------------------------------------------------------------------------- the command
 
 
+@pytest.mark.vllm
 def test_bad_spec_exits_2(tmp_path):
     job = tmp_path / "bad.yaml"
     job.write_text("name: bad\ninput: {path: x.parquet, prompt_column: p}\noutput: {path: o}\n"
@@ -511,6 +512,7 @@ def fake_job(tmp_path, monkeypatch):
     return job
 
 
+@pytest.mark.vllm
 def test_tune_measures_the_calibration_k_and_the_best_predicted_ones(fake_job):
     from batchspec.spec.load import load_spec
     from batchspec.tune.session import run_tune
@@ -533,6 +535,7 @@ def test_tune_measures_the_calibration_k_and_the_best_predicted_ones(fake_job):
     assert data["lossless"]["mismatches"] == [] and data["sample"]["rows"] == 8
 
 
+@pytest.mark.vllm
 def test_time_budget_skips_what_it_has_no_time_for(fake_job):
     from batchspec.spec.load import load_spec
     from batchspec.tune.model import TIME_BUDGET
@@ -547,6 +550,7 @@ def test_time_budget_skips_what_it_has_no_time_for(fake_job):
     assert "time budget" in render_table(report)
 
 
+@pytest.mark.vllm
 def test_a_candidate_that_changes_greedy_text_is_reported_and_never_recommended(fake_job,
                                                                               monkeypatch):
     from batchspec.spec.load import load_spec
@@ -593,6 +597,7 @@ def tripwire(monkeypatch):
 HF_VALUE = "hf_FROMtheENVIRONMENT_4242"
 
 
+@pytest.mark.vllm
 def test_tune_measures_an_openai_batch_jobs_lines_and_writes_its_formats_back(fake_job, tmp_path,
                                                                              monkeypatch):
     """An OpenAI Batch job (request file in, result files out): tune samples the lines that can
@@ -629,6 +634,7 @@ def test_tune_measures_an_openai_batch_jobs_lines_and_writes_its_formats_back(fa
     assert load_spec(tmp_path / "tuned.yaml").output.format == "openai"
 
 
+@pytest.mark.vllm
 def test_write_keeps_variables_as_written_and_never_their_values(fake_job, tmp_path, monkeypatch):
     """`--set 'model.engine.hf_token=${HF_TOKEN}' --write`: the file says ${HF_TOKEN}, never the
     token; every ${VAR} of the job file stays as written (the recommended section is the job's
@@ -755,6 +761,7 @@ def test_output_files_are_checked_before_measuring(fake_job, tmp_path, tripwire,
     assert tripwire == [] and fake_job.read_text() == before
 
 
+@pytest.mark.vllm
 def test_url_credentials_never_reach_tunes_table_json_or_html(fake_job, tmp_path, monkeypatch):
     """Draft URLs with user:password@ and ?sig=: labels, `speculative`, skip reasons and the
     page carry what run's sanitiser leaves (two drafts both named d keep distinct labels)."""

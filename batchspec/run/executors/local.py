@@ -75,8 +75,9 @@ class LocalExecutor:
         try:
             with self.leases:
                 self.pipeline.generate(self.engine, shards, row_counts)
-                retry = lease_wait.sort(dict(ctx.outcome.busy), self.leases.observation,
-                                        stopping=bool(ctx.stop or self.pipeline.fatal))
+                retry = lease_wait.schedule_retries(
+                    dict(ctx.outcome.busy), self.leases.observation,
+                    stopping=bool(ctx.stop or self.pipeline.fatal))
                 if not retry or not lease_wait.sleep_until_due(retry, lambda: bool(ctx.stop)):
                     return
                 for name in retry:

@@ -239,8 +239,8 @@ class Replica:
         outcome = RunOutcome()
         bad: list[tuple[str, dict]] = []
         leases = ShardLeases(out, owner, spec.execution.lease_s)
-        for name, (key, seen_s) in (task.get("seen") or {}).items():
-            leases.note_observation(name, key, seen_s)  # the driver's watch of a silent holder
+        for name, observation in (task.get("seen") or {}).items():
+            leases.note_observation(name, observation)  # the driver's watch of a silent holder
         pipeline = ShardPipeline(spec, task["run_id"], out, leases, buffer, buffer, outcome,
                                  task["spec_fingerprint"], self.vllm_version, task["overwrite"],
                                  stop=self._stop.is_set, grace_s=task["grace_s"],
@@ -313,8 +313,6 @@ class RayExecutor:
         self._next_index = 0
         self._started_ray = False
         self._actor_class = None
-        #: set by run_job: shut down when its run ends
-        self.owned_by_run = False
 
     # --- start
 
@@ -605,8 +603,8 @@ class _Dispatch:
         self.outcome.merge_settled(outcome)
         for _ in outcome.committed:
             self.progress.shard_done()
-        for name in self.lease_wait.sort(outcome.busy, data["observed"].get,
-                                         stopping=self.stopping, replica=h.index):
+        for name in self.lease_wait.schedule_retries(outcome.busy, data["observed"].get,
+                                                     stopping=self.stopping, replica=h.index):
             self.attempts[name] -= 1  # not a try: nothing of it ran
             self.queue.append(self.by_name[name])
         for name, record in data["bad"]:
@@ -644,7 +642,7 @@ class _Dispatch:
         self.outcome.executor["replica_deaths"].append(
             {"replica": h.index, "shard": name, "attempt": attempt, "rows_done": h.rows_done,
              "why": why})
-        self.progress.rows_dropped(-h.rows_done)  # they will be done again
+        self.progress.rows_restored(h.rows_done)  # they will be done again
         if attempt >= self.ctx.spec.executor.max_shard_attempts:
             self.outcome.failed[name] = (f"its replica died on each of {attempt} tries "
                                          f"(executor.max_shard_attempts); last: {why}")

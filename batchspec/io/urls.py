@@ -1,4 +1,6 @@
-"""URLs and fsspec paths: store families, globs, local or not, the output's file names."""
+"""URLs and fsspec paths: opening a URL, store families, globs, local or not, and the normalised
+spellings of a path that overlap checks compare (:mod:`batchspec.io.locations`) and listing
+skips (:mod:`batchspec.io.listing`)."""
 
 from __future__ import annotations
 
@@ -12,38 +14,32 @@ from fsspec.core import url_to_fs
 from batchspec.errors import SpecError
 from batchspec.redact import sanitize_url
 
-OUTPUT_SUFFIX = ".parquet"
-#: The suffix of each output format's (``output.format``) output file, the one a shard's state is
-#: read from.
-OUTPUT_SUFFIXES = {"parquet": OUTPUT_SUFFIX, "openai": ".output.jsonl"}
-#: The suffix of an ``openai`` output's errors file, committed with its results file.
-ERRORS_SUFFIX = ".errors.jsonl"
-
-
 _GLOB_CHARS = set("*?[")
 
 
-def _has_glob(path: str) -> bool:
+def has_glob(path: str) -> bool:
+    """Whether a path holds a wildcard (``*``, ``?``, ``[``)."""
     return any(c in _GLOB_CHARS for c in path)
 
 
-def _glob_base(path: str) -> str:
+def glob_base(path: str) -> str:
     """The directory part of a glob before its first wildcard."""
     parts = path.split("/")
     for i, part in enumerate(parts):
-        if _has_glob(part):
+        if has_glob(part):
             return "/".join(parts[:i])
     return posixpath.dirname(path)
 
 
-def _full_url(fs, path: str) -> str:
+def full_url(fs, path: str) -> str:
+    """A path on ``fs`` as a URL (a local path stays a path)."""
     if is_local_fs(fs):
         return path
     protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
     return f"{protocol}://{path}"
 
 
-def _version(info: dict) -> dict:
+def store_version(info: dict) -> dict:
     """The version tag an object store gives a file (ETag, GCS generation), if any."""
     for key in ("ETag", "etag", "generation"):
         if info.get(key) is not None:
@@ -56,7 +52,8 @@ def is_local_fs(fs) -> bool:
     return isinstance(fs, fsspec.implementations.local.LocalFileSystem)
 
 
-def _open_url(url: str, storage_options: dict, key: str):
+def open_url(url: str, storage_options: dict, key: str):
+    """``(filesystem, path)`` of a URL; a SpecError naming ``key`` when it cannot be opened."""
     try:
         return url_to_fs(url, **storage_options)
     except ImportError as exc:
@@ -74,27 +71,28 @@ def _open_url(url: str, storage_options: dict, key: str):
 # edit, a false acceptance costs their data.
 
 #: fsspec protocol spellings of one store (s3a is s3, gcs is gs, abfs and abfss are az, ...).
-_FAMILIES = {"s3": "s3", "s3a": "s3", "s3n": "s3", "gs": "gs", "gcs": "gs", "az": "az",
-             "abfs": "az", "abfss": "az", "file": "file", "local": "file", "memory": "memory",
-             "http": "http", "https": "http"}
+FAMILIES = {"s3": "s3", "s3a": "s3", "s3n": "s3", "gs": "gs", "gcs": "gs", "az": "az",
+            "abfs": "az", "abfss": "az", "file": "file", "local": "file", "memory": "memory",
+            "http": "http", "https": "http"}
 
 
 #: Stores whose paths are ``bucket/key`` (a container for az) behind an endpoint. They form one
 #: realm: S3 clients reach GCS through its interoperability API, an https URL may name any object.
-_OBJECT_FAMILIES = ("s3", "gs", "az", "http")
+OBJECT_FAMILIES = ("s3", "gs", "az", "http")
 
 
-def _family(fs) -> str:
+def store_family(fs) -> str:
+    """The store family of a filesystem (:data:`FAMILIES`), else its first protocol."""
     if is_local_fs(fs):
         return "file"
     protocols = fs.protocol if isinstance(fs.protocol, tuple | list) else (fs.protocol,)
     for protocol in protocols:
-        if protocol in _FAMILIES:
-            return _FAMILIES[protocol]
+        if protocol in FAMILIES:
+            return FAMILIES[protocol]
     return str(protocols[0])
 
 
-def _unwrap(fs, path: str):
+def unwrap(fs, path: str):
     """The filesystem that stores the bytes, under caches and directory wrappers."""
     from fsspec.implementations.cached import CachingFileSystem
     from fsspec.implementations.dirfs import DirFileSystem
@@ -109,7 +107,7 @@ def _unwrap(fs, path: str):
     return fs, path
 
 
-def _key_forms(path: str, bucket_first: bool) -> frozenset:
+def key_forms(path: str, bucket_first: bool) -> frozenset:
     """A store path's spellings: duplicate and trailing slashes dropped, the bucket (or
     container) lower-cased, and ``.``/``..`` resolved too (a store keeps them literally, so both
     forms count)."""
@@ -129,17 +127,15 @@ def _local_form(path: str) -> str:
     return os.path.realpath(path.rstrip("/") or "/")
 
 
-def _path_forms(fs, path: str) -> frozenset:
-    """The normalised spellings of a path on ``fs`` (see :class:`Location`)."""
+def path_forms(fs, path: str) -> frozenset:
+    """The normalised spellings of a path on ``fs`` (see :class:`batchspec.io.locations.Location`)."""
     if is_local_fs(fs):
         return frozenset({_local_form(path)})
-    return _key_forms(path, _family(fs) in _OBJECT_FAMILIES)
+    return key_forms(path, store_family(fs) in OBJECT_FAMILIES)
 
 
-def _inside(path: str, root: str) -> bool:
+def inside(path: str, root: str) -> bool:
+    """Whether ``path`` is ``root`` or lies under it (both normalised spellings)."""
     if root in ("", "/"):
         return True
     return path == root or path.startswith(root.rstrip("/") + "/")
-
-
-BOOKKEEPING_DIR = "_batchspec"

@@ -1,0 +1,228 @@
+"""Output formats (``output.format``): each one the files a shard's results are in, the rules its
+spec keys follow, its writer, and how a committed shard is read back (``batchspec report``).
+
+A format is one class here, named in :data:`OUTPUT_FORMATS` and in
+:data:`batchspec.spec.model.OutputFormatName`. Everything else asks it: :class:`OutputDir`
+(its files, their commit and state), the run's stages (its writer), ``spec/build.py`` (its keys),
+``spec/fingerprint.py`` (whether the fingerprint names it) and ``report/read.py`` (its rows).
+
+This module imports no pyarrow or polars until a writer or a read asks for them: ``spec/``
+consults it while a job loads."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+
+from batchspec.errors import InputDataError
+from batchspec.spec.model import OUTPUT_FORMATS as FORMAT_NAMES
+
+if TYPE_CHECKING:
+    import polars as pl
+    import pyarrow as pa
+
+    from batchspec.io.listing import Shard
+    from batchspec.io.output_dir import OutputDir
+    from batchspec.io.rows import Row
+    from batchspec.spec.model import OutputSpec
+
+
+class ResultWriter(Protocol):
+    """Streams one shard's results to temporary files, then commits them."""
+
+    def add_request(self, row: Row, results: list[dict]) -> None:
+        """One input row's result rows (one per sample)."""
+
+    def flush(self) -> None:
+        """Write what is buffered to the temporary files."""
+
+    def commit(self) -> dict[str, Any]:
+        """Make the shard's files visible under their names; the manifest's fields for them:
+        ``<part>`` URL (``errors_output`` for the errors file) and ``<part>_info``."""
+
+    def discard(self) -> None:
+        """Drop the temporary files: nothing of this shard becomes visible."""
+
+
+@dataclass
+class CommittedShard:
+    """One committed shard opened for reading back: its files by part, its schema (the
+    contract's columns) and lineage (the ``batchspec`` metadata). Rows stay on storage until a
+    query reads them."""
+
+    name: str
+    paths: dict[str, str]
+    schema: pa.Schema
+    metadata: dict[str, Any]
+    #: A format that reads a shard whole keeps its rows here, read once.
+    rows: Any = field(default=None, repr=False)
+
+
+class OutputFormat:
+    """What one ``output.format`` is. Subclasses set the class attributes and the methods."""
+
+    #: The value of ``output.format``.
+    name: ClassVar[str]
+    #: The files of a committed shard: part -> suffix after the shard's name. The first part is
+    #: the results file, the one a shard's state is read from; the manifest binds each by
+    #: ``<part>_info`` (its size and identity).
+    parts: ClassVar[dict[str, str]]
+    #: The ``input.format`` this format answers; None: any.
+    input_format: ClassVar[str | None] = None
+    #: Why ``input_format`` is needed (the spec error's words).
+    input_format_why: ClassVar[str] = ""
+    #: ``output`` keys this format refuses, and why (the spec error's words).
+    refused_keys: ClassVar[tuple[str, ...]] = ()
+    refused_why: ClassVar[str] = ""
+    #: Whether the spec fingerprint names the format (Parquet does not: its outputs keep the
+    #: hashes they had before other formats existed).
+    in_fingerprint: ClassVar[bool] = True
+    #: How a report's error describes a file it cannot read.
+    unreadable: ClassVar[str] = "unreadable"
+
+    @property
+    def suffix(self) -> str:
+        """The results file's suffix."""
+        return next(iter(self.parts.values()))
+
+    def writer(self, out: OutputDir, shard: Shard, output: OutputSpec, kept_fields: list,
+               metadata: dict[str, Any]) -> ResultWriter:
+        """The writer of one shard's results (``kept_fields``: the input columns kept)."""
+        raise NotImplementedError
+
+    def open_shard(self, out: OutputDir, name: str) -> CommittedShard:
+        """A committed shard's files, schema and lineage, read from storage now (its rows are
+        not); :class:`InputDataError` (exit 3) naming the file when it is not one batchspec
+        wrote."""
+        raise NotImplementedError
+
+    def scan(self, out: OutputDir, shard: CommittedShard) -> pl.LazyFrame:
+        """A committed shard's rows as the contract's columns, lazily where the format allows."""
+        raise NotImplementedError
+
+
+class ParquetOutput(OutputFormat):
+    """One Parquet file a shard with the contract's columns; lineage in the file's footer."""
+
+    name = "parquet"
+    parts = {"output": ".parquet"}
+    in_fingerprint = False
+    unreadable = "unreadable Parquet"
+
+    def writer(self, out, shard, output, kept_fields, metadata):
+        from batchspec.io.writer import ParquetWriter
+
+        return ParquetWriter(out, shard, kept_fields, metadata, output.row_group_rows,
+                             output.compression)
+
+    def open_shard(self, out, name):
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        from batchspec.columns import BASE_RESULT_NAMES, REQUEST_ID
+        from batchspec.io.arrow_fs import arrow_fs
+        from batchspec.io.writer import METADATA_KEY
+
+        path = out.join(name + self.suffix)
+        shown = out.file_url(name)
+        # local footers through pyarrow's own filesystem, others without fsspec's read-ahead
+        filesystem = None if out.is_local else arrow_fs(out.fs)
+        try:
+            schema = pq.read_schema(path, filesystem=filesystem)
+        except (OSError, pa.ArrowException) as exc:
+            raise InputDataError(shown, f"unreadable Parquet: {exc}") from exc
+        # the columns every output file has, checked on its footer before any row is read
+        missing = [c for c in (REQUEST_ID, *BASE_RESULT_NAMES) if c not in schema.names]
+        if missing:
+            raise InputDataError(shown, f"column {missing[0]!r} is missing: not a batchspec "
+                                        "output file", column=missing[0])
+        raw = (schema.metadata or {}).get(METADATA_KEY)
+        try:
+            metadata = json.loads(raw) if raw else {}
+        except ValueError as exc:
+            raise InputDataError(shown, f"its batchspec metadata is not JSON: {exc}") from exc
+        return CommittedShard(name, {"output": path}, schema, metadata)
+
+    def scan(self, out, shard):
+        import polars as pl
+
+        path = shard.paths["output"]
+        if out.is_local:
+            # glob off: a shard name may hold * or [ ]; hive off: a directory may look like k=v
+            return pl.scan_parquet(path, glob=False, hive_partitioning=False)
+        import pyarrow.dataset as ds
+
+        from batchspec.io.arrow_fs import arrow_fs
+
+        dataset = ds.dataset(path, schema=shard.schema, format="parquet",
+                             filesystem=arrow_fs(out.fs))
+        # polars applies filters itself: pyarrow's null semantics in comparisons differ
+        return pl.scan_pyarrow_dataset(dataset, allow_pyarrow_filter=False)
+
+
+class OpenAIOutput(OutputFormat):
+    """OpenAI Batch result and error files (:mod:`batchspec.io.openai_results`), committed
+    together; lineage in the manifest."""
+
+    name = "openai"
+    parts = {"output": ".output.jsonl", "errors": ".errors.jsonl"}
+    input_format = "openai"
+    input_format_why = ("OpenAI Batch result files answer OpenAI Batch request files: set "
+                        "input.format: openai too (or write Parquet)")
+    refused_keys = ("keep_columns", "row_group_rows", "compression")
+    refused_why = "a Parquet option: output.format openai writes JSON lines; leave this key out"
+
+    def writer(self, out, shard, output, kept_fields, metadata):
+        from batchspec.io.openai_results import OpenAIResultWriter
+
+        return OpenAIResultWriter(out, shard, metadata)
+
+    def open_shard(self, out, name):
+        from batchspec.columns import output_schema
+
+        paths = {part: out.join(name + suffix) for part, suffix in self.parts.items()}
+        if not out.exists(paths["errors"]):
+            raise InputDataError(out.file_url(name, "errors"),
+                                 "missing: every results file is committed with its errors file")
+        record = out.read_manifest(name) or {}
+        return CommittedShard(name, paths, output_schema([]), record.get("metadata") or {})
+
+    def scan(self, out, shard):
+        """Both files read whole (once, then kept) into the Parquet output's rows."""
+        if shard.rows is None:
+            import polars as pl
+            import pyarrow as pa
+
+            from batchspec.io.openai_results import line_rows
+
+            rows = []
+            for part, path in shard.paths.items():
+                with out.fs.open(path, "rb") as f:
+                    for number, raw in enumerate(f, 1):
+                        if not raw.strip():
+                            continue
+                        try:
+                            rows.extend(line_rows(json.loads(raw)))
+                        except (ValueError, TypeError, KeyError, AttributeError) as exc:
+                            raise InputDataError(out.file_url(shard.name, part),
+                                                 f"line {number} is not an OpenAI Batch result "
+                                                 f"line batchspec wrote: {exc}") from exc
+            shard.rows = pl.from_arrow(pa.Table.from_pylist(rows, schema=shard.schema))
+        return shard.rows.lazy()
+
+
+#: Every output format by name, in the order ``batchspec report`` looks for their files.
+OUTPUT_FORMATS: dict[str, OutputFormat] = {f.name: f for f in (ParquetOutput(), OpenAIOutput())}
+assert tuple(OUTPUT_FORMATS) == FORMAT_NAMES, "each format is a class here and a name in " \
+    "batchspec.spec.model.OutputFormatName"
+
+
+def output_format(name: str) -> OutputFormat:
+    """The format ``output.format`` names (one of :data:`OUTPUT_FORMATS`)."""
+    return OUTPUT_FORMATS[name]
+
+
+def all_suffixes() -> tuple[str, ...]:
+    """The suffix of every file any format writes for a shard."""
+    return tuple(s for f in OUTPUT_FORMATS.values() for s in f.parts.values())
