@@ -12,12 +12,14 @@ REQUEST_ID = "request_id"
 ERROR = "error"
 
 #: One candidate token at one position: what ``top_logprobs``/``prompt_top_logprobs`` hold.
-TOKEN_LOGPROB = pa.struct([
-    pa.field("token_id", pa.int32()),
-    pa.field("token", pa.string()),
-    pa.field("logprob", pa.float64()),
-    pa.field("rank", pa.int32()),
-])
+TOKEN_LOGPROB = pa.struct(
+    [
+        pa.field("token_id", pa.int32()),
+        pa.field("token", pa.string()),
+        pa.field("logprob", pa.float64()),
+        pa.field("rank", pa.int32()),
+    ]
+)
 #: One choice of a ``choice`` constraint and its probability.
 CHOICE_PROB = pa.struct([pa.field("choice", pa.string()), pa.field("prob", pa.float64())])
 
@@ -128,6 +130,5 @@ def empty_result() -> dict:
 def error_result(message: str, num_prompt_tokens: int | None = None) -> dict:
     """A result row for a request that was refused or failed."""
     row = empty_result()
-    row.update(finish_reason="error", error=message, num_prompt_tokens=num_prompt_tokens,
-               num_output_tokens=0)
+    row.update(finish_reason="error", error=message, num_prompt_tokens=num_prompt_tokens, num_output_tokens=0)
     return row

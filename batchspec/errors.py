@@ -12,7 +12,8 @@ class BatchspecError(Exception):
     def kind(self) -> str:
         """What the exit code means, in words (docs/contract.md)."""
         return {1: "runtime failure", 2: "bad job spec", 3: "bad input data"}.get(
-            self.exit_code, "interrupted")
+            self.exit_code, "interrupted"
+        )
 
 
 class RuntimeFailure(BatchspecError):

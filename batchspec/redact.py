@@ -33,8 +33,9 @@ _USERINFO = re.compile(rf"(?P<scheme>{_SCHEME})(?P<userinfo>[^/?#\s]*)@")
 #: ``scheme://user:pass/word@``: AWS secret keys hold raw ``/``, and people paste them as is.
 _USERINFO_SLASH = re.compile(rf"(?P<scheme>{_SCHEME})(?P<userinfo>[^/?#\s:@]*:[^?#\s]*)@")
 #: Schemes whose authority may be ``host:port``; ``host:8080/data@v2`` is then a path, not a login.
-_PORT_SCHEMES = frozenset({"http", "https", "ws", "wss", "ftp", "sftp", "ssh", "hdfs", "webhdfs",
-                           "smb", "redis", "rediss"})
+_PORT_SCHEMES = frozenset(
+    {"http", "https", "ws", "wss", "ftp", "sftp", "ssh", "hdfs", "webhdfs", "smb", "redis", "rediss"}
+)
 #: A ``?`` or ``#`` followed by ``name=``: a query (or fragment) even where ``?`` could be a glob.
 _KEY_VALUE_START = re.compile(r"[?#][A-Za-z0-9_.~%+\-]+=")
 #: A URL inside free text: from its scheme to the next blank or quote.
@@ -95,7 +96,7 @@ def _url_secrets(text: str) -> set[str]:
         first = re.search(_SCHEME, token)
         cut = _query_start(token, first.group(0)[:-3].lower(), first.end())
         if cut >= 0:
-            query = token[cut + 1:]
+            query = token[cut + 1 :]
             found.add(query)
             for part in re.split(r"[#&;]", query):
                 found.add(part.partition("=")[2])
@@ -137,19 +138,74 @@ def scrub_text(text: str, secrets: Iterable[str] = ()) -> str:
 # ----------------------------------------------------------------------------------- key names
 
 #: Words that make a key a credential wherever they appear in its name.
-_SECRET_WORDS = frozenset({
-    "password", "passwd", "pwd", "passphrase", "secret", "secrets", "authorization", "auth",
-    "credential", "credentials", "creds", "cred", "sas", "signature", "sig", "cookie", "cookies",
-    "apikey", "bearer", "dsn", "jwt", "otp",
-})
+_SECRET_WORDS = frozenset(
+    {
+        "password",
+        "passwd",
+        "pwd",
+        "passphrase",
+        "secret",
+        "secrets",
+        "authorization",
+        "auth",
+        "credential",
+        "credentials",
+        "creds",
+        "cred",
+        "sas",
+        "signature",
+        "sig",
+        "cookie",
+        "cookies",
+        "apikey",
+        "bearer",
+        "dsn",
+        "jwt",
+        "otp",
+    }
+)
 #: Substrings of a key with its separators removed (``X-Api-Key`` -> ``xapikey``).
-_SECRET_COMPACT = ("password", "passwd", "passphrase", "secret", "apikey", "accesskey",
-                   "privatekey", "accountkey", "authorization", "credential", "connectionstring",
-                   "connstr", "sastoken", "accesstoken", "authtoken", "refreshtoken",
-                   "sessiontoken", "hftoken", "bearer", "signature")
+_SECRET_COMPACT = (
+    "password",
+    "passwd",
+    "passphrase",
+    "secret",
+    "apikey",
+    "accesskey",
+    "privatekey",
+    "accountkey",
+    "authorization",
+    "credential",
+    "connectionstring",
+    "connstr",
+    "sastoken",
+    "accesstoken",
+    "authtoken",
+    "refreshtoken",
+    "sessiontoken",
+    "hftoken",
+    "bearer",
+    "signature",
+)
 #: ``<word>_token`` names that are vocabulary entries, not credentials (``eos_token``).
-_VOCAB_TOKEN_WORDS = frozenset({"bos", "eos", "pad", "unk", "sep", "cls", "mask", "special",
-                                "start", "end", "stop", "image", "video", "audio"})
+_VOCAB_TOKEN_WORDS = frozenset(
+    {
+        "bos",
+        "eos",
+        "pad",
+        "unk",
+        "sep",
+        "cls",
+        "mask",
+        "special",
+        "start",
+        "end",
+        "stop",
+        "image",
+        "video",
+        "audio",
+    }
+)
 
 
 def _words(key: str) -> list[str]:
@@ -184,19 +240,56 @@ def is_secret_key(key: Any) -> bool:
 #: String-valued ``model.engine`` keys (vLLM EngineArgs fields) whose values are not secrets:
 #: names of dtypes, backends, revisions, tokenizers. Any other string under ``model.engine`` is
 #: hidden, so an engine argument vLLM adds later is hidden until it is listed here.
-ENGINE_STRING_KEYS = frozenset({
-    "dtype", "tokenizer", "tokenizer_mode", "revision", "tokenizer_revision", "code_revision",
-    "quantization", "load_format", "kv_cache_dtype", "config_format", "generation_config",
-    "model_impl", "runner", "convert", "task", "served_model_name", "download_dir",
-    "hf_config_path", "distributed_executor_backend", "logprobs_mode", "reasoning_parser",
-    "attention_backend", "mamba_cache_dtype", "mamba_ssm_cache_dtype", "mamba_cache_mode",
-    "performance_mode", "scheduling_policy", "prefix_caching_hash_algo", "data_parallel_backend",
-    "all2all_backend", "moe_backend", "linear_backend", "optimization_level",
-    "per_request_spec_decode_metrics", "log_level", "lora_dtype", "mm_encoder_tp_mode",
-    "mm_processor_cache_type", "safetensors_load_strategy", "pt_load_map_location",
-    "kv_offloading_backend", "offload_backend", "expert_placement_strategy", "device",
-    "guided_decoding_backend", "tool_call_parser",
-})
+ENGINE_STRING_KEYS = frozenset(
+    {
+        "dtype",
+        "tokenizer",
+        "tokenizer_mode",
+        "revision",
+        "tokenizer_revision",
+        "code_revision",
+        "quantization",
+        "load_format",
+        "kv_cache_dtype",
+        "config_format",
+        "generation_config",
+        "model_impl",
+        "runner",
+        "convert",
+        "task",
+        "served_model_name",
+        "download_dir",
+        "hf_config_path",
+        "distributed_executor_backend",
+        "logprobs_mode",
+        "reasoning_parser",
+        "attention_backend",
+        "mamba_cache_dtype",
+        "mamba_ssm_cache_dtype",
+        "mamba_cache_mode",
+        "performance_mode",
+        "scheduling_policy",
+        "prefix_caching_hash_algo",
+        "data_parallel_backend",
+        "all2all_backend",
+        "moe_backend",
+        "linear_backend",
+        "optimization_level",
+        "per_request_spec_decode_metrics",
+        "log_level",
+        "lora_dtype",
+        "mm_encoder_tp_mode",
+        "mm_processor_cache_type",
+        "safetensors_load_strategy",
+        "pt_load_map_location",
+        "kv_offloading_backend",
+        "offload_backend",
+        "expert_placement_strategy",
+        "device",
+        "guided_decoding_backend",
+        "tool_call_parser",
+    }
+)
 
 
 def public_spec(raw: dict) -> dict:
@@ -236,8 +329,7 @@ def _public_mapping(value: dict, path: tuple) -> dict:
             out[key] = _mask_leaves(item)
         elif is_secret_key(key):
             out[key] = REDACTED
-        elif path == ("model", "engine") and isinstance(item, str | bytes) \
-                and key not in ENGINE_STRING_KEYS:
+        elif path == ("model", "engine") and isinstance(item, str | bytes) and key not in ENGINE_STRING_KEYS:
             out[key] = REDACTED
         else:
             out[key] = _public_value(item, here)
@@ -270,9 +362,12 @@ def _collect(value: Any, path: tuple, hidden: bool, found: set[str]) -> None:
     """Add to ``found`` every string public_spec hides; ``hidden``: the whole value is hidden."""
     if isinstance(value, dict):
         for key, item in value.items():
-            hide = (hidden or key == "storage_options" or is_secret_key(key)
-                    or (path == ("model", "engine") and isinstance(item, str)
-                        and key not in ENGINE_STRING_KEYS))
+            hide = (
+                hidden
+                or key == "storage_options"
+                or is_secret_key(key)
+                or (path == ("model", "engine") and isinstance(item, str) and key not in ENGINE_STRING_KEYS)
+            )
             _collect(item, (*path, key), hide, found)
         return
     if isinstance(value, list | tuple | set | frozenset):
@@ -283,8 +378,13 @@ def _collect(value: Any, path: tuple, hidden: bool, found: set[str]) -> None:
         if hidden:
             found.add(value)
         found.update(_url_secrets(value))
-    elif hidden and isinstance(value, int | float) and not isinstance(value, bool) \
-            and path and is_secret_key(path[-1]):
+    elif (
+        hidden
+        and isinstance(value, int | float)
+        and not isinstance(value, bool)
+        and path
+        and is_secret_key(path[-1])
+    ):
         found.add(str(value))  # a numeric PIN or key under a credential name
 
 
@@ -329,7 +429,7 @@ def url_literal_secrets(text: str) -> list[str]:
         scheme = first.group(0)[:-3].lower()
         cut = _query_start(token, scheme, first.end())
         if cut >= 0:
-            for part in re.split(r"[#&;]", token[cut + 1:]):
+            for part in re.split(r"[#&;]", token[cut + 1 :]):
                 name, _, value = part.partition("=")
                 if value and is_secret_key(unquote(name)) and not is_env_reference(unquote(value)):
                     found.append(f"the URL's query parameter {unquote(name)}=")

@@ -33,9 +33,11 @@ def acceptance_per_position(before: dict, after: dict) -> dict | None:
     old = before.get("spec_decode_num_accepted_tokens_per_pos") or []
     drafts = (after.get("spec_decode_num_drafts") or 0) - (before.get("spec_decode_num_drafts") or 0)
     accepted = [a - (old[i] if i < len(old) else 0) for i, a in enumerate(per_pos)]
-    return {"num_drafts": drafts, "accepted": accepted,
-            "rate": [acceptance_rate(a, drafts) for a in accepted]}
-
+    return {
+        "num_drafts": drafts,
+        "accepted": accepted,
+        "rate": [acceptance_rate(a, drafts) for a in accepted],
+    }
 
 
 def prefix_cache(before: dict, after: dict) -> dict | None:
@@ -51,13 +53,11 @@ def prefix_cache(before: dict, after: dict) -> dict | None:
 
 def prefix_cache_figures(queries: int, hits: int) -> dict:
     """``{queries, hits, hit_rate}`` (hit_rate None without a lookup)."""
-    return {"queries": queries, "hits": hits,
-            "hit_rate": round(hits / queries, 4) if queries > 0 else None}
+    return {"queries": queries, "hits": hits, "hit_rate": round(hits / queries, 4) if queries > 0 else None}
 
 
 #: Result columns that count something: summed over a row's samples for progress.
-_COUNTED = ("num_output_tokens", "spec_num_draft_tokens", "spec_num_accepted_tokens",
-            "spec_num_steps")
+_COUNTED = ("num_output_tokens", "spec_num_draft_tokens", "spec_num_accepted_tokens", "spec_num_steps")
 
 
 def request_totals(results: list[dict]) -> dict:

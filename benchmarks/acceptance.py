@@ -20,23 +20,40 @@ def measure(models: Path, prompts: int, k: int, max_tokens: int, temperature: fl
     from tiny_models import held_out_snippets
     from vllm import LLM, SamplingParams
 
-    llm = LLM(model=str(models / "target"), max_model_len=512, enforce_eager=True, dtype="float32",
-              seed=0, disable_log_stats=False, per_request_spec_decode_metrics="summary",
-              speculative_config={"method": "draft_model", "model": str(models / "draft"),
-                                  "num_speculative_tokens": k})
+    llm = LLM(
+        model=str(models / "target"),
+        max_model_len=512,
+        enforce_eager=True,
+        dtype="float32",
+        seed=0,
+        disable_log_stats=False,
+        per_request_spec_decode_metrics="summary",
+        speculative_config={
+            "method": "draft_model",
+            "model": str(models / "draft"),
+            "num_speculative_tokens": k,
+        },
+    )
     texts = held_out_snippets(prompts, seed=12345)
-    outs = llm.generate(texts, SamplingParams(temperature=temperature, max_tokens=max_tokens,
-                                              ignore_eos=True, seed=0))
+    outs = llm.generate(
+        texts, SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True, seed=0)
+    )
     drafted = accepted = steps = 0
     for out in outs:
         m = out.outputs[0].spec_decode_metrics.to_dict()
         drafted += m["num_draft_tokens"]
         accepted += m["num_accepted_draft_tokens"]
         steps += m["num_spec_steps"]
-    return {"prompts": prompts, "num_speculative_tokens": k, "max_tokens": max_tokens,
-            "temperature": temperature, "draft_tokens": drafted, "accepted_tokens": accepted,
-            "acceptance_rate": round(accepted / drafted, 4),
-            "mean_acceptance_length": round(1 + accepted / steps, 3)}
+    return {
+        "prompts": prompts,
+        "num_speculative_tokens": k,
+        "max_tokens": max_tokens,
+        "temperature": temperature,
+        "draft_tokens": drafted,
+        "accepted_tokens": accepted,
+        "acceptance_rate": round(accepted / drafted, 4),
+        "mean_acceptance_length": round(1 + accepted / steps, 3),
+    }
 
 
 def main() -> int:

@@ -48,11 +48,16 @@ TIERS = {"tiny": "target", "large": "target-large"}
 def job(tier: str, work: Path, level: int, speculative, name: str) -> dict:
     return {
         "name": f"auto-bench-{tier}",
-        "input": {"path": str(work / f"in-{level}" / "*.parquet"), "prompt_column": "prompt",
-                  "id_column": "id"},
+        "input": {
+            "path": str(work / f"in-{level}" / "*.parquet"),
+            "prompt_column": "prompt",
+            "id_column": "id",
+        },
         "output": {"path": str(work / f"out-{name}")},
-        "model": {"target": str(ROOT / ".models" / TIERS[tier]),
-                  "engine": {**TINY_ENGINE, "max_num_seqs": 64}},
+        "model": {
+            "target": str(ROOT / ".models" / TIERS[tier]),
+            "engine": {**TINY_ENGINE, "max_num_seqs": 64},
+        },
         "speculative": speculative,
         "sampling": {"temperature": 0.0, "max_tokens": TOKENS, "ignore_eos": True},
         "execution": {"max_in_flight": level, "dedupe_window": 0, "prefix_window": 0},
@@ -79,13 +84,21 @@ def run_tier(tier: str, work: Path) -> dict:
     warm = prompt_table(8, seed=77)["prompt"].to_pylist()
     for level, rows in levels.items():
         (work / f"in-{level}").mkdir(parents=True)
-        pq.write_table(prompt_table(rows, seed=900 + level, first_id=0, max_tokens=(TOKENS, TOKENS)),
-                       work / f"in-{level}" / "part-0.parquet")
+        pq.write_table(
+            prompt_table(rows, seed=900 + level, first_id=0, max_tokens=(TOKENS, TOKENS)),
+            work / f"in-{level}" / "part-0.parquet",
+        )
     ways = {
         "off": None,
         "k4": {"method": "draft_model", "model": draft, "num_speculative_tokens": 4},
-        "auto": {"method": "auto", "drafts": [draft], "k": [1, 2, 3, 4], "ngram": False,
-                 "sample": 64, "max_minutes": 20},
+        "auto": {
+            "method": "auto",
+            "drafts": [draft],
+            "k": [1, 2, 3, 4],
+            "ngram": False,
+            "sample": 64,
+            "max_minutes": 20,
+        },
     }
     out: dict = {"levels": {}}
     for level in levels:
@@ -99,23 +112,27 @@ def run_tier(tier: str, work: Path) -> dict:
                 first = run_job(spec, RunOptions(progress_bars=False, events=quiet()))
                 auto = first.summary["speculative_auto"]
                 record = json.loads(Path(auto["record"]).read_text())
-                entry.update(chosen=auto["chosen"], measuring_s=record["measuring_s"],
-                             noise_threshold=record["measurements"]["noise"][str(level)]["threshold"],
-                             predicted_tokens_per_s=record["predicted"]["per_level"][str(level)]
-                             ["tokens_per_s"])
+                entry.update(
+                    chosen=auto["chosen"],
+                    measuring_s=record["measuring_s"],
+                    noise_threshold=record["measurements"]["noise"][str(level)]["threshold"],
+                    predicted_tokens_per_s=record["predicted"]["per_level"][str(level)]["tokens_per_s"],
+                )
                 runs = dataclasses.replace(spec, speculative=auto["speculative"])
             # every way timed alike: a fresh engine, warmed up, then the job (auto reusing its
             # stored choice, so nothing is measured in this run)
             engine = Engine(runs)
             engine.llm.generate(warm, SamplingParams(max_tokens=8), use_tqdm=False)
-            result = run_job(spec, RunOptions(engine=engine, overwrite=True, progress_bars=False,
-                                              events=quiet()))
+            result = run_job(
+                spec, RunOptions(engine=engine, overwrite=True, progress_bars=False, events=quiet())
+            )
             engine.shutdown()
             totals = result.summary["totals"]
-            entry.update(tokens_per_s=round(totals["generation_output_tokens_per_s"], 1),
-                         generation_s=round(totals["output_tokens"]
-                                            / totals["generation_output_tokens_per_s"], 2),
-                         rows=totals["rows"])
+            entry.update(
+                tokens_per_s=round(totals["generation_output_tokens_per_s"], 1),
+                generation_s=round(totals["output_tokens"] / totals["generation_output_tokens_per_s"], 2),
+                rows=totals["rows"],
+            )
             if name == "auto":
                 assert result.summary["speculative_auto"]["reused"], "the timed run measured"
             out["levels"].setdefault(str(level), {})[name] = entry
@@ -128,8 +145,10 @@ def run_tier(tier: str, work: Path) -> dict:
             rows = levels[int(level)]
             by_way["auto_predicted"] = {
                 "generation_s": round(rows * TOKENS / auto["predicted_tokens_per_s"], 2),
-                "error": round(abs(auto["predicted_tokens_per_s"] - auto["tokens_per_s"])
-                               / auto["tokens_per_s"], 3)}
+                "error": round(
+                    abs(auto["predicted_tokens_per_s"] - auto["tokens_per_s"]) / auto["tokens_per_s"], 3
+                ),
+            }
     return out
 
 

@@ -58,8 +58,10 @@ def workload(n: int, share: float, seed: int = 5) -> tuple[list[str], list[int]]
 
 
 #: The two ways each workload runs: the defaults, and everything in this file off.
-MODES = {"on": {"dedupe_window": 10000, "prefix_window": 1024},
-         "off": {"dedupe_window": 0, "prefix_window": 0}}
+MODES = {
+    "on": {"dedupe_window": 10000, "prefix_window": 1024},
+    "off": {"dedupe_window": 0, "prefix_window": 0},
+}
 
 
 def main() -> int:
@@ -92,21 +94,34 @@ def main() -> int:
 
     base["model"]["engine"]["num_gpu_blocks_override"] = args.kv_blocks
     docs = document_questions_table(args.documents, args.questions, seed=11)
-    sets = {"documents": (docs["prompt"].to_pylist(), docs["max_tokens"].to_pylist()),
-            "duplicates": workload(args.prompts, args.share),
-            "distinct": workload(args.prompts, 0.0, seed=6)}
+    sets = {
+        "documents": (docs["prompt"].to_pylist(), docs["max_tokens"].to_pylist()),
+        "duplicates": workload(args.prompts, args.share),
+        "distinct": workload(args.prompts, 0.0, seed=6),
+    }
     specs = {}
     for name, (prompts, lengths) in sets.items():
         (work / name).mkdir()
-        pq.write_table(pa.table({"id": [f"r{i}" for i in range(len(prompts))], "prompt": prompts,
-                                 "max_tokens": lengths}), work / name / "part-0.parquet")
+        pq.write_table(
+            pa.table(
+                {"id": [f"r{i}" for i in range(len(prompts))], "prompt": prompts, "max_tokens": lengths}
+            ),
+            work / name / "part-0.parquet",
+        )
         for mode, windows in MODES.items():
-            specs[name, mode] = build_spec({
-                **base,
-                "input": {"path": str(work / name / "*.parquet"), "prompt_column": "prompt",
-                          "id_column": "id", "sampling_columns": {"max_tokens": "max_tokens"}},
-                "output": {"path": str(work / f"out-{name}-{mode}")},
-                "execution": {"max_in_flight": 64, **windows}})
+            specs[name, mode] = build_spec(
+                {
+                    **base,
+                    "input": {
+                        "path": str(work / name / "*.parquet"),
+                        "prompt_column": "prompt",
+                        "id_column": "id",
+                        "sampling_columns": {"max_tokens": "max_tokens"},
+                    },
+                    "output": {"path": str(work / f"out-{name}-{mode}")},
+                    "execution": {"max_in_flight": 64, **windows},
+                }
+            )
     engine = Engine(specs["distinct", "off"])
     engine.llm.generate(sets["distinct"][0][:16], use_tqdm=False)  # warm-up
 
@@ -115,18 +130,31 @@ def main() -> int:
         shutil.rmtree(out, ignore_errors=True)
         engine.llm.reset_prefix_cache()  # nothing left from the run before
         t0 = time.monotonic()
-        result = run_job(specs[key], RunOptions(engine=engine, progress_bars=False,
-                                                events=EventLog("bench", "json", open("/dev/null", "w"))))
+        result = run_job(
+            specs[key],
+            RunOptions(
+                engine=engine, progress_bars=False, events=EventLog("bench", "json", open("/dev/null", "w"))
+            ),
+        )
         wall = time.monotonic() - t0
-        texts = {r["request_id"]: r["generated_text"]
-                 for r in pq.read_table(out / "part-0.parquet").to_pylist()}
-        return {"wall_s": round(wall, 3), "rows_from_twin": result.summary["totals"]["rows_from_twin"],
-                "prefix_cache_hit_rate": (result.summary.get("prefix_cache") or {}).get("hit_rate"),
-                "texts": texts}
+        texts = {
+            r["request_id"]: r["generated_text"] for r in pq.read_table(out / "part-0.parquet").to_pylist()
+        }
+        return {
+            "wall_s": round(wall, 3),
+            "rows_from_twin": result.summary["totals"]["rows_from_twin"],
+            "prefix_cache_hit_rate": (result.summary.get("prefix_cache") or {}).get("hit_rate"),
+            "texts": texts,
+        }
 
-    report: dict = {"documents": args.documents, "questions": args.questions,
-                    "prompts": args.prompts, "duplicate_share": args.share,
-                    "kv_blocks": args.kv_blocks, "workloads": {}}
+    report: dict = {
+        "documents": args.documents,
+        "questions": args.questions,
+        "prompts": args.prompts,
+        "duplicate_share": args.share,
+        "kv_blocks": args.kv_blocks,
+        "workloads": {},
+    }
     for name in sets:
         runs: dict[str, list] = {mode: [] for mode in MODES}
         for _ in range(args.repeats):

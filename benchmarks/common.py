@@ -9,11 +9,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 #: The engine arguments the throughput-style benchmarks run the tiny target with.
-TINY_ENGINE = {"max_model_len": 512, "enforce_eager": True, "dtype": "float32",
-               "max_num_seqs": 128}
+TINY_ENGINE = {"max_model_len": 512, "enforce_eager": True, "dtype": "float32", "max_num_seqs": 128}
 #: The tiny draft at k = 4.
-TINY_DRAFT = {"method": "draft_model", "model": str(ROOT / ".models" / "draft"),
-              "num_speculative_tokens": 4}
+TINY_DRAFT = {"method": "draft_model", "model": str(ROOT / ".models" / "draft"), "num_speculative_tokens": 4}
 
 
 def print_report(report: dict, json_path: Path | None) -> None:

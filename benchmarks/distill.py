@@ -33,18 +33,20 @@ sys.path.insert(0, str(ROOT / "tools"))
 from common import print_report  # noqa: E402
 
 
-def write_job(work: Path, models: Path, target: str, draft: Path, max_tokens: int,
-              max_in_flight: int | None = None) -> Path:
+def write_job(
+    work: Path, models: Path, target: str, draft: Path, max_tokens: int, max_in_flight: int | None = None
+) -> Path:
     """The benchmark's job spec over the domain prompts in ``work/prompts``."""
     import yaml
 
     spec = {
         "name": "json-domain",
-        "input": {"path": str(work / "prompts" / "*.parquet"), "prompt_column": "prompt",
-                  "id_column": "id"},
+        "input": {"path": str(work / "prompts" / "*.parquet"), "prompt_column": "prompt", "id_column": "id"},
         "output": {"path": str(work / "run-out")},
-        "model": {"target": str(models / target),
-                  "engine": {"max_model_len": 512, "enforce_eager": True, "dtype": "float32"}},
+        "model": {
+            "target": str(models / target),
+            "engine": {"max_model_len": 512, "enforce_eager": True, "dtype": "float32"},
+        },
         "speculative": {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 4},
         "sampling": {"temperature": 0.0, "max_tokens": max_tokens},
     }
@@ -63,15 +65,21 @@ def large_tier(job: Path, models: Path, distilled: Path, args: argparse.Namespac
     from batchspec.spec.load import load_spec
 
     spec = load_spec(str(job))
-    large = dataclasses.replace(spec, model=dataclasses.replace(
-        spec.model, target=str(models / "target-large")))
-    heldout = sample_rows(spec, args.sample, args.holdout, seed=0).heldout[:args.large]
+    large = dataclasses.replace(
+        spec, model=dataclasses.replace(spec.model, target=str(models / "target-large"))
+    )
+    heldout = sample_rows(spec, args.sample, args.holdout, seed=0).heldout[: args.large]
     before = evaluate(large, str(models / "draft"), heldout, 4, 1)
     after = evaluate(large, str(distilled), heldout, 4, 1)
     keys = ("acceptance_rate", "mean_acceptance_length", "output_tokens_per_s", "output_tokens")
-    return {"target": "target-large", "concurrency": 1, "prompts": len(heldout),
-            "before": {k: before[k] for k in keys}, "after": {k: after[k] for k in keys},
-            "speedup": round(after["output_tokens_per_s"] / before["output_tokens_per_s"], 3)}
+    return {
+        "target": "target-large",
+        "concurrency": 1,
+        "prompts": len(heldout),
+        "before": {k: before[k] for k in keys},
+        "after": {k: after[k] for k in keys},
+        "speedup": round(after["output_tokens_per_s"] / before["output_tokens_per_s"], 3),
+    }
 
 
 def main() -> int:
@@ -85,10 +93,18 @@ def main() -> int:
     parser.add_argument("--logprobs", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--json", type=Path, default=None)
-    parser.add_argument("--large", type=int, default=0, metavar="N",
-                        help="then measure both drafts on target-large at concurrency 1 (N prompts)")
-    parser.add_argument("--large-only", action="store_true",
-                        help="measure on target-large only, with the draft an earlier run left in --work")
+    parser.add_argument(
+        "--large",
+        type=int,
+        default=0,
+        metavar="N",
+        help="then measure both drafts on target-large at concurrency 1 (N prompts)",
+    )
+    parser.add_argument(
+        "--large-only",
+        action="store_true",
+        help="measure on target-large only, with the draft an earlier run left in --work",
+    )
     args = parser.parse_args()
     from domain_data import write_shards
 
@@ -103,9 +119,24 @@ def main() -> int:
     job = write_job(work, args.models, "target", args.models / "draft", args.max_tokens)
     out = work / "draft-json"
     exe = Path(sys.executable).with_name("batchspec")
-    command = [str(exe), "distill", str(job), "--draft", str(args.models / "draft"),
-               "--out", str(out), "--sample", str(args.sample), "--holdout", str(args.holdout),
-               "--steps", str(args.steps), "--logprobs", str(args.logprobs), "--json"]
+    command = [
+        str(exe),
+        "distill",
+        str(job),
+        "--draft",
+        str(args.models / "draft"),
+        "--out",
+        str(out),
+        "--sample",
+        str(args.sample),
+        "--holdout",
+        str(args.holdout),
+        "--steps",
+        str(args.steps),
+        "--logprobs",
+        str(args.logprobs),
+        "--json",
+    ]
     print("$ " + " ".join(command), flush=True)
     load_before = os.getloadavg()
     started = time.monotonic()
@@ -116,12 +147,19 @@ def main() -> int:
         return done.returncode
     measured = json.loads(done.stdout)
     result = {
-        "rows": args.rows, "sample": args.sample, "holdout": args.holdout, "steps": args.steps,
-        "logprobs": args.logprobs, "max_tokens": args.max_tokens, "num_speculative_tokens": 4,
-        "wall_s": round(wall, 1), "cpus": os.cpu_count(),
+        "rows": args.rows,
+        "sample": args.sample,
+        "holdout": args.holdout,
+        "steps": args.steps,
+        "logprobs": args.logprobs,
+        "max_tokens": args.max_tokens,
+        "num_speculative_tokens": 4,
+        "wall_s": round(wall, 1),
+        "cpus": os.cpu_count(),
         "load_average_before": [round(x, 2) for x in load_before],
         "load_average_after": [round(x, 2) for x in os.getloadavg()],
-        "before": measured["before"], "after": measured["after"],
+        "before": measured["before"],
+        "after": measured["after"],
         "gain": round(measured["after"]["acceptance_rate"] - measured["before"]["acceptance_rate"], 4),
     }
     if args.large:

@@ -54,8 +54,9 @@ def read_once(path: str, cap: int | None) -> dict:
     inp = {"path": path, "prompt_column": "prompt"}
     if cap is not None:
         inp["max_line_bytes"] = cap
-    spec = build_spec({"input": inp, "output": {"path": str(Path(path).parent / "out")},
-                       "model": {"target": "unused"}})
+    spec = build_spec(
+        {"input": inp, "output": {"path": str(Path(path).parent / "out")}, "model": {"target": "unused"}}
+    )
     [shard] = discover_shards(spec.input.paths, {})
     before = _rss()
     started = time.perf_counter()
@@ -66,9 +67,14 @@ def read_once(path: str, cap: int | None) -> dict:
         rows += 1
         errors += row.error is not None
     reader.close()
-    return {"wall_s": round(time.perf_counter() - started, 2), "counted": counted, "rows": rows,
-            "error_rows": errors, "rss_before_mb": round(before / MIB, 1),
-            "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}
+    return {
+        "wall_s": round(time.perf_counter() - started, 2),
+        "counted": counted,
+        "rows": rows,
+        "error_rows": errors,
+        "rss_before_mb": round(before / MIB, 1),
+        "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+    }
 
 
 def _rss() -> int:
@@ -88,10 +94,12 @@ def measure(path: Path, cap: int | None) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", type=int, nargs="*", default=[16, 64, 256],
-                        help="MiB of the long line of each plain file")
-    parser.add_argument("--gzip-mib", type=int, default=512,
-                        help="MiB of the long line of the gzip file (0: none)")
+    parser.add_argument(
+        "--sizes", type=int, nargs="*", default=[16, 64, 256], help="MiB of the long line of each plain file"
+    )
+    parser.add_argument(
+        "--gzip-mib", type=int, default=512, help="MiB of the long line of the gzip file (0: none)"
+    )
     parser.add_argument("--json", type=Path)
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--cap", type=int, help=argparse.SUPPRESS)
@@ -113,17 +121,23 @@ def main() -> int:
             line_bytes = write_file(path, mib)
             for label, cap in (("default cap", None), ("cap above the line", line_bytes + MIB)):
                 result = measure(path, cap)
-                result.update(line_mib=mib, line_bytes=line_bytes, file=name,
-                              file_mb=round(path.stat().st_size / MIB, 2), cap=label,
-                              max_line_bytes=default_cap if cap is None else cap)
+                result.update(
+                    line_mib=mib,
+                    line_bytes=line_bytes,
+                    file=name,
+                    file_mb=round(path.stat().st_size / MIB, 2),
+                    cap=label,
+                    max_line_bytes=default_cap if cap is None else cap,
+                )
                 print(json.dumps(result), file=sys.stderr, flush=True)
                 results.append(result)
             path.unlink()
-    over = [r["peak_rss_mb"] for r in results
-            if r["cap"] == "default cap" and r["line_bytes"] > default_cap]
-    report = {"max_line_bytes_default": default_cap, "reads": results,
-              "peak_rss_mb_over_the_cap": {"min": min(over, default=None),
-                                           "max": max(over, default=None)}}
+    over = [r["peak_rss_mb"] for r in results if r["cap"] == "default cap" and r["line_bytes"] > default_cap]
+    report = {
+        "max_line_bytes_default": default_cap,
+        "reads": results,
+        "peak_rss_mb_over_the_cap": {"min": min(over, default=None), "max": max(over, default=None)},
+    }
     print_report(report, args.json)
     return 0
 

@@ -41,8 +41,12 @@ def write_shard(path: Path, rows: int) -> None:
     writer = None
     for start in range(0, rows, 5000):
         n = min(5000, rows - start)
-        table = pa.table({"id": [f"r{start + i}" for i in range(n)],
-                          "prompt": [snippets[(start + i) % len(snippets)] for i in range(n)]})
+        table = pa.table(
+            {
+                "id": [f"r{start + i}" for i in range(n)],
+                "prompt": [snippets[(start + i) % len(snippets)] for i in range(n)],
+            }
+        )
         writer = writer or pq.ParquetWriter(path, table.schema)
         writer.write_table(table, row_group_size=1000)
     writer.close()
@@ -57,10 +61,18 @@ def write_requests(path: Path, mb: int, line_kb: int) -> int:
     written = lines = 0
     with open(path, "w") as f:
         while written < mb * 2**20:
-            line = json.dumps({"custom_id": f"r{lines}", "method": "POST",
-                               "url": "/v1/chat/completions",
-                               "body": {"model": "tiny", "metadata": pad, "messages": [
-                                   {"role": "user", "content": snippets[lines % len(snippets)]}]}})
+            line = json.dumps(
+                {
+                    "custom_id": f"r{lines}",
+                    "method": "POST",
+                    "url": "/v1/chat/completions",
+                    "body": {
+                        "model": "tiny",
+                        "metadata": pad,
+                        "messages": [{"role": "user", "content": snippets[lines % len(snippets)]}],
+                    },
+                }
+            )
             f.write(line + "\n")
             written += len(line) + 1
             lines += 1
@@ -73,30 +85,52 @@ def measure(work: Path, rows: int, fmt: str = "parquet", mb: int = 0, line_kb: i
     if fmt == "openai":
         shard = in_dir / "requests.jsonl"
         rows = write_requests(shard, mb, line_kb)
-        io_keys = {"input": {"path": str(shard), "format": "openai"},
-                   "output": {"path": str(work / f"out-{mb}"), "format": "openai"}}
+        io_keys = {
+            "input": {"path": str(shard), "format": "openai"},
+            "output": {"path": str(work / f"out-{mb}"), "format": "openai"},
+        }
     else:
         shard = in_dir / "big.parquet"
         write_shard(shard, rows)
-        io_keys = {"input": {"path": str(shard), "prompt_column": "prompt", "id_column": "id"},
-                   "output": {"path": str(work / f"out-{rows}")}}
+        io_keys = {
+            "input": {"path": str(shard), "prompt_column": "prompt", "id_column": "id"},
+            "output": {"path": str(work / f"out-{rows}")},
+        }
     job = work / f"job-{rows}.yaml"
-    job.write_text(yaml.safe_dump({
-        "name": f"memory-{rows}",
-        **io_keys,
-        "model": {"target": str(ROOT / ".models" / "target"),
-                  "engine": {"max_model_len": 512, "enforce_eager": True, "dtype": "float32",
-                             **({"served_model_name": "tiny"} if fmt == "openai" else {})}},
-        "speculative": {"method": "draft_model", "model": str(ROOT / ".models" / "draft"),
-                        "num_speculative_tokens": 4},
-        "sampling": {"temperature": 0.0, "max_tokens": 4},
-        # the snippets are cycled: every row generated, not written from a twin
-        "execution": {"dedupe_window": 0},
-    }))
+    job.write_text(
+        yaml.safe_dump(
+            {
+                "name": f"memory-{rows}",
+                **io_keys,
+                "model": {
+                    "target": str(ROOT / ".models" / "target"),
+                    "engine": {
+                        "max_model_len": 512,
+                        "enforce_eager": True,
+                        "dtype": "float32",
+                        **({"served_model_name": "tiny"} if fmt == "openai" else {}),
+                    },
+                },
+                "speculative": {
+                    "method": "draft_model",
+                    "model": str(ROOT / ".models" / "draft"),
+                    "num_speculative_tokens": 4,
+                },
+                "sampling": {"temperature": 0.0, "max_tokens": 4},
+                # the snippets are cycled: every row generated, not written from a twin
+                "execution": {"dedupe_window": 0},
+            }
+        )
+    )
     exe = Path(sys.executable).with_name("batchspec")
     started = time.monotonic()
-    proc = subprocess.Popen([str(exe), "run", str(job), "--no-progress"], cwd=ROOT,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [str(exe), "run", str(job), "--no-progress"],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     main = psutil.Process(proc.pid)
     peak_main = peak_tree = 0
     while proc.poll() is None:
@@ -111,10 +145,13 @@ def measure(work: Path, rows: int, fmt: str = "parquet", mb: int = 0, line_kb: i
     stderr = proc.stderr.read()
     if proc.returncode:
         raise SystemExit(f"run failed ({proc.returncode}): {stderr[-2000:]}")
-    return {"rows": rows, "input_mb": round(shard.stat().st_size / 2**20, 2),
-            "wall_s": round(time.monotonic() - started, 1),
-            "peak_rss_batchspec_mb": round(peak_main / 2**20, 1),
-            "peak_rss_tree_mb": round(peak_tree / 2**20, 1)}
+    return {
+        "rows": rows,
+        "input_mb": round(shard.stat().st_size / 2**20, 2),
+        "wall_s": round(time.monotonic() - started, 1),
+        "peak_rss_batchspec_mb": round(peak_main / 2**20, 1),
+        "peak_rss_tree_mb": round(peak_tree / 2**20, 1),
+    }
 
 
 def main() -> int:
@@ -128,14 +165,16 @@ def main() -> int:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="batchspec-memory-") as tmp:
         small = measure(Path(tmp), args.rows, args.format, args.mb, args.line_kb)
-        large = measure(Path(tmp), args.rows * args.factor, args.format, args.mb * args.factor,
-                        args.line_kb)
+        large = measure(Path(tmp), args.rows * args.factor, args.format, args.mb * args.factor, args.line_kb)
     growth = large["peak_rss_batchspec_mb"] / small["peak_rss_batchspec_mb"] - 1
-    report = {"small": small, "large": large,
-              "batchspec_peak_rss_growth": round(growth, 4),
-              "tree_peak_rss_growth": round(large["peak_rss_tree_mb"] / small["peak_rss_tree_mb"] - 1, 4),
-              "target": f"batchspec peak RSS grows < 10% for a {args.factor}x larger shard",
-              "met": growth < 0.10}
+    report = {
+        "small": small,
+        "large": large,
+        "batchspec_peak_rss_growth": round(growth, 4),
+        "tree_peak_rss_growth": round(large["peak_rss_tree_mb"] / small["peak_rss_tree_mb"] - 1, 4),
+        "target": f"batchspec peak RSS grows < 10% for a {args.factor}x larger shard",
+        "met": growth < 0.10,
+    }
     print_report(report, args.json)
     return 0 if report["met"] else 1
 

@@ -48,36 +48,53 @@ def main() -> int:
     write_shards(work / "in", prompts, lengths, args.shards)
 
     def spec(kind: str, replicas: int = 1):
-        return build_spec({
-            "name": "bench-ray",
-            "input": {"path": str(work / "in" / "*.parquet"), "prompt_column": "prompt",
-                      "id_column": "id", "sampling_columns": {"max_tokens": "max_tokens"}},
-            "output": {"path": str(work / f"out-{kind}-{replicas}")},
-            "model": {"target": str(ROOT / ".models" / "target"),
-                      "engine": dict(TINY_ENGINE)},
-            "speculative": dict(TINY_DRAFT),
-            "sampling": {"temperature": 0.0, "max_tokens": 64, "ignore_eos": True},
-            "execution": {"max_in_flight": 256, "dedupe_window": 0},  # every row generated
-            "executor": {"kind": kind, "replicas": replicas,
-                         "resources_per_replica": {"CPU": args.cpus / replicas}},
-        })
+        return build_spec(
+            {
+                "name": "bench-ray",
+                "input": {
+                    "path": str(work / "in" / "*.parquet"),
+                    "prompt_column": "prompt",
+                    "id_column": "id",
+                    "sampling_columns": {"max_tokens": "max_tokens"},
+                },
+                "output": {"path": str(work / f"out-{kind}-{replicas}")},
+                "model": {"target": str(ROOT / ".models" / "target"), "engine": dict(TINY_ENGINE)},
+                "speculative": dict(TINY_DRAFT),
+                "sampling": {"temperature": 0.0, "max_tokens": 64, "ignore_eos": True},
+                "execution": {"max_in_flight": 256, "dedupe_window": 0},  # every row generated
+                "executor": {
+                    "kind": kind,
+                    "replicas": replicas,
+                    "resources_per_replica": {"CPU": args.cpus / replicas},
+                },
+            }
+        )
 
     quiet = EventLog("bench", "json", open(os.devnull, "w"))  # noqa: SIM115
     results = []
     for kind, replicas in (("local", 1), ("ray", 1), ("ray", 2)):
         if kind == "ray" and not ray.is_initialized():
-            ray.init(num_cpus=args.cpus, include_dashboard=False, log_to_driver=False,
-                     runtime_env={"env_vars": {"VLLM_CPU_KVCACHE_SPACE":
-                                               os.environ["VLLM_CPU_KVCACHE_SPACE"]}})
+            ray.init(
+                num_cpus=args.cpus,
+                include_dashboard=False,
+                log_to_driver=False,
+                runtime_env={"env_vars": {"VLLM_CPU_KVCACHE_SPACE": os.environ["VLLM_CPU_KVCACHE_SPACE"]}},
+            )
         t0 = time.monotonic()
         summary = run_job(spec(kind, replicas), RunOptions(events=quiet, progress_bars=False)).summary
         wall = time.monotonic() - t0
         t = summary["totals"]
-        results.append({"executor": kind, "replicas": replicas, "wall_s": round(wall, 1),
-                        "generation_wall_s": t["generation_wall_s"],
-                        "output_tokens": t["output_tokens"],
-                        "generation_output_tokens_per_s": t["generation_output_tokens_per_s"],
-                        "output_tokens_per_s_whole_run": round(t["output_tokens"] / wall, 1)})
+        results.append(
+            {
+                "executor": kind,
+                "replicas": replicas,
+                "wall_s": round(wall, 1),
+                "generation_wall_s": t["generation_wall_s"],
+                "output_tokens": t["output_tokens"],
+                "generation_output_tokens_per_s": t["generation_output_tokens_per_s"],
+                "output_tokens_per_s_whole_run": round(t["output_tokens"] / wall, 1),
+            }
+        )
         print(json.dumps(results[-1]), flush=True)
     if ray.is_initialized():
         ray.shutdown()

@@ -40,12 +40,23 @@ def measure_tier(config: dict) -> dict:
     from tiny_models import held_out_snippets
     from vllm import LLM, SamplingParams
 
-    kwargs = {"max_model_len": 512, "enforce_eager": True, "dtype": "float32", "seed": 0,
-              "max_num_seqs": max(config["concurrency"])}
+    kwargs = {
+        "max_model_len": 512,
+        "enforce_eager": True,
+        "dtype": "float32",
+        "seed": 0,
+        "max_num_seqs": max(config["concurrency"]),
+    }
     if config["draft"]:
-        kwargs.update(speculative_config={"method": "draft_model", "model": config["draft"],
-                                          "num_speculative_tokens": config["k"]},
-                      disable_log_stats=False, per_request_spec_decode_metrics="summary")
+        kwargs.update(
+            speculative_config={
+                "method": "draft_model",
+                "model": config["draft"],
+                "num_speculative_tokens": config["k"],
+            },
+            disable_log_stats=False,
+            per_request_spec_decode_metrics="summary",
+        )
     started = time.monotonic()
     llm = LLM(model=config["target"], **kwargs)
     startup_s = time.monotonic() - started
@@ -64,18 +75,25 @@ def measure_tier(config: dict) -> dict:
             outputs = llm.generate(prompts, params, use_tqdm=False)
         wall_s = time.monotonic() - started
         tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-        row = {"concurrency": concurrency, "requests": len(outputs), "output_tokens": tokens,
-               "wall_s": round(wall_s, 2), "tokens_per_s": round(tokens / wall_s, 1)}
+        row = {
+            "concurrency": concurrency,
+            "requests": len(outputs),
+            "output_tokens": tokens,
+            "wall_s": round(wall_s, 2),
+            "tokens_per_s": round(tokens / wall_s, 1),
+        }
         if config["draft"]:
             totals = {"num_draft_tokens": 0, "num_accepted_draft_tokens": 0, "num_spec_steps": 0}
             for out in outputs:
                 metrics = out.outputs[0].spec_decode_metrics.to_dict()
                 for key in totals:
                     totals[key] += metrics[key]
-            row["acceptance_rate"] = round(totals["num_accepted_draft_tokens"]
-                                           / totals["num_draft_tokens"], 3)
-            row["mean_acceptance_length"] = round(1 + totals["num_accepted_draft_tokens"]
-                                                  / totals["num_spec_steps"], 2)
+            row["acceptance_rate"] = round(
+                totals["num_accepted_draft_tokens"] / totals["num_draft_tokens"], 3
+            )
+            row["mean_acceptance_length"] = round(
+                1 + totals["num_accepted_draft_tokens"] / totals["num_spec_steps"], 2
+            )
         results.append(row)
     return {"startup_s": round(startup_s, 1), "results": results}
 
@@ -86,25 +104,34 @@ def run_tier(name: str, config: dict) -> dict:
         config_path, out_path = Path(tmp) / "config.json", Path(tmp) / "out.json"
         config_path.write_text(json.dumps(config))
         env = {"VLLM_CPU_KVCACHE_SPACE": "2", **os.environ}
-        proc = subprocess.run([sys.executable, __file__, "--measure", str(config_path), str(out_path)],
-                              capture_output=True, text=True, env=env)
+        proc = subprocess.run(
+            [sys.executable, __file__, "--measure", str(config_path), str(out_path)],
+            capture_output=True,
+            text=True,
+            env=env,
+        )
         if proc.returncode != 0 or not out_path.exists():
-            raise RuntimeError(f"tier {name}: the engine process failed (exit {proc.returncode}):\n"
-                               f"{proc.stderr[-3000:]}")
+            raise RuntimeError(
+                f"tier {name}: the engine process failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}"
+            )
         return json.loads(out_path.read_text())
 
 
 def markdown(rows: list[dict], k: int) -> str:
     """The figures as a Markdown table, one row per concurrency and speculation setting."""
-    lines = ["| concurrency | speculation | tok/s | vs off | acceptance | mean acceptance length |",
-             "| --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        "| concurrency | speculation | tok/s | vs off | acceptance | mean acceptance length |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
     off = {r["concurrency"]: r["tokens_per_s"] for r in rows if r["tier"] == "off"}
     for r in sorted(rows, key=lambda r: (r["concurrency"], list(TIERS).index(r["tier"]))):
         label = "off" if r["tier"] == "off" else f"{r['tier']}, k={k}"
         ratio = r["tokens_per_s"] / off[r["concurrency"]] if r["concurrency"] in off else None
-        lines.append(f"| {r['concurrency']} | {label} | {r['tokens_per_s']:.1f} | "
-                     f"{'' if ratio is None else f'{ratio:.2f}x'} | {r.get('acceptance_rate', '')} | "
-                     f"{r.get('mean_acceptance_length', '')} |")
+        lines.append(
+            f"| {r['concurrency']} | {label} | {r['tokens_per_s']:.1f} | "
+            f"{'' if ratio is None else f'{ratio:.2f}x'} | {r.get('acceptance_rate', '')} | "
+            f"{r.get('mean_acceptance_length', '')} |"
+        )
     return "\n".join(lines)
 
 
@@ -131,14 +158,23 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     rows = []
     for tier in args.tiers:
-        config = {"target": str(args.models / args.target),
-                  "draft": str(args.models / TIERS[tier]) if TIERS[tier] else None,
-                  "k": args.k, "concurrency": args.concurrency, "prompts": args.prompts,
-                  "max_tokens": args.max_tokens}
+        config = {
+            "target": str(args.models / args.target),
+            "draft": str(args.models / TIERS[tier]) if TIERS[tier] else None,
+            "k": args.k,
+            "concurrency": args.concurrency,
+            "prompts": args.prompts,
+            "max_tokens": args.max_tokens,
+        }
         measured = run_tier(tier, config)
-        print(f"{tier}: engine start {measured['startup_s']} s; "
-              + "; ".join(f"concurrency {r['concurrency']}: {r['tokens_per_s']} tok/s"
-                          for r in measured["results"]), file=sys.stderr, flush=True)
+        print(
+            f"{tier}: engine start {measured['startup_s']} s; "
+            + "; ".join(
+                f"concurrency {r['concurrency']}: {r['tokens_per_s']} tok/s" for r in measured["results"]
+            ),
+            file=sys.stderr,
+            flush=True,
+        )
         rows += [{"tier": tier, **r} for r in measured["results"]]
     table = markdown(rows, args.k)
     print(table)

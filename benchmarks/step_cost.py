@@ -38,10 +38,20 @@ def one_k(target: Path, k: int) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    spec = None if k == 0 else {"method": "draft_model", "model": str(ROOT / ".models" / "draft"),
-                                "num_speculative_tokens": k}
-    llm = LLM(model=str(target), max_model_len=512, enforce_eager=True, dtype="float32",
-              max_num_seqs=64, seed=0, speculative_config=spec)
+    spec = (
+        None
+        if k == 0
+        else {"method": "draft_model", "model": str(ROOT / ".models" / "draft"), "num_speculative_tokens": k}
+    )
+    llm = LLM(
+        model=str(target),
+        max_model_len=512,
+        enforce_eager=True,
+        dtype="float32",
+        max_num_seqs=64,
+        seed=0,
+        speculative_config=spec,
+    )
     engine, tokenizer = llm.llm_engine, llm.get_tokenizer()
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     decode, prefill = [], []
@@ -55,11 +65,14 @@ def one_k(target: Path, k: int) -> dict:
             first = False
             if any(o.finished for o in outputs):
                 break
-    warm = decode[len(decode) // 8:]  # the first prompts' steps meet every shape the first time
-    return {"k": k, "decode_step_ms_median": round(statistics.median(warm) * 1000, 1),
-            "decode_step_ms_mean": round(statistics.fmean(warm) * 1000, 1),
-            "decode_steps": len(warm), "prefill_step_ms_median":
-                round(statistics.median(prefill) * 1000, 1)}
+    warm = decode[len(decode) // 8 :]  # the first prompts' steps meet every shape the first time
+    return {
+        "k": k,
+        "decode_step_ms_median": round(statistics.median(warm) * 1000, 1),
+        "decode_step_ms_mean": round(statistics.fmean(warm) * 1000, 1),
+        "decode_steps": len(warm),
+        "prefill_step_ms_median": round(statistics.median(prefill) * 1000, 1),
+    }
 
 
 def kernel(target: Path, rows: range = range(1, 9), repeats: int = 20) -> list[dict]:
@@ -69,10 +82,12 @@ def kernel(target: Path, rows: range = range(1, 9), repeats: int = 20) -> list[d
 
     config = json.loads((target / "config.json").read_text())
     hidden, inter = config["hidden_size"], config["intermediate_size"]
-    heads, kv, dim = (config["num_attention_heads"], config["num_key_value_heads"],
-                      config.get("head_dim") or hidden // config["num_attention_heads"])
-    shapes = [((heads + 2 * kv) * dim, hidden), (hidden, heads * dim), (2 * inter, hidden),
-              (hidden, inter)]
+    heads, kv, dim = (
+        config["num_attention_heads"],
+        config["num_key_value_heads"],
+        config.get("head_dim") or hidden // config["num_attention_heads"],
+    )
+    shapes = [((heads + 2 * kv) * dim, hidden), (hidden, heads * dim), (2 * inter, hidden), (hidden, inter)]
     torch.manual_seed(0)
     handlers = [(ops.create_onednn_mm(torch.randn(n, k).t(), 32), k) for n, k in shapes]
     out = []
@@ -110,20 +125,25 @@ def main(argv: list[str] | None = None) -> int:
     from common import print_report
 
     if args.kernel:
-        print_report({"target": args.target, "kernel": "onednn_mm", "by_rows": kernel(target)},
-                     args.json)
+        print_report({"target": args.target, "kernel": "onednn_mm", "by_rows": kernel(target)}, args.json)
         return 0
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2"}
     rows = []
     for k in args.k:
-        done = subprocess.run([sys.executable, __file__, "--target", args.target, "--one", str(k)],
-                              capture_output=True, text=True, env=env, check=True)
-        rows.append(next(json.loads(line) for line in done.stdout.splitlines()
-                         if line.startswith('{"k": ')))
+        done = subprocess.run(
+            [sys.executable, __file__, "--target", args.target, "--one", str(k)],
+            capture_output=True,
+            text=True,
+            env=env,
+            check=True,
+        )
+        rows.append(next(json.loads(line) for line in done.stdout.splitlines() if line.startswith('{"k": ')))
         print(f"k={k}: {rows[-1]}", file=sys.stderr, flush=True)
 
-    print_report({"target": args.target, "in_flight": 1, "max_tokens": MAX_TOKENS,
-                  "prompts": PROMPTS, "by_k": rows}, args.json)
+    print_report(
+        {"target": args.target, "in_flight": 1, "max_tokens": MAX_TOKENS, "prompts": PROMPTS, "by_k": rows},
+        args.json,
+    )
     return 0
 
 

@@ -23,16 +23,24 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
 
 #: A field of code the tiny model can fill: it writes what it would write anyway, inside JSON.
-SCHEMA = {"type": "object", "properties": {"code": {"type": "string", "maxLength": 120}},
-          "required": ["code"], "additionalProperties": False}
+SCHEMA = {
+    "type": "object",
+    "properties": {"code": {"type": "string", "maxLength": 120}},
+    "required": ["code"],
+    "additionalProperties": False,
+}
 
 
 def _speculative(mode: str, models: Path, k: int) -> dict | None:
     if mode == "draft":
         return {"method": "draft_model", "model": str(models / "draft"), "num_speculative_tokens": k}
     if mode == "ngram":
-        return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1,
-                "prompt_lookup_max": 4}
+        return {
+            "method": "ngram",
+            "num_speculative_tokens": k,
+            "prompt_lookup_min": 1,
+            "prompt_lookup_max": 4,
+        }
     return None
 
 
@@ -41,19 +49,30 @@ def measure_mode(mode: str, models: Path, prompts: list[str], k: int, max_tokens
     from vllm import LLM, SamplingParams
     from vllm.sampling_params import StructuredOutputsParams
 
-    kwargs = ({"speculative_config": _speculative(mode, models, k),
-               "per_request_spec_decode_metrics": "summary"} if mode != "off" else {})
-    llm = LLM(model=str(models / "target"), max_model_len=512, enforce_eager=True, dtype="float32",
-              seed=0, disable_log_stats=False,
-              structured_outputs_config={"backend": "xgrammar", "disable_any_whitespace": True},
-              **kwargs)
+    kwargs = (
+        {"speculative_config": _speculative(mode, models, k), "per_request_spec_decode_metrics": "summary"}
+        if mode != "off"
+        else {}
+    )
+    llm = LLM(
+        model=str(models / "target"),
+        max_model_len=512,
+        enforce_eager=True,
+        dtype="float32",
+        seed=0,
+        disable_log_stats=False,
+        structured_outputs_config={"backend": "xgrammar", "disable_any_whitespace": True},
+        **kwargs,
+    )
     rows = []
     try:
         llm.generate(prompts[:8], SamplingParams(temperature=0.0, max_tokens=8))  # warm-up
         for constrained in (False, True):
             params = SamplingParams(
-                temperature=0.0, max_tokens=max_tokens,
-                structured_outputs=StructuredOutputsParams(json=SCHEMA) if constrained else None)
+                temperature=0.0,
+                max_tokens=max_tokens,
+                structured_outputs=StructuredOutputsParams(json=SCHEMA) if constrained else None,
+            )
             started = time.perf_counter()
             outs = llm.generate(prompts, params, use_tqdm=False)
             wall = time.perf_counter() - started
@@ -73,14 +92,20 @@ def measure_mode(mode: str, models: Path, prompts: list[str], k: int, max_tokens
                     drafted += m["num_draft_tokens"]
                     accepted += m["num_accepted_draft_tokens"]
                     steps += m["num_spec_steps"]
-            rows.append({
-                "mode": mode, "grammar": constrained, "prompts": len(prompts),
-                "output_tokens": tokens, "wall_s": round(wall, 2),
-                "tokens_per_s": round(tokens / wall, 1),
-                "acceptance_rate": round(accepted / drafted, 3) if drafted else None,
-                "mean_acceptance_length": round(1 + accepted / steps, 2) if steps else None,
-                "finished_stop": stopped, "valid_json": valid if constrained else None,
-            })
+            rows.append(
+                {
+                    "mode": mode,
+                    "grammar": constrained,
+                    "prompts": len(prompts),
+                    "output_tokens": tokens,
+                    "wall_s": round(wall, 2),
+                    "tokens_per_s": round(tokens / wall, 1),
+                    "acceptance_rate": round(accepted / drafted, 3) if drafted else None,
+                    "mean_acceptance_length": round(1 + accepted / steps, 2) if steps else None,
+                    "finished_stop": stopped,
+                    "valid_json": valid if constrained else None,
+                }
+            )
     finally:
         del llm
         gc.collect()

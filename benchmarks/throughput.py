@@ -31,8 +31,7 @@ from common import TINY_DRAFT, TINY_ENGINE, print_report  # noqa: E402
 
 SPECULATIVE = {
     "draft": dict(TINY_DRAFT),
-    "ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
-              "prompt_lookup_max": 4},
+    "ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4},
     "off": None,
 }
 
@@ -54,9 +53,16 @@ def write_shards(root: Path, prompts: list[str], lengths: list[int], shards: int
     per = math.ceil(len(prompts) / shards)
     for i in range(shards):
         sl = slice(i * per, (i + 1) * per)
-        pq.write_table(pa.table({"id": [f"r{j}" for j in range(len(prompts))][sl],
-                                 "prompt": prompts[sl], "max_tokens": lengths[sl]}),
-                       root / f"part-{i}.parquet")
+        pq.write_table(
+            pa.table(
+                {
+                    "id": [f"r{j}" for j in range(len(prompts))][sl],
+                    "prompt": prompts[sl],
+                    "max_tokens": lengths[sl],
+                }
+            ),
+            root / f"part-{i}.parquet",
+        )
 
 
 def main() -> int:
@@ -81,11 +87,14 @@ def main() -> int:
     write_shards(work / "in", prompts, lengths, args.shards)
     raw = {
         "name": "bench",
-        "input": {"path": str(work / "in" / "*.parquet"), "prompt_column": "prompt",
-                  "id_column": "id", "sampling_columns": {"max_tokens": "max_tokens"}},
+        "input": {
+            "path": str(work / "in" / "*.parquet"),
+            "prompt_column": "prompt",
+            "id_column": "id",
+            "sampling_columns": {"max_tokens": "max_tokens"},
+        },
         "output": {"path": str(work / "out")},
-        "model": {"target": str(ROOT / ".models" / "target"),
-                  "engine": dict(TINY_ENGINE)},
+        "model": {"target": str(ROOT / ".models" / "target"), "engine": dict(TINY_ENGINE)},
         "speculative": SPECULATIVE[args.spec],
         "sampling": {"temperature": 0.0, "max_tokens": 64, "ignore_eos": True},
         # every row generated, as bare vLLM and the naive loop do (a repeated snippet would
@@ -108,15 +117,20 @@ def main() -> int:
     def naive() -> int:
         total = 0
         for i in range(0, len(prompts), args.batch):
-            outs = engine.llm.generate(prompts[i:i + args.batch], params[i:i + args.batch],
-                                       use_tqdm=False)
+            outs = engine.llm.generate(
+                prompts[i : i + args.batch], params[i : i + args.batch], use_tqdm=False
+            )
             total += sum(len(o.outputs[0].token_ids) for o in outs)
         return total
 
     def batchspec() -> int:
         shutil.rmtree(work / "out", ignore_errors=True)
-        result = run_job(spec, RunOptions(engine=engine, progress_bars=False,
-                                          events=EventLog("bench", "json", open("/dev/null", "w"))))
+        result = run_job(
+            spec,
+            RunOptions(
+                engine=engine, progress_bars=False, events=EventLog("bench", "json", open("/dev/null", "w"))
+            ),
+        )
         return result.summary["totals"]["output_tokens"]
 
     modes = {"bare": bare, "batchspec": batchspec, "naive": naive}
@@ -126,17 +140,23 @@ def main() -> int:
             t0 = time.monotonic()
             tokens = fn()
             wall = time.monotonic() - t0
-            results[name].append({"output_tokens": tokens, "wall_s": round(wall, 3),
-                                  "tokens_per_s": round(tokens / wall, 1)})
+            results[name].append(
+                {"output_tokens": tokens, "wall_s": round(wall, 3), "tokens_per_s": round(tokens / wall, 1)}
+            )
     engine.shutdown()
     shutil.rmtree(work, ignore_errors=True)
 
     best = {m: max(r["tokens_per_s"] for r in runs) for m, runs in results.items()}
     report = {
-        "prompts": args.prompts, "shards": args.shards, "speculative": args.spec,
+        "prompts": args.prompts,
+        "shards": args.shards,
+        "speculative": args.spec,
         "output_tokens": results["bare"][0]["output_tokens"],
-        "max_tokens_range": [min(lengths), max(lengths)], "naive_batch": args.batch,
-        "engine_startup_s": round(startup_s, 1), "runs": results, "best_tokens_per_s": best,
+        "max_tokens_range": [min(lengths), max(lengths)],
+        "naive_batch": args.batch,
+        "engine_startup_s": round(startup_s, 1),
+        "runs": results,
+        "best_tokens_per_s": best,
         "ratio_batchspec_vs_bare": round(best["batchspec"] / best["bare"], 3),
         "ratio_batchspec_vs_naive": round(best["batchspec"] / best["naive"], 3),
     }

@@ -88,9 +88,11 @@ if os.environ.get(ENGINE_LOG_ENV):
     _COUNTER_DIR = Path(__file__).resolve().parent / "helpers" / "engine_counter"
     os.environ[ENGINE_LOG_ENV] = str(Path(os.environ[ENGINE_LOG_ENV]).resolve())
     os.environ["PYTHONPATH"] = os.pathsep.join(
-        p for p in (str(_COUNTER_DIR), os.environ.get("PYTHONPATH")) if p)
-    _counter_spec = _importlib_util.spec_from_file_location("batchspec_engine_counter",
-                                                            _COUNTER_DIR / "sitecustomize.py")
+        p for p in (str(_COUNTER_DIR), os.environ.get("PYTHONPATH")) if p
+    )
+    _counter_spec = _importlib_util.spec_from_file_location(
+        "batchspec_engine_counter", _COUNTER_DIR / "sitecustomize.py"
+    )
     _counter = _importlib_util.module_from_spec(_counter_spec)
     _counter_spec.loader.exec_module(_counter)
     _counter.install()
@@ -103,21 +105,26 @@ def pytest_terminal_summary(terminalreporter):
     import json
 
     if not HAVE_VLLM:
-        skipped = sum(1 for r in terminalreporter.stats.get("skipped", ())
-                      if isinstance(r.longrepr, tuple) and _NEEDS_VLLM in r.longrepr[2])
-        terminalreporter.write_line(f"vLLM is not installed: {skipped} tests that need it were "
-                                    "skipped (marker vllm)")
+        skipped = sum(
+            1
+            for r in terminalreporter.stats.get("skipped", ())
+            if isinstance(r.longrepr, tuple) and _NEEDS_VLLM in r.longrepr[2]
+        )
+        terminalreporter.write_line(
+            f"vLLM is not installed: {skipped} tests that need it were skipped (marker vllm)"
+        )
     path = os.environ.get(ENGINE_LOG_ENV)
     if not path or not Path(path).exists():
         return
-    records = [r for r in map(json.loads, Path(path).read_text().splitlines())
-               if r["time"] >= _SESSION_STARTED - 1]
+    records = [
+        r for r in map(json.loads, Path(path).read_text().splitlines()) if r["time"] >= _SESSION_STARTED - 1
+    ]
     by_file = collections.Counter(r["test"].split("::")[0] for r in records)
     by_test = collections.Counter(r["test"] for r in records)
-    separate = collections.Counter(r["test"].split("::")[0] for r in records
-                                   if r.get("separate", True))
-    terminalreporter.section(f"engine start-ups: {len(records)} "
-                             f"({sum(separate.values())} with vLLM's own processes)")
+    separate = collections.Counter(r["test"].split("::")[0] for r in records if r.get("separate", True))
+    terminalreporter.section(
+        f"engine start-ups: {len(records)} ({sum(separate.values())} with vLLM's own processes)"
+    )
     for name, count in sorted(by_file.items()):
         terminalreporter.write_line(f"{count:4d}  {name}  ({separate[name]} with vLLM's own processes)")
     for name, count in sorted(by_test.items()):

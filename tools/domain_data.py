@@ -18,15 +18,88 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-NAMES = ["alice", "bob", "carol", "dave", "erin", "frank", "grace", "heidi", "ivan", "judy",
-         "mallory", "oscar", "peggy", "rupert", "sybil", "trent", "victor", "walter"]
+NAMES = [
+    "alice",
+    "bob",
+    "carol",
+    "dave",
+    "erin",
+    "frank",
+    "grace",
+    "heidi",
+    "ivan",
+    "judy",
+    "mallory",
+    "oscar",
+    "peggy",
+    "rupert",
+    "sybil",
+    "trent",
+    "victor",
+    "walter",
+]
 CITIES = ["Paris", "Oslo", "Lima", "Quito", "Cairo", "Delhi", "Tokyo", "Perth", "Austin", "Porto"]
-WORDS = ["alpha", "beta", "gamma", "delta", "red", "green", "blue", "north", "south", "fast",
-         "slow", "open", "closed", "new", "old", "primary", "backup", "draft", "final", "error"]
-KEYS = ["id", "name", "user", "email", "city", "country", "age", "score", "price", "qty",
-        "status", "tags", "items", "created", "updated", "enabled", "role", "level", "count",
-        "total", "currency", "address", "zip", "phone", "notes", "owner", "team", "priority",
-        "version", "path", "type", "value", "unit", "rating", "kind", "source", "target"]
+WORDS = [
+    "alpha",
+    "beta",
+    "gamma",
+    "delta",
+    "red",
+    "green",
+    "blue",
+    "north",
+    "south",
+    "fast",
+    "slow",
+    "open",
+    "closed",
+    "new",
+    "old",
+    "primary",
+    "backup",
+    "draft",
+    "final",
+    "error",
+]
+KEYS = [
+    "id",
+    "name",
+    "user",
+    "email",
+    "city",
+    "country",
+    "age",
+    "score",
+    "price",
+    "qty",
+    "status",
+    "tags",
+    "items",
+    "created",
+    "updated",
+    "enabled",
+    "role",
+    "level",
+    "count",
+    "total",
+    "currency",
+    "address",
+    "zip",
+    "phone",
+    "notes",
+    "owner",
+    "team",
+    "priority",
+    "version",
+    "path",
+    "type",
+    "value",
+    "unit",
+    "rating",
+    "kind",
+    "source",
+    "target",
+]
 
 
 def _value(rng: random.Random, key: str, depth: int):
@@ -82,10 +155,11 @@ def write_shards(out_dir: Path, rows: int, shards: int, seed: int = 0) -> list[P
     per = -(-rows // shards)
     paths = []
     for i in range(shards):
-        chunk = texts[i * per:(i + 1) * per]
+        chunk = texts[i * per : (i + 1) * per]
         path = out_dir / f"part-{i:05d}.parquet"
-        pq.write_table(pa.table({"id": [f"j{i * per + j:06d}" for j in range(len(chunk))],
-                                 "prompt": chunk}), path)
+        pq.write_table(
+            pa.table({"id": [f"j{i * per + j:06d}" for j in range(len(chunk))], "prompt": chunk}), path
+        )
         paths.append(path)
     return paths
 

@@ -39,8 +39,13 @@ COMPLETE_MARKER = ".batchspec-complete"  # the same marker tools/tiny_models.py 
 INFO_FILE = "batchspec-model.json"
 WEIGHTS_FILE = "model.safetensors"
 #: Files copied unchanged from the source model (those it has).
-COPIED_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                "chat_template.jinja", "generation_config.json")
+COPIED_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "generation_config.json",
+)
 SEED = 4321
 #: The grown model must reproduce the source's logits this closely (float32 rounding is ~1e-5).
 MAX_LOGIT_DIFFERENCE = 1e-4
@@ -77,8 +82,9 @@ def is_current(out: Path, weights: Path, settings: dict, key: str = "source_sha2
         info = json.loads((out / INFO_FILE).read_text())
     except (OSError, ValueError):
         return False
-    return (info.get(key) == file_sha256(weights)
-            and all(info.get(k) == value for k, value in settings.items()))
+    return info.get(key) == file_sha256(weights) and all(
+        info.get(k) == value for k, value in settings.items()
+    )
 
 
 def scratch_dir(out: Path) -> Path:
@@ -108,8 +114,9 @@ def _pad(tensor, shape: tuple[int, ...]):
     return out
 
 
-def grow_state_dict(state: dict, config: dict, hidden: int, intermediate: int, layers: int,
-                    seed: int = SEED) -> tuple[dict, dict]:
+def grow_state_dict(
+    state: dict, config: dict, hidden: int, intermediate: int, layers: int, seed: int = SEED
+) -> tuple[dict, dict]:
     """The grown weights and config for a Llama ``state``/``config`` pair.
 
     ``hidden`` must be a multiple of the source's ``head_dim``; ``hidden``, ``intermediate`` and
@@ -124,8 +131,10 @@ def grow_state_dict(state: dict, config: dict, hidden: int, intermediate: int, l
     if config.get("tie_word_embeddings"):
         raise ValueError("grow: tied word embeddings are not supported (tie_word_embeddings: true)")
     if hidden < h_old or intermediate < i_old or layers < l_old:
-        raise ValueError(f"grow: hidden {hidden}, intermediate {intermediate}, layers {layers} must "
-                         f"be at least the source's {h_old}, {i_old}, {l_old}")
+        raise ValueError(
+            f"grow: hidden {hidden}, intermediate {intermediate}, layers {layers} must "
+            f"be at least the source's {h_old}, {i_old}, {l_old}"
+        )
     if hidden % head_dim:
         raise ValueError(f"grow: hidden {hidden} is not a multiple of head_dim {head_dim}")
     heads = hidden // head_dim
@@ -177,10 +186,16 @@ def grow_state_dict(state: dict, config: dict, hidden: int, intermediate: int, l
     extra = sorted(k for k in state if k not in grown and "rotary_emb" not in k)
     if extra:
         raise ValueError(f"grow: source weights not handled: {', '.join(extra[:5])}")
-    new_config = dict(config, hidden_size=hidden, intermediate_size=intermediate,
-                      num_hidden_layers=layers, num_attention_heads=heads,
-                      num_key_value_heads=kv_heads, head_dim=head_dim,
-                      rms_norm_eps=config.get("rms_norm_eps", 1e-6) * ratio)
+    new_config = dict(
+        config,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        rms_norm_eps=config.get("rms_norm_eps", 1e-6) * ratio,
+    )
     return {k: v.contiguous() for k, v in grown.items()}, new_config
 
 
@@ -202,8 +217,16 @@ def max_logit_difference(source: Path, grown: Path, prompts: tuple[str, ...] = C
     return worst
 
 
-def grow(source: Path, out: Path, hidden: int = 1024, intermediate: int = 4096, layers: int = 12,
-         force: bool = False, seed: int = SEED, max_difference: float = MAX_LOGIT_DIFFERENCE) -> dict:
+def grow(
+    source: Path,
+    out: Path,
+    hidden: int = 1024,
+    intermediate: int = 4096,
+    layers: int = 12,
+    force: bool = False,
+    seed: int = SEED,
+    max_difference: float = MAX_LOGIT_DIFFERENCE,
+) -> dict:
     """Grow the model at ``source`` into ``out`` (skipped when current); returns its info dict.
 
     Raises ValueError, leaving ``out`` as it was, when the grown logits differ from the source's
@@ -221,8 +244,10 @@ def grow(source: Path, out: Path, hidden: int = 1024, intermediate: int = 4096, 
     state = load_file(str(source / WEIGHTS_FILE))
     grown, new_config = grow_state_dict(state, config, hidden, intermediate, layers, seed)
     n_params = sum(t.numel() for t in grown.values())
-    log(f"{source}: {sum(t.numel() for t in state.values()) / 1e6:.2f}M parameters -> "
-        f"{n_params / 1e6:.1f}M ({layers} layers, hidden {hidden}, MLP {intermediate})")
+    log(
+        f"{source}: {sum(t.numel() for t in state.values()) / 1e6:.2f}M parameters -> "
+        f"{n_params / 1e6:.1f}M ({layers} layers, hidden {hidden}, MLP {intermediate})"
+    )
 
     tmp = scratch_dir(out)
     save_file(grown, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
@@ -234,12 +259,20 @@ def grow(source: Path, out: Path, hidden: int = 1024, intermediate: int = 4096, 
     log(f"max |logit difference| against {source}: {diff:.2e}")
     if diff > max_difference:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise ValueError(f"grow: the model grown from {source} differs from it by {diff:.2e} "
-                         f"in the logits (limit {max_difference:.0e}); {out} left as it was")
-    info = {"role": "target", "grown_from": source.name,
-            "source_sha256": file_sha256(source / WEIGHTS_FILE), "parameters": n_params, **settings,
-            "max_logit_difference": diff, "build_s": round(time.time() - started, 1),
-            "note": "a stand-in with a large model's cost and the source model's quality"}
+        raise ValueError(
+            f"grow: the model grown from {source} differs from it by {diff:.2e} "
+            f"in the logits (limit {max_difference:.0e}); {out} left as it was"
+        )
+    info = {
+        "role": "target",
+        "grown_from": source.name,
+        "source_sha256": file_sha256(source / WEIGHTS_FILE),
+        "parameters": n_params,
+        **settings,
+        "max_logit_difference": diff,
+        "build_s": round(time.time() - started, 1),
+        "note": "a stand-in with a large model's cost and the source model's quality",
+    }
     publish(tmp, out, info)
     log(f"done in {time.time() - started:.0f}s: {out}")
     return info
@@ -252,13 +285,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--intermediate", type=int, default=4096)
     parser.add_argument("--layers", type=int, default=12)
-    parser.add_argument("--max-logit-difference", type=float, default=MAX_LOGIT_DIFFERENCE,
-                        help="fail (exit 1) when the grown model's logits differ by more")
+    parser.add_argument(
+        "--max-logit-difference",
+        type=float,
+        default=MAX_LOGIT_DIFFERENCE,
+        help="fail (exit 1) when the grown model's logits differ by more",
+    )
     parser.add_argument("--force", action="store_true", help="rebuild even if already grown")
     args = parser.parse_args(argv)
     try:
-        grow(args.source, args.out, args.hidden, args.intermediate, args.layers, args.force,
-             max_difference=args.max_logit_difference)
+        grow(
+            args.source,
+            args.out,
+            args.hidden,
+            args.intermediate,
+            args.layers,
+            args.force,
+            max_difference=args.max_logit_difference,
+        )
     except (ValueError, FileNotFoundError) as exc:
         print(exc, file=sys.stderr)
         return 1

@@ -90,8 +90,9 @@ def comment_share(text: str) -> float:
     """Of the non-blank lines in ``text``, the share that are commented out: ``# `` then
     something (the base model's own bare ``#`` lines do not count); 0 without any line."""
     lines = [line for line in text.splitlines() if line.strip()]
-    return (sum(line.startswith("# ") and bool(line[2:].strip()) for line in lines) / len(lines)
-            if lines else 0.0)
+    return (
+        sum(line.startswith("# ") and bool(line[2:].strip()) for line in lines) / len(lines) if lines else 0.0
+    )
 
 
 @dataclass(frozen=True)
@@ -110,8 +111,9 @@ class Adapter:
 
 ADAPTERS = {
     "upper": Adapter("upper", upper, upper_share, "continues code, upper-cased", SEED, 1e-2),
-    "comment": Adapter("comment", comment, comment_share,
-                       "continues code, every line commented out with '# '", SEED + 1),
+    "comment": Adapter(
+        "comment", comment, comment_share, "continues code, every line commented out with '# '", SEED + 1
+    ),
 }
 
 
@@ -133,8 +135,9 @@ def training_pairs(count: int, seed: int) -> list[tuple[str, str]]:
         lines = rng.choice(pools)
         n, m = rng.randint(2, 6), rng.randint(3, 8)
         start = rng.randrange(0, len(lines) - n - m)
-        pairs.append(("\n".join(lines[start:start + n]) + "\n",
-                      "\n".join(lines[start + n:start + n + m]) + "\n"))
+        pairs.append(
+            ("\n".join(lines[start : start + n]) + "\n", "\n".join(lines[start + n : start + n + m]) + "\n")
+        )
     return pairs
 
 
@@ -161,9 +164,9 @@ def batch_of(examples, idx: list[int], pad_id: int):
     mask = torch.zeros((len(idx), width), dtype=torch.long)
     for row, i in enumerate(idx):
         x, y = examples[i]
-        ids[row, :len(x)] = torch.tensor(x)
-        labels[row, :len(y)] = torch.tensor(y)
-        mask[row, :len(x)] = 1
+        ids[row, : len(x)] = torch.tensor(x)
+        labels[row, : len(y)] = torch.tensor(y)
+        mask[row, : len(x)] = 1
     return ids, labels, mask
 
 
@@ -220,12 +223,26 @@ def peft_state_dict(wrapped: dict) -> dict:
 def adapter_config(target: Path, r: int, alpha: int) -> dict:
     """adapter_config.json as peft (0.x) writes it for a LoRA of a causal LM."""
     return {
-        "alpha_pattern": {}, "auto_mapping": None, "base_model_name_or_path": str(target),
-        "bias": "none", "fan_in_fan_out": False, "inference_mode": True,
-        "init_lora_weights": True, "layers_pattern": None, "layers_to_transform": None,
-        "lora_alpha": alpha, "lora_dropout": 0.0, "modules_to_save": None, "peft_type": "LORA",
-        "r": r, "rank_pattern": {}, "revision": None, "target_modules": list(TARGET_MODULES),
-        "task_type": "CAUSAL_LM", "use_dora": False, "use_rslora": False,
+        "alpha_pattern": {},
+        "auto_mapping": None,
+        "base_model_name_or_path": str(target),
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "inference_mode": True,
+        "init_lora_weights": True,
+        "layers_pattern": None,
+        "layers_to_transform": None,
+        "lora_alpha": alpha,
+        "lora_dropout": 0.0,
+        "modules_to_save": None,
+        "peft_type": "LORA",
+        "r": r,
+        "rank_pattern": {},
+        "revision": None,
+        "target_modules": list(TARGET_MODULES),
+        "task_type": "CAUSAL_LM",
+        "use_dora": False,
+        "use_rslora": False,
     }
 
 
@@ -233,9 +250,17 @@ def adapter_config(target: Path, r: int, alpha: int) -> dict:
 
 
 def settings_of(adapter: Adapter, steps: int) -> dict:
-    return {"adapter": adapter.name, "r": RANK, "lora_alpha": ALPHA,
-            "target_modules": list(TARGET_MODULES), "steps": steps, "batch": BATCH,
-            "max_len": MAX_LEN, "peak_lr": adapter.peak_lr, "seed": adapter.seed}
+    return {
+        "adapter": adapter.name,
+        "r": RANK,
+        "lora_alpha": ALPHA,
+        "target_modules": list(TARGET_MODULES),
+        "steps": steps,
+        "batch": BATCH,
+        "max_len": MAX_LEN,
+        "peak_lr": adapter.peak_lr,
+        "seed": adapter.seed,
+    }
 
 
 def greedy_texts(model, tokenizer, prompts: list[str], tokens: int) -> list[str]:
@@ -245,9 +270,10 @@ def greedy_texts(model, tokenizer, prompts: list[str], tokens: int) -> list[str]
     with torch.no_grad():
         for prompt in prompts:
             ids = torch.tensor([tokenizer.encode(prompt)])
-            out = model.generate(ids, max_new_tokens=tokens, do_sample=False,
-                                 pad_token_id=tokenizer.pad_token_id)
-            texts.append(tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True))
+            out = model.generate(
+                ids, max_new_tokens=tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id
+            )
+            texts.append(tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True))
     return texts
 
 
@@ -282,8 +308,7 @@ def train(target: Path, adapter: Adapter, steps: int, batch: int = BATCH):
         loss.backward()
         opt.step()
         if step % 50 == 0 or step == steps - 1:
-            log(f"{adapter.name} step {step}/{steps} loss {loss.item():.3f} "
-                f"({time.time() - started:.0f}s)")
+            log(f"{adapter.name} step {step}/{steps} loss {loss.item():.3f} ({time.time() - started:.0f}s)")
     model.eval()
     return model, wrapped, tokenizer, loss.item()
 
@@ -297,11 +322,15 @@ def check(target: Path, model, tokenizer, adapter: Adapter) -> dict:
     base = LlamaForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
     base_texts = greedy_texts(base, tokenizer, prompts, CHECK_TOKENS)
     texts = greedy_texts(model, tokenizer, prompts, CHECK_TOKENS)
-    return {"prompts": CHECK_PROMPTS, "tokens": CHECK_TOKENS, "seed": CHECK_SEED,
-            "base_score": round(sum(map(adapter.score, base_texts)) / len(prompts), 3),
-            "adapter_score": round(sum(map(adapter.score, texts)) / len(prompts), 3),
-            "changed": sum(a != b for a, b in zip(texts, base_texts, strict=True)),
-            "example": {"prompt": prompts[0], "base": base_texts[0], "adapter": texts[0]}}
+    return {
+        "prompts": CHECK_PROMPTS,
+        "tokens": CHECK_TOKENS,
+        "seed": CHECK_SEED,
+        "base_score": round(sum(map(adapter.score, base_texts)) / len(prompts), 3),
+        "adapter_score": round(sum(map(adapter.score, texts)) / len(prompts), 3),
+        "changed": sum(a != b for a, b in zip(texts, base_texts, strict=True)),
+        "example": {"prompt": prompts[0], "base": base_texts[0], "adapter": texts[0]},
+    }
 
 
 def build(target: Path, out_root: Path, adapter: Adapter, steps: int, force: bool = False) -> dict:
@@ -327,23 +356,37 @@ def build(target: Path, out_root: Path, adapter: Adapter, steps: int, force: boo
         result = check(target, model, tokenizer, adapter)
     finally:
         torch.set_num_threads(threads)
-    log(f"{adapter.name}: held-out score {result['adapter_score']} (base model "
+    log(
+        f"{adapter.name}: held-out score {result['adapter_score']} (base model "
         f"{result['base_score']}), {result['changed']}/{CHECK_PROMPTS} greedy outputs changed; "
-        f"e.g. {result['example']['adapter']!r}")
-    if (result["adapter_score"] < adapter.min_score or result["base_score"] > adapter.max_base_score
-            or result["changed"] < CHECK_PROMPTS):
-        raise ValueError(f"tiny-lora: adapter {adapter.name!r} does not change the target's greedy "
-                         f"output as meant (score {result['adapter_score']}, wanted >= "
-                         f"{adapter.min_score}; base {result['base_score']}, wanted <= "
-                         f"{adapter.max_base_score}; {result['changed']}/{CHECK_PROMPTS} changed); "
-                         f"{out} left as it was")
+        f"e.g. {result['example']['adapter']!r}"
+    )
+    if (
+        result["adapter_score"] < adapter.min_score
+        or result["base_score"] > adapter.max_base_score
+        or result["changed"] < CHECK_PROMPTS
+    ):
+        raise ValueError(
+            f"tiny-lora: adapter {adapter.name!r} does not change the target's greedy "
+            f"output as meant (score {result['adapter_score']}, wanted >= "
+            f"{adapter.min_score}; base {result['base_score']}, wanted <= "
+            f"{adapter.max_base_score}; {result['changed']}/{CHECK_PROMPTS} changed); "
+            f"{out} left as it was"
+        )
     tmp = scratch_dir(out)
     save_file(peft_state_dict(wrapped), str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
     (tmp / CONFIG_FILE).write_text(json.dumps(adapter_config(target, RANK, ALPHA), indent=2) + "\n")
-    info = {"role": "lora", "description": adapter.description, "base": target.name,
-            "base_sha256": file_sha256(target / "model.safetensors"), **settings,
-            "final_loss": round(loss, 4), "train_s": round(train_s, 1),
-            "build_s": round(time.time() - started, 1), "check": result}
+    info = {
+        "role": "lora",
+        "description": adapter.description,
+        "base": target.name,
+        "base_sha256": file_sha256(target / "model.safetensors"),
+        **settings,
+        "final_loss": round(loss, 4),
+        "train_s": round(train_s, 1),
+        "build_s": round(time.time() - started, 1),
+        "check": result,
+    }
     publish(tmp, out, info)
     log(f"done in {time.time() - started:.0f}s: {out}")
     return info
@@ -352,10 +395,15 @@ def build(target: Path, out_root: Path, adapter: Adapter, steps: int, force: boo
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", type=Path, default=Path(".models/target"))
-    parser.add_argument("--out", type=Path, default=Path(".models"),
-                        help="the adapters go to OUT/lora-<name>")
-    parser.add_argument("--only", choices=sorted(ADAPTERS), action="append",
-                        help="build only this adapter (repeatable); default: all")
+    parser.add_argument(
+        "--out", type=Path, default=Path(".models"), help="the adapters go to OUT/lora-<name>"
+    )
+    parser.add_argument(
+        "--only",
+        choices=sorted(ADAPTERS),
+        action="append",
+        help="build only this adapter (repeatable); default: all",
+    )
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--force", action="store_true", help="rebuild even if current")
     args = parser.parse_args(argv)

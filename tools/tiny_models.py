@@ -299,9 +299,19 @@ def build_draft_large(target, tokenizer, data, out_dir: Path, steps: int, layers
         n = sum(p.numel() for p in draft.parameters())
         log(f"draft-large: {n / 1e6:.2f}M parameters, {layers} layers, {steps} steps")
         distill_draft(draft, target, seqs, data, steps, batch=16, peak_lr=2e-3, gen=gen)
-        save_model(draft, tokenizer, out_dir, {"role": "draft", "parameters": n, "layers": layers,
-                                               "steps": steps, "seed": SEED + 1,
-                                               "build_s": round(time.time() - started, 1)})
+        save_model(
+            draft,
+            tokenizer,
+            out_dir,
+            {
+                "role": "draft",
+                "parameters": n,
+                "layers": layers,
+                "steps": steps,
+                "seed": SEED + 1,
+                "build_s": round(time.time() - started, 1),
+            },
+        )
     finally:
         torch.set_num_threads(threads)
     return n
@@ -319,11 +329,18 @@ def torch_generator(seed: int):
 PARTS = ("pair", "draft-large")
 
 
-def build(out: Path, target_steps: int, draft_steps: int, force: bool,
-          draft_large_steps: int = 200, only: str | None = None) -> None:
+def build(
+    out: Path,
+    target_steps: int,
+    draft_steps: int,
+    force: bool,
+    draft_large_steps: int = 200,
+    only: str | None = None,
+) -> None:
     target_dir, draft_dir, draft_large_dir = out / "target", out / "draft", out / "draft-large"
     wanted = {"pair": (target_dir, draft_dir), "draft-large": (draft_large_dir,)}.get(
-        only, (target_dir, draft_dir, draft_large_dir))
+        only, (target_dir, draft_dir, draft_large_dir)
+    )
     if not force and all(is_complete(d) for d in wanted):
         log(f"{', '.join(map(str, wanted))} already built; skipping (use --force to rebuild)")
         return
@@ -353,8 +370,12 @@ def build(out: Path, target_steps: int, draft_steps: int, force: bool,
         n = sum(p.numel() for p in target.parameters())
         log(f"target: {n / 1e6:.2f}M parameters, {target_steps} steps")
         train_target(target, data, target_steps, batch=16, peak_lr=3e-3, gen=gen)
-        save_model(target, tokenizer, target_dir, {"role": "target", "parameters": n,
-                                                    "steps": target_steps, "seed": SEED})
+        save_model(
+            target,
+            tokenizer,
+            target_dir,
+            {"role": "target", "parameters": n, "steps": target_steps, "seed": SEED},
+        )
         # the drafts are rebuilt whenever the target is
         for drafts_dir in (draft_dir, draft_large_dir):
             if (drafts_dir / COMPLETE_MARKER).exists():
@@ -371,8 +392,12 @@ def build(out: Path, target_steps: int, draft_steps: int, force: bool,
         n = sum(p.numel() for p in draft.parameters())
         log(f"draft: {n / 1e6:.2f}M parameters, {draft_steps} steps")
         distill_draft(draft, target, seqs, data, draft_steps, batch=16, peak_lr=2e-3, gen=gen)
-        save_model(draft, tokenizer, draft_dir, {"role": "draft", "parameters": n,
-                                                  "steps": draft_steps, "seed": SEED})
+        save_model(
+            draft,
+            tokenizer,
+            draft_dir,
+            {"role": "draft", "parameters": n, "steps": draft_steps, "seed": SEED},
+        )
     if only != "pair" and (force or not is_complete(draft_large_dir)):
         build_draft_large(target, tokenizer, data, draft_large_dir, draft_large_steps)
     log(f"done in {time.time() - started:.0f}s: {', '.join(map(str, wanted))}")
@@ -387,8 +412,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--force", action="store_true", help="rebuild even if already built")
     parser.add_argument("--only", choices=PARTS, help="build only the pair or only draft-large")
     args = parser.parse_args(argv)
-    build(args.out, args.target_steps, args.draft_steps, args.force, args.draft_large_steps,
-          args.only)
+    build(args.out, args.target_steps, args.draft_steps, args.force, args.draft_large_steps, args.only)
     return 0
 
 

@@ -61,8 +61,13 @@ def fail(exc: BaseException, events: EventLog | None = None) -> None:
     sys.exit(exc.exit_code)
 
 
-set_option = click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
-                           help="Override a spec key (dotted; value parsed as YAML). Repeatable.")
+set_option = click.option(
+    "--set",
+    "overrides",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="Override a spec key (dotted; value parsed as YAML). Repeatable.",
+)
 
 
 def load_job(job: str, overrides) -> object:

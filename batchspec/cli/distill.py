@@ -17,44 +17,118 @@ from batchspec.distill.session import check_options, distill, render_table
 
 @click.command("distill")
 @click.argument("job", type=click.Path(dir_okay=False))
-@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
-              help="Override a spec key (dotted; value parsed as YAML). Repeatable.")
-@click.option("--draft", type=click.Path(file_okay=False), default=None,
-              help="The draft to start from (and to compare against); its tokenizer must be the "
-                   "target's.")
-@click.option("--out", type=click.Path(file_okay=False), required=True,
-              help="Directory for the new draft (weights, config, tokenizer, batchspec-model.json), "
-                   "replaced whole when distill ends; .NAME.batchspec-distill/ beside it keeps "
-                   "the generated data for a restart.")
-@click.option("--init", type=click.Choice(["draft", "target"]), default="draft", show_default=True,
-              help="draft: train --draft further; target: a new draft from the target's own "
-                   "embeddings, first --layers layers and head.")
-@click.option("--layers", type=int, default=1, show_default=True,
-              help="Layers of the new draft with --init target.")
-@click.option("--sample", type=int, default=2000, show_default=True,
-              help="Prompts drawn from the job's input (seeded), held-out ones included.")
-@click.option("--holdout", "heldout", type=int, default=200, show_default=True,
-              help="Prompts of the sample kept for evaluation (at most half of it).")
-@click.option("--logprobs", type=int, default=0, show_default=True, metavar="K",
-              help="Keep the target's top-K log-probabilities per token and add a KL term.")
+@click.option(
+    "--set",
+    "overrides",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="Override a spec key (dotted; value parsed as YAML). Repeatable.",
+)
+@click.option(
+    "--draft",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="The draft to start from (and to compare against); its tokenizer must be the target's.",
+)
+@click.option(
+    "--out",
+    type=click.Path(file_okay=False),
+    required=True,
+    help="Directory for the new draft (weights, config, tokenizer, batchspec-model.json), "
+    "replaced whole when distill ends; .NAME.batchspec-distill/ beside it keeps "
+    "the generated data for a restart.",
+)
+@click.option(
+    "--init",
+    type=click.Choice(["draft", "target"]),
+    default="draft",
+    show_default=True,
+    help="draft: train --draft further; target: a new draft from the target's own "
+    "embeddings, first --layers layers and head.",
+)
+@click.option(
+    "--layers", type=int, default=1, show_default=True, help="Layers of the new draft with --init target."
+)
+@click.option(
+    "--sample",
+    type=int,
+    default=2000,
+    show_default=True,
+    help="Prompts drawn from the job's input (seeded), held-out ones included.",
+)
+@click.option(
+    "--holdout",
+    "heldout",
+    type=int,
+    default=200,
+    show_default=True,
+    help="Prompts of the sample kept for evaluation (at most half of it).",
+)
+@click.option(
+    "--logprobs",
+    type=int,
+    default=0,
+    show_default=True,
+    metavar="K",
+    help="Keep the target's top-K log-probabilities per token and add a KL term.",
+)
 @click.option("--steps", type=int, default=300, show_default=True)
 @click.option("--lr", type=float, default=2e-3, show_default=True)
 @click.option("--batch-size", type=int, default=16, show_default=True)
-@click.option("--seed", type=int, default=0, show_default=True,
-              help="Seeds the sample, the split and the training.")
-@click.option("--k", type=int, default=None,
-              help="Speculative tokens per step in the evaluation (default: the job's, else 4).")
-@click.option("--eval-concurrency", type=int, default=None,
-              help="Requests in flight in the evaluation (default: execution.max_in_flight).")
-@click.option("--eval/--no-eval", "evaluate_", default=True, show_default=True,
-              help="Measure acceptance before and after on the held-out prompts.")
-@click.option("--chunk-rows", type=int, default=128, show_default=True,
-              help="Generated rows per committed chunk: a killed run loses at most this many.")
-@click.option("--json", "as_json", is_flag=True,
-              help="Print {before, after, out} as one JSON object on stdout.")
+@click.option(
+    "--seed", type=int, default=0, show_default=True, help="Seeds the sample, the split and the training."
+)
+@click.option(
+    "--k",
+    type=int,
+    default=None,
+    help="Speculative tokens per step in the evaluation (default: the job's, else 4).",
+)
+@click.option(
+    "--eval-concurrency",
+    type=int,
+    default=None,
+    help="Requests in flight in the evaluation (default: execution.max_in_flight).",
+)
+@click.option(
+    "--eval/--no-eval",
+    "evaluate_",
+    default=True,
+    show_default=True,
+    help="Measure acceptance before and after on the held-out prompts.",
+)
+@click.option(
+    "--chunk-rows",
+    type=int,
+    default=128,
+    show_default=True,
+    help="Generated rows per committed chunk: a killed run loses at most this many.",
+)
+@click.option(
+    "--json", "as_json", is_flag=True, help="Print {before, after, out} as one JSON object on stdout."
+)
 @click.option("-v", "--verbose", is_flag=True, help="Show vLLM's own logs.")
-def distill_command(job, overrides, draft, out, init, layers, sample, heldout, logprobs, steps, lr,
-                    batch_size, seed, k, eval_concurrency, evaluate_, chunk_rows, as_json, verbose):
+def distill_command(
+    job,
+    overrides,
+    draft,
+    out,
+    init,
+    layers,
+    sample,
+    heldout,
+    logprobs,
+    steps,
+    lr,
+    batch_size,
+    seed,
+    k,
+    eval_concurrency,
+    evaluate_,
+    chunk_rows,
+    as_json,
+    verbose,
+):
     """Fine-tune a draft on the target's own outputs for JOB's prompts, and measure acceptance
     before and after on held-out prompts."""
     import os
@@ -64,11 +138,25 @@ def distill_command(job, overrides, draft, out, init, layers, sample, heldout, l
 
     quiet_vllm(verbose)
     spec = load_job(job, overrides)
-    opts = DistillOptions(out=Path(out), draft=draft, init=init, layers=layers, sample=sample,
-                          heldout=heldout, logprobs=logprobs, steps=steps, lr=lr,
-                          batch_size=batch_size, seed=seed, k=k, eval_concurrency=eval_concurrency,
-                          evaluate=evaluate_, chunk_rows=chunk_rows, job_path=job,
-                          overrides=tuple(overrides))
+    opts = DistillOptions(
+        out=Path(out),
+        draft=draft,
+        init=init,
+        layers=layers,
+        sample=sample,
+        heldout=heldout,
+        logprobs=logprobs,
+        steps=steps,
+        lr=lr,
+        batch_size=batch_size,
+        seed=seed,
+        k=k,
+        eval_concurrency=eval_concurrency,
+        evaluate=evaluate_,
+        chunk_rows=chunk_rows,
+        job_path=job,
+        overrides=tuple(overrides),
+    )
     try:
         # before the log redirection: refusals reach the terminal as is, before any engine
         check_options(spec, opts)
@@ -80,8 +168,7 @@ def distill_command(job, overrides, draft, out, init, layers, sample, heldout, l
     stream = sys.stderr
     if not verbose:
         stream, engine_log = engine_log_file(new_run_id())
-        print(f"batchspec distill: vLLM's own output goes to {engine_log} (-v shows it here)",
-              file=stream)
+        print(f"batchspec distill: vLLM's own output goes to {engine_log} (-v shows it here)", file=stream)
 
     def progress(msg: str) -> None:
         print(f"batchspec distill: {msg}", file=stream, flush=True)

@@ -16,37 +16,87 @@ from batchspec.run.events import LOG_FORMATS, EventLog
 @click.command()
 @click.argument("job", type=click.Path(dir_okay=False))
 @set_option
-@click.option("--worker-index", type=int, default=0, show_default=True,
-              envvar=["BATCHSPEC_WORKER_INDEX", "JOB_COMPLETION_INDEX"],
-              help="This worker's index, 0-based (Airflow map index, Kubernetes job index); "
-                   "default from $BATCHSPEC_WORKER_INDEX, else a Kubernetes Indexed Job's "
-                   "$JOB_COMPLETION_INDEX.")
-@click.option("--num-workers", type=int, default=1, show_default=True,
-              envvar="BATCHSPEC_NUM_WORKERS",
-              help="How many workers share the job's shards (default from $BATCHSPEC_NUM_WORKERS).")
+@click.option(
+    "--worker-index",
+    type=int,
+    default=0,
+    show_default=True,
+    envvar=["BATCHSPEC_WORKER_INDEX", "JOB_COMPLETION_INDEX"],
+    help="This worker's index, 0-based (Airflow map index, Kubernetes job index); "
+    "default from $BATCHSPEC_WORKER_INDEX, else a Kubernetes Indexed Job's "
+    "$JOB_COMPLETION_INDEX.",
+)
+@click.option(
+    "--num-workers",
+    type=int,
+    default=1,
+    show_default=True,
+    envvar="BATCHSPEC_NUM_WORKERS",
+    help="How many workers share the job's shards (default from $BATCHSPEC_NUM_WORKERS).",
+)
 @click.option("--overwrite", is_flag=True, help="Redo every shard, committed or not.")
-@click.option("--log-format", type=click.Choice(LOG_FORMATS), default="text", show_default=True,
-              help="text for people, json for one object per line.")
-@click.option("--progress/--no-progress", default=None,
-              help="Progress bars (default: only when stderr is a terminal).")
-@click.option("--progress-interval", type=float, default=None, metavar="SECONDS",
-              help="Seconds between progress log lines when there are no bars "
-                   "(default: execution.progress_interval_s, 30).")
-@click.option("--grace-seconds", type=float, default=None, metavar="SECONDS",
-              help="After SIGTERM/SIGINT, let requests of fully read shards finish for this long "
-                   "before aborting the rest (default: execution.grace_s, 30).")
-@click.option("--executor", type=click.Choice(["local", "ray"]), default=None,
-              help="Where the shards run: local (one engine in this process) or ray (Ray "
-                   "replicas, one engine each); default: the spec's executor.kind, else local.")
-@click.option("--ray-address", default=None, metavar="ADDR",
-              help="With --executor ray: the Ray cluster to join (default: executor.ray_address; "
-                   "none starts a local cluster).")
-@click.option("--remeasure", is_flag=True,
-              help="With speculative: auto, measure the candidates again even where a choice "
-                   "stored for this job, model, draft, sampling and machine exists.")
+@click.option(
+    "--log-format",
+    type=click.Choice(LOG_FORMATS),
+    default="text",
+    show_default=True,
+    help="text for people, json for one object per line.",
+)
+@click.option(
+    "--progress/--no-progress", default=None, help="Progress bars (default: only when stderr is a terminal)."
+)
+@click.option(
+    "--progress-interval",
+    type=float,
+    default=None,
+    metavar="SECONDS",
+    help="Seconds between progress log lines when there are no bars "
+    "(default: execution.progress_interval_s, 30).",
+)
+@click.option(
+    "--grace-seconds",
+    type=float,
+    default=None,
+    metavar="SECONDS",
+    help="After SIGTERM/SIGINT, let requests of fully read shards finish for this long "
+    "before aborting the rest (default: execution.grace_s, 30).",
+)
+@click.option(
+    "--executor",
+    type=click.Choice(["local", "ray"]),
+    default=None,
+    help="Where the shards run: local (one engine in this process) or ray (Ray "
+    "replicas, one engine each); default: the spec's executor.kind, else local.",
+)
+@click.option(
+    "--ray-address",
+    default=None,
+    metavar="ADDR",
+    help="With --executor ray: the Ray cluster to join (default: executor.ray_address; "
+    "none starts a local cluster).",
+)
+@click.option(
+    "--remeasure",
+    is_flag=True,
+    help="With speculative: auto, measure the candidates again even where a choice "
+    "stored for this job, model, draft, sampling and machine exists.",
+)
 @click.option("-v", "--verbose", is_flag=True, help="Show vLLM's own logs.")
-def run(job, overrides, worker_index, num_workers, overwrite, log_format, progress,
-        progress_interval, grace_seconds, executor, ray_address, remeasure, verbose):
+def run(
+    job,
+    overrides,
+    worker_index,
+    num_workers,
+    overwrite,
+    log_format,
+    progress,
+    progress_interval,
+    grace_seconds,
+    executor,
+    ray_address,
+    remeasure,
+    verbose,
+):
     """Run JOB: every pending input shard becomes one committed output shard."""
     quiet_vllm(verbose, log_format)
     if progress_interval is not None:
@@ -55,8 +105,11 @@ def run(job, overrides, worker_index, num_workers, overwrite, log_format, progre
         overrides = (*overrides, f"execution.grace_s={grace_seconds}")
     spec = load_job(job, overrides)
     if remeasure and spec.speculative_auto is None:
-        fail(SpecError("--remeasure", "only speculative: auto measures; this job's speculative "
-                                      "section is fixed"))
+        fail(
+            SpecError(
+                "--remeasure", "only speculative: auto measures; this job's speculative section is fixed"
+            )
+        )
     if ray_address and (executor or spec.executor.kind) != "ray":
         fail(SpecError("--ray-address", "needs --executor ray (or executor.kind: ray)"))
     from batchspec.run.job import RunOptions, new_run_id, run_job
@@ -68,13 +121,24 @@ def run(job, overrides, worker_index, num_workers, overwrite, log_format, progre
     events = EventLog(run_id, log_format, stream)
     if stream is not None:
         events.engine_log = engine_log
-        events.emit("engine_log", f"vLLM's own output goes to {engine_log} (-v shows it here)",
-                    path=engine_log)
+        events.emit(
+            "engine_log", f"vLLM's own output goes to {engine_log} (-v shows it here)", path=engine_log
+        )
     try:
-        run_job(spec, RunOptions(worker_index=worker_index, num_workers=num_workers,
-                                 overwrite=overwrite, events=events, progress_bars=progress,
-                                 run_id=run_id, executor=executor, ray_address=ray_address,
-                                 remeasure=remeasure))
+        run_job(
+            spec,
+            RunOptions(
+                worker_index=worker_index,
+                num_workers=num_workers,
+                overwrite=overwrite,
+                events=events,
+                progress_bars=progress,
+                run_id=run_id,
+                executor=executor,
+                ray_address=ray_address,
+                remeasure=remeasure,
+            ),
+        )
     except KeyboardInterrupt:
         click.echo("batchspec: interrupted", err=True)
         sys.exit(130)
@@ -108,8 +172,7 @@ def validate(job, overrides, worker_index, num_workers):
 @set_option
 @click.option("--worker-index", type=int, default=0, show_default=True)
 @click.option("--num-workers", type=int, default=1, show_default=True)
-@click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table",
-              show_default=True)
+@click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table", show_default=True)
 def status(job, overrides, worker_index, num_workers, fmt):
     """Which of JOB's shards are committed, stale, partial or pending, and which outputs have no
     current input (orphans: never counted as done)."""
@@ -122,8 +185,9 @@ def status(job, overrides, worker_index, num_workers, fmt):
         fail(exc)
     rows, orphan_names = status_["shards"], status_["orphans"]
     if fmt == "json":  # one object a shard, then one a orphan output (state "orphan")
-        orphans = [{"shard": n, "state": "orphan", "input": None, "output": n, "changed": []}
-                   for n in orphan_names]
+        orphans = [
+            {"shard": n, "state": "orphan", "input": None, "output": n, "changed": []} for n in orphan_names
+        ]
         click.echo(json.dumps(rows + orphans, indent=2))
         return
     width = max([len(r["shard"]) for r in rows] + [5])
@@ -133,23 +197,46 @@ def status(job, overrides, worker_index, num_workers, fmt):
     for name in orphan_names:
         click.echo(f"{name:<{width}}  {'orphan':<9}  (output with no current input)")
     counts = state_counts(rows)
-    click.echo(f"{len(rows)} shards: " + ", ".join(f"{v} {k}" for k, v in counts.items())
-               + (f"; {len(orphan_names)} orphan outputs" if orphan_names else ""))
+    click.echo(
+        f"{len(rows)} shards: "
+        + ", ".join(f"{v} {k}" for k, v in counts.items())
+        + (f"; {len(orphan_names)} orphan outputs" if orphan_names else "")
+    )
 
 
 @click.command()
 @click.argument("output_path", required=False)
 @click.argument("output_path_b", required=False)
-@click.option("--job", "job", type=click.Path(dir_okay=False), metavar="JOB.yaml",
-              help="Report on this job's output.path, read with its output.storage_options; "
-                   "an OUTPUT_PATH given too is then compared (as B) against it.")
-@click.option("--storage-option", "storage_options", multiple=True, metavar="KEY=VALUE",
-              help="fsspec storage option for reading the output (dotted keys nest: "
-                   "client_kwargs.endpoint_url=URL; value parsed as YAML); over --job's. Repeatable.")
-@click.option("--format", "fmt", type=click.Choice(["table", "json", "markdown"]), default="table",
-              show_default=True, help="table for a terminal, json for machines, markdown for PRs.")
-@click.option("--html", "html_file", type=click.Path(dir_okay=False),
-              help="Also write a self-contained HTML page with charts to this file.")
+@click.option(
+    "--job",
+    "job",
+    type=click.Path(dir_okay=False),
+    metavar="JOB.yaml",
+    help="Report on this job's output.path, read with its output.storage_options; "
+    "an OUTPUT_PATH given too is then compared (as B) against it.",
+)
+@click.option(
+    "--storage-option",
+    "storage_options",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="fsspec storage option for reading the output (dotted keys nest: "
+    "client_kwargs.endpoint_url=URL; value parsed as YAML); over --job's. Repeatable.",
+)
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(["table", "json", "markdown"]),
+    default="table",
+    show_default=True,
+    help="table for a terminal, json for machines, markdown for PRs.",
+)
+@click.option(
+    "--html",
+    "html_file",
+    type=click.Path(dir_okay=False),
+    help="Also write a self-contained HTML page with charts to this file.",
+)
 def report(output_path, output_path_b, job, storage_options, fmt, html_file):
     """Acceptance and timing statistics of the finished run at OUTPUT_PATH (its output.path).
 
@@ -164,8 +251,9 @@ def report(output_path, output_path_b, job, storage_options, fmt, html_file):
     base: dict = {}
     if job:
         if len(paths) > 1:
-            raise click.UsageError("with --job give at most one OUTPUT_PATH (compared against "
-                                   "the job's output)")
+            raise click.UsageError(
+                "with --job give at most one OUTPUT_PATH (compared against the job's output)"
+            )
         spec = load_job(job, ())
         paths.insert(0, spec.output.path)
         base = spec.output.storage_options

@@ -34,8 +34,9 @@ def _int_list(value: str | None, what: str) -> list[int] | None:
     try:
         out = [int(v) for v in value.split(",") if v.strip()]
     except ValueError:
-        raise click.BadParameter(f"expected comma-separated integers, got {value!r}",
-                                 param_hint=what) from None
+        raise click.BadParameter(
+            f"expected comma-separated integers, got {value!r}", param_hint=what
+        ) from None
     if not out or any(v < 1 for v in out):
         raise click.BadParameter(f"expected positive integers, got {value!r}", param_hint=what)
     return out
@@ -43,49 +44,129 @@ def _int_list(value: str | None, what: str) -> list[int] | None:
 
 @click.command()
 @click.argument("job", type=click.Path(dir_okay=False))
-@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
-              help="Override a spec key (dotted; value parsed as YAML). Repeatable.")
-@click.option("--sample", type=int, default=_DEFAULTS.sample, show_default=True,
-              help="Rows drawn (seeded, uniformly) from the job's input.")
+@click.option(
+    "--set",
+    "overrides",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="Override a spec key (dotted; value parsed as YAML). Repeatable.",
+)
+@click.option(
+    "--sample",
+    type=int,
+    default=_DEFAULTS.sample,
+    show_default=True,
+    help="Rows drawn (seeded, uniformly) from the job's input.",
+)
 @click.option("--seed", type=int, default=_DEFAULTS.seed, show_default=True, help="Seed of the sample.")
-@click.option("--concurrency", "concurrency", metavar="1,16,64",
-              help="Requests in flight to measure at (default: the job's model.engine.max_num_seqs, "
-                   "else execution.max_in_flight).")
-@click.option("--draft", "drafts", multiple=True, metavar="PATH",
-              help="Another draft model to try (draft_model method). Repeatable.")
-@click.option("--k", "ks", metavar="1,2,...", help="num_speculative_tokens to consider for each "
-              f"draft (default {','.join(map(str, DEFAULT_K))}); the largest is measured, the rest "
-              "predicted.")
-@click.option("--top", type=int, default=_DEFAULTS.top, show_default=True,
-              help="Per draft and concurrency, measure the best this many predicted k.")
-@click.option("--repeats", type=int, default=_DEFAULTS.repeats, show_default=True,
-              help="Times speculation off is measured per concurrency: its spread is the noise.")
-@click.option("--objective", type=click.Choice(OBJECTIVES), default=_DEFAULTS.objective, show_default=True,
-              help="throughput: output tok/s; latency: e2e p50.")
-@click.option("--ngram/--no-ngram", default=_DEFAULTS.ngram, show_default=True,
-              help="Try n-gram (prompt lookup) speculation with k 2 and 4.")
-@click.option("--max-minutes", type=float, default=_DEFAULTS.max_minutes,
-              help="Bound the whole tune; what was not measured in time is listed as skipped.")
+@click.option(
+    "--concurrency",
+    "concurrency",
+    metavar="1,16,64",
+    help="Requests in flight to measure at (default: the job's model.engine.max_num_seqs, "
+    "else execution.max_in_flight).",
+)
+@click.option(
+    "--draft",
+    "drafts",
+    multiple=True,
+    metavar="PATH",
+    help="Another draft model to try (draft_model method). Repeatable.",
+)
+@click.option(
+    "--k",
+    "ks",
+    metavar="1,2,...",
+    help="num_speculative_tokens to consider for each "
+    f"draft (default {','.join(map(str, DEFAULT_K))}); the largest is measured, the rest "
+    "predicted.",
+)
+@click.option(
+    "--top",
+    type=int,
+    default=_DEFAULTS.top,
+    show_default=True,
+    help="Per draft and concurrency, measure the best this many predicted k.",
+)
+@click.option(
+    "--repeats",
+    type=int,
+    default=_DEFAULTS.repeats,
+    show_default=True,
+    help="Times speculation off is measured per concurrency: its spread is the noise.",
+)
+@click.option(
+    "--objective",
+    type=click.Choice(OBJECTIVES),
+    default=_DEFAULTS.objective,
+    show_default=True,
+    help="throughput: output tok/s; latency: e2e p50.",
+)
+@click.option(
+    "--ngram/--no-ngram",
+    default=_DEFAULTS.ngram,
+    show_default=True,
+    help="Try n-gram (prompt lookup) speculation with k 2 and 4.",
+)
+@click.option(
+    "--max-minutes",
+    type=float,
+    default=_DEFAULTS.max_minutes,
+    help="Bound the whole tune; what was not measured in time is listed as skipped.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the table.")
-@click.option("--html", "html_file", type=click.Path(dir_okay=False),
-              help="Also write a self-contained HTML page with a tok/s chart to this file.")
-@click.option("--write", "write_file", type=click.Path(dir_okay=False),
-              help="Write the job with the recommended speculative section to this file.")
-@click.option("--progress/--no-progress", default=None,
-              help="Progress bar (default: only when stderr is a terminal).")
+@click.option(
+    "--html",
+    "html_file",
+    type=click.Path(dir_okay=False),
+    help="Also write a self-contained HTML page with a tok/s chart to this file.",
+)
+@click.option(
+    "--write",
+    "write_file",
+    type=click.Path(dir_okay=False),
+    help="Write the job with the recommended speculative section to this file.",
+)
+@click.option(
+    "--progress/--no-progress", default=None, help="Progress bar (default: only when stderr is a terminal)."
+)
 @click.option("-v", "--verbose", is_flag=True, help="Show vLLM's own logs.")
-def tune(job, overrides, sample, seed, concurrency, drafts, ks, top, repeats, objective, ngram,
-         max_minutes, as_json, html_file, write_file, progress, verbose):
+def tune(
+    job,
+    overrides,
+    sample,
+    seed,
+    concurrency,
+    drafts,
+    ks,
+    top,
+    repeats,
+    objective,
+    ngram,
+    max_minutes,
+    as_json,
+    html_file,
+    write_file,
+    progress,
+    verbose,
+):
     """Measure speculation off and candidate drafts/k on a sample of JOB's own prompts, and
     recommend per concurrency (exit 0; 1 when a candidate's greedy text differs from off's)."""
     from batchspec.tune import session
 
     quiet_vllm(verbose)
-    options = TuneOptions(sample=sample, seed=seed,
-                          concurrency=_int_list(concurrency, "--concurrency"),
-                          drafts=list(drafts), ks=_int_list(ks, "--k") or list(DEFAULT_K),
-                          repeats=repeats, objective=objective, top=top, max_minutes=max_minutes,
-                          ngram=ngram)
+    options = TuneOptions(
+        sample=sample,
+        seed=seed,
+        concurrency=_int_list(concurrency, "--concurrency"),
+        drafts=list(drafts),
+        ks=_int_list(ks, "--k") or list(DEFAULT_K),
+        repeats=repeats,
+        objective=objective,
+        top=top,
+        max_minutes=max_minutes,
+        ngram=ngram,
+    )
     spec = load_job(job, overrides)
     secrets = tune_secrets(spec, drafts)
     try:  # everything tune will write is checked before any engine starts: a bad one exits 2
@@ -103,8 +184,11 @@ def tune(job, overrides, sample, seed, concurrency, drafts, ks, top, repeats, ob
             from batchspec.tune.html import render_tune_html
 
             page = render_tune_html(report.as_dict())
-        text = written_spec(job, overrides, report, spec.model.engine.get("max_num_seqs")) \
-            if write_file else None
+        text = (
+            written_spec(job, overrides, report, spec.model.engine.get("max_num_seqs"))
+            if write_file
+            else None
+        )
     except KeyboardInterrupt:
         print("batchspec: interrupted", file=stream)
         sys.exit(130)
@@ -125,8 +209,9 @@ def _streams(verbose: bool) -> tuple[object, object]:
     sys.stdout.flush()
     out = os.fdopen(os.dup(1), "w", buffering=1)
     stream, engine_log = engine_log_file("tune")
-    print(f"batchspec tune: vLLM's own output goes to {engine_log} (-v shows it here)",
-          file=stream, flush=True)
+    print(
+        f"batchspec tune: vLLM's own output goes to {engine_log} (-v shows it here)", file=stream, flush=True
+    )
     return out, stream
 
 
@@ -149,8 +234,9 @@ def _write_files(stream, job: str, files, secrets: set[str]) -> None:
         try:
             write_output(path, content, like=job)
         except OSError as exc:
-            _fail_to(stream, RuntimeFailure(f"{option}: cannot write {path!r}: "
-                                            f"{exc.strerror or exc}"), secrets)
+            _fail_to(
+                stream, RuntimeFailure(f"{option}: cannot write {path!r}: {exc.strerror or exc}"), secrets
+            )
         print(f"batchspec tune: wrote {path}", file=stream)
 
 
@@ -159,10 +245,12 @@ def _exit_if_not_lossless(stream, report: TuneReport) -> None:
     if not report.mismatches:
         return
     for m in report.mismatches:
-        print(f"batchspec tune: NOT LOSSLESS: row {m['row']}: {m['candidate']} at concurrency "
-              f"{m['concurrency']} differs from speculation off at character "
-              f"{m['first_difference_at_char']}: off {m['off']!r} vs {m['candidate_text']!r}",
-              file=stream)
+        print(
+            f"batchspec tune: NOT LOSSLESS: row {m['row']}: {m['candidate']} at concurrency "
+            f"{m['concurrency']} differs from speculation off at character "
+            f"{m['first_difference_at_char']}: off {m['off']!r} vs {m['candidate_text']!r}",
+            file=stream,
+        )
     sys.exit(1)
 
 
@@ -173,7 +261,6 @@ def _isatty(stream) -> bool:
         return False
 
 
-def _fail_to(stream, exc: BatchspecError, secrets: set[str] | frozenset[str] = frozenset()
-             ) -> None:
+def _fail_to(stream, exc: BatchspecError, secrets: set[str] | frozenset[str] = frozenset()) -> None:
     print(f"batchspec: {exc.kind}: {scrub_text(str(exc), secrets)}", file=stream, flush=True)
     sys.exit(exc.exit_code)

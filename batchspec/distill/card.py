@@ -38,8 +38,6 @@ def _set_as_written(raw: dict, item: str) -> None:
     node[parts[-1]] = parsed
 
 
-
-
 def public_job(spec: JobSpec, job_path: str | None, overrides: tuple[str, ...] = ()) -> dict:
     """The job as written (``${VAR}`` kept, ``--set`` applied as given) in its public view
     (:func:`batchspec.redact.public_spec`: no secret, no URL userinfo or query). Without the
@@ -59,17 +57,24 @@ def public_job(spec: JobSpec, job_path: str | None, overrides: tuple[str, ...] =
     return public_spec(raw)
 
 
-
-
 def public_path(value: str | None) -> str | None:
     return None if value is None else sanitize_url(str(value))
 
 
-
-
-def build_card(spec: JobSpec, opts: DistillOptions, *, sample, gen, trained, layers: int,
-               parameters: int, before: dict | None, after: dict | None, data_fingerprint: str,
-               started: float) -> dict:
+def build_card(
+    spec: JobSpec,
+    opts: DistillOptions,
+    *,
+    sample,
+    gen,
+    trained,
+    layers: int,
+    parameters: int,
+    before: dict | None,
+    after: dict | None,
+    data_fingerprint: str,
+    started: float,
+) -> dict:
     """``batchspec-model.json``: what the draft is and how it was made, in the public view of the
     job (``${VAR}`` as written, no secret, URLs without userinfo or query)."""
     job = public_job(spec, opts.job_path, opts.overrides)
@@ -83,8 +88,7 @@ def build_card(spec: JobSpec, opts: DistillOptions, *, sample, gen, trained, lay
         "target": model.get("target"),
         # the adapters whose outputs the draft learned (rows per input.lora_column), if any
         "lora": model.get("lora"),
-        "job": {"name": job.get("name", spec.name), "path": public_path(opts.job_path),
-                "spec": job},
+        "job": {"name": job.get("name", spec.name), "path": public_path(opts.job_path), "spec": job},
         "sample_size": len(sample.train),
         "heldout_size": len(sample.heldout),
         "population": sample.population,
@@ -95,10 +99,18 @@ def build_card(spec: JobSpec, opts: DistillOptions, *, sample, gen, trained, lay
         "logprobs": opts.logprobs,
         "sampling": job.get("sampling") or {},
         "data_fingerprint": data_fingerprint,
-        "generation": {"generated_rows": gen.generated_rows, "reused_rows": gen.reused_rows,
-                       "failed_rows": gen.failed_rows, "wall_s": round(gen.wall_s, 2)},
-        "training": {"loss": trained.loss, "top1_agreement": trained.top1_agreement,
-                     "wall_s": round(trained.wall_s, 2), "device": trained.device},
+        "generation": {
+            "generated_rows": gen.generated_rows,
+            "reused_rows": gen.reused_rows,
+            "failed_rows": gen.failed_rows,
+            "wall_s": round(gen.wall_s, 2),
+        },
+        "training": {
+            "loss": trained.loss,
+            "top1_agreement": trained.top1_agreement,
+            "wall_s": round(trained.wall_s, 2),
+            "device": trained.device,
+        },
         "acceptance": {"before": before, "after": after},
         "wall_s": round(time.monotonic() - started, 2),
         "batchspec_version": __version__,

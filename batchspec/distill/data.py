@@ -34,18 +34,17 @@ from batchspec.spec.model import JobSpec
 CHUNK_ROWS = 128
 
 
-
-GENERATED_SCHEMA = pa.schema([
-    ("request_id", pa.string()),
-    ("prompt_token_ids", pa.list_(pa.int32())),
-    ("output_token_ids", pa.list_(pa.int32())),
-    # per output token: the target's top-K token ids and log-probabilities (null without --logprobs)
-    ("topk_token_ids", pa.list_(pa.list_(pa.int32()))),
-    ("topk_logprobs", pa.list_(pa.list_(pa.float32()))),
-    ("finish_reason", pa.string()),
-])
-
-
+GENERATED_SCHEMA = pa.schema(
+    [
+        ("request_id", pa.string()),
+        ("prompt_token_ids", pa.list_(pa.int32())),
+        ("output_token_ids", pa.list_(pa.int32())),
+        # per output token: the target's top-K token ids and log-probabilities (null without --logprobs)
+        ("topk_token_ids", pa.list_(pa.list_(pa.int32()))),
+        ("topk_logprobs", pa.list_(pa.list_(pa.float32()))),
+        ("finish_reason", pa.string()),
+    ]
+)
 
 
 @dataclass
@@ -58,8 +57,6 @@ class Sample:
     population: int
 
 
-
-
 def sample_rows(spec: JobSpec, size: int, heldout: int, seed: int) -> Sample:
     """Draw ``size`` rows from the job's input (``prompts.sample_rows``: seeded, one pass, memory
     for ``size`` rows only), then hold ``heldout`` of them out. Rows the runner would refuse
@@ -69,13 +66,16 @@ def sample_rows(spec: JobSpec, size: int, heldout: int, seed: int) -> Sample:
     return Sample(train=reservoir[held:], heldout=reservoir[:held], population=seen)
 
 
-
-
 def generation_key(spec: JobSpec, rows: list[Row], logprobs: int) -> str:
     """A short hash of everything the generated rows depend on."""
     h = hashlib.sha256()
-    key = {"target": spec.model.target, "engine": spec.model.engine, "sampling": spec.sampling,
-           "logprobs": logprobs, "sampling_columns": spec.input.sampling_columns}
+    key = {
+        "target": spec.model.target,
+        "engine": spec.model.engine,
+        "sampling": spec.sampling,
+        "logprobs": logprobs,
+        "sampling_columns": spec.input.sampling_columns,
+    }
     if spec.model.lora is not None:  # rows generated with an adapter are that adapter's text
         key["lora"] = [dataclasses.asdict(spec.model.lora), spec.input.lora_column]
     h.update(json.dumps(key, sort_keys=True, default=str).encode())
@@ -84,12 +84,8 @@ def generation_key(spec: JobSpec, rows: list[Row], logprobs: int) -> str:
     return h.hexdigest()[:16]
 
 
-
-
 def _warn(msg: str) -> None:
     print(f"batchspec distill: {msg}", file=sys.stderr, flush=True)
-
-
 
 
 def read_generated(directory: Path, warn: Callable[[str], None] | None = None) -> pa.Table | None:
@@ -107,8 +103,10 @@ def read_generated(directory: Path, warn: Callable[[str], None] | None = None) -
         except FileNotFoundError:
             continue
         except Exception as exc:  # pyarrow raises ArrowInvalid, OSError, ... for a torn file
-            warn(f"generated chunk {part} cannot be read ({type(exc).__name__}: {exc}): "
-                 "deleted, its rows will be generated again")
+            warn(
+                f"generated chunk {part} cannot be read ({type(exc).__name__}: {exc}): "
+                "deleted, its rows will be generated again"
+            )
             part.unlink(missing_ok=True)
     if not tables:
         return None
@@ -121,8 +119,6 @@ def read_generated(directory: Path, warn: Callable[[str], None] | None = None) -
     return table
 
 
-
-
 def remove_temporary_files(directory: Path) -> int:
     """Delete chunk files that were never committed (a killed run's ``.part-*.tmp``). Only for
     the holder of the ``--out`` lock: nobody else writes there."""
@@ -132,8 +128,6 @@ def remove_temporary_files(directory: Path) -> int:
             tmp.unlink(missing_ok=True)
             removed += 1
     return removed
-
-
 
 
 def _write_chunk(directory: Path, rows: list[dict]) -> Path:
@@ -155,8 +149,6 @@ def _write_chunk(directory: Path, rows: list[dict]) -> Path:
     return path
 
 
-
-
 @dataclass
 class Generated:
     """The target's continuations of the training rows."""
@@ -170,11 +162,15 @@ class Generated:
     directory: Path
 
 
-
-
-def generate(spec: JobSpec, rows: list[Row], directory: Path, logprobs: int,
-             progress: Callable[[str], None] | None = None, interval_s: float = 10.0,
-             chunk_rows: int = CHUNK_ROWS) -> Generated:
+def generate(
+    spec: JobSpec,
+    rows: list[Row],
+    directory: Path,
+    logprobs: int,
+    progress: Callable[[str], None] | None = None,
+    interval_s: float = 10.0,
+    chunk_rows: int = CHUNK_ROWS,
+) -> Generated:
     """Generate the target's continuations of ``rows`` with speculation off and the job's
     sampling, through the same streaming engine loop as ``run``; rows already committed in
     ``directory`` are not generated again (a torn chunk's rows are). The caller holds the
@@ -187,8 +183,10 @@ def generate(spec: JobSpec, rows: list[Row], directory: Path, logprobs: int,
     started = time.monotonic()
     failed = 0
     if todo:
-        say(f"generating the target's continuations of {len(todo)} prompts"
-            + (f" ({len(done_ids)} already generated, reused)" if done_ids else ""))
+        say(
+            f"generating the target's continuations of {len(todo)} prompts"
+            + (f" ({len(done_ids)} already generated, reused)" if done_ids else "")
+        )
         failed = _generate_missing(spec, todo, directory, logprobs, say, interval_s, chunk_rows)
     else:
         say(f"all {len(done_ids)} continuations already generated in {directory}: reused")
@@ -199,11 +197,14 @@ def generate(spec: JobSpec, rows: list[Row], directory: Path, logprobs: int,
     ids = table.column("request_id").to_pylist()
     keep = sorted((i for i, rid in enumerate(ids) if rid in wanted), key=lambda i: wanted[ids[i]])
     table = table.take(pa.array(keep, pa.int64()))
-    return Generated(table=table, generated_rows=table.num_rows - len(done_ids & wanted.keys()),
-                     reused_rows=len(done_ids & wanted.keys()), failed_rows=failed,
-                     wall_s=time.monotonic() - started, directory=directory)
-
-
+    return Generated(
+        table=table,
+        generated_rows=table.num_rows - len(done_ids & wanted.keys()),
+        reused_rows=len(done_ids & wanted.keys()),
+        failed_rows=failed,
+        wall_s=time.monotonic() - started,
+        directory=directory,
+    )
 
 
 #: Sampling fields a job may set that distill's generation replaces: one sample per prompt
@@ -212,8 +213,7 @@ def generate(spec: JobSpec, rows: list[Row], directory: Path, logprobs: int,
 DISTILL_REPLACES = ("n", "logprobs", "prompt_logprobs")
 
 
-def generation_request(spec: JobSpec, rows: list[Row], logprobs: int
-                       ) -> tuple[JobSpec, list[Row]]:
+def generation_request(spec: JobSpec, rows: list[Row], logprobs: int) -> tuple[JobSpec, list[Row]]:
     """The spec and rows distill generates the target's outputs with: the job's own sampling,
     structured outputs included (a draft for a JSON-extraction job learns its JSON), speculation
     off, one sample per prompt, top-``logprobs`` only when distill asks for them; the rows'
@@ -223,16 +223,32 @@ def generation_request(spec: JobSpec, rows: list[Row], logprobs: int
     if logprobs:
         sampling["logprobs"] = logprobs
     columns = {k: v for k, v in spec.input.sampling_columns.items() if k not in DISTILL_REPLACES}
-    gen_spec = dataclasses.replace(spec, speculative=None, sampling=sampling,
-                                   input=dataclasses.replace(spec.input, sampling_columns=columns))
-    rows = [row if not any(k in row.overrides for k in DISTILL_REPLACES) else dataclasses.replace(
-        row, overrides={k: v for k, v in row.overrides.items() if k not in DISTILL_REPLACES})
-        for row in rows]
+    gen_spec = dataclasses.replace(
+        spec,
+        speculative=None,
+        sampling=sampling,
+        input=dataclasses.replace(spec.input, sampling_columns=columns),
+    )
+    rows = [
+        row
+        if not any(k in row.overrides for k in DISTILL_REPLACES)
+        else dataclasses.replace(
+            row, overrides={k: v for k, v in row.overrides.items() if k not in DISTILL_REPLACES}
+        )
+        for row in rows
+    ]
     return gen_spec, rows
 
 
-def _generate_missing(spec: JobSpec, rows: list[Row], directory: Path, logprobs: int,
-                      say: Callable[[str], None], interval_s: float, chunk_rows: int) -> int:
+def _generate_missing(
+    spec: JobSpec,
+    rows: list[Row],
+    directory: Path,
+    logprobs: int,
+    say: Callable[[str], None],
+    interval_s: float,
+    chunk_rows: int,
+) -> int:
     """Run the engine over ``rows``, committing a chunk every ``chunk_rows`` rows; returns
     how many rows failed (too long, refused): they are skipped, not trained on."""
     gen_spec, rows = generation_request(spec, rows, logprobs)
@@ -247,40 +263,52 @@ def _generate_missing(spec: JobSpec, rows: list[Row], directory: Path, logprobs:
             if result.get("error") is not None or not result.get("output_token_ids"):
                 failed += 1
                 if failed <= 3:
-                    print(f"batchspec distill: row {row.request_id} skipped: {result.get('error')}",
-                          file=sys.stderr)
+                    print(
+                        f"batchspec distill: row {row.request_id} skipped: {result.get('error')}",
+                        file=sys.stderr,
+                    )
                 continue
             tokens += len(result["output_token_ids"])
             # the top K distill asked for, never more: a ``choice`` row's request asks the
             # engine for 20 (batchspec.engine.llm.CHOICE_LOGPROBS), and none without --logprobs
             topk_ids, topk_values = (
-                ([p[:logprobs] for p in result["topk_token_ids"]],
-                 [p[:logprobs] for p in result["topk_logprobs"]])
-                if logprobs and result.get("topk_token_ids") is not None else (None, None))
-            buffer.append({"request_id": row.request_id,
-                           "prompt_token_ids": result["prompt_token_ids"],
-                           "output_token_ids": result["output_token_ids"],
-                           "topk_token_ids": topk_ids,
-                           "topk_logprobs": topk_values,
-                           "finish_reason": result["finish_reason"]})
+                (
+                    [p[:logprobs] for p in result["topk_token_ids"]],
+                    [p[:logprobs] for p in result["topk_logprobs"]],
+                )
+                if logprobs and result.get("topk_token_ids") is not None
+                else (None, None)
+            )
+            buffer.append(
+                {
+                    "request_id": row.request_id,
+                    "prompt_token_ids": result["prompt_token_ids"],
+                    "output_token_ids": result["output_token_ids"],
+                    "topk_token_ids": topk_ids,
+                    "topk_logprobs": topk_values,
+                    "finish_reason": result["finish_reason"],
+                }
+            )
             if len(buffer) >= chunk_rows:
                 _write_chunk(directory, buffer)
                 buffer = []
             now = time.monotonic()
             if now - last >= interval_s:
                 last = now
-                say(f"generated {finished}/{len(rows)} rows, {tokens} tokens, "
-                    f"{tokens / max(now - started, 1e-9):.0f} tok/s")
+                say(
+                    f"generated {finished}/{len(rows)} rows, {tokens} tokens, "
+                    f"{tokens / max(now - started, 1e-9):.0f} tok/s"
+                )
         if buffer:
             _write_chunk(directory, buffer)
     finally:
         engine.shutdown()
     elapsed = time.monotonic() - started
-    say(f"generated {finished} rows ({failed} skipped), {tokens} tokens in {elapsed:.1f}s "
-        f"({tokens / max(elapsed, 1e-9):.0f} tok/s)")
+    say(
+        f"generated {finished} rows ({failed} skipped), {tokens} tokens in {elapsed:.1f}s "
+        f"({tokens / max(elapsed, 1e-9):.0f} tok/s)"
+    )
     return failed
-
-
 
 
 def data_fingerprint(table: pa.Table) -> str:
@@ -295,14 +323,10 @@ def data_fingerprint(table: pa.Table) -> str:
     return "sha256:" + h.hexdigest()
 
 
-
-
 def _engine_class():
     from batchspec.engine.llm import Engine
 
     return Engine
-
-
 
 
 class _LazyTokenEngine:
@@ -320,19 +344,17 @@ class _LazyTokenEngine:
 
                 def result(self, output, e2e_s=None, asked=None) -> list[dict]:
                     rows = super().result(output, e2e_s, asked)
-                    for row, completion in zip(rows, sorted(output.outputs,
-                                                            key=lambda c: c.index), strict=True):
+                    for row, completion in zip(
+                        rows, sorted(output.outputs, key=lambda c: c.index), strict=True
+                    ):
                         row["prompt_token_ids"] = list(output.prompt_token_ids or ())
                         row["output_token_ids"] = list(completion.token_ids)
                         if completion.logprobs:
-                            row["topk_token_ids"], row["topk_logprobs"] = topk_lists(
-                                completion.logprobs)
+                            row["topk_token_ids"], row["topk_logprobs"] = topk_lists(completion.logprobs)
                     return rows
 
             type(self)._cls = TokenEngineImpl
         return self._cls(spec)
-
-
 
 
 def topk_lists(logprobs: list[dict[int, Any]]) -> tuple[list[list[int]], list[list[float]]]:
@@ -346,11 +368,7 @@ def topk_lists(logprobs: list[dict[int, Any]]) -> tuple[list[list[int]], list[li
     return ids, values
 
 
-
-
 TokenEngine = _LazyTokenEngine()
-
-
 
 
 def iter_examples(table: pa.Table) -> Iterator[dict]:

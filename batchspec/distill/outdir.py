@@ -60,10 +60,17 @@ def _private_dir(path: Path) -> None:
         pass
     st = os.lstat(path)
     if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
-        what = ("a symbolic link" if stat.S_ISLNK(st.st_mode) else
-                "not a directory" if not stat.S_ISDIR(st.st_mode) else "another user's")
-        raise SpecError("--out", f"{path}, distill's work directory for this --out, is {what}: "
-                                 "remove it or choose another --out")
+        what = (
+            "a symbolic link"
+            if stat.S_ISLNK(st.st_mode)
+            else "not a directory"
+            if not stat.S_ISDIR(st.st_mode)
+            else "another user's"
+        )
+        raise SpecError(
+            "--out",
+            f"{path}, distill's work directory for this --out, is {what}: remove it or choose another --out",
+        )
     if st.st_mode & 0o077:
         os.chmod(path, 0o700)
 
@@ -90,27 +97,38 @@ class OutLock(HeldFlock):
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         except OSError as exc:
-            raise SpecError("--out", f"cannot open the lock file {path}: "
-                                     f"{exc.strerror or exc} (a symbolic link?)") from exc
+            raise SpecError(
+                "--out", f"cannot open the lock file {path}: {exc.strerror or exc} (a symbolic link?)"
+            ) from exc
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
-                raise SpecError("--out", f"the lock file {path} is not a regular file of this "
-                                         "user: remove it")
+                raise SpecError(
+                    "--out", f"the lock file {path} is not a regular file of this user: remove it"
+                )
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 holder = _read_holder(fd)
                 raise RuntimeFailure(
                     f"--out {out}: another batchspec distill is writing this draft ("
-                    + (f"host {holder.get('host')}, pid {holder.get('pid')}, started "
-                       f"{holder.get('started_at')}" if holder else "holder not recorded yet")
-                    + f"; lock {path}); wait for it to end or choose another --out") from None
+                    + (
+                        f"host {holder.get('host')}, pid {holder.get('pid')}, started "
+                        f"{holder.get('started_at')}"
+                        if holder
+                        else "holder not recorded yet"
+                    )
+                    + f"; lock {path}); wait for it to end or choose another --out"
+                ) from None
             except OSError as exc:
-                raise RuntimeFailure(f"cannot lock {path}: {exc} (the filesystem of --out must "
-                                     "support flock)") from exc
-            record = {"host": this_host(), "pid": os.getpid(),
-                      "started_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds")}
+                raise RuntimeFailure(
+                    f"cannot lock {path}: {exc} (the filesystem of --out must support flock)"
+                ) from exc
+            record = {
+                "host": this_host(),
+                "pid": os.getpid(),
+                "started_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+            }
             os.ftruncate(fd, 0)
             os.pwrite(fd, (json.dumps(record) + "\n").encode(), 0)
             os.fsync(fd)
@@ -226,4 +244,3 @@ def install(built: Path, out: str | os.PathLike, card: dict) -> None:
     fsync_dir(str(work))
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
-

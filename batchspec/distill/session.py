@@ -47,8 +47,16 @@ from batchspec.spec.model import JobSpec
 from batchspec.stats import acceptance_rate, mean_acceptance_length, request_totals
 
 
-def _overlap(out: Path, out_loc, url: str, options: dict, key: str, what: str,
-             pattern: bool = False, local_only: bool = False) -> None:
+def _overlap(
+    out: Path,
+    out_loc,
+    url: str,
+    options: dict,
+    key: str,
+    what: str,
+    pattern: bool = False,
+    local_only: bool = False,
+) -> None:
     """SpecError("--out") when ``--out`` equals, lies inside or contains ``url``, judged by
     batchspec.io.output_dir' own rules (:func:`~batchspec.io.locations.store_location`,
     :func:`~batchspec.io.locations.location_overlap`: what a location names, not how it is spelled)."""
@@ -62,10 +70,11 @@ def _overlap(out: Path, out_loc, url: str, options: dict, key: str, what: str,
         raise
     where = location_overlap(out_loc, loc)
     if where is not None:
-        raise SpecError("--out", f"{out} {where} {what} ({sanitize_url(url)}): distill would "
-                                 "write over or into it; write the new draft elsewhere")
-
-
+        raise SpecError(
+            "--out",
+            f"{out} {where} {what} ({sanitize_url(url)}): distill would "
+            "write over or into it; write the new draft elsewhere",
+        )
 
 
 def check_out(spec: JobSpec, opts: DistillOptions) -> None:
@@ -79,19 +88,40 @@ def check_out(spec: JobSpec, opts: DistillOptions) -> None:
         raise SpecError("--out", f"{opts.out}: name the directory the new draft goes to")
     out_loc = store_location(str(out), {}, "--out")
     for url in spec.input.paths:
-        _overlap(out, out_loc, url, spec.input.storage_options, "input.path",
-                 "the job's input location", pattern=True)
-    _overlap(out, out_loc, spec.output.path, spec.output.storage_options, "output.path",
-             "the job's output.path")
-    _overlap(out, out_loc, spec.model.target, {}, "model.target", "the job's target (model.target)",
-             local_only=True)
+        _overlap(
+            out,
+            out_loc,
+            url,
+            spec.input.storage_options,
+            "input.path",
+            "the job's input location",
+            pattern=True,
+        )
+    _overlap(
+        out, out_loc, spec.output.path, spec.output.storage_options, "output.path", "the job's output.path"
+    )
+    _overlap(
+        out,
+        out_loc,
+        spec.model.target,
+        {},
+        "model.target",
+        "the job's target (model.target)",
+        local_only=True,
+    )
     if opts.draft:
-        _overlap(out, out_loc, str(opts.draft), {}, "--draft", "the current draft (--draft)",
-                 local_only=True)
+        _overlap(out, out_loc, str(opts.draft), {}, "--draft", "the current draft (--draft)", local_only=True)
     spec_draft = (spec.speculative or {}).get("model")
     if isinstance(spec_draft, str):
-        _overlap(out, out_loc, spec_draft, {}, "speculative.model",
-                 "the job's draft (speculative.model)", local_only=True)
+        _overlap(
+            out,
+            out_loc,
+            spec_draft,
+            {},
+            "speculative.model",
+            "the job's draft (speculative.model)",
+            local_only=True,
+        )
     try:
         st = os.lstat(out)
     except FileNotFoundError:
@@ -101,11 +131,12 @@ def check_out(spec: JobSpec, opts: DistillOptions) -> None:
     if not stat.S_ISDIR(st.st_mode):
         raise SpecError("--out", f"{opts.out} exists and is not a directory")
     if any(out.iterdir()) and not (out / CARD_NAME).is_file():
-        raise SpecError("--out", f"{opts.out} exists, is not empty and holds no {CARD_NAME} (it "
-                                 "is not a draft batchspec wrote): distill replaces its --out "
-                                 "whole; choose an empty or new directory")
-
-
+        raise SpecError(
+            "--out",
+            f"{opts.out} exists, is not empty and holds no {CARD_NAME} (it "
+            "is not a draft batchspec wrote): distill replaces its --out "
+            "whole; choose an empty or new directory",
+        )
 
 
 def check_options(spec: JobSpec, opts: DistillOptions) -> None:
@@ -117,14 +148,17 @@ def check_options(spec: JobSpec, opts: DistillOptions) -> None:
         raise SpecError("--init", f"expected 'draft' or 'target', got {opts.init!r}")
     if opts.init == "draft" and not opts.draft:
         raise SpecError("--draft", "give the draft to start from, or --init target --layers N")
-    for name, value in (("--sample", opts.sample), ("--steps", opts.steps),
-                        ("--batch-size", opts.batch_size), ("--layers", opts.layers),
-                        ("--chunk-rows", opts.chunk_rows)):
+    for name, value in (
+        ("--sample", opts.sample),
+        ("--steps", opts.steps),
+        ("--batch-size", opts.batch_size),
+        ("--layers", opts.layers),
+        ("--chunk-rows", opts.chunk_rows),
+    ):
         if value < 1:
             raise SpecError(name, f"expected a positive integer, got {value}")
     if opts.heldout < 0 or opts.logprobs < 0:
-        raise SpecError("--holdout" if opts.heldout < 0 else "--logprobs",
-                        "expected zero or more")
+        raise SpecError("--holdout" if opts.heldout < 0 else "--logprobs", "expected zero or more")
     if not opts.lr > 0:
         raise SpecError("--lr", f"expected a positive learning rate, got {opts.lr}")
     check_out(spec, opts)
@@ -132,13 +166,15 @@ def check_options(spec: JobSpec, opts: DistillOptions) -> None:
         check_vocabulary(spec.model.target, opts.draft)
 
 
-
 # --------------------------------------------------------------------------- the whole run
 
 
-def distill(spec: JobSpec, opts: DistillOptions,
-            progress: Callable[[str], None] | None = None,
-            lock: OutLock | None = None) -> DistillResult:
+def distill(
+    spec: JobSpec,
+    opts: DistillOptions,
+    progress: Callable[[str], None] | None = None,
+    lock: OutLock | None = None,
+) -> DistillResult:
     """Run the whole distillation (see the module docstring) and return acceptance before and
     after, with the new draft and its card at ``opts.out``. ``lock``: the caller already
     checked the options and holds ``opts.out``'s lock (the command line does, to refuse before
@@ -152,8 +188,6 @@ def distill(spec: JobSpec, opts: DistillOptions,
     finally:
         if own_lock:
             lock.release()
-
-
 
 
 def _distill(spec: JobSpec, opts: DistillOptions, say: Callable[[str], None]) -> DistillResult:
@@ -173,13 +207,17 @@ def _distill(spec: JobSpec, opts: DistillOptions, say: Callable[[str], None]) ->
 
     sample = sample_rows(spec, opts.sample, opts.heldout, opts.seed)
     if not sample.train:
-        raise InputDataError(", ".join(spec.input.paths),
-                             "no prompts to sample: the input has no row that can be sent")
-    say(f"sample: {len(sample.train)} prompts to train on, {len(sample.heldout)} held out "
-        f"(of {sample.population}, seed {opts.seed})")
+        raise InputDataError(
+            ", ".join(spec.input.paths), "no prompts to sample: the input has no row that can be sent"
+        )
+    say(
+        f"sample: {len(sample.train)} prompts to train on, {len(sample.heldout)} held out "
+        f"(of {sample.population}, seed {opts.seed})"
+    )
     key = generation_key(spec, sample.train, opts.logprobs)
-    gen = generate(spec, sample.train, work / f"generated-{key}", opts.logprobs, say,
-                   chunk_rows=opts.chunk_rows)
+    gen = generate(
+        spec, sample.train, work / f"generated-{key}", opts.logprobs, say, chunk_rows=opts.chunk_rows
+    )
     examples = gen.table.to_pylist()
     if not examples:
         raise SpecError("input.path", "the target generated no usable continuation to train on")
@@ -191,16 +229,19 @@ def _distill(spec: JobSpec, opts: DistillOptions, say: Callable[[str], None]) ->
         draft = load_draft(opts.draft)
     _, special = tokenizer_vocab(spec.model.target)
     pad_id = next((v for v in (special["pad"], special["eos"], 0) if v is not None), 0)
-    trained = train_draft(draft, examples, opts.steps, opts.lr, opts.batch_size, opts.seed,
-                          pad_id, progress=say)
+    trained = train_draft(
+        draft, examples, opts.steps, opts.lr, opts.batch_size, opts.seed, pad_id, progress=say
+    )
     built = build_dir(out)
     try:
         save_draft(draft, spec.model.target, built)
         layers = draft.config.num_hidden_layers
         parameters = sum(p.numel() for p in draft.parameters())
         del draft
-        say(f"built the new draft ({parameters / 1e6:.2f}M parameters, {layers} layers); it "
-            f"replaces {opts.out} when distill ends")
+        say(
+            f"built the new draft ({parameters / 1e6:.2f}M parameters, {layers} layers); it "
+            f"replaces {opts.out} when distill ends"
+        )
 
         before = after = None
         if opts.evaluate and sample.heldout:
@@ -211,9 +252,19 @@ def _distill(spec: JobSpec, opts: DistillOptions, say: Callable[[str], None]) ->
             after = evaluate(spec, str(built), sample.heldout, k, opts.eval_concurrency, say)
             after["draft"] = str(opts.out)  # where it is from now on
 
-        card = build_card(spec, opts, sample=sample, gen=gen, trained=trained, layers=layers,
-                          parameters=parameters, before=before, after=after,
-                          data_fingerprint=data_fingerprint(gen.table), started=started)
+        card = build_card(
+            spec,
+            opts,
+            sample=sample,
+            gen=gen,
+            trained=trained,
+            layers=layers,
+            parameters=parameters,
+            before=before,
+            after=after,
+            data_fingerprint=data_fingerprint(gen.table),
+            started=started,
+        )
         install(built, out, card)
     finally:
         if built.exists():
@@ -222,10 +273,14 @@ def _distill(spec: JobSpec, opts: DistillOptions, say: Callable[[str], None]) ->
     return DistillResult(out=str(opts.out), before=before, after=after, card=card)
 
 
-
-
-def evaluate(spec: JobSpec, draft: str, rows: list[Row], k: int, concurrency: int | None,
-             progress: Callable[[str], None] | None = None) -> dict:
+def evaluate(
+    spec: JobSpec,
+    draft: str,
+    rows: list[Row],
+    k: int,
+    concurrency: int | None,
+    progress: Callable[[str], None] | None = None,
+) -> dict:
     """Acceptance and output tok/s of ``draft`` on ``rows`` with the job's sampling, speculation
     on (``draft_model``, ``k`` tokens): a fresh engine, shut down before this returns."""
     from batchspec.engine.llm import Engine
@@ -241,8 +296,7 @@ def evaluate(spec: JobSpec, draft: str, rows: list[Row], k: int, concurrency: in
     drafted = accepted = steps = tokens = errors = 0
     try:
         started = time.monotonic()
-        for _, samples in engine.stream(iter(rows),
-                                        concurrency or spec.execution.max_in_flight):
+        for _, samples in engine.stream(iter(rows), concurrency or spec.execution.max_in_flight):
             result = request_totals(samples)
             if result.get("error") is not None:
                 errors += 1
@@ -269,24 +323,24 @@ def evaluate(spec: JobSpec, draft: str, rows: list[Row], k: int, concurrency: in
         "output_tokens_per_s": _round(tokens / wall if wall > 0 else None, 1),
         "wall_s": round(wall, 2),
     }
-    say(f"  acceptance {result['acceptance_rate']}, mean length "
-        f"{result['mean_acceptance_length']}, {result['output_tokens_per_s']} tok/s")
+    say(
+        f"  acceptance {result['acceptance_rate']}, mean length "
+        f"{result['mean_acceptance_length']}, {result['output_tokens_per_s']} tok/s"
+    )
     return result
-
-
 
 
 def _round(value: float | None, digits: int = 4) -> float | None:
     return None if value is None else round(value, digits)
 
 
-
-
 def render_table(result: DistillResult) -> str:
     """Before and after, side by side, for a terminal."""
-    rows = [("acceptance rate", "acceptance_rate"),
-            ("mean acceptance length", "mean_acceptance_length"),
-            ("output tok/s", "output_tokens_per_s")]
+    rows = [
+        ("acceptance rate", "acceptance_rate"),
+        ("mean acceptance length", "mean_acceptance_length"),
+        ("output tok/s", "output_tokens_per_s"),
+    ]
 
     def cell(side: dict | None, key: str) -> str:
         if side is None or side.get(key) is None:
@@ -296,13 +350,17 @@ def render_table(result: DistillResult) -> str:
     lines = [f"{'':<26}{'before':>10}{'after':>10}"]
     for label, key in rows:
         lines.append(f"{label:<26}{cell(result.before, key):>10}{cell(result.after, key):>10}")
-    width = max(len((result.before or {}).get("acceptance_per_position") or []),
-                len((result.after or {}).get("acceptance_per_position") or []))
+    width = max(
+        len((result.before or {}).get("acceptance_per_position") or []),
+        len((result.after or {}).get("acceptance_per_position") or []),
+    )
     for i in range(width):
-        b = ((result.before or {}).get("acceptance_per_position") or [])
-        a = ((result.after or {}).get("acceptance_per_position") or [])
+        b = (result.before or {}).get("acceptance_per_position") or []
+        a = (result.after or {}).get("acceptance_per_position") or []
         fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
-        lines.append(f"{f'accepted at position {i + 1}':<26}"
-                     f"{fmt(b[i] if i < len(b) else None):>10}{fmt(a[i] if i < len(a) else None):>10}")
+        lines.append(
+            f"{f'accepted at position {i + 1}':<26}"
+            f"{fmt(b[i] if i < len(b) else None):>10}{fmt(a[i] if i < len(a) else None):>10}"
+        )
     lines.append(f"new draft: {result.out}")
     return "\n".join(lines) + "\n"

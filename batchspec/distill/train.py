@@ -24,19 +24,19 @@ MAX_TORCH_THREADS = 2
 MAX_TRAIN_TOKENS = 512
 
 
-
-
 def tokenizer_vocab(path: str) -> tuple[dict[str, int], dict[str, Any]]:
     """A model directory's tokenizer vocabulary (token -> id, added tokens included) and its
     special token ids."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(path)
-    special = {"bos": tok.bos_token_id, "eos": tok.eos_token_id, "pad": tok.pad_token_id,
-               "unk": tok.unk_token_id}
+    special = {
+        "bos": tok.bos_token_id,
+        "eos": tok.eos_token_id,
+        "pad": tok.pad_token_id,
+        "unk": tok.unk_token_id,
+    }
     return tok.get_vocab(), special
-
-
 
 
 def check_vocabulary(target: str, draft: str, key: str = "--draft") -> None:
@@ -52,26 +52,30 @@ def check_vocabulary(target: str, draft: str, key: str = "--draft") -> None:
         t_vocab, t_special = tokenizer_vocab(target)
         d_vocab, d_special = tokenizer_vocab(draft)
     except Exception as exc:  # tokenizers raises a bare Exception for a broken tokenizer.json
-        raise SpecError(key, f"cannot read the tokenizer or config of {draft} or {target}: {exc}") \
-            from exc
+        raise SpecError(key, f"cannot read the tokenizer or config of {draft} or {target}: {exc}") from exc
     where = f"the draft {draft} and the target {target}"
     t_size, d_size = getattr(t_cfg, "vocab_size", None), getattr(d_cfg, "vocab_size", None)
     if t_size != d_size:
-        raise SpecError(key, f"{where} have different vocabulary sizes ({d_size} vs {t_size}): "
-                             "a draft must share the target's tokenizer")
+        raise SpecError(
+            key,
+            f"{where} have different vocabulary sizes ({d_size} vs {t_size}): "
+            "a draft must share the target's tokenizer",
+        )
     if d_vocab != t_vocab:
         only_d = sorted(set(d_vocab) - set(t_vocab))[:3]
         moved = sorted(t for t in set(d_vocab) & set(t_vocab) if d_vocab[t] != t_vocab[t])[:3]
-        detail = (f"tokens only in the draft: {only_d}" if only_d
-                  else f"tokens with other ids: {moved}" if moved
-                  else f"{len(d_vocab)} vs {len(t_vocab)} tokens")
-        raise SpecError(key, f"{where} have different tokenizers ({detail}): a draft must share "
-                             "the target's tokenizer")
+        detail = (
+            f"tokens only in the draft: {only_d}"
+            if only_d
+            else f"tokens with other ids: {moved}"
+            if moved
+            else f"{len(d_vocab)} vs {len(t_vocab)} tokens"
+        )
+        raise SpecError(
+            key, f"{where} have different tokenizers ({detail}): a draft must share the target's tokenizer"
+        )
     if d_special != t_special:
-        raise SpecError(key, f"{where} have different special tokens ({d_special} vs "
-                             f"{t_special})")
-
-
+        raise SpecError(key, f"{where} have different special tokens ({d_special} vs {t_special})")
 
 
 def init_draft_from_target(draft, target) -> None:
@@ -82,8 +86,6 @@ def init_draft_from_target(draft, target) -> None:
     draft.lm_head.load_state_dict(target.lm_head.state_dict())
     for i, layer in enumerate(draft.model.layers):
         layer.load_state_dict(target.model.layers[i].state_dict())
-
-
 
 
 def draft_from_target(target_dir: str, layers: int):
@@ -103,16 +105,12 @@ def draft_from_target(target_dir: str, layers: int):
     return draft
 
 
-
-
 def lr_at(step: int, steps: int, peak: float, warmup: int = 50) -> float:
     """Linear warm-up to ``peak``, then a cosine down to a tenth of it."""
     if step < warmup:
         return peak * (step + 1) / warmup
     progress = (step - warmup) / max(1, steps - warmup)
     return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
-
-
 
 
 @dataclass
@@ -122,8 +120,6 @@ class TrainResult:
     top1_agreement: float | None
     wall_s: float
     device: str
-
-
 
 
 @dataclass
@@ -137,8 +133,6 @@ class Example:
     topk_prob: Any = None
 
 
-
-
 def prepare_examples(rows: list[dict]) -> list[Example]:
     """Turn generated rows into tensors once (not at every step)."""
     import torch
@@ -146,7 +140,7 @@ def prepare_examples(rows: list[dict]) -> list[Example]:
     examples = []
     for row in rows:
         prompt, output = row["prompt_token_ids"], row["output_token_ids"]
-        prompt = prompt[-max(1, MAX_TRAIN_TOKENS - len(output)):]
+        prompt = prompt[-max(1, MAX_TRAIN_TOKENS - len(output)) :]
         output = output[: MAX_TRAIN_TOKENS - len(prompt)]
         ex = Example(torch.tensor(prompt + output, dtype=torch.long), len(prompt))
         tids, tlps = row.get("topk_token_ids"), row.get("topk_logprobs")
@@ -163,8 +157,6 @@ def prepare_examples(rows: list[dict]) -> list[Example]:
     return examples
 
 
-
-
 def _batch(examples: list[Example], idx: list[int], pad_id: int, topk: bool):
     """Right-padded inputs (prompt + continuation, less the last token), the continuation's
     positions as labels (-100 elsewhere) and, with top-K, the teacher's ids and probabilities
@@ -179,26 +171,35 @@ def _batch(examples: list[Example], idx: list[int], pad_id: int, topk: bool):
     k = max((ex.topk_ids.shape[1] for ex in chosen if ex.topk_ids is not None), default=0)
     teacher = None
     if topk and k:
-        teacher = (torch.zeros((len(chosen), width, k), dtype=torch.long),
-                   torch.zeros((len(chosen), width, k)))
+        teacher = (
+            torch.zeros((len(chosen), width, k), dtype=torch.long),
+            torch.zeros((len(chosen), width, k)),
+        )
     for b, ex in enumerate(chosen):
         n = len(ex.tokens) - 1
         ids[b, :n] = ex.tokens[:-1]
         mask[b, :n] = 1
         start = ex.prompt_len - 1  # the position whose next token is the first output token
-        labels[b, start:n] = ex.tokens[ex.prompt_len:]
+        labels[b, start:n] = ex.tokens[ex.prompt_len :]
         if teacher is not None and ex.topk_ids is not None:
             m, kk = ex.topk_ids.shape
-            teacher[0][b, start:start + m, :kk] = ex.topk_ids
-            teacher[1][b, start:start + m, :kk] = ex.topk_prob
+            teacher[0][b, start : start + m, :kk] = ex.topk_ids
+            teacher[1][b, start : start + m, :kk] = ex.topk_prob
     return ids, mask, labels, teacher
 
 
-
-
-def train_draft(draft, examples: list[dict], steps: int, lr: float, batch_size: int, seed: int,
-                pad_id: int, kl_weight: float = 1.0, progress: Callable[[str], None] | None = None,
-                interval_s: float = 10.0) -> TrainResult:
+def train_draft(
+    draft,
+    examples: list[dict],
+    steps: int,
+    lr: float,
+    batch_size: int,
+    seed: int,
+    pad_id: int,
+    kl_weight: float = 1.0,
+    progress: Callable[[str], None] | None = None,
+    interval_s: float = 10.0,
+) -> TrainResult:
     """Train ``draft`` in place on the target's continuations: cross-entropy on the target's
     tokens plus ``kl_weight`` x KL(target top-K || draft) where the top-K was kept. bf16 on
     CUDA when present, fp32 on the CPU (at most :data:`MAX_TORCH_THREADS` threads)."""
@@ -209,8 +210,11 @@ def train_draft(draft, examples: list[dict], steps: int, lr: float, batch_size: 
     threads = torch.get_num_threads()
     torch.set_num_threads(max(1, min(MAX_TORCH_THREADS, threads)))
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if device == "cuda"
-                else torch.autocast("cpu", enabled=False))
+    autocast = (
+        torch.autocast("cuda", dtype=torch.bfloat16)
+        if device == "cuda"
+        else torch.autocast("cpu", enabled=False)
+    )
     started = last = time.monotonic()
     loss_value = agree = None
     try:
@@ -255,16 +259,17 @@ def train_draft(draft, examples: list[dict], steps: int, lr: float, batch_size: 
             now = time.monotonic()
             if now - last >= interval_s or step in (0, steps - 1):
                 last = now
-                say(f"train step {step + 1}/{steps}: loss {loss_value:.3f}, top-1 agreement "
-                    f"{agree:.3f} ({now - started:.0f}s)")
+                say(
+                    f"train step {step + 1}/{steps}: loss {loss_value:.3f}, top-1 agreement "
+                    f"{agree:.3f} ({now - started:.0f}s)"
+                )
         draft.eval()
         draft.to("cpu")
     finally:
         torch.set_num_threads(threads)
-    return TrainResult(steps=steps, loss=loss_value, top1_agreement=agree,
-                       wall_s=time.monotonic() - started, device=device)
-
-
+    return TrainResult(
+        steps=steps, loss=loss_value, top1_agreement=agree, wall_s=time.monotonic() - started, device=device
+    )
 
 
 def save_draft(draft, tokenizer_dir: str, out: Path) -> None:
@@ -276,8 +281,6 @@ def save_draft(draft, tokenizer_dir: str, out: Path) -> None:
     draft.generation_config.do_sample = False
     draft.save_pretrained(out, safe_serialization=True)
     AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(out)
-
-
 
 
 def load_draft(path: str):

@@ -101,8 +101,9 @@ def sampling_value(key: str, value: Any) -> Any:
     try:
         return _coerce(value, hint)
     except _Mismatch:
-        raise ValueTypeError(f"{key}: expected {_describe(hint)}, got "
-                             f"{_short(value)} ({type(value).__name__})") from None
+        raise ValueTypeError(
+            f"{key}: expected {_describe(hint)}, got {_short(value)} ({type(value).__name__})"
+        ) from None
 
 
 class _Mismatch(Exception):
@@ -129,13 +130,11 @@ def _coerce(value: Any, hint: Any) -> Any:
     if hint is int:
         if isinstance(value, float) and math.isfinite(value) and value.is_integer():
             value = int(value)
-        if isinstance(value, bool) or not isinstance(value, int) \
-                or not INT64[0] <= value <= INT64[1]:
+        if isinstance(value, bool) or not isinstance(value, int) or not INT64[0] <= value <= INT64[1]:
             raise _Mismatch
         return value
     if hint is float:
-        if isinstance(value, bool) or not isinstance(value, int | float) \
-                or not math.isfinite(value):
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
             raise _Mismatch
         return value
     if hint is str:
@@ -159,11 +158,14 @@ def _describe(hint: Any) -> str:
     if origin in (typing.Union, types.UnionType):
         return " or ".join(_describe(a) for a in args if a is not type(None))
     if origin in (list, tuple, set, frozenset):
-        return f"a list of {_describe(args[0]).removeprefix('an ').removeprefix('a ')}s" \
-            if args else "a list"
-    return {bool: "true or false", int: "an integer (64-bit)", float: "a finite number",
-            str: "a string", dict: "a mapping"}.get(origin or hint, getattr(hint, "__name__",
-                                                                         str(hint)))
+        return f"a list of {_describe(args[0]).removeprefix('an ').removeprefix('a ')}s" if args else "a list"
+    return {
+        bool: "true or false",
+        int: "an integer (64-bit)",
+        float: "a finite number",
+        str: "a string",
+        dict: "a mapping",
+    }.get(origin or hint, getattr(hint, "__name__", str(hint)))
 
 
 def check_vllm_keys(spec: JobSpec) -> None:
@@ -194,8 +196,9 @@ def check_vllm_keys(spec: JobSpec) -> None:
     if constraint is not None:
         check_constraint(constraint, "sampling.structured_outputs")
     if params.temperature > 0 and refuses_random_sampling(spec):
-        raise SpecError("sampling.temperature",
-                        f"{CPU_SAMPLING_REFUSAL} (SamplingParams' default temperature is 1.0)")
+        raise SpecError(
+            "sampling.temperature", f"{CPU_SAMPLING_REFUSAL} (SamplingParams' default temperature is 1.0)"
+        )
     check_lora(spec)
 
 
@@ -213,8 +216,11 @@ def check_constraint(constraint, key: str) -> dict:
 
 
 #: Sampling fields that count something: what each must be.
-_COUNTS = {"n": "a positive integer", "logprobs": "a non-negative integer (or -1: every token)",
-           "prompt_logprobs": "a non-negative integer (or -1: every token)"}
+_COUNTS = {
+    "n": "a positive integer",
+    "logprobs": "a non-negative integer (or -1: every token)",
+    "prompt_logprobs": "a non-negative integer (or -1: every token)",
+}
 
 
 def count_error(key: str, value, max_logprobs: int = 20, max_n: int | None = None) -> str | None:
@@ -223,8 +229,7 @@ def count_error(key: str, value, max_logprobs: int = 20, max_n: int | None = Non
     ``execution.max_n`` is refused too."""
     if key not in _COUNTS or value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int) \
-            or value < (1 if key == "n" else -1):
+    if isinstance(value, bool) or not isinstance(value, int) or value < (1 if key == "n" else -1):
         return f"expected {_COUNTS[key]}, got {value!r}"
     if key == "n" and max_n is not None and value > max_n:
         return f"{value} samples is more than execution.max_n ({max_n}) allows"
@@ -241,8 +246,9 @@ def _check_counts(sampling: dict, spec: JobSpec) -> None:
             raise SpecError(f"sampling.{key}", why)
 
 
-def check_row(base: dict | None, overrides: dict, max_logprobs: int, max_n: int | None = None
-              ) -> tuple[dict, dict | None]:
+def check_row(
+    base: dict | None, overrides: dict, max_logprobs: int, max_n: int | None = None
+) -> tuple[dict, dict | None]:
     """A row's own sampling values, checked before vLLM sees them, and the row's constraint:
     each value's type (:func:`sampling_value`: the checked value is returned, an integral float
     as an int), the counts, a constraint parsed and compiled as vLLM's ``auto`` backend would
@@ -278,7 +284,7 @@ def override_error(overrides: dict, columns: dict[str, str], exc: Exception) -> 
 
 def _short(value, limit: int = 80) -> str:
     text = repr(value)
-    return text if len(text) <= limit else text[:limit - 3] + "..."
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def max_model_len(spec: JobSpec) -> int:

@@ -56,7 +56,6 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 
-
 #: The entry point's name in the ``vllm.general_plugins`` group (what ``VLLM_PLUGINS`` lists).
 PLUGIN_NAME = "batchspec"
 
@@ -77,16 +76,11 @@ DISABLE_ENV = "BATCHSPEC_DISABLE_VLLM_PLUGIN"
 EXPAND_KERNEL = "vllm.v1.sample.rejection_sampler.expand_kernel"
 
 
-
 _applied: set[str] = set()
-
-
 
 
 def _disabled_by_env() -> bool:
     return os.environ.get(DISABLE_ENV, "").strip().lower() in ("1", "true", "yes", "on")
-
-
 
 
 def _gate() -> str | None:
@@ -98,8 +92,10 @@ def _gate() -> str | None:
     except ImportError:
         return "vLLM is not installed"
     if vllm.__version__ not in CHECKED_VLLM_VERSIONS:
-        return (f"vLLM {vllm.__version__} is not a version the fixes were checked against "
-                f"({', '.join(sorted(CHECKED_VLLM_VERSIONS))})")
+        return (
+            f"vLLM {vllm.__version__} is not a version the fixes were checked against "
+            f"({', '.join(sorted(CHECKED_VLLM_VERSIONS))})"
+        )
     # Imported here, not at module level: vLLM calls register() while it is still setting up,
     # and the batchspec process should not resolve vLLM's platform just by importing batchspec.
     from vllm.platforms import current_platform
@@ -107,8 +103,6 @@ def _gate() -> str | None:
     if not current_platform.is_cpu():
         return f"not vLLM's CPU build (platform: {type(current_platform).__name__})"
     return None
-
-
 
 
 def inactive_reason() -> str | None:
@@ -122,21 +116,22 @@ def inactive_reason() -> str | None:
     allowed = os.environ.get("VLLM_PLUGINS")
     if allowed is not None and PLUGIN_NAME not in allowed.split(","):
         return f"VLLM_PLUGINS={allowed!r} does not list {PLUGIN_NAME!r}"
-    registered = [ep for ep in metadata.entry_points(group="vllm.general_plugins")
-                  if ep.name == PLUGIN_NAME and ep.value == PLUGIN_TARGET]
+    registered = [
+        ep
+        for ep in metadata.entry_points(group="vllm.general_plugins")
+        if ep.name == PLUGIN_NAME and ep.value == PLUGIN_TARGET
+    ]
     if not registered:
-        return ("batchspec's vllm.general_plugins entry point is not installed "
-                "(reinstall batchspec: pip install -e .)")
+        return (
+            "batchspec's vllm.general_plugins entry point is not installed "
+            "(reinstall batchspec: pip install -e .)"
+        )
     return None
-
-
 
 
 def active() -> bool:
     """True if vLLM engines started from this process run with the CPU fixes."""
     return inactive_reason() is None
-
-
 
 
 def register() -> None:
@@ -153,13 +148,17 @@ def register() -> None:
         _applied.add("seed")
 
 
-
-
 # ------------------------------------------------------------------ 1. rejection sampler
 
 
-def expand_kernel_impl(output: Any, input_val: Any, cu_num_tokens: Any, replace_from: Any,
-                       replace_to: Any, MAX_NUM_TOKENS: int | None = None) -> None:  # noqa: N803
+def expand_kernel_impl(
+    output: Any,
+    input_val: Any,
+    cu_num_tokens: Any,
+    replace_from: Any,
+    replace_to: Any,
+    MAX_NUM_TOKENS: int | None = None,
+) -> None:  # noqa: N803
     """What vLLM's Triton ``expand_kernel`` does, in torch: request ``i``'s value (``replace_to``
     where it equals ``replace_from``) written to its tokens ``cu[i-1]:cu[i]`` of ``output``, in
     ``output``'s own dtype. Same parameters as ``cpu_triton_utils._expand_kernel_impl``, which
@@ -168,12 +167,11 @@ def expand_kernel_impl(output: Any, input_val: Any, cu_num_tokens: Any, replace_
 
     ends = cu_num_tokens.to(torch.int64)
     counts = torch.diff(ends, prepend=ends.new_zeros(1))
-    values = torch.where(input_val == replace_from,
-                         torch.as_tensor(replace_to, dtype=input_val.dtype), input_val)
+    values = torch.where(
+        input_val == replace_from, torch.as_tensor(replace_to, dtype=input_val.dtype), input_val
+    )
     expanded = torch.repeat_interleave(values, counts)
     output[: expanded.numel()].copy_(expanded.to(output.dtype))
-
-
 
 
 def _fix_expand_kernel() -> None:
@@ -188,8 +186,6 @@ def _fix_expand_kernel() -> None:
     if EXPAND_KERNEL in dispatcher._registry:
         dispatcher.register_kernels({EXPAND_KERNEL: expand_kernel_impl})
     log.debug("batchspec vLLM plugin: CPU rejection sampler's expand kernel replaced")
-
-
 
 
 # ------------------------------------------------------------------ 2. seeded chunked prefill
@@ -214,16 +210,12 @@ def _hook_worker_init() -> None:
     platform.register_triton_kernel_overrides = classmethod(register_triton_kernel_overrides)
 
 
-
-
 def _scannable(value: Any) -> bool:
     """Whether vLLM's kernel rebind scan can read ``value`` (see fix 4)."""
     try:
         return not hasattr(value, "__dict__") or isinstance(vars(value), Mapping)
     except Exception:
         return False
-
-
 
 
 @contextmanager
@@ -245,8 +237,6 @@ def _unscannable_values_hidden() -> Iterator[None]:
             namespace.setdefault(name, value)
 
 
-
-
 def _discarded_generators(runner) -> dict[int, Any]:
     """{request index: generator} of seeded requests whose sampled token vLLM will discard
     (a prompt chunk that is not the last one)."""
@@ -258,8 +248,6 @@ def _discarded_generators(runner) -> dict[int, Any]:
     num_reqs = runner.input_batch.num_reqs
     discarded = np.nonzero(runner.discard_request_mask.np[:num_reqs])[0]
     return {int(i): generators[int(i)] for i in discarded if int(i) in generators}
-
-
 
 
 def _patch_cpu_model_runner() -> None:
@@ -313,15 +301,17 @@ def _lora_term(inputs: Any, weights: Any, indices: Any, dtype: Any) -> Any:
     return torch.where(keep[:, None], term, torch.zeros((), dtype=dtype))
 
 
-def bgmv_shrink(inputs: Any, lora_b_weights: Any, output_tensor: Any, lora_indices_tensor: Any,
-                scaling: float = 1.0) -> None:
+def bgmv_shrink(
+    inputs: Any, lora_b_weights: Any, output_tensor: Any, lora_indices_tensor: Any, scaling: float = 1.0
+) -> None:
     """vLLM's ``bgmv_shrink`` (torch ops), a token without an adapter getting zero."""
     term = _lora_term(inputs, lora_b_weights, lora_indices_tensor, output_tensor.dtype)
     output_tensor[:, : term.shape[1]] = scaling * term
 
 
-def bgmv_expand(inputs: Any, lora_b_weights: Any, output_tensor: Any, lora_indices_tensor: Any,
-                add_inputs: bool = True) -> None:
+def bgmv_expand(
+    inputs: Any, lora_b_weights: Any, output_tensor: Any, lora_indices_tensor: Any, add_inputs: bool = True
+) -> None:
     """vLLM's ``bgmv_expand`` (torch ops), a token without an adapter adding nothing."""
     term = _lora_term(inputs, lora_b_weights, lora_indices_tensor, output_tensor.dtype)
     limit = 1 if term.shape[0] == 1 and output_tensor.shape[0] != 1 else output_tensor.shape[0]
@@ -332,19 +322,24 @@ def bgmv_expand(inputs: Any, lora_b_weights: Any, output_tensor: Any, lora_indic
         output_tensor[:, :common] = term[:limit, :common]
 
 
-def bgmv_expand_slice(inputs: Any, lora_b_weights: Any, output_tensor: Any,
-                      lora_indices_tensor: Any, slice_offset: int, slice_size: int,
-                      add_inputs: bool = True) -> None:
+def bgmv_expand_slice(
+    inputs: Any,
+    lora_b_weights: Any,
+    output_tensor: Any,
+    lora_indices_tensor: Any,
+    slice_offset: int,
+    slice_size: int,
+    add_inputs: bool = True,
+) -> None:
     """vLLM's ``bgmv_expand_slice`` (torch ops), a token without an adapter adding nothing."""
     term = _lora_term(inputs, lora_b_weights, lora_indices_tensor, output_tensor.dtype)
     if add_inputs:
-        output_tensor[:, slice_offset: slice_offset + slice_size] += term
+        output_tensor[:, slice_offset : slice_offset + slice_size] += term
     else:
-        output_tensor[:, slice_offset: slice_offset + slice_size] = term
+        output_tensor[:, slice_offset : slice_offset + slice_size] = term
 
 
-_LORA_OPS = {"bgmv_shrink": bgmv_shrink, "bgmv_expand": bgmv_expand,
-             "bgmv_expand_slice": bgmv_expand_slice}
+_LORA_OPS = {"bgmv_shrink": bgmv_shrink, "bgmv_expand": bgmv_expand, "bgmv_expand_slice": bgmv_expand_slice}
 
 
 def _fix_lora_ops() -> None:

@@ -58,9 +58,12 @@ def _serves(spec: JobSpec) -> tuple:
     """What an engine is built from: the target, the engine arguments (but their names), the
     speculative config, the LoRA adapters."""
     engine = {k: v for k, v in spec.model.engine.items() if k not in _NAMING_ONLY}
-    return (spec.model.target, engine,
-            dict(spec.speculative) if spec.speculative is not None else None,
-            _lora_engine(spec))
+    return (
+        spec.model.target,
+        engine,
+        dict(spec.speculative) if spec.speculative is not None else None,
+        _lora_engine(spec),
+    )
 
 
 def _lora_engine(spec: JobSpec) -> tuple | None:
@@ -134,11 +137,14 @@ class Engine:
         config = getattr(self.engine, "vllm_config", None)
         #: the prefix cache's block, in tokens (None: prefix caching off), and the prompt tokens a
         #: step may prefill: what :class:`PrefixPacer` needs
-        self.prefix_block = (config.cache_config.block_size
-                             if config is not None and config.cache_config.enable_prefix_caching
-                             else None)
-        self.tokens_per_step = (config.scheduler_config.max_num_batched_tokens
-                                if config is not None else self.max_model_len)
+        self.prefix_block = (
+            config.cache_config.block_size
+            if config is not None and config.cache_config.enable_prefix_caching
+            else None
+        )
+        self.tokens_per_step = (
+            config.scheduler_config.max_num_batched_tokens if config is not None else self.max_model_len
+        )
         self._use(spec)
         self._ids = itertools.count()
         self._closed = threading.Event()
@@ -150,12 +156,17 @@ class Engine:
         jobs): its sampling and refusals. A spec for another model, engine arguments or
         speculative config is a spec error: this engine cannot run it."""
         wanted = _serves(spec)
-        for key, (have, want) in zip(("model.target", "model.engine", "speculative",
-                                      "model.lora"),
-                                     zip(self.serves, wanted, strict=True), strict=True):
+        for key, (have, want) in zip(
+            ("model.target", "model.engine", "speculative", "model.lora"),
+            zip(self.serves, wanted, strict=True),
+            strict=True,
+        ):
             if have != want:
-                raise SpecError(key, "the engine given to run_job was started for another "
-                                     f"{key}; start one for this job (or pass none)")
+                raise SpecError(
+                    key,
+                    "the engine given to run_job was started for another "
+                    f"{key}; start one for this job (or pass none)",
+                )
         self._use(spec)
 
     def _use(self, spec: JobSpec) -> None:
@@ -177,18 +188,15 @@ class Engine:
         """The job's SamplingParams with a row's overrides, and what the row asked for beyond
         text (:class:`Asked`); ValueError/TypeError if invalid (a bad per-row constraint is a
         :class:`~batchspec.engine.structured.ConstraintError`, a ValueError)."""
-        plain, constraint = check_row(self.base_constraint, overrides, self.max_logprobs,
-                                      self.max_n)
+        plain, constraint = check_row(self.base_constraint, overrides, self.max_logprobs, self.max_n)
         params = {**self.base_sampling, **plain, "output_kind": self._final_only}
         logprobs = params.get("logprobs")
         if constraint is not None:
             params["structured_outputs"] = structured.vllm_params(constraint)
             if "choice" in constraint:  # choice_probs needs the first position's distribution
                 wanted = max(logprobs or 0, CHOICE_LOGPROBS)
-                params["logprobs"] = wanted if self.max_logprobs < 0 \
-                    else min(wanted, self.max_logprobs)
-        asked = Asked(constraint=constraint, logprobs=logprobs,
-                      prompt_logprobs=params.get("prompt_logprobs"))
+                params["logprobs"] = wanted if self.max_logprobs < 0 else min(wanted, self.max_logprobs)
+        asked = Asked(constraint=constraint, logprobs=logprobs, prompt_logprobs=params.get("prompt_logprobs"))
         return self._SamplingParams(**params), asked
 
     def _prepare(self, row: Row) -> tuple[Prepared | None, dict | None]:
@@ -214,9 +222,14 @@ class Engine:
             return None, error_result(too_long, num_prompt_tokens=len(ids))
         return Prepared(ids, params, asked, lora_request), None
 
-    def stream(self, rows: Iterator[Row], max_in_flight: int, stop: Callable[[], bool] | None = None,
-               grace_s: float = 0.0, keep: Callable[[Row], bool] | None = None
-               ) -> Iterator[tuple[Row, list[dict]]]:
+    def stream(
+        self,
+        rows: Iterator[Row],
+        max_in_flight: int,
+        stop: Callable[[], bool] | None = None,
+        grace_s: float = 0.0,
+        keep: Callable[[Row], bool] | None = None,
+    ) -> Iterator[tuple[Row, list[dict]]]:
         """Feed rows to the engine, at most ``max_in_flight`` sequences at a time (a row asking
         for ``n`` samples counts ``n``; one with more than ``max_in_flight`` runs alone), and
         yield each row with its result rows as it finishes (errors included): one per sample
@@ -230,8 +243,11 @@ class Engine:
 
         in_flight: dict[str, tuple[Row, Prepared]] = {}
         added_at: dict[str, float] = {}  # batchspec's own clock: e2e is measured, not summed
-        pacer = (PrefixPacer(self.prefix_block, self.tokens_per_step)
-                 if self.pace_prefixes and self.prefix_block else None)
+        pacer = (
+            PrefixPacer(self.prefix_block, self.tokens_per_step)
+            if self.pace_prefixes and self.prefix_block
+            else None
+        )
         held: list[Held] = []  # oldest first
         sequences = {"in_flight": 0, "held": 0}
         sent_since_step: list[Row] = []  # what the engine got since its last step
@@ -247,15 +263,21 @@ class Engine:
             request_id = str(next(self._ids))
             started = time.monotonic()  # before add_request, where vLLM's arrival is
             try:
-                self.engine.add_request(request_id,
-                                        TokensPrompt(prompt_token_ids=request.token_ids),
-                                        request.params, lora_request=request.lora_request)
+                self.engine.add_request(
+                    request_id,
+                    TokensPrompt(prompt_token_ids=request.token_ids),
+                    request.params,
+                    lora_request=request.lora_request,
+                )
             except Exception as exc:  # refused: empty, too long, a bad grammar, a bad value...
                 if _engine_dead(exc):
-                    raise RuntimeFailure(f"the vLLM engine failed: {type(exc).__name__}: {exc}"
-                                         f"{_suspects([*sent_since_step, row])}") from exc
-                return [error_result(str(exc) or type(exc).__name__,
-                                     num_prompt_tokens=len(request.token_ids))]
+                    raise RuntimeFailure(
+                        f"the vLLM engine failed: {type(exc).__name__}: {exc}"
+                        f"{_suspects([*sent_since_step, row])}"
+                    ) from exc
+                return [
+                    error_result(str(exc) or type(exc).__name__, num_prompt_tokens=len(request.token_ids))
+                ]
             in_flight[request_id] = (row, request)
             added_at[request_id] = started
             sequences["in_flight"] += request.sequences
@@ -274,22 +296,19 @@ class Engine:
                 if deadline is None and stop is not None and stop():
                     deadline = time.monotonic() + max(0.0, grace_s)
                     exhausted = True
-                    dropped = [rid for rid, (row, _) in in_flight.items()
-                               if keep is None or not keep(row)]
+                    dropped = [rid for rid, (row, _) in in_flight.items() if keep is None or not keep(row)]
                     for rid in dropped:
                         forget(rid)
                     if dropped:
                         self._abort_quietly(dropped)
                     held = [h for h in held if keep is not None and keep(h.row)]
                     sequences["held"] = sum(h.request.sequences for h in held)
-                if deadline is not None and (not (in_flight or held)
-                                             or time.monotonic() >= deadline):
+                if deadline is not None and (not (in_flight or held) or time.monotonic() >= deadline):
                     return
                 # held requests whose prefix is cached now (all of them once nothing is in
                 # flight: whatever they waited for has run), while there is room
                 while held:
-                    ready = next((i for i, h in enumerate(held)
-                                  if h.until <= steps or not in_flight), None)
+                    ready = next((i for i, h in enumerate(held) if h.until <= steps or not in_flight), None)
                     if ready is None or not fits(held[ready].request):
                         break
                     waiting = held.pop(ready)
@@ -309,8 +328,7 @@ class Engine:
                     if refused is not None:
                         yield row, [refused]
                         continue
-                    until = pacer.hold_until(request.token_ids, steps) \
-                        if pacer is not None else None
+                    until = pacer.hold_until(request.token_ids, steps) if pacer is not None else None
                     if until is None and not fits(request):
                         until = steps  # ready now; waits for room among the sequences
                     if until is not None:
@@ -327,8 +345,9 @@ class Engine:
                 try:
                     outputs = self.engine.step()
                 except Exception as exc:
-                    raise RuntimeFailure(f"the vLLM engine failed: {type(exc).__name__}: {exc}"
-                                         f"{_suspects(sent_since_step)}") from exc
+                    raise RuntimeFailure(
+                        f"the vLLM engine failed: {type(exc).__name__}: {exc}{_suspects(sent_since_step)}"
+                    ) from exc
                 steps += 1
                 sent_since_step.clear()
                 for output in outputs:
@@ -336,8 +355,7 @@ class Engine:
                         started = added_at.get(output.request_id)
                         entry = forget(output.request_id)
                         if entry is not None:
-                            yield entry[0], self._results(output, time.monotonic() - started,
-                                                          entry[1])
+                            yield entry[0], self._results(output, time.monotonic() - started, entry[1])
         finally:
             if in_flight:
                 self.abort(list(in_flight))
@@ -350,8 +368,10 @@ class Engine:
         except Exception as exc:  # noqa: BLE001
             log.warning("cannot read the output of request %s", output.request_id, exc_info=True)
             why = f"cannot read the engine's output: {type(exc).__name__}: {exc}"
-            return [{**error_result(why, num_prompt_tokens=len(request.token_ids)),
-                     "sample_index": i} for i in range(request.sequences)]
+            return [
+                {**error_result(why, num_prompt_tokens=len(request.token_ids)), "sample_index": i}
+                for i in range(request.sequences)
+            ]
 
     def _abort_quietly(self, request_ids: list[str]) -> None:
         """Abort some requests and leave the rest running."""
@@ -371,8 +391,7 @@ class Engine:
 
     # ------------------------------------------------------------------ results
 
-    def result(self, output, e2e_s: float | None = None, asked: Asked | None = None
-               ) -> list[dict]:
+    def result(self, output, e2e_s: float | None = None, asked: Asked | None = None) -> list[dict]:
         """A finished RequestOutput as result rows (see :func:`result_rows`); what :meth:`stream`
         yields, so a subclass can add what it needs from the output (distill keeps token ids)."""
         return result_rows(output, e2e_s, asked or Asked())
@@ -416,8 +435,11 @@ class Engine:
         outputs = getattr(core, "outputs_queue", None)
         if outputs is None:
             return  # in-process engine: a crash raises directly
-        watched = [p for p in psutil.Process().children(recursive=True)
-                   if "EngineCore" in p.name() or "Worker" in p.name()]
+        watched = [
+            p
+            for p in psutil.Process().children(recursive=True)
+            if "EngineCore" in p.name() or "Worker" in p.name()
+        ]
 
         def alive(p) -> bool:
             try:

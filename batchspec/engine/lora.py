@@ -27,8 +27,7 @@ DEFAULT_RANK = 16
 
 def is_local(source: str) -> bool:
     """A path on this machine (what exists, or what is spelled as a path), not a model id."""
-    return (Path(source).expanduser().exists() or source.startswith((".", "/", "~"))
-            or source.count("/") > 1)
+    return Path(source).expanduser().exists() or source.startswith((".", "/", "~")) or source.count("/") > 1
 
 
 @dataclass(frozen=True)
@@ -59,8 +58,7 @@ def read_adapters(lora: LoraSpec) -> list[Adapter]:
         try:
             config = json.loads((directory / CONFIG_FILE).read_text())
         except FileNotFoundError:
-            raise SpecError(key, f"{source} has no {CONFIG_FILE}: not an adapter in PEFT's "
-                                 "format") from None
+            raise SpecError(key, f"{source} has no {CONFIG_FILE}: not an adapter in PEFT's format") from None
         except (OSError, ValueError) as exc:
             raise SpecError(key, f"cannot read {source}/{CONFIG_FILE}: {exc}") from exc
         if not isinstance(config, dict) or config.get("peft_type", "LORA") != "LORA":
@@ -97,23 +95,29 @@ def engine_args(lora: LoraSpec, adapters: list[Adapter]) -> dict[str, Any]:
         wanted = largest or DEFAULT_RANK
         rank = next((r for r in ranks if r >= wanted), None)
         if rank is None:
-            raise SpecError("model.lora.adapters", f"an adapter has rank {largest}, more than "
-                                                   f"vLLM supports (at most {ranks[-1]})")
+            raise SpecError(
+                "model.lora.adapters",
+                f"an adapter has rank {largest}, more than vLLM supports (at most {ranks[-1]})",
+            )
     elif rank not in ranks:
-        raise SpecError("model.lora.max_lora_rank", f"vLLM accepts one of "
-                                                    f"{', '.join(map(str, ranks))}; got {rank}")
+        raise SpecError(
+            "model.lora.max_lora_rank", f"vLLM accepts one of {', '.join(map(str, ranks))}; got {rank}"
+        )
     for a in adapters:
         if a.rank is not None and a.rank > rank:
-            raise SpecError(f"model.lora.adapters.{a.name}",
-                            f"rank {a.rank} is more than model.lora.max_lora_rank ({rank})")
-    return {"enable_lora": True, "max_loras": lora.max_loras or len(adapters),
-            "max_lora_rank": rank}
+            raise SpecError(
+                f"model.lora.adapters.{a.name}",
+                f"rank {a.rank} is more than model.lora.max_lora_rank ({rank})",
+            )
+    return {"enable_lora": True, "max_loras": lora.max_loras or len(adapters), "max_lora_rank": rank}
 
 
 #: Why a job that batches base-model rows with adapter rows is refused where batchspec's vLLM
 #: plugin is off on vLLM's CPU build (see batchspec.engine.cpu_plugin, fix 3).
-CPU_MIXED_REFUSAL = ("vLLM's CPU build runs a base-model row batched with adapter rows with one "
-                     "of their adapters, and batchspec's vLLM plugin, which fixes that, is off")
+CPU_MIXED_REFUSAL = (
+    "vLLM's CPU build runs a base-model row batched with adapter rows with one "
+    "of their adapters, and batchspec's vLLM plugin, which fixes that, is off"
+)
 
 
 def check_lora(spec: JobSpec) -> dict[str, Any]:
@@ -125,9 +129,12 @@ def check_lora(spec: JobSpec) -> dict[str, Any]:
         return {}
     args = engine_args(lora, read_adapters(lora))
     if spec.input.lora_column and lora.adapter is None and _cpu_without_fix():
-        raise SpecError("input.lora_column", f"{CPU_MIXED_REFUSAL}: give every row an adapter "
-                                             "(model.lora.adapter for null cells) or turn the "
-                                             "plugin on")
+        raise SpecError(
+            "input.lora_column",
+            f"{CPU_MIXED_REFUSAL}: give every row an adapter "
+            "(model.lora.adapter for null cells) or turn the "
+            "plugin on",
+        )
     return args
 
 
@@ -151,8 +158,7 @@ class Adapters:
         if lora is not None:
             from vllm.lora.request import LoRARequest
 
-            self._requests = {a.name: LoRARequest(a.name, a.int_id, a.path)
-                              for a in read_adapters(lora)}
+            self._requests = {a.name: LoRARequest(a.name, a.int_id, a.path) for a in read_adapters(lora)}
 
     def pick(self, name: str | None) -> tuple[str | None, Any]:
         """(adapter name, LoRARequest) for a row whose column holds ``name`` (None: the job's
@@ -169,5 +175,7 @@ class Adapters:
 
 def unknown_adapter(name: str, column: str | None, names) -> str:
     """The error of a row whose LoRA column names no adapter of the job."""
-    return (f"unknown LoRA adapter: {name!r} in column {column!r} is not one of "
-            f"model.lora.adapters ({', '.join(names)})")
+    return (
+        f"unknown LoRA adapter: {name!r} in column {column!r} is not one of "
+        f"model.lora.adapters ({', '.join(names)})"
+    )

@@ -35,7 +35,7 @@ class PrefixPacer:
         stream has run so far)."""
         if len(token_ids) <= self.block_size:
             return None  # no full block to share
-        key = hash(tuple(token_ids[:self.block_size]))
+        key = hash(tuple(token_ids[: self.block_size]))
         ready = self.ready.get(key)
         if ready is None:  # the first: it computes the prefix
             self.ready[key] = step + -(-len(token_ids) // self.tokens_per_step)

@@ -68,9 +68,11 @@ def _sample_row(completion, num_prompt: int, asked: Asked) -> dict:
         lora_adapter=asked.lora,
     )
     if finish == "error":
-        row.update(generated_text=None,
-                   error=f"engine error: vLLM failed this request after {num_output} output tokens"
-                         + (f" ({completion.stop_reason})" if completion.stop_reason else ""))
+        row.update(
+            generated_text=None,
+            error=f"engine error: vLLM failed this request after {num_output} output tokens"
+            + (f" ({completion.stop_reason})" if completion.stop_reason else ""),
+        )
     elif finish not in FINISH_REASONS:
         log.warning("unknown finish reason from vLLM: %r (kept as is)", finish)
     metrics = getattr(completion, "spec_decode_metrics", None)
@@ -94,13 +96,16 @@ def _sample_row(completion, num_prompt: int, asked: Asked) -> dict:
     if asked.logprobs is not None and completion.logprobs is not None:
         row.update(
             cumulative_logprob=_finite(completion.cumulative_logprob),
-            token_logprobs=[_chosen(entry, token) for entry, token
-                            in zip(completion.logprobs, completion.token_ids, strict=False)],
+            token_logprobs=[
+                _chosen(entry, token)
+                for entry, token in zip(completion.logprobs, completion.token_ids, strict=False)
+            ],
             top_logprobs=[_top(entry, asked.logprobs) for entry in completion.logprobs],
             # each generated token as text, for OpenAI-format output (not a Parquet column)
-            _token_texts=[entry[token].decoded_token if entry and token in entry else None
-                          for entry, token in zip(completion.logprobs, completion.token_ids,
-                                                  strict=False)],
+            _token_texts=[
+                entry[token].decoded_token if entry and token in entry else None
+                for entry, token in zip(completion.logprobs, completion.token_ids, strict=False)
+            ],
         )
     return row
 
@@ -112,8 +117,9 @@ def _prompt_logprob_columns(output, k: int | None) -> dict:
     ids = output.prompt_token_ids or ()
     return {
         # vLLM has no logprob for the first prompt token (nothing precedes it): null there
-        "prompt_token_logprobs": [None if e is None else _chosen(e, t)
-                                  for e, t in zip(entries, ids, strict=False)],
+        "prompt_token_logprobs": [
+            None if e is None else _chosen(e, t) for e, t in zip(entries, ids, strict=False)
+        ],
         "prompt_top_logprobs": [None if e is None else _top(e, k) for e in entries],
     }
 
@@ -135,8 +141,11 @@ def _top(entry: Mapping[int, Any] | None, k: int) -> list[dict] | None:
     if entry is None:
         return None
     ranked = sorted(entry.items(), key=lambda item: (item[1].rank or 0, -item[1].logprob))
-    return [{"token_id": token_id, "token": lp.decoded_token, "logprob": _finite(lp.logprob),
-             "rank": lp.rank} for token_id, lp in ranked[:k] if lp.rank is not None and lp.rank <= k]
+    return [
+        {"token_id": token_id, "token": lp.decoded_token, "logprob": _finite(lp.logprob), "rank": lp.rank}
+        for token_id, lp in ranked[:k]
+        if lp.rank is not None and lp.rank <= k
+    ]
 
 
 def choice_probs(choices: Sequence[str], first: Mapping[int, Any] | None) -> list[dict] | None:
@@ -169,8 +178,7 @@ def choice_probs(choices: Sequence[str], first: Mapping[int, Any] | None) -> lis
     return [{"choice": c, "prob": mass[c] / seen} for c in choices]
 
 
-def timing_columns(stats, num_output_tokens: int, e2e_s: float | None = None
-                   ) -> dict[str, float | None]:
+def timing_columns(stats, num_output_tokens: int, e2e_s: float | None = None) -> dict[str, float | None]:
     """Per-request timings: queueing, first token and decode from vLLM's RequestStateStats
     (engine clock); end to end from ``e2e_s`` when measured, else first token + decode."""
     if stats is None or not getattr(stats, "first_token_ts", 0):
@@ -184,7 +192,8 @@ def timing_columns(stats, num_output_tokens: int, e2e_s: float | None = None
         "time_decode_s": decode,
         "time_e2e_s": e2e_s if e2e_s is not None else ttft + decode,
         "output_tokens_per_s": (num_output_tokens - 1) / decode
-        if decode > 0 and num_output_tokens > 1 else None,
+        if decode > 0 and num_output_tokens > 1
+        else None,
     }
 
 

@@ -61,8 +61,10 @@ def compile_regex(pattern: str):
     try:
         return re2.compile(pattern, _re2_options())
     except re2.error as exc:
-        raise ConstraintError(f"regex: {pattern[:80]!r} is not a regular expression batchspec "
-                              f"checks in linear time (RE2 syntax): {_text(exc)}") from exc
+        raise ConstraintError(
+            f"regex: {pattern[:80]!r} is not a regular expression batchspec "
+            f"checks in linear time (RE2 syntax): {_text(exc)}"
+        ) from exc
 
 
 def _text(exc: BaseException) -> str:
@@ -79,8 +81,9 @@ def normalise(value: Any) -> dict[str, Any]:
         except json.JSONDecodeError as exc:
             raise ConstraintError(f"not JSON: {exc}") from exc
     if not isinstance(value, Mapping):
-        raise ConstraintError(f"expected a mapping with one of {', '.join(KINDS)}, "
-                              f"got {type(value).__name__}")
+        raise ConstraintError(
+            f"expected a mapping with one of {', '.join(KINDS)}, got {type(value).__name__}"
+        )
     # an Arrow struct column gives every field, the unused ones null
     out = {k: v for k, v in value.items() if v is not None}
     engine_wide = [k for k in ENGINE_WIDE if k in out]
@@ -88,15 +91,16 @@ def normalise(value: Any) -> dict[str, Any]:
         raise ConstraintError(
             f"{engine_wide[0]}: vLLM applies it to the whole engine, not per request (a "
             "request's own value is ignored); set model.engine.structured_outputs_config."
-            f"{engine_wide[0]} instead")
+            f"{engine_wide[0]} instead"
+        )
     unknown = sorted(set(out) - set(KINDS))
     if unknown:
-        raise ConstraintError(f"unknown key(s) {', '.join(map(repr, unknown))} "
-                              f"(known: {', '.join(KINDS)})")
+        raise ConstraintError(f"unknown key(s) {', '.join(map(repr, unknown))} (known: {', '.join(KINDS)})")
     kinds = [k for k in KINDS if k in out]
     if len(kinds) != 1:
-        raise ConstraintError(f"exactly one of {', '.join(KINDS)} must be set, got "
-                              f"{', '.join(kinds) or 'none'}")
+        raise ConstraintError(
+            f"exactly one of {', '.join(KINDS)} must be set, got {', '.join(kinds) or 'none'}"
+        )
     if isinstance(out.get("json"), str):
         try:
             out["json"] = json.loads(out["json"])
@@ -108,8 +112,12 @@ def normalise(value: Any) -> dict[str, Any]:
         _check_schema(out["json"])
     if "choice" in out:
         choice = out["choice"]
-        if isinstance(choice, str) or not isinstance(choice, list | tuple) or not choice \
-                or not all(isinstance(c, str) and c for c in choice):
+        if (
+            isinstance(choice, str)
+            or not isinstance(choice, list | tuple)
+            or not choice
+            or not all(isinstance(c, str) and c for c in choice)
+        ):
             raise ConstraintError("choice: expected a non-empty list of non-empty strings")
         out["choice"] = list(choice)
     if "regex" in out:
@@ -117,8 +125,7 @@ def normalise(value: Any) -> dict[str, Any]:
             raise ConstraintError("regex: expected a string")
         compile_regex(out["regex"])
     if "json_object" in out and out["json_object"] is not True:
-        raise ConstraintError("json_object: must be true (leave structured_outputs out to turn "
-                              "it off)")
+        raise ConstraintError("json_object: must be true (leave structured_outputs out to turn it off)")
     if "grammar" in out and (not isinstance(out["grammar"], str) or not out["grammar"].strip()):
         raise ConstraintError("grammar: expected a non-empty string")
     return out
@@ -152,8 +159,7 @@ def _check_schema(schema: Mapping[str, Any]) -> None:
     except jsonschema.SchemaError as exc:
         raise ConstraintError(f"json: not a valid JSON schema: {exc.message}") from exc
     except Exception as exc:  # noqa: BLE001 (a schema no meta-schema check copes with)
-        raise ConstraintError(f"json: cannot check the schema: {type(exc).__name__}: "
-                              f"{exc}") from exc
+        raise ConstraintError(f"json: cannot check the schema: {type(exc).__name__}: {exc}") from exc
 
 
 def _nodes(value: Any) -> list[tuple[tuple, Any]]:
@@ -175,18 +181,17 @@ def _check_depth(schema: Any) -> None:
         node, depth = stack.pop()
         if depth > MAX_SCHEMA_DEPTH:
             raise ConstraintError(f"json: the schema nests deeper than {MAX_SCHEMA_DEPTH} levels")
-        children = node.values() if isinstance(node, Mapping) else \
-            node if isinstance(node, list | tuple) else ()
-        stack.extend((child, depth + 1) for child in children
-                     if isinstance(child, Mapping | list | tuple))
+        children = (
+            node.values() if isinstance(node, Mapping) else node if isinstance(node, list | tuple) else ()
+        )
+        stack.extend((child, depth + 1) for child in children if isinstance(child, Mapping | list | tuple))
 
 
 def _patterns(schema: Any) -> list[str]:
     """The regular expressions a schema's ``pattern`` and ``patternProperties`` hold."""
     found = []
     for path, node in _nodes(schema):
-        if not isinstance(node, Mapping) or (path and path[-1] in ("properties", "$defs",
-                                                                    "definitions")):
+        if not isinstance(node, Mapping) or (path and path[-1] in ("properties", "$defs", "definitions")):
             continue  # a property named "pattern" is no keyword
         if isinstance(node.get("pattern"), str):
             found.append(node["pattern"])
@@ -208,12 +213,13 @@ def _check_refs(schema: Any) -> None:
         ref = node["$ref"]
         where = "/".join(map(str, path)) or "(root)"
         if not isinstance(ref, str) or not (ref == "#" or ref.startswith("#/")):
-            raise ConstraintError(f"json: $ref {_short(ref)} at {where}: only local references "
-                                  "('#/...') are supported")
+            raise ConstraintError(
+                f"json: $ref {_short(ref)} at {where}: only local references ('#/...') are supported"
+            )
         target = _resolve(schema, ref, where)
         refs.append((path, target))
     # a $ref at P pointing at T: following T's subtree may reach P's own subtree again
-    edges = {t: {t2 for p, t2 in refs if p[:len(t)] == t} for _, t in refs}
+    edges = {t: {t2 for p, t2 in refs if p[: len(t)] == t} for _, t in refs}
     state: dict[tuple, int] = {}  # 1: on the path, 2: done
     for start in edges:
         if state.get(start):
@@ -227,8 +233,11 @@ def _check_refs(schema: Any) -> None:
                 state[node] = 2
                 stack.pop()
             elif state.get(child) == 1:
-                raise ConstraintError("json: $ref cycle through '#" + "".join(f"/{p}" for p in child)
-                                      + "': recursive schemas are not supported")
+                raise ConstraintError(
+                    "json: $ref cycle through '#"
+                    + "".join(f"/{p}" for p in child)
+                    + "': recursive schemas are not supported"
+                )
             elif not state.get(child):
                 state[child] = 1
                 stack.append((child, iter(edges.get(child, ()))))
@@ -243,15 +252,14 @@ def _resolve(schema: Any, ref: str, where: str) -> tuple:
         elif isinstance(node, list | tuple) and part.isdigit() and int(part) < len(node):
             node, key = node[int(part)], int(part)
         else:
-            raise ConstraintError(f"json: $ref {_short(ref)} at {where} points at nothing in "
-                                  "the schema")
+            raise ConstraintError(f"json: $ref {_short(ref)} at {where} points at nothing in the schema")
         path.append(key)
     return tuple(path)
 
 
 def _short(value: Any, limit: int = 80) -> str:
     text = repr(value)
-    return text if len(text) <= limit else text[:limit - 3] + "..."
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def vllm_params(constraint: Mapping[str, Any]):
@@ -284,8 +292,9 @@ def check_with_vllm(constraint: Mapping[str, Any]) -> None:
 # ---------------------------------------------------------------------------- outputs
 
 
-def check_output(constraint: Mapping[str, Any], text: str | None, finish_reason: str | None
-                 ) -> tuple[bool, str | None]:
+def check_output(
+    constraint: Mapping[str, Any], text: str | None, finish_reason: str | None
+) -> tuple[bool, str | None]:
     """(valid, why not) for a finished output: valid when it finished with ``stop`` and its text
     satisfies its own constraint. A ``grammar`` constraint is trusted to vLLM's backend: its
     output is valid when it finished with ``stop``. Never raises, and takes time linear in the
@@ -296,8 +305,9 @@ def check_output(constraint: Mapping[str, Any], text: str | None, finish_reason:
         return False, f"cannot check the output: {type(exc).__name__}: {exc}"[:300]
 
 
-def _check_output(constraint: Mapping[str, Any], text: str | None, finish_reason: str | None
-                  ) -> tuple[bool, str | None]:
+def _check_output(
+    constraint: Mapping[str, Any], text: str | None, finish_reason: str | None
+) -> tuple[bool, str | None]:
     if text is None or finish_reason in ("error", "abort"):
         return False, f"no complete output (finish_reason {finish_reason})"
     if finish_reason != "stop":
@@ -305,8 +315,11 @@ def _check_output(constraint: Mapping[str, Any], text: str | None, finish_reason
     if "choice" in constraint:
         return (True, None) if text in constraint["choice"] else (False, "not one of the choices")
     if "regex" in constraint:
-        return (True, None) if compile_regex(constraint["regex"]).fullmatch(text) \
+        return (
+            (True, None)
+            if compile_regex(constraint["regex"]).fullmatch(text)
             else (False, "does not match the regex")
+        )
     if "json" in constraint or "json_object" in constraint:
         try:
             value = json.loads(text)

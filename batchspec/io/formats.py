@@ -64,10 +64,12 @@ def file_format(path: str, declared: str | None, url: str | None = None) -> File
     # a name no format claims is read as Parquet, as every file was before other formats existed
     name = declared or _FORMAT_SUFFIXES.get(suffix or "", PARQUET)
     if name == PARQUET and compression is not None:
-        raise SpecError("input.format",
-                        f"{sanitize_url(path)} is compressed as a whole ({compression}) and its "
-                        "name says no JSON-lines format: set input.format (jsonl or openai) if it "
-                        "holds JSON lines; Parquet files are read as they are")
+        raise SpecError(
+            "input.format",
+            f"{sanitize_url(path)} is compressed as a whole ({compression}) and its "
+            "name says no JSON-lines format: set input.format (jsonl or openai) if it "
+            "holds JSON lines; Parquet files are read as they are",
+        )
     return FileFormat(name, compression if name in LINE_FORMATS else None)
 
 

@@ -13,8 +13,6 @@ def this_host() -> str:
     return socket.gethostname()
 
 
-
-
 def pid_alive(pid: int) -> bool:
     """Whether a process with this pid exists on this host."""
     try:
@@ -24,8 +22,6 @@ def pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
-
-
 
 
 def random_sleep(max_s: float) -> None:

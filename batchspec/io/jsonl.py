@@ -143,8 +143,7 @@ class JsonLinesReader:
     """Reads one JSON-lines shard's records in order (the interface of
     :class:`~batchspec.io.reader.ParquetReader`)."""
 
-    def __init__(self, shard: Shard, input_spec: InputSpec, output_spec: OutputSpec,
-                 batch_rows: int = 1024):
+    def __init__(self, shard: Shard, input_spec: InputSpec, output_spec: OutputSpec, batch_rows: int = 1024):
         self.shard = shard
         self.spec = input_spec
         self.batch_rows = batch_rows
@@ -184,8 +183,7 @@ class JsonLinesReader:
         self._handles.append(handle)
         if shard.format.compression is None:
             return handle
-        stream = pa.CompressedInputStream(pa.PythonFile(handle, mode="r"),
-                                          shard.format.compression)
+        stream = pa.CompressedInputStream(pa.PythonFile(handle, mode="r"), shard.format.compression)
         self._handles.append(stream)
         return stream
 
@@ -204,8 +202,7 @@ class JsonLinesReader:
         except (pa.ArrowException, OSError, EOFError) as exc:
             if not self._local and is_transient(exc):
                 raise
-            raise InputDataError(self.shard.url,
-                                 f"cannot read the file after line {number}: {exc}") from exc
+            raise InputDataError(self.shard.url, f"cannot read the file after line {number}: {exc}") from exc
 
     def _records(self, skip: int = 0) -> Iterator[tuple[int, Any]]:
         """``(line number, parsed value or BadLine)`` for each non-blank line after the first
@@ -214,8 +211,13 @@ class JsonLinesReader:
             if number <= skip or _blank(raw):
                 continue
             if isinstance(raw, _LongLine):
-                yield number, BadLine(f"line too long: line {number} has {raw.size} bytes, more "
-                                       f"than input.max_line_bytes ({self.spec.max_line_bytes})")
+                yield (
+                    number,
+                    BadLine(
+                        f"line too long: line {number} has {raw.size} bytes, more "
+                        f"than input.max_line_bytes ({self.spec.max_line_bytes})"
+                    ),
+                )
                 continue
             try:
                 value = _parse(raw)
@@ -224,8 +226,9 @@ class JsonLinesReader:
             except UnicodeEncodeError:
                 value = BadLine(f"not UTF-8: line {number} escapes half a surrogate pair")
             except _TooDeep:
-                value = BadLine(f"too deep: line {number} nests more than {MAX_JSON_DEPTH} "
-                                 "arrays and objects")
+                value = BadLine(
+                    f"too deep: line {number} nests more than {MAX_JSON_DEPTH} arrays and objects"
+                )
             except ValueError as exc:
                 value = BadLine(f"not JSON: line {number} ({cut_text(str(exc))})")
             except Exception as exc:  # no line raises out of the reader
@@ -237,14 +240,16 @@ class JsonLinesReader:
         """The shard's records (its non-blank lines): the whole file is read once to count them
         (again from the start after a transient storage error)."""
         if self._num_rows is None:
+
             def count() -> int:
                 try:  # no line kept: a chunk in memory however long the lines
                     return sum(1 for raw in self._read_lines(max_bytes=0) if not _blank(raw))
                 finally:
                     self.close()
 
-            self._num_rows = count() if self._local else retry(
-                count, f"counting the lines of {self.shard.url}")
+            self._num_rows = (
+                count() if self._local else retry(count, f"counting the lines of {self.shard.url}")
+            )
         return self._num_rows
 
     def rows(self) -> Iterator[Row]:
@@ -280,16 +285,20 @@ class JsonLinesReader:
         keys = list(dict.fromkeys(k for r in records for k in r))
         if records and spec.text_column not in keys:
             role = "prompt" if spec.prompt_column else "messages"
-            raise InputDataError(url, f"no {role} key {spec.text_column!r} in the first "
-                                      f"{len(records)} records (keys: {', '.join(keys)})",
-                                 column=spec.text_column)
+            raise InputDataError(
+                url,
+                f"no {role} key {spec.text_column!r} in the first "
+                f"{len(records)} records (keys: {', '.join(keys)})",
+                column=spec.text_column,
+            )
         if output_spec.keep_columns is None:
             names = [k for k in keys if k != spec.text_column and k not in OUTPUT_NAMES]
         else:
             for column in output_spec.keep_columns:
                 if column in OUTPUT_NAMES:
-                    raise SpecError("output.keep_columns",
-                                    f"{column!r} clashes with an output column of the same name")
+                    raise SpecError(
+                        "output.keep_columns", f"{column!r} clashes with an output column of the same name"
+                    )
             names = list(output_spec.keep_columns)
         fields = []
         for name in names:
@@ -297,8 +306,11 @@ class JsonLinesReader:
             try:
                 inferred = pa.array(values).type
             except (pa.ArrowException, ValueError, TypeError, OverflowError) as exc:
-                raise InputDataError(url, f"key {name!r} has values of several types in the first "
-                                          f"{len(records)} records ({exc})", column=name) from exc
+                raise InputDataError(
+                    url,
+                    f"key {name!r} has values of several types in the first {len(records)} records ({exc})",
+                    column=name,
+                ) from exc
             # a key with no value in the first records: its values are kept as text
             fields.append(pa.field(name, pa.string() if pa.types.is_null(inferred) else inferred))
         return fields
@@ -315,8 +327,10 @@ class JsonLinesReader:
             try:
                 pa.scalar(value, type=dtype)
             except (pa.ArrowException, ValueError, TypeError, OverflowError):
-                error = error or (f"kept key of another type: line {number}, {name!r} is a "
-                                  f"{type(value).__name__} where the first records have {dtype}")
+                error = error or (
+                    f"kept key of another type: line {number}, {name!r} is a "
+                    f"{type(value).__name__} where the first records have {dtype}"
+                )
                 value = None
             kept[name] = value
         return kept, error
@@ -327,31 +341,37 @@ class JsonLinesReader:
             return self._row(index, number, record)
         except Exception as exc:
             name = self.shard.name
-            row = Row(shard=name, index=index, request_id=f"{name}/{index}",
-                      kept=dict.fromkeys(self._types))
+            row = Row(shard=name, index=index, request_id=f"{name}/{index}", kept=dict.fromkeys(self._types))
             row.error = unreadable(number, exc)
             return row
 
     def _row(self, index: int, number: int, record: Any) -> Row:
         spec, name = self.spec, self.shard.name
         if isinstance(record, BadLine) or not isinstance(record, dict):
-            row = Row(shard=name, index=index, request_id=f"{name}/{index}",
-                      kept=dict.fromkeys(self._types))
-            row.error = (record.why if isinstance(record, BadLine) else
-                         f"not an object: line {number} is a JSON {type(record).__name__}")
+            row = Row(shard=name, index=index, request_id=f"{name}/{index}", kept=dict.fromkeys(self._types))
+            row.error = (
+                record.why
+                if isinstance(record, BadLine)
+                else f"not an object: line {number} is a JSON {type(record).__name__}"
+            )
             return row
         request_id = record.get(spec.id_column) if spec.id_column else None
         kept, kept_error = self._kept(record, number)
-        row = Row(shard=name, index=index,
-                  request_id=str(request_id) if request_id is not None else f"{name}/{index}",
-                  kept=kept)
+        row = Row(
+            shard=name,
+            index=index,
+            request_id=str(request_id) if request_id is not None else f"{name}/{index}",
+            kept=kept,
+        )
         errors: list[str | None] = []
         if spec.id_column and request_id is None:
             errors.append(f"null id: line {number}, key {spec.id_column!r}")
         text = record.get(spec.text_column, _MISSING)
         if text is _MISSING:
-            errors.append(f"no {'prompt' if spec.prompt_column else 'messages'} key: line "
-                          f"{number} has no {spec.text_column!r}")
+            errors.append(
+                f"no {'prompt' if spec.prompt_column else 'messages'} key: line "
+                f"{number} has no {spec.text_column!r}"
+            )
         elif spec.prompt_column:
             row.prompt = text if isinstance(text, str) else None
             if text is None:
@@ -361,10 +381,8 @@ class JsonLinesReader:
             elif not text.strip():
                 errors.append(f"empty prompt: line {number}")
         else:
-            if text is not None and not (isinstance(text, list)
-                                         and all(isinstance(m, dict) for m in text)):
-                errors.append(f"bad messages: line {number} has no list of {{role, content}} "
-                              "objects")
+            if text is not None and not (isinstance(text, list) and all(isinstance(m, dict) for m in text)):
+                errors.append(f"bad messages: line {number} has no list of {{role, content}} objects")
             else:
                 row.messages = text
                 problem = check_messages(text)
@@ -376,8 +394,10 @@ class JsonLinesReader:
         if spec.lora_column:
             lora = record.get(spec.lora_column)
             if lora is not None and not isinstance(lora, str):
-                errors.append(f"adapter name is no text: line {number}, {spec.lora_column!r} is "
-                              f"a JSON {type(lora).__name__}")
+                errors.append(
+                    f"adapter name is no text: line {number}, {spec.lora_column!r} is "
+                    f"a JSON {type(lora).__name__}"
+                )
             else:
                 row.lora = lora
         row.error = next((e for e in (*errors, kept_error) if e), None)

@@ -52,20 +52,24 @@ class Shard:
     format: FileFormat = PARQUET_FILE
 
 
-
-
 def fingerprint(info: dict) -> dict:
     """What identifies a version of an input file: size plus ETag or modification time."""
     out: dict[str, Any] = {"size": int(info.get("size") or 0)}
-    for key in ("ETag", "etag", "md5Hash", "content_md5", "mtime", "LastModified", "last_modified",
-                "created"):
+    for key in (
+        "ETag",
+        "etag",
+        "md5Hash",
+        "content_md5",
+        "mtime",
+        "LastModified",
+        "last_modified",
+        "created",
+    ):
         value = info.get(key)
         if value is not None:
             out[key.lower()] = str(value) if not isinstance(value, int | float) else value
             break
     return out
-
-
 
 
 def _exclusion(fs, exclude: str) -> frozenset | None:
@@ -85,11 +89,13 @@ def _exclusion(fs, exclude: str) -> frozenset | None:
     return path_forms(fs, path)
 
 
-
-
-def discover_shards(paths: tuple[str, ...] | list[str], storage_options: dict,
-                    exclude: str | None = None, allow_empty: bool = False,
-                    input_format: str | None = None) -> list[Shard]:
+def discover_shards(
+    paths: tuple[str, ...] | list[str],
+    storage_options: dict,
+    exclude: str | None = None,
+    allow_empty: bool = False,
+    input_format: str | None = None,
+) -> list[Shard]:
     """List the input shards matched by ``input.path``, sorted by name.
 
     A shard's output name is its path relative to the pattern's base (the directory before the
@@ -109,9 +115,11 @@ def discover_shards(paths: tuple[str, ...] | list[str], storage_options: dict,
                 matches = sorted(p for p, info in listed.items() if info.get("type") != "directory")
             elif retry(partial(fs.isdir, path), f"listing {shown}"):
                 base = path.rstrip("/")
-                matches = sorted(p for p in retry(partial(fs.find, path), f"listing {shown}")
-                                 if is_input_file(p, input_format)
-                                 and f"/{BOOKKEEPING_DIR}/" not in p)
+                matches = sorted(
+                    p
+                    for p in retry(partial(fs.find, path), f"listing {shown}")
+                    if is_input_file(p, input_format) and f"/{BOOKKEEPING_DIR}/" not in p
+                )
             elif retry(partial(fs.exists, path), f"checking {shown}"):
                 base, matches = posixpath.dirname(path), [path]
             elif allow_empty:
@@ -121,12 +129,13 @@ def discover_shards(paths: tuple[str, ...] | list[str], storage_options: dict,
         except (re.error, ValueError) as exc:  # fsspec: "Invalid pattern: '**' can only be ..."
             raise SpecError("input.path", f"bad glob pattern {shown!r}: {exc}") from exc
         if skip:
-            matches = [p for p in matches
-                       if not any(inside(f, s) for f in path_forms(*unwrap(fs, p)) for s in skip)]
+            matches = [
+                p for p in matches if not any(inside(f, s) for f in path_forms(*unwrap(fs, p)) for s in skip)
+            ]
         if not matches and not allow_empty:
             raise InputDataError(shown, "no input shards matched this path")
         for p in matches:
-            rel = p[len(base):].lstrip("/") if base and p.startswith(base) else posixpath.basename(p)
+            rel = p[len(base) :].lstrip("/") if base and p.startswith(base) else posixpath.basename(p)
             found.append((fs, p, rel))
 
     shards: dict[str, Shard] = {}
@@ -139,24 +148,21 @@ def discover_shards(paths: tuple[str, ...] | list[str], storage_options: dict,
         if name in shards:
             if shards[name].url == url:
                 continue  # the same file matched by two patterns is one shard
-            raise SpecError("input.path",
-                            f"two input files map to one output name {name!r}: "
-                            f"{sanitize_url(shards[name].url)} and {sanitize_url(url)}; list them "
-                            "under one pattern whose base keeps their directories apart (e.g. "
-                            "data/*/*.parquet rather than data/a/*.parquet and data/b/*.parquet)")
+            raise SpecError(
+                "input.path",
+                f"two input files map to one output name {name!r}: "
+                f"{sanitize_url(shards[name].url)} and {sanitize_url(url)}; list them "
+                "under one pattern whose base keeps their directories apart (e.g. "
+                "data/*/*.parquet rather than data/a/*.parquet and data/b/*.parquet)",
+            )
         info = retry(partial(fs.info, p), f"reading the size of {sanitize_url(url)}")
-        shards[name] = Shard(url=url, path=p, name=name, fs=fs, fingerprint=fingerprint(info),
-                             format=file)
+        shards[name] = Shard(url=url, path=p, name=name, fs=fs, fingerprint=fingerprint(info), format=file)
     return sorted(shards.values(), key=lambda s: s.name)
-
-
 
 
 def _is_http(fs) -> bool:
     protocols = fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
     return any(p in ("http", "https") for p in protocols)
-
-
 
 
 def shard_name(rel: str, file: FileFormat = PARQUET_FILE) -> str:
@@ -166,23 +172,16 @@ def shard_name(rel: str, file: FileFormat = PARQUET_FILE) -> str:
     return output_stem(rel, file)
 
 
-
-
 def worker_of(shard_name: str, num_workers: int) -> int:
     """The worker a shard belongs to: stable, whatever the listing order or the other shards."""
     digest = hashlib.sha256(shard_name.encode()).digest()
     return int.from_bytes(digest[:8], "big") % num_workers
 
 
-
-
 def check_worker(worker_index: int, num_workers: int) -> None:
     """Exit 2 unless ``0 <= worker_index < num_workers``."""
     if num_workers < 1 or not 0 <= worker_index < num_workers:
-        raise SpecError("--worker-index",
-                        f"expected 0 <= I < N, got I={worker_index} N={num_workers}")
-
-
+        raise SpecError("--worker-index", f"expected 0 <= I < N, got I={worker_index} N={num_workers}")
 
 
 def assign(shards: list[Shard], worker_index: int, num_workers: int) -> list[Shard]:

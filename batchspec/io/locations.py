@@ -34,13 +34,13 @@ _AWS_HOST = re.compile(r"(^|\.)amazonaws\.com(\.cn)?$")
 _GCS_HOST = re.compile(r"(^|\.)googleapis\.com$|^storage\.cloud\.google\.com$")
 
 
-_AZURE_HOST = re.compile(r"^(?P<account>[a-z0-9]+)(-secondary)?\.(blob|dfs)\.core\."
-                         r"(windows\.net|chinacloudapi\.cn|usgovcloudapi\.net|cloudapi\.de)$")
+_AZURE_HOST = re.compile(
+    r"^(?P<account>[a-z0-9]+)(-secondary)?\.(blob|dfs)\.core\."
+    r"(windows\.net|chinacloudapi\.cn|usgovcloudapi\.net|cloudapi\.de)$"
+)
 
 
 _AWS_DEFAULT = "AWS S3, or an endpoint the AWS configuration names (no endpoint_url given)"
-
-
 
 
 @dataclass(frozen=True)
@@ -68,7 +68,7 @@ class Endpoint:
         run's log masks those)."""
         if self.kind == "cloud":
             if self.name.startswith("azure:"):
-                return f"Azure storage account {self.name[len('azure:'):]}"
+                return f"Azure storage account {self.name[len('azure:') :]}"
             return {"aws": "AWS S3", "gcs": "Google Cloud Storage"}.get(self.name, self.name)
         if self.kind == "server":
             host = f"[{self.name}]" if ":" in self.name else self.name
@@ -76,11 +76,7 @@ class Endpoint:
         return self.note or ("this machine" if self.kind == "local" else "an unknown server")
 
 
-
-
 _LOCAL = Endpoint("local")
-
-
 
 
 @dataclass(frozen=True)
@@ -94,8 +90,6 @@ class Location:
     paths: frozenset
 
 
-
-
 def _cloud(host: str, family: str) -> str | None:
     """The public cloud namespace a host belongs to, or None."""
     if family in ("s3", "gs", "http") and _AWS_HOST.search(host):
@@ -106,8 +100,6 @@ def _cloud(host: str, family: str) -> str | None:
     if m and family in ("az", "http"):
         return f"azure:{m['account']}"
     return None
-
-
 
 
 def parse_endpoint(url: str, family: str) -> Endpoint:
@@ -133,8 +125,6 @@ def parse_endpoint(url: str, family: str) -> Endpoint:
     return Endpoint("server", host, port)
 
 
-
-
 def _one_endpoint(candidates: list, family: str, default: Endpoint) -> Endpoint:
     """The endpoint every named candidate agrees on; ``unknown`` when they disagree."""
     found = {}
@@ -148,8 +138,6 @@ def _one_endpoint(candidates: list, family: str, default: Endpoint) -> Endpoint:
         return next(iter(found.values()))
     shown = " and ".join(sorted({e.shown for e in found.values()}))
     return Endpoint("unknown", note=f"endpoints that disagree ({shown})")
-
-
 
 
 def _azure_endpoint(connection_string: str) -> str | None:
@@ -169,27 +157,31 @@ def _azure_endpoint(connection_string: str) -> str | None:
     return None
 
 
-
-
 def _store_endpoint(fs, family: str, options: dict) -> Endpoint:
     """The endpoint an object store's client will talk to: what the filesystem resolved, and
     every spelling the storage options give (``endpoint_url``, ``client_kwargs.endpoint_url``,
     gcsfs's and adlfs's own), which must agree."""
     named = [options.get("endpoint_url"), (options.get("client_kwargs") or {}).get("endpoint_url")]
     if family == "s3":
-        named += [getattr(fs, "endpoint_url", None),
-                  (getattr(fs, "client_kwargs", None) or {}).get("endpoint_url")]
-        if not any(named) and os.environ.get("AWS_IGNORE_CONFIGURED_ENDPOINT_URLS", "").lower() \
-                not in ("true", "1"):
+        named += [
+            getattr(fs, "endpoint_url", None),
+            (getattr(fs, "client_kwargs", None) or {}).get("endpoint_url"),
+        ]
+        if not any(named) and os.environ.get("AWS_IGNORE_CONFIGURED_ENDPOINT_URLS", "").lower() not in (
+            "true",
+            "1",
+        ):
             named = [os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")]
         return _one_endpoint(named, family, Endpoint("unknown", note=_AWS_DEFAULT))
     if family == "gs":
         try:
             named.append(fs._location)  # gcsfs: endpoint_url, STORAGE_EMULATOR_HOST or Google's
         except Exception:  # another gcsfs: resolve as it documents
-            named.append(getattr(fs, "_endpoint", None)
-                         or os.environ.get("STORAGE_EMULATOR_HOST")
-                         or "https://storage.googleapis.com")
+            named.append(
+                getattr(fs, "_endpoint", None)
+                or os.environ.get("STORAGE_EMULATOR_HOST")
+                or "https://storage.googleapis.com"
+            )
         return _one_endpoint(named, family, Endpoint("unknown", note="no endpoint"))
     # az (adlfs): a connection string wins, then account_host, then the account's own endpoint
     named.append(options.get("account_url"))
@@ -205,8 +197,6 @@ def _store_endpoint(fs, family: str, options: dict) -> Endpoint:
     elif account:
         named.append(f"https://{account}.blob.core.windows.net")
     return _one_endpoint(named, family, Endpoint("unknown", note="no account"))
-
-
 
 
 def _http_location(url: str, pattern: bool) -> Location:
@@ -233,8 +223,6 @@ def _http_location(url: str, pattern: bool) -> Location:
     return Location("object", endpoint, forms)
 
 
-
-
 def store_location(url: str, storage_options: dict, key: str, pattern: bool = False) -> Location:
     """The store, endpoint and path a URL names, normalised (``pattern``: a glob stands for the
     directory before its first wildcard)."""
@@ -250,12 +238,8 @@ def store_location(url: str, storage_options: dict, key: str, pattern: bool = Fa
     if family == "memory":
         return Location("memory", _LOCAL, path_forms(fs, path))
     if family in OBJECT_FAMILIES:
-        return Location("object", _store_endpoint(fs, family, storage_options),
-                        path_forms(fs, path))
-    return Location(family, Endpoint("unknown", note=f"a {family}:// server"),
-                    path_forms(fs, path))
-
-
+        return Location("object", _store_endpoint(fs, family, storage_options), path_forms(fs, path))
+    return Location(family, Endpoint("unknown", note=f"a {family}:// server"), path_forms(fs, path))
 
 
 def _may_share(a: Endpoint, b: Endpoint) -> bool:
@@ -275,13 +259,9 @@ def _may_share(a: Endpoint, b: Endpoint) -> bool:
     return server.port in (80, 443)
 
 
-
-
 def same_location_store(a: Location, b: Location) -> bool:
     """Whether two locations could be on one store (their paths then compare)."""
     return a.realm == b.realm and _may_share(a.endpoint, b.endpoint)
-
-
 
 
 def _overlap(inputs: frozenset, outputs: frozenset) -> tuple[str, str] | None:
@@ -293,17 +273,15 @@ def _overlap(inputs: frozenset, outputs: frozenset) -> tuple[str, str] | None:
     return None
 
 
-
-
 def _store_words(a: Endpoint, b: Endpoint) -> str:
     if a.kind == "local":
         return ""
     if a.key == b.key and a.kind != "unknown":
         return f" (both on {a.shown})"
-    return (f" (the input's store, {a.shown}, and the output's, {b.shown}, cannot be told apart: "
-            "they could be one)")
-
-
+    return (
+        f" (the input's store, {a.shown}, and the output's, {b.shown}, cannot be told apart: "
+        "they could be one)"
+    )
 
 
 def location_overlap(a: Location, b: Location) -> str | None:
@@ -316,10 +294,9 @@ def location_overlap(a: Location, b: Location) -> str | None:
     if pair is None:
         return None
     other, mine = pair
-    return ("is the same location as" if mine == other else
-            "lies inside" if inside(mine, other) else "contains")
-
-
+    return (
+        "is the same location as" if mine == other else "lies inside" if inside(mine, other) else "contains"
+    )
 
 
 def _store_identity(fs, storage_options: dict) -> tuple:
@@ -335,17 +312,14 @@ def _store_identity(fs, storage_options: dict) -> tuple:
     return (family,)
 
 
-
-
 def _norm(fs, path: str) -> str:
     """One normalised spelling of a path on ``fs`` (symlinks resolved on local disk)."""
     return min(path_forms(*unwrap(fs, path)))
 
 
-
-
-def check_no_overlap(paths: tuple[str, ...] | list[str], input_options: dict, output_url: str,
-                     output_options: dict) -> None:
+def check_no_overlap(
+    paths: tuple[str, ...] | list[str], input_options: dict, output_url: str, output_options: dict
+) -> None:
     """Exit 2 when the output location equals, lies inside, or contains an input location: a run
     would overwrite its own inputs, or read its own outputs back on the next run. Locations are
     compared by what they name (:func:`store_location`), and two that could be one count as one."""
@@ -355,23 +329,26 @@ def check_no_overlap(paths: tuple[str, ...] | list[str], input_options: dict, ou
         where = location_overlap(out, loc)
         if where is None:
             continue
-        hint = ("; or, if these are two different stores, name each one's endpoint in its "
-                "storage_options (endpoint_url) so that they can be told apart"
-                if out.realm == "object" and "unknown" in (loc.endpoint.kind, out.endpoint.kind)
-                else "")
-        raise SpecError("output.path",
-                        f"the output location {sanitize_url(output_url)!r} {where} the input "
-                        f"location {sanitize_url(url)!r}"
-                        f"{_store_words(loc.endpoint, out.endpoint)}: a run would overwrite or "
-                        "re-read its own files; write the output to a separate directory or "
-                        f"bucket prefix{hint}")
-
-
+        hint = (
+            "; or, if these are two different stores, name each one's endpoint in its "
+            "storage_options (endpoint_url) so that they can be told apart"
+            if out.realm == "object" and "unknown" in (loc.endpoint.kind, out.endpoint.kind)
+            else ""
+        )
+        raise SpecError(
+            "output.path",
+            f"the output location {sanitize_url(output_url)!r} {where} the input "
+            f"location {sanitize_url(url)!r}"
+            f"{_store_words(loc.endpoint, out.endpoint)}: a run would overwrite or "
+            "re-read its own files; write the output to a separate directory or "
+            f"bucket prefix{hint}",
+        )
 
 
 def same_store(paths, input_options: dict, out: OutputDir) -> bool:
     """Whether any input pattern could live on the output's store (then listing must skip the
     output path): the same judgement as :func:`check_no_overlap`'s."""
     here = store_location(out.url, out.storage_options, "output.path")
-    return any(same_location_store(store_location(u, input_options, "input.path", pattern=True),
-                                   here) for u in paths)
+    return any(
+        same_location_store(store_location(u, input_options, "input.path", pattern=True), here) for u in paths
+    )

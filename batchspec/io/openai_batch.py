@@ -45,9 +45,16 @@ CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 
 #: Body fields of both endpoints that map to a SamplingParams field of the same meaning.
-_SAMPLING = {"max_tokens": "max_tokens", "temperature": "temperature", "top_p": "top_p",
-             "n": "n", "stop": "stop", "seed": "seed", "presence_penalty": "presence_penalty",
-             "frequency_penalty": "frequency_penalty"}
+_SAMPLING = {
+    "max_tokens": "max_tokens",
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "n": "n",
+    "stop": "stop",
+    "seed": "seed",
+    "presence_penalty": "presence_penalty",
+    "frequency_penalty": "frequency_penalty",
+}
 #: Chat body fields batchspec runs (beside ``model`` and ``messages``).
 CHAT_FIELDS = (*_SAMPLING, "max_completion_tokens", "logprobs", "top_logprobs", "response_format")
 #: Completions body fields batchspec runs (beside ``model`` and ``prompt``).
@@ -58,8 +65,16 @@ _NO_EFFECT = ("user", "metadata", "store")
 #: Error categories of a line that answers no ``custom_id``: its ``custom_id`` could not be read
 #: (its request id is then ``<shard>/<index>``, not a ``custom_id``), or an earlier line of the
 #: file has it (that line answers it). Their output lines have a null ``custom_id``.
-NO_CUSTOM_ID = ("not JSON", "not UTF-8", "not an object", "no custom_id", "too deep",
-                "line too long", "unreadable line", "duplicate custom_id")
+NO_CUSTOM_ID = (
+    "not JSON",
+    "not UTF-8",
+    "not an object",
+    "no custom_id",
+    "too deep",
+    "line too long",
+    "unreadable line",
+    "duplicate custom_id",
+)
 
 #: The columns kept from each line.
 KEPT = [pa.field("url", pa.string()), pa.field("model", pa.string())]
@@ -69,8 +84,7 @@ def served_names(spec: JobSpec) -> dict[str, str | None]:
     """``body.model`` values a job answers: name -> the LoRA adapter the line runs with (None:
     the job's model, with ``model.lora.adapter`` where that is set)."""
     served = spec.model.engine.get("served_model_name") or spec.model.target
-    names: dict[str, str | None] = dict.fromkeys(
-        [served] if isinstance(served, str) else list(served))
+    names: dict[str, str | None] = dict.fromkeys([served] if isinstance(served, str) else list(served))
     if spec.model.lora is not None:
         names.update({name: name for name in spec.model.lora.adapters})
     return names
@@ -92,8 +106,14 @@ def _shown(value: Any) -> str:
 
 def _json_type(value: Any) -> str:
     """The JSON type of a parsed value, by JSON's names."""
-    return {dict: "object", list: "array", str: "string", bool: "boolean", int: "number",
-            float: "number"}.get(type(value), type(value).__name__)
+    return {
+        dict: "object",
+        list: "array",
+        str: "string",
+        bool: "boolean",
+        int: "number",
+        float: "number",
+    }.get(type(value), type(value).__name__)
 
 
 class OpenAIBatchReader(JsonLinesReader):
@@ -111,8 +131,7 @@ class OpenAIBatchReader(JsonLinesReader):
 
     def _row(self, index: int, number: int, record: Any) -> Row:
         name = self.shard.name
-        row = Row(shard=name, index=index, request_id=f"{name}/{index}",
-                  kept={"url": None, "model": None})
+        row = Row(shard=name, index=index, request_id=f"{name}/{index}", kept={"url": None, "model": None})
         if isinstance(record, BadLine):
             row.error = record.why
             return row
@@ -121,8 +140,11 @@ class OpenAIBatchReader(JsonLinesReader):
         except _LineError as exc:
             row.error = str(exc)
         except Exception as exc:  # no line raises out of the reader
-            row.error = (unreadable(number, exc) if row.request_id == f"{name}/{index}" else
-                         f"bad line: line {number} ({type(exc).__name__}: {cut_text(str(exc))})")
+            row.error = (
+                unreadable(number, exc)
+                if row.request_id == f"{name}/{index}"
+                else f"bad line: line {number} ({type(exc).__name__}: {cut_text(str(exc))})"
+            )
         return row
 
     def _read_line(self, row: Row, number: int, record: Any) -> None:
@@ -130,38 +152,43 @@ class OpenAIBatchReader(JsonLinesReader):
             raise _LineError(f"not an object: line {number} is a JSON {type(record).__name__}")
         custom_id = record.get("custom_id")
         if not isinstance(custom_id, str) or not custom_id:
-            raise _LineError(f"no custom_id: line {number} has "
-                             f"{'none' if custom_id is None else _shown(custom_id)}")
+            raise _LineError(
+                f"no custom_id: line {number} has {'none' if custom_id is None else _shown(custom_id)}"
+            )
         row.request_id = custom_id
         key = hashlib.blake2b(custom_id.encode(), digest_size=8).digest()
         first = self._first_line.setdefault(key, number)
         if first != number:
-            raise _LineError(f"duplicate custom_id: line {number} repeats {_shown(custom_id)} of "
-                             f"line {first}")
+            raise _LineError(
+                f"duplicate custom_id: line {number} repeats {_shown(custom_id)} of line {first}"
+            )
         unknown = sorted(set(record) - {"custom_id", "method", "url", "body"})
         if unknown:
             raise _LineError(f"unknown field: line {number}, {_shown(unknown[0])}")
         if record.get("method") != "POST":
-            raise _LineError(f"unsupported method: line {number}, {_shown(record.get('method'))} "
-                             "(POST only)")
+            raise _LineError(f"unsupported method: line {number}, {_shown(record.get('method'))} (POST only)")
         url = record.get("url")
         row.kept["url"] = url if isinstance(url, str) else None
         if url not in (CHAT, COMPLETIONS):
-            raise _LineError(f"unsupported url: line {number}, {_shown(url)} (batchspec runs "
-                             f"{CHAT} and {COMPLETIONS})")
+            raise _LineError(
+                f"unsupported url: line {number}, {_shown(url)} (batchspec runs {CHAT} and {COMPLETIONS})"
+            )
         body = record.get("body")
         if not isinstance(body, dict):
             raise _LineError(f"no body: line {number} has no JSON object in body")
         model = body.get("model")
         if model is not None and not isinstance(model, str):
-            raise _LineError(f"bad value: line {number}, body.model must be a string, not a JSON "
-                             f"{_json_type(model)}")
+            raise _LineError(
+                f"bad value: line {number}, body.model must be a string, not a JSON {_json_type(model)}"
+            )
         # kept, and echoed in the result's body: a model named as a URL may carry a login
         row.kept["model"] = sanitize_url(model) if model is not None else None
         if model not in self.served:
-            raise _LineError(f"unknown model: line {number}, body.model "
-                             f"{_shown(sanitize_url(model) if model else model)} is not one this "
-                             f"job serves ({', '.join(repr(sanitize_url(n)) for n in self.served)})")
+            raise _LineError(
+                f"unknown model: line {number}, body.model "
+                f"{_shown(sanitize_url(model) if model else model)} is not one this "
+                f"job serves ({', '.join(repr(sanitize_url(n)) for n in self.served)})"
+            )
         row.lora = self.served[model]
         if url == CHAT:
             row.messages = _messages(body.get("messages"), number)
@@ -180,8 +207,10 @@ class OpenAIBatchReader(JsonLinesReader):
             if key == "stream" and value is False:
                 continue
             if key not in fields:
-                raise _LineError(f"unsupported field: line {number}, body.{key} ({url} fields "
-                                 f"batchspec runs: {', '.join(fields)})")
+                raise _LineError(
+                    f"unsupported field: line {number}, body.{key} ({url} fields "
+                    f"batchspec runs: {', '.join(fields)})"
+                )
             _sampling(row.overrides, key, value, body, number, chat=url == CHAT)
 
 
@@ -193,10 +222,13 @@ def _messages(messages: Any, number: int) -> list[dict[str, str]]:
     for i, message in enumerate(messages):
         content = message.get("content")
         if isinstance(content, list):
-            if not all(isinstance(p, Mapping) and p.get("type") == "text"
-                       and isinstance(p.get("text"), str) for p in content):
-                raise _LineError(f"unsupported content: line {number}, body.messages[{i}] has a "
-                                 "part that is not text")
+            if not all(
+                isinstance(p, Mapping) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                for p in content
+            ):
+                raise _LineError(
+                    f"unsupported content: line {number}, body.messages[{i}] has a part that is not text"
+                )
             content = "".join(p["text"] for p in content)
         out.append({"role": message.get("role"), "content": content})
     problem = check_messages(out)
@@ -205,8 +237,7 @@ def _messages(messages: Any, number: int) -> list[dict[str, str]]:
     return out
 
 
-def _sampling(overrides: dict[str, Any], key: str, value: Any, body: dict, number: int,
-              chat: bool) -> None:
+def _sampling(overrides: dict[str, Any], key: str, value: Any, body: dict, number: int, chat: bool) -> None:
     """One body field as SamplingParams overrides (vLLM checks the values themselves)."""
     where = f"line {number}, body.{key}"
     if key in _SAMPLING:
@@ -230,16 +261,19 @@ def _sampling(overrides: dict[str, Any], key: str, value: Any, body: dict, numbe
 
 
 def _response_format(value: Any, where: str) -> dict[str, Any]:
-    if not isinstance(value, Mapping) or value.get("type") not in ("text", "json_object",
-                                                                   "json_schema"):
-        raise _LineError(f"bad value: {where} must be an object whose type is text, json_object "
-                         "or json_schema")
+    if not isinstance(value, Mapping) or value.get("type") not in ("text", "json_object", "json_schema"):
+        raise _LineError(
+            f"bad value: {where} must be an object whose type is text, json_object or json_schema"
+        )
     if value["type"] == "text":
         return {}
     if value["type"] == "json_object":
         return {"structured_outputs": {"json_object": True}}
-    schema = (value.get("json_schema") or {}).get("schema") if isinstance(
-        value.get("json_schema"), Mapping) else None
+    schema = (
+        (value.get("json_schema") or {}).get("schema")
+        if isinstance(value.get("json_schema"), Mapping)
+        else None
+    )
     if not isinstance(schema, Mapping):
         raise _LineError(f"bad value: {where}.json_schema.schema must be a JSON schema object")
     return {"structured_outputs": {"json": dict(schema)}}

@@ -51,8 +51,15 @@ from batchspec.redact import sanitize_url
 EXTRA = "batchspec"
 #: Result columns the body holds (text, finish reason, logprobs, usage) or the line's error does:
 #: the rest are kept under :data:`EXTRA`.
-_IN_BODY = {"generated_text", "finish_reason", "token_logprobs", "top_logprobs", "error",
-            "prompt_token_logprobs", "prompt_top_logprobs"}
+_IN_BODY = {
+    "generated_text",
+    "finish_reason",
+    "token_logprobs",
+    "top_logprobs",
+    "error",
+    "prompt_token_logprobs",
+    "prompt_top_logprobs",
+}
 EXTRA_COLUMNS = [name for name in RESULT_NAMES if name not in _IN_BODY]
 #: The tokens a sample's logprobs are for, as text (set by batchspec.engine.rows where a row asked
 #: for logprobs; not a Parquet column: OpenAI's logprobs name each token).
@@ -75,8 +82,10 @@ class OpenAIResultWriter:
         self.run_id = str(metadata.get("run_id") or "")
         self.created = int(time.time())
         tmp = out.tmp_dir()
-        self.tmp_paths = {part: os.path.join(tmp, tmp_file_name(shard.name, suffix))
-                          for part, suffix in out.format.parts.items()}
+        self.tmp_paths = {
+            part: os.path.join(tmp, tmp_file_name(shard.name, suffix))
+            for part, suffix in out.format.parts.items()
+        }
         self._files = {k: open(p, "wb") for k, p in self.tmp_paths.items()}
 
     def add_request(self, row: Row, results: list[dict]) -> None:
@@ -87,10 +96,8 @@ class OpenAIResultWriter:
         if failed is not None:
             line, name = error_line(row.request_id, row.kept, failed, key), "errors"
         else:
-            line, name = result_line(row.request_id, row.kept, results, key,
-                                     self.created), "output"
-        self._files[name].write(json.dumps(line, ensure_ascii=False, allow_nan=False).encode()
-                                + b"\n")
+            line, name = result_line(row.request_id, row.kept, results, key, self.created), "output"
+        self._files[name].write(json.dumps(line, ensure_ascii=False, allow_nan=False).encode() + b"\n")
 
     def flush(self) -> None:
         for f in self._files.values():
@@ -109,9 +116,13 @@ class OpenAIResultWriter:
         errors, output = paths["errors"], paths["output"]
         self.out.publish(self.tmp_paths["errors"], errors)
         self.out.publish(self.tmp_paths["output"], output)
-        return {"output": sanitize_url(output), "output_info": committed_info(self.out, output),
-                "errors_output": sanitize_url(errors),
-                "errors_info": committed_info(self.out, errors), "metadata": self.metadata}
+        return {
+            "output": sanitize_url(output),
+            "output_info": committed_info(self.out, output),
+            "errors_output": sanitize_url(errors),
+            "errors_info": committed_info(self.out, errors),
+            "metadata": self.metadata,
+        }
 
     def discard(self) -> None:
         """Drop the temporary files: nothing of this shard becomes visible."""
@@ -133,8 +144,9 @@ def _extra(results: list[dict]) -> dict[str, Any]:
     return {"samples": [{k: r.get(k) for k in EXTRA_COLUMNS} for r in results]}
 
 
-def result_line(request_id: str, kept: dict, results: list[dict], key: tuple[str, ...],
-                created: int) -> dict[str, Any]:
+def result_line(
+    request_id: str, kept: dict, results: list[dict], key: tuple[str, ...], created: int
+) -> dict[str, Any]:
     """The result line of a request whose every sample succeeded; ``key`` (run id, shard, line)
     makes its ids."""
     chat = kept.get("url") == CHAT
@@ -146,16 +158,21 @@ def result_line(request_id: str, kept: dict, results: list[dict], key: tuple[str
         "object": "chat.completion" if chat else "text_completion",
         "created": created,
         "model": kept.get("model"),
-        "choices": [_chat_choice(i, r) if chat else _text_choice(i, r)
-                    for i, r in enumerate(results)],
-        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                  "total_tokens": prompt_tokens + completion_tokens},
+        "choices": [_chat_choice(i, r) if chat else _text_choice(i, r) for i, r in enumerate(results)],
+        "usage": {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+        },
         "system_fingerprint": None,
     }
-    return {"id": "batch_req_" + _digest(*key), "custom_id": request_id,
-            "response": {"status_code": 200, "request_id": "req_" + _digest(*key, "r"),
-                         "body": body},
-            "error": None, EXTRA: _extra(results)}
+    return {
+        "id": "batch_req_" + _digest(*key),
+        "custom_id": request_id,
+        "response": {"status_code": 200, "request_id": "req_" + _digest(*key, "r"), "body": body},
+        "error": None,
+        EXTRA: _extra(results),
+    }
 
 
 def _finish(result: dict) -> str:
@@ -167,20 +184,28 @@ def _chat_choice(index: int, r: dict) -> dict[str, Any]:
     if r.get("token_logprobs") is not None:
         texts = r.get(TOKEN_TEXTS) or [None] * len(r["token_logprobs"])
         tops = r.get("top_logprobs") or [None] * len(r["token_logprobs"])
-        logprobs = {"content": [
-            {**_token(text, lp), "top_logprobs": [_token(t["token"], t["logprob"])
-                                                  for t in (top or [])]}
-            for text, lp, top in zip(texts, r["token_logprobs"], tops, strict=False)],
-            "refusal": None}
-    return {"index": index,
-            "message": {"role": "assistant", "content": r.get("generated_text"), "refusal": None},
-            "logprobs": logprobs, "finish_reason": _finish(r)}
+        logprobs = {
+            "content": [
+                {**_token(text, lp), "top_logprobs": [_token(t["token"], t["logprob"]) for t in (top or [])]}
+                for text, lp, top in zip(texts, r["token_logprobs"], tops, strict=False)
+            ],
+            "refusal": None,
+        }
+    return {
+        "index": index,
+        "message": {"role": "assistant", "content": r.get("generated_text"), "refusal": None},
+        "logprobs": logprobs,
+        "finish_reason": _finish(r),
+    }
 
 
 def _token(text: str | None, logprob: float | None) -> dict[str, Any]:
     # OpenAI's value for a token too unlikely to have a finite logprob
-    return {"token": text or "", "logprob": -9999.0 if logprob is None else logprob,
-            "bytes": list((text or "").encode("utf-8"))}
+    return {
+        "token": text or "",
+        "logprob": -9999.0 if logprob is None else logprob,
+        "bytes": list((text or "").encode("utf-8")),
+    }
 
 
 def _text_choice(index: int, r: dict) -> dict[str, Any]:
@@ -191,13 +216,21 @@ def _text_choice(index: int, r: dict) -> dict[str, Any]:
         for text in texts:
             offsets.append(at)
             at += len(text)
-        logprobs = {"tokens": texts, "token_logprobs": r["token_logprobs"],
-                    "top_logprobs": [{t["token"]: t["logprob"] for t in (top or [])}
-                                     for top in (r.get("top_logprobs")
-                                                 or [None] * len(texts))],
-                    "text_offset": offsets}
-    return {"index": index, "text": r.get("generated_text"), "logprobs": logprobs,
-            "finish_reason": _finish(r)}
+        logprobs = {
+            "tokens": texts,
+            "token_logprobs": r["token_logprobs"],
+            "top_logprobs": [
+                {t["token"]: t["logprob"] for t in (top or [])}
+                for top in (r.get("top_logprobs") or [None] * len(texts))
+            ],
+            "text_offset": offsets,
+        }
+    return {
+        "index": index,
+        "text": r.get("generated_text"),
+        "logprobs": logprobs,
+        "finish_reason": _finish(r),
+    }
 
 
 def error_line(request_id: str, kept: dict, result: dict, key: tuple[str, ...]) -> dict[str, Any]:
@@ -208,18 +241,34 @@ def error_line(request_id: str, kept: dict, result: dict, key: tuple[str, ...]) 
     code = re.sub(r"[^a-z0-9]+", "_", category.lower()).strip("_") or "error"
     line_id = "batch_req_" + _digest(*key)
     if category in NO_CUSTOM_ID:  # no custom_id to answer: not an HTTP response to a request
-        return {"id": line_id, "custom_id": None, "response": None,
-                "error": {"code": code, "message": message},
-                EXTRA: {REQUEST_ID: request_id, **_extra([result])}}
+        return {
+            "id": line_id,
+            "custom_id": None,
+            "response": None,
+            "error": {"code": code, "message": message},
+            EXTRA: {REQUEST_ID: request_id, **_extra([result])},
+        }
     server = category == "engine error"
     param = _PARAM.search(message)
-    body = {"error": {"message": message,
-                      "type": "server_error" if server else "invalid_request_error",
-                      "param": param.group(0) if param else None, "code": code}}
-    return {"id": line_id, "custom_id": request_id,
-            "response": {"status_code": 500 if server else 400,
-                         "request_id": "req_" + _digest(*key, "r"), "body": body},
-            "error": None, EXTRA: _extra([result])}
+    body = {
+        "error": {
+            "message": message,
+            "type": "server_error" if server else "invalid_request_error",
+            "param": param.group(0) if param else None,
+            "code": code,
+        }
+    }
+    return {
+        "id": line_id,
+        "custom_id": request_id,
+        "response": {
+            "status_code": 500 if server else 400,
+            "request_id": "req_" + _digest(*key, "r"),
+            "body": body,
+        },
+        "error": None,
+        EXTRA: _extra([result]),
+    }
 
 
 # --------------------------------------------------------------------------- reading back
@@ -239,10 +288,17 @@ def line_rows(line: dict[str, Any]) -> list[dict[str, Any]]:
     if "choices" in body:
         for sample, choice in zip(extra["samples"], body["choices"], strict=True):
             text = choice["message"]["content"] if "message" in choice else choice.get("text")
-            rows.append({REQUEST_ID: request_id, **sample, "generated_text": text,
-                         "finish_reason": choice.get("finish_reason")})
+            rows.append(
+                {
+                    REQUEST_ID: request_id,
+                    **sample,
+                    "generated_text": text,
+                    "finish_reason": choice.get("finish_reason"),
+                }
+            )
         return rows
     error = (body.get("error") or line.get("error") or {}).get("message")
-    return [{REQUEST_ID: request_id, **sample, "finish_reason": "error", ERROR: error}
-            for sample in extra["samples"]]
-
+    return [
+        {REQUEST_ID: request_id, **sample, "finish_reason": "error", ERROR: error}
+        for sample in extra["samples"]
+    ]

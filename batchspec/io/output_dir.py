@@ -39,19 +39,16 @@ if TYPE_CHECKING:
 #: The output's bookkeeping folder (see this module's docstring); never an output file.
 BOOKKEEPING_DIR = "_batchspec"
 
-_TMP_NAME = re.compile(r"^(?P<shard>.+)~(?P<host>[^~]+)~(?P<pid>\d+)~[0-9a-f]+"
-                       r"(?P<suffix>" + "|".join(re.escape(s) for s in all_suffixes())
-                       + r")\.tmp$")
-
-
+_TMP_NAME = re.compile(
+    r"^(?P<shard>.+)~(?P<host>[^~]+)~(?P<pid>\d+)~[0-9a-f]+"
+    r"(?P<suffix>" + "|".join(re.escape(s) for s in all_suffixes()) + r")\.tmp$"
+)
 
 
 _SPOOL_PREFIX = "batchspec-spool-"
 
 
 _spool: str | None = None
-
-
 
 
 def spool_dir() -> str:
@@ -64,8 +61,6 @@ def spool_dir() -> str:
     return _spool
 
 
-
-
 def _remove_dead_spools() -> None:
     root = tempfile.gettempdir()
     try:
@@ -75,18 +70,20 @@ def _remove_dead_spools() -> None:
     for name in names:
         if not name.startswith(_SPOOL_PREFIX):
             continue
-        pid = name[len(_SPOOL_PREFIX):].split("-", 1)[0]
+        pid = name[len(_SPOOL_PREFIX) :].split("-", 1)[0]
         path = os.path.join(root, name)
         try:
             st = os.lstat(path)
         except OSError:
             continue
         # only our own real directories, left by a process that is gone
-        if stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and pid.isdigit() \
-                and not pid_alive(int(pid)):
+        if (
+            stat.S_ISDIR(st.st_mode)
+            and st.st_uid == os.getuid()
+            and pid.isdigit()
+            and not pid_alive(int(pid))
+        ):
             shutil.rmtree(path, ignore_errors=True)
-
-
 
 
 def tmp_file_name(shard_name: str, suffix: str = ".parquet") -> str:
@@ -94,8 +91,6 @@ def tmp_file_name(shard_name: str, suffix: str = ".parquet") -> str:
     ``suffix`` is the final file's (``.parquet``, ``.output.jsonl``, ``.errors.jsonl``)."""
     flat = shard_name.replace("%", "%25").replace("/", "%2F")
     return f"{flat}~{this_host()}~{os.getpid()}~{os.urandom(6).hex()}{suffix}.tmp"
-
-
 
 
 def fsync_dir(path: str) -> None:
@@ -107,16 +102,12 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-
-
 def replace_durably(src: str, dst: str) -> None:
     """Rename ``src`` over ``dst`` after its bytes are on disk, then persist the rename."""
     with open(src, "rb+") as f:
         os.fsync(f.fileno())
     os.replace(src, dst)
     fsync_dir(os.path.dirname(dst) or ".")
-
-
 
 
 def remove_orphan_tmp_files(directory: str) -> int:
@@ -135,8 +126,6 @@ def remove_orphan_tmp_files(directory: str) -> int:
             except FileNotFoundError:
                 pass
     return removed
-
-
 
 
 class OutputDir:
@@ -168,8 +157,7 @@ class OutputDir:
 
     def file_url(self, shard_name: str, part: str = "output") -> str:
         """The URL of one of a shard's files, for messages (no credentials, no query)."""
-        return sanitize_url(f"{self.display_url.rstrip('/')}/{shard_name}"
-                            f"{self.format.parts[part]}")
+        return sanitize_url(f"{self.display_url.rstrip('/')}/{shard_name}{self.format.parts[part]}")
 
     def publish(self, local_file: str, final: str) -> None:
         """Make a finished local file visible as ``final`` in one step: an atomic rename on
@@ -222,6 +210,7 @@ class OutputDir:
 
     def read_json(self, path: str) -> dict | None:
         """A small JSON object, or None if it is missing or torn."""
+
         def read():
             try:
                 with self.fs.open(path, "rb") as f:
@@ -302,8 +291,7 @@ class OutputDir:
             return None
         return {"size": int(found.get("size") or 0), **store_version(found)}
 
-    def inspect(self, shard: Shard, spec_fingerprint: dict | None = None
-                ) -> tuple[ShardState, list[str]]:
+    def inspect(self, shard: Shard, spec_fingerprint: dict | None = None) -> tuple[ShardState, list[str]]:
         """A shard's state and, for ``stale``, the spec components that changed.
 
         ``committed``: the manifest, the shard's files (each one's size and identity as
@@ -345,6 +333,7 @@ class OutputDir:
 
     def list_outputs(self) -> list[str]:
         """Shard names of the output files present (bookkeeping excluded)."""
+
         def find():
             try:
                 return self.fs.find(self.path)
@@ -354,7 +343,7 @@ class OutputDir:
         names = []
         suffix = self.format.suffix
         for p in retry(find, f"listing {self.display_url}"):
-            rel = p[len(self.path):].lstrip("/")
+            rel = p[len(self.path) :].lstrip("/")
             if rel.endswith(suffix) and not rel.startswith(BOOKKEEPING_DIR + "/"):
                 names.append(rel[: -len(suffix)])
         return sorted(names)

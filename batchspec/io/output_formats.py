@@ -86,8 +86,9 @@ class OutputFormat:
         """The results file's suffix."""
         return next(iter(self.parts.values()))
 
-    def writer(self, out: OutputDir, shard: Shard, output: OutputSpec, kept_fields: list,
-               metadata: dict[str, Any]) -> ResultWriter:
+    def writer(
+        self, out: OutputDir, shard: Shard, output: OutputSpec, kept_fields: list, metadata: dict[str, Any]
+    ) -> ResultWriter:
         """The writer of one shard's results (``kept_fields``: the input columns kept)."""
         raise NotImplementedError
 
@@ -113,8 +114,7 @@ class ParquetOutput(OutputFormat):
     def writer(self, out, shard, output, kept_fields, metadata):
         from batchspec.io.writer import ParquetWriter
 
-        return ParquetWriter(out, shard, kept_fields, metadata, output.row_group_rows,
-                             output.compression)
+        return ParquetWriter(out, shard, kept_fields, metadata, output.row_group_rows, output.compression)
 
     def open_shard(self, out, name):
         import pyarrow as pa
@@ -135,8 +135,9 @@ class ParquetOutput(OutputFormat):
         # the columns every output file has, checked on its footer before any row is read
         missing = [c for c in (REQUEST_ID, *BASE_RESULT_NAMES) if c not in schema.names]
         if missing:
-            raise InputDataError(shown, f"column {missing[0]!r} is missing: not a batchspec "
-                                        "output file", column=missing[0])
+            raise InputDataError(
+                shown, f"column {missing[0]!r} is missing: not a batchspec output file", column=missing[0]
+            )
         raw = (schema.metadata or {}).get(METADATA_KEY)
         try:
             metadata = json.loads(raw) if raw else {}
@@ -155,8 +156,7 @@ class ParquetOutput(OutputFormat):
 
         from batchspec.io.arrow_fs import arrow_fs
 
-        dataset = ds.dataset(path, schema=shard.schema, format="parquet",
-                             filesystem=arrow_fs(out.fs))
+        dataset = ds.dataset(path, schema=shard.schema, format="parquet", filesystem=arrow_fs(out.fs))
         # polars applies filters itself: pyarrow's null semantics in comparisons differ
         return pl.scan_pyarrow_dataset(dataset, allow_pyarrow_filter=False)
 
@@ -168,8 +168,10 @@ class OpenAIOutput(OutputFormat):
     name = "openai"
     parts = {"output": ".output.jsonl", "errors": ".errors.jsonl"}
     input_format = "openai"
-    input_format_why = ("OpenAI Batch result files answer OpenAI Batch request files: set "
-                        "input.format: openai too (or write Parquet)")
+    input_format_why = (
+        "OpenAI Batch result files answer OpenAI Batch request files: set "
+        "input.format: openai too (or write Parquet)"
+    )
     refused_keys = ("keep_columns", "row_group_rows", "compression")
     refused_why = "a Parquet option: output.format openai writes JSON lines; leave this key out"
 
@@ -183,8 +185,9 @@ class OpenAIOutput(OutputFormat):
 
         paths = {part: out.join(name + suffix) for part, suffix in self.parts.items()}
         if not out.exists(paths["errors"]):
-            raise InputDataError(out.file_url(name, "errors"),
-                                 "missing: every results file is committed with its errors file")
+            raise InputDataError(
+                out.file_url(name, "errors"), "missing: every results file is committed with its errors file"
+            )
         record = out.read_manifest(name) or {}
         return CommittedShard(name, paths, output_schema([]), record.get("metadata") or {})
 
@@ -205,17 +208,19 @@ class OpenAIOutput(OutputFormat):
                         try:
                             rows.extend(line_rows(json.loads(raw)))
                         except (ValueError, TypeError, KeyError, AttributeError) as exc:
-                            raise InputDataError(out.file_url(shard.name, part),
-                                                 f"line {number} is not an OpenAI Batch result "
-                                                 f"line batchspec wrote: {exc}") from exc
+                            raise InputDataError(
+                                out.file_url(shard.name, part),
+                                f"line {number} is not an OpenAI Batch result line batchspec wrote: {exc}",
+                            ) from exc
             shard.rows = pl.from_arrow(pa.Table.from_pylist(rows, schema=shard.schema))
         return shard.rows.lazy()
 
 
 #: Every output format by name, in the order ``batchspec report`` looks for their files.
 OUTPUT_FORMATS: dict[str, OutputFormat] = {f.name: f for f in (ParquetOutput(), OpenAIOutput())}
-assert tuple(OUTPUT_FORMATS) == FORMAT_NAMES, "each format is a class here and a name in " \
-    "batchspec.spec.model.OutputFormatName"
+assert tuple(OUTPUT_FORMATS) == FORMAT_NAMES, (
+    "each format is a class here and a name in batchspec.spec.model.OutputFormatName"
+)
 
 
 def output_format(name: str) -> OutputFormat:

@@ -29,10 +29,11 @@ from batchspec.spec.model import InputSpec, JobSpec, OutputSpec
 
 
 def _is_text(t: pa.DataType) -> bool:
-    return pa.types.is_string(t) or pa.types.is_large_string(t) or (
-        hasattr(pa.types, "is_string_view") and pa.types.is_string_view(t))
-
-
+    return (
+        pa.types.is_string(t)
+        or pa.types.is_large_string(t)
+        or (hasattr(pa.types, "is_string_view") and pa.types.is_string_view(t))
+    )
 
 
 def _is_messages(t: pa.DataType) -> bool:
@@ -45,13 +46,10 @@ def _is_messages(t: pa.DataType) -> bool:
     return {"role", "content"} <= names
 
 
-
-
 class ParquetReader:
     """Reads one shard's rows in record batches, after checking its schema."""
 
-    def __init__(self, shard: Shard, input_spec: InputSpec, output_spec: OutputSpec,
-                 batch_rows: int = 1024):
+    def __init__(self, shard: Shard, input_spec: InputSpec, output_spec: OutputSpec, batch_rows: int = 1024):
         self.shard = shard
         self.spec = input_spec
         self.batch_rows = batch_rows
@@ -69,18 +67,27 @@ class ParquetReader:
 
         def require(column: str, role: str) -> pa.Field:
             if column not in names:
-                raise InputDataError(url, f"missing {role} column {column!r} "
-                                          f"(columns: {', '.join(schema.names)})", column=column)
+                raise InputDataError(
+                    url,
+                    f"missing {role} column {column!r} (columns: {', '.join(schema.names)})",
+                    column=column,
+                )
             return schema.field(column)
 
         text = require(spec.text_column, "prompt" if spec.prompt_column else "messages")
         if spec.prompt_column and not _is_text(text.type):
-            raise InputDataError(url, f"prompt column {spec.prompt_column!r} has type {text.type}, "
-                                      "expected text (string)", column=spec.prompt_column)
+            raise InputDataError(
+                url,
+                f"prompt column {spec.prompt_column!r} has type {text.type}, expected text (string)",
+                column=spec.prompt_column,
+            )
         if spec.messages_column and not _is_messages(text.type):
-            raise InputDataError(url, f"messages column {spec.messages_column!r} has type "
-                                      f"{text.type}, expected a list of {{role, content}} structs",
-                                 column=spec.messages_column)
+            raise InputDataError(
+                url,
+                f"messages column {spec.messages_column!r} has type "
+                f"{text.type}, expected a list of {{role, content}} structs",
+                column=spec.messages_column,
+            )
         if spec.id_column:
             require(spec.id_column, "id")
         for param, column in spec.sampling_columns.items():
@@ -88,17 +95,21 @@ class ParquetReader:
         if spec.lora_column:
             lora = require(spec.lora_column, "LoRA adapter")
             if not (_is_text(lora.type) or pa.types.is_null(lora.type)):
-                raise InputDataError(url, f"LoRA adapter column {spec.lora_column!r} has type "
-                                          f"{lora.type}, expected text (adapter names)",
-                                     column=spec.lora_column)
+                raise InputDataError(
+                    url,
+                    f"LoRA adapter column {spec.lora_column!r} has type "
+                    f"{lora.type}, expected text (adapter names)",
+                    column=spec.lora_column,
+                )
 
         if output_spec.keep_columns is None:
             kept = [f for f in schema if f.name != spec.text_column and f.name not in OUTPUT_NAMES]
         else:
             for column in output_spec.keep_columns:
                 if column in OUTPUT_NAMES:
-                    raise SpecError("output.keep_columns",
-                                    f"{column!r} clashes with an output column of the same name")
+                    raise SpecError(
+                        "output.keep_columns", f"{column!r} clashes with an output column of the same name"
+                    )
                 require(column, "output.keep_columns")
             kept = [schema.field(c) for c in output_spec.keep_columns]
         return kept
@@ -124,15 +135,21 @@ class ParquetReader:
         except FileNotFoundError as exc:
             raise InputDataError(shard.url, "input shard disappeared") from exc
         except (pa.ArrowException, OSError, ValueError) as exc:
-            raise InputDataError(shard.url, f"not a readable Parquet file: {exc} (JSON lines: name "
-                                            "the file .jsonl or set input.format)") from exc
+            raise InputDataError(
+                shard.url,
+                f"not a readable Parquet file: {exc} (JSON lines: name the file .jsonl or set input.format)",
+            ) from exc
 
     @property
     def columns(self) -> list[str]:
         spec = self.spec
-        wanted = [spec.text_column, spec.id_column, spec.lora_column,
-                  *spec.sampling_columns.values(),
-                  *(f.name for f in self.kept_fields)]
+        wanted = [
+            spec.text_column,
+            spec.id_column,
+            spec.lora_column,
+            *spec.sampling_columns.values(),
+            *(f.name for f in self.kept_fields),
+        ]
         return list(dict.fromkeys(c for c in wanted if c))
 
     def rows(self) -> Iterator[Row]:
@@ -150,8 +167,9 @@ class ParquetReader:
             while True:
                 try:
                     skip = done_in_group
-                    batches = self._file.iter_batches(batch_size=self.batch_rows, row_groups=[group],
-                                                      columns=self.columns)
+                    batches = self._file.iter_batches(
+                        batch_size=self.batch_rows, row_groups=[group], columns=self.columns
+                    )
                     for batch in batches:
                         if skip >= batch.num_rows:
                             skip -= batch.num_rows
@@ -167,14 +185,14 @@ class ParquetReader:
                     # botocore and aiohttp errors are no OSError: classify every error, not some
                     if self._local or not is_transient(exc):
                         if isinstance(exc, pa.ArrowException | OSError | ValueError):
-                            raise InputDataError(self.shard.url, f"cannot read row group {group} "
-                                                 f"(after row {index}): {exc}") from exc
+                            raise InputDataError(
+                                self.shard.url, f"cannot read row group {group} (after row {index}): {exc}"
+                            ) from exc
                         raise
                     if done_in_group != done_at_failure:  # rows since the last failure: a new try
                         attempts = Attempts(f"reading row group {group} of {self.shard.url}")
                         done_at_failure = done_in_group
-                    attempts.what = (f"reading row group {group} of {self.shard.url} "
-                                     f"(after row {index})")
+                    attempts.what = f"reading row group {group} of {self.shard.url} (after row {index})"
                     attempts.failed(exc)  # waits, or raises RuntimeFailure once they are spent
                     self._open()
 
@@ -215,8 +233,6 @@ class ParquetReader:
             self._handle = None
 
 
-
-
 def prompt_token_ids(tokenizer, row: Row) -> list[int]:
     """Tokenize a text prompt, or render chat messages with the tokenizer's chat template."""
     if row.messages is not None:
@@ -227,19 +243,17 @@ def prompt_token_ids(tokenizer, row: Row) -> list[int]:
     return list(tokenizer.encode(row.prompt))
 
 
-
-
 def length_error(num_prompt_tokens: int, max_model_len: int) -> str | None:
     """Why vLLM would refuse a prompt of this length, or None if it fits.
 
     vLLM refuses a prompt that leaves no room for one output token (``prompt >= max_model_len``);
     a prompt that fits but whose ``max_tokens`` would not is generated until ``length``."""
     if num_prompt_tokens >= max_model_len:
-        return (f"prompt too long: {num_prompt_tokens} prompt tokens leave no room for output "
-                f"within max_model_len {max_model_len}")
+        return (
+            f"prompt too long: {num_prompt_tokens} prompt tokens leave no room for output "
+            f"within max_model_len {max_model_len}"
+        )
     return None
-
-
 
 
 def open_reader(shard: Shard, spec: JobSpec) -> ParquetReader | JsonLinesReader:
@@ -250,8 +264,6 @@ def open_reader(shard: Shard, spec: JobSpec) -> ParquetReader | JsonLinesReader:
     if shard.format.name == JSONL:
         return JsonLinesReader(shard, spec.input, spec.output, batch_rows)
     return ParquetReader(shard, spec.input, spec.output, batch_rows)
-
-
 
 
 def sample_rows(spec, n: int, seed: int, shards=None) -> tuple[list[Row], int]:
@@ -268,9 +280,13 @@ def sample_rows(spec, n: int, seed: int, shards=None) -> tuple[list[Row], int]:
 
     rng = random.Random(seed)
     if shards is None:
-        shards = discover_shards(spec.input.paths, spec.input.storage_options,
-                                 exclude=spec.output.path, allow_empty=spec.input.allow_empty,
-                                 input_format=spec.input.format)
+        shards = discover_shards(
+            spec.input.paths,
+            spec.input.storage_options,
+            exclude=spec.output.path,
+            allow_empty=spec.input.allow_empty,
+            input_format=spec.input.format,
+        )
     chosen: list[Row] = []
     seen = 0
     for shard in shards:

@@ -26,7 +26,6 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-
 #: Attempts for one storage operation, and the first and largest backoff between them. Read at
 #: each use, so that tests (and embedding code) may change them.
 ATTEMPTS = int(os.environ.get("BATCHSPEC_STORAGE_ATTEMPTS", "5"))
@@ -38,51 +37,80 @@ BACKOFF_S = float(os.environ.get("BATCHSPEC_STORAGE_BACKOFF_S", "0.5"))
 MAX_BACKOFF_S = 20.0
 
 
-
-_PERMANENT = (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError,
-              FileExistsError, NotImplementedError)
+_PERMANENT = (
+    FileNotFoundError,
+    IsADirectoryError,
+    NotADirectoryError,
+    PermissionError,
+    FileExistsError,
+    NotImplementedError,
+)
 
 
 #: errno values that mean "this request is wrong", not "the store is busy": s3fs gives EINVAL to
 #: 400/412 replies (PreconditionFailed, InvalidArgument, ...), EPERM/ENOSYS/EREMCHG to 405/501/3xx
 #: and so on; the local disk gives ENOSPC, EROFS, EDQUOT.
-_PERMANENT_ERRNOS = {getattr(errno, name) for name in (
-    "EINVAL", "EPERM", "EACCES", "ENOSYS", "ENAMETOOLONG", "EMSGSIZE", "ENOTEMPTY", "EREMCHG",
-    "ENOSPC", "EROFS", "EDQUOT", "ESPIPE") if hasattr(errno, name)}
+_PERMANENT_ERRNOS = {
+    getattr(errno, name)
+    for name in (
+        "EINVAL",
+        "EPERM",
+        "EACCES",
+        "ENOSYS",
+        "ENAMETOOLONG",
+        "EMSGSIZE",
+        "ENOTEMPTY",
+        "EREMCHG",
+        "ENOSPC",
+        "EROFS",
+        "EDQUOT",
+        "ESPIPE",
+    )
+    if hasattr(errno, name)
+}
 
 
 #: HTTP statuses worth another attempt: timeouts, throttling and server-side errors.
 _TRANSIENT_STATUS = {408, 429, 500, 502, 503, 504}
 
 
-_TRANSIENT_CODES = {"RequestTimeout", "RequestTimeoutException", "SlowDown", "Throttling",
-                    "ThrottlingException", "ThrottledException", "RequestThrottled",
-                    "RequestLimitExceeded", "TooManyRequestsException", "BandwidthLimitExceeded",
-                    "InternalError", "ServiceUnavailable", "OperationAborted",
-                    "PriorRequestNotComplete"}
+_TRANSIENT_CODES = {
+    "RequestTimeout",
+    "RequestTimeoutException",
+    "SlowDown",
+    "Throttling",
+    "ThrottlingException",
+    "ThrottledException",
+    "RequestThrottled",
+    "RequestLimitExceeded",
+    "TooManyRequestsException",
+    "BandwidthLimitExceeded",
+    "InternalError",
+    "ServiceUnavailable",
+    "OperationAborted",
+    "PriorRequestNotComplete",
+}
 
 
 #: Class names (anywhere in an exception's MRO) of client libraries' connection and stream
 #: errors; matched by name so that none of these libraries has to be installed.
 _TRANSIENT_CLASSES = {
-    "HTTPClientError",       # botocore: connection closed, read timeout, response stream broken
-    "ConnectionError",       # botocore's own (endpoint unreachable, connect timeout), requests'
-    "IncompleteReadError",   # botocore: fewer bytes than Content-Length
-    "ResponseParserError",   # botocore: a reply cut short is unparseable XML (s3fs retries it too)
-    "ClientPayloadError",    # aiohttp: body cut short
+    "HTTPClientError",  # botocore: connection closed, read timeout, response stream broken
+    "ConnectionError",  # botocore's own (endpoint unreachable, connect timeout), requests'
+    "IncompleteReadError",  # botocore: fewer bytes than Content-Length
+    "ResponseParserError",  # botocore: a reply cut short is unparseable XML (s3fs retries it too)
+    "ClientPayloadError",  # aiohttp: body cut short
     "ClientConnectionError",  # aiohttp: disconnected, connection reset, connect failure
-    "IncompleteRead",        # http.client, urllib3
-    "ProtocolError",         # urllib3: connection aborted
-    "TransportError",        # google-auth, httpx
-    "ServiceRequestError",   # azure-core: the request never reached the service
+    "IncompleteRead",  # http.client, urllib3
+    "ProtocolError",  # urllib3: connection aborted
+    "TransportError",  # google-auth, httpx
+    "ServiceRequestError",  # azure-core: the request never reached the service
     "ServiceResponseError",  # azure-core: the response never arrived whole
-    "FSTimeoutError",        # fsspec: an async call timed out
+    "FSTimeoutError",  # fsspec: an async call timed out
 }
 
 
 _TRANSIENT_WORDS = ("Timeout", "Throttl", "ServiceUnavailable", "SlowDown")
-
-
 
 
 def _http_status(exc: BaseException) -> tuple[int | None, str | None]:
@@ -100,8 +128,6 @@ def _http_status(exc: BaseException) -> tuple[int | None, str | None]:
     return None, None
 
 
-
-
 def _causes(exc: BaseException):
     """``exc`` and the exceptions it was raised from or while handling, innermost last."""
     seen: set[int] = set()
@@ -110,8 +136,6 @@ def _causes(exc: BaseException):
         seen.add(id(cur))
         yield cur
         cur = cur.__cause__ or cur.__context__
-
-
 
 
 def is_transient(exc: BaseException) -> bool:
@@ -138,22 +162,22 @@ def is_transient(exc: BaseException) -> bool:
     return any(word in name for name in names for word in _TRANSIENT_WORDS)
 
 
-
-
 def backoff_s(failures: int) -> float:
     """Seconds to wait after the ``failures``-th failure of one operation: exponential from
     :data:`BACKOFF_S` up to :data:`MAX_BACKOFF_S`, with jitter so that workers spread out."""
     return min(MAX_BACKOFF_S, BACKOFF_S * 2 ** (failures - 1)) * (0.5 + random.random())
 
 
-
-
 class Attempts:
     """The attempts at one storage operation, under the retry policy: for callers that retry
     (or resume) in a loop of their own. ``what`` names the operation and its object."""
 
-    def __init__(self, what: str, attempts: int | None = None,
-                 on_retry: Callable[[int, BaseException, float], None] | None = None):
+    def __init__(
+        self,
+        what: str,
+        attempts: int | None = None,
+        on_retry: Callable[[int, BaseException, float], None] | None = None,
+    ):
         self.what = what
         self.limit = attempts or ATTEMPTS
         self.on_retry = on_retry
@@ -167,20 +191,30 @@ class Attempts:
             raise exc
         self.failures += 1
         if self.failures >= self.limit:
-            raise RuntimeFailure(f"storage failed after {self.limit} attempts: {self.what}: "
-                                 f"{type(exc).__name__}: {exc}") from exc
+            raise RuntimeFailure(
+                f"storage failed after {self.limit} attempts: {self.what}: {type(exc).__name__}: {exc}"
+            ) from exc
         delay = backoff_s(self.failures)
-        log.warning("storage error on %s (attempt %d/%d), retrying in %.1fs: %s: %s", self.what,
-                    self.failures, self.limit, delay, type(exc).__name__, exc)
+        log.warning(
+            "storage error on %s (attempt %d/%d), retrying in %.1fs: %s: %s",
+            self.what,
+            self.failures,
+            self.limit,
+            delay,
+            type(exc).__name__,
+            exc,
+        )
         if self.on_retry is not None:
             self.on_retry(self.failures, exc, delay)
         time.sleep(delay)
 
 
-
-
-def retry(fn: Callable[[], T], what: str, attempts: int | None = None,
-          on_retry: Callable[[int, BaseException, float], None] | None = None) -> T:
+def retry(
+    fn: Callable[[], T],
+    what: str,
+    attempts: int | None = None,
+    on_retry: Callable[[int, BaseException, float], None] | None = None,
+) -> T:
     """Call ``fn``; on a transient error wait and try again, up to ``attempts`` times in all
     (default :data:`ATTEMPTS`). After the last attempt raise :class:`RuntimeFailure` naming
     ``what``; a permanent error is raised as it is, at once."""

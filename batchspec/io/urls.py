@@ -57,8 +57,10 @@ def open_url(url: str, storage_options: dict, key: str):
     try:
         return url_to_fs(url, **storage_options)
     except ImportError as exc:
-        raise SpecError(key, f"no fsspec backend for {sanitize_url(url)!r}: {exc} "
-                             "(install batchspec[s3], [gcs] or [azure])") from exc
+        raise SpecError(
+            key,
+            f"no fsspec backend for {sanitize_url(url)!r}: {exc} (install batchspec[s3], [gcs] or [azure])",
+        ) from exc
     except (ValueError, TypeError) as exc:
         raise SpecError(key, f"cannot open {sanitize_url(url)!r}: {exc}") from exc
 
@@ -71,9 +73,21 @@ def open_url(url: str, storage_options: dict, key: str):
 # edit, a false acceptance costs their data.
 
 #: fsspec protocol spellings of one store (s3a is s3, gcs is gs, abfs and abfss are az, ...).
-FAMILIES = {"s3": "s3", "s3a": "s3", "s3n": "s3", "gs": "gs", "gcs": "gs", "az": "az",
-            "abfs": "az", "abfss": "az", "file": "file", "local": "file", "memory": "memory",
-            "http": "http", "https": "http"}
+FAMILIES = {
+    "s3": "s3",
+    "s3a": "s3",
+    "s3n": "s3",
+    "gs": "gs",
+    "gcs": "gs",
+    "az": "az",
+    "abfs": "az",
+    "abfss": "az",
+    "file": "file",
+    "local": "file",
+    "memory": "memory",
+    "http": "http",
+    "https": "http",
+}
 
 
 #: Stores whose paths are ``bucket/key`` (a container for az) behind an endpoint. They form one

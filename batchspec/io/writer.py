@@ -25,17 +25,23 @@ from batchspec.redact import sanitize_url
 METADATA_KEY = b"batchspec"
 
 
-
-
 class ParquetWriter:
     """Streams one shard's result rows to a temporary Parquet file, then commits it."""
 
-    def __init__(self, out: OutputDir, shard: Shard, kept: list[pa.Field], metadata: dict[str, Any],
-                 row_group_rows: int = 1024, compression: str = "zstd"):
+    def __init__(
+        self,
+        out: OutputDir,
+        shard: Shard,
+        kept: list[pa.Field],
+        metadata: dict[str, Any],
+        row_group_rows: int = 1024,
+        compression: str = "zstd",
+    ):
         self.out = out
         self.shard = shard
         self.schema = output_schema(kept).with_metadata(
-            {METADATA_KEY: json.dumps(metadata, sort_keys=True, default=str).encode()})
+            {METADATA_KEY: json.dumps(metadata, sort_keys=True, default=str).encode()}
+        )
         self.row_group_rows = row_group_rows
         self.rows_written = 0
         self._buffer: list[dict] = []
@@ -80,8 +86,6 @@ class ParquetWriter:
             os.unlink(self.tmp_path)
         except FileNotFoundError:
             pass
-
-
 
 
 def committed_info(out: OutputDir, path: str) -> dict:

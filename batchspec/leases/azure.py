@@ -38,13 +38,16 @@ class AzureStore(ObjectStore):
         from azure.core.exceptions import ResourceExistsError, ResourceModifiedError, ResourceNotFoundError
         from azure.storage.blob import ContentSettings
 
-        condition = {"overwrite": False} if version is None else \
-            {"overwrite": True, "etag": str(version), "match_condition": MatchConditions.IfNotModified}
+        condition = (
+            {"overwrite": False}
+            if version is None
+            else {"overwrite": True, "etag": str(version), "match_condition": MatchConditions.IfNotModified}
+        )
         async with self._blob(path) as blob:
             try:
                 resp = await blob.upload_blob(
-                    body, content_settings=ContentSettings(content_type="application/json"),
-                    **condition)
+                    body, content_settings=ContentSettings(content_type="application/json"), **condition
+                )
             except (ResourceExistsError, ResourceModifiedError, ResourceNotFoundError):
                 return None  # 409 BlobAlreadyExists, 412 ConditionNotMet: someone else's
             return resp["etag"]

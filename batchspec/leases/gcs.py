@@ -47,8 +47,9 @@ class GcsStore(ObjectStore):
                 return None, None
             generation = str(meta["generation"])
             try:
-                _, data = await self.fs._call("GET", "b/{}/o/{}", bucket, key, alt="media",
-                                              generation=generation)
+                _, data = await self.fs._call(
+                    "GET", "b/{}/o/{}", bucket, key, alt="media", generation=generation
+                )
             except FileNotFoundError:
                 continue  # replaced between the two requests: look again
             return data, generation
@@ -60,22 +61,32 @@ class GcsStore(ObjectStore):
         # a multipart upload (metadata, then content), laid out as gcsfs's own simple_upload does:
         # emulators that mishandle a JSON body sent as a media upload accept it too
         meta = json.dumps({"name": key, "contentType": "application/json"})
-        data = (f"--{_GCS_BOUNDARY}\nContent-Type: application/json; charset=UTF-8\n\n{meta}\n"
-                f"--{_GCS_BOUNDARY}\nContent-Type: application/json\n\n").encode() + body + \
-            f"\n--{_GCS_BOUNDARY}--".encode()
+        data = (
+            (
+                f"--{_GCS_BOUNDARY}\nContent-Type: application/json; charset=UTF-8\n\n{meta}\n"
+                f"--{_GCS_BOUNDARY}\nContent-Type: application/json\n\n"
+            ).encode()
+            + body
+            + f"\n--{_GCS_BOUNDARY}--".encode()
+        )
         headers = {"Content-Type": f'multipart/related; boundary="{_GCS_BOUNDARY}"'}
         try:
-            resp = await self.fs._call("POST", url, uploadType="multipart",
-                                       ifGenerationMatch="0" if version is None else str(version),
-                                       data=data, json_out=True, headers=headers)
+            resp = await self.fs._call(
+                "POST",
+                url,
+                uploadType="multipart",
+                ifGenerationMatch="0" if version is None else str(version),
+                data=data,
+                json_out=True,
+                headers=headers,
+            )
         except (FileExistsError, FileNotFoundError):
             return None  # 412: another generation is there (or, for "0", any object)
         return str(resp["generation"])
 
     async def _delete_on(self, path: str, version: Any) -> bool | None:
         try:
-            await self.fs._call("DELETE", "b/{}/o/{}", *self._where(path),
-                                ifGenerationMatch=str(version))
+            await self.fs._call("DELETE", "b/{}/o/{}", *self._where(path), ifGenerationMatch=str(version))
         except (FileExistsError, FileNotFoundError):
             return False  # 412: no longer that generation; 404: already gone
         return True

@@ -78,8 +78,9 @@ class LocalLock(HeldFlock):
                 return None
             except OSError as exc:
                 os.close(fd)
-                raise RuntimeFailure(f"cannot lock {path}: {exc} (the output filesystem must "
-                                     f"support flock)") from exc
+                raise RuntimeFailure(
+                    f"cannot lock {path}: {exc} (the output filesystem must support flock)"
+                ) from exc
             lock = cls(path, fd)
             if lock.still_ours():
                 try:
@@ -126,4 +127,3 @@ def read_local_record(path: str) -> dict | None:
             return record
         time.sleep(0.01 * (attempt + 1))  # the holder truncates, then writes: give it a moment
     return None
-

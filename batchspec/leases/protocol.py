@@ -64,7 +64,7 @@ def process_start(pid: int) -> str | None:
     except OSError:
         return None
     # the command name (field 2) may hold spaces and parentheses: split after its last ')'
-    fields = stat[stat.rfind(")") + 2:].split()
+    fields = stat[stat.rfind(")") + 2 :].split()
     return fields[19] if len(fields) > 19 else None
 
 

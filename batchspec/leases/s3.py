@@ -40,8 +40,9 @@ class S3Store(ObjectStore):
     async def _put(self, path: str, body: bytes, version: Any | None) -> Any | None:
         condition = {"IfNoneMatch": "*"} if version is None else {"IfMatch": str(version)}
         try:
-            resp = await self.fs._call_s3("put_object", **self._where(path), Body=body,
-                                          ContentType="application/json", **condition)
+            resp = await self.fs._call_s3(
+                "put_object", **self._where(path), Body=body, ContentType="application/json", **condition
+            )
         except FileNotFoundError:
             if version is not None:
                 return None  # the record is gone: nothing to match
@@ -83,6 +84,8 @@ class S3Store(ObjectStore):
     def _probe_delete(self, path: str) -> None:
         """A DeleteObject with a stale If-Match must be refused (412); a server that rejects the
         header (400, 501) or deletes anyway has no conditional delete."""
-        outcome = retry(lambda: self._run(self._delete_object, path, IfMatch=self.STALE_VERSION),
-                        f"probing conditional delete on {path}")
+        outcome = retry(
+            lambda: self._run(self._delete_object, path, IfMatch=self.STALE_VERSION),
+            f"probing conditional delete on {path}",
+        )
         self.conditional_delete = outcome == "refused"

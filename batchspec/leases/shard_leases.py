@@ -66,12 +66,9 @@ from batchspec.leases.stores import BestEffortStore, cas_store_for
 log = logging.getLogger(__name__)
 
 
-
 #: Seconds a holder may go without renewing before another process may take its shard over
 #: (object stores only: a local lease ends with its process).
 LEASE_S = float(os.environ.get("BATCHSPEC_LEASE_S", "120"))
-
-
 
 
 # ---------------------------------------------------------------------- the lease set
@@ -158,13 +155,9 @@ class HolderWatch:
             self._seen.pop(shard_name, None)
 
 
-
-
 #: Seconds added to a busy shard's wait before its retry, over the time its holder needs to
 #: have been still.
 RETRY_MARGIN_S = 1.0
-
-
 
 
 class BusyRetry:
@@ -207,8 +200,6 @@ class BusyRetry:
         self._watch.forget(shard_name)
 
 
-
-
 @dataclass
 class _Lease:
     token: str
@@ -220,8 +211,6 @@ class _Lease:
     lost: bool = False
     reason: str = ""
     io: threading.Lock = field(default_factory=threading.Lock)
-
-
 
 
 class ShardLeases:
@@ -277,8 +266,7 @@ class ShardLeases:
         lease = self._held.get(shard_name)
         if lease is None:
             return True
-        if not lease.lost and lease.local is None \
-                and time.monotonic() - lease.last_ok > self.lease_s / 2:
+        if not lease.lost and lease.local is None and time.monotonic() - lease.last_ok > self.lease_s / 2:
             self._mark_lost(shard_name, lease, f"not renewed for {self.lease_s / 2:.1f}s")
         return lease.lost
 
@@ -392,8 +380,15 @@ class ShardLeases:
 
     def _new_lease(self) -> _Lease:
         token = uuid.uuid4().hex
-        record = {**self.owner, **self._identity, "token": token, "heartbeat": 0,
-                  "lease_s": self.lease_s, "acquired_at": now_iso(), "renewed_at": now_iso()}
+        record = {
+            **self.owner,
+            **self._identity,
+            "token": token,
+            "heartbeat": 0,
+            "lease_s": self.lease_s,
+            "acquired_at": now_iso(),
+            "renewed_at": now_iso(),
+        }
         return _Lease(token=token, record=record)
 
     def _hold(self, shard_name: str, lease: _Lease, sent: float) -> None:
@@ -431,12 +426,16 @@ class ShardLeases:
             if not ours and not dead and still_for < wait_s:
                 return record or unknown_holder(path, "unreadable lease record")
             if self._claim(store, path, shard_name, version, create=False):
-                why = "its process is gone" if dead else \
-                    f"its heartbeat did not change for {still_for:.0f}s"
+                why = "its process is gone" if dead else f"its heartbeat did not change for {still_for:.0f}s"
                 if not ours:
-                    log.warning("took over the lease on shard %s from run %s (host %s pid %s): %s",
-                                shard_name, (record or {}).get("run_id"),
-                                (record or {}).get("host"), (record or {}).get("pid"), why)
+                    log.warning(
+                        "took over the lease on shard %s from run %s (host %s pid %s): %s",
+                        shard_name,
+                        (record or {}).get("run_id"),
+                        (record or {}).get("host"),
+                        (record or {}).get("pid"),
+                        why,
+                    )
                 return None
             # the holder renewed, or another process took it over first: look again
         record, version = store.read(path)
@@ -445,8 +444,7 @@ class ShardLeases:
         self._observe(shard_name, record, version)
         return record or unknown_holder(path, "unreadable lease record")
 
-    def _claim(self, store: CasStore, path: str, shard_name: str, version: Any,
-               create: bool) -> bool:
+    def _claim(self, store: CasStore, path: str, shard_name: str, version: Any, create: bool) -> bool:
         """Write a new lease record (``create``: only if none exists; else compare-and-swap on
         ``version``), make sure it landed, and hold it; False if another process won."""
         lease, sent = self._new_lease(), time.monotonic()
@@ -467,8 +465,10 @@ class ShardLeases:
         """After a refused conditional write: whether it was ours after all (its reply was lost
         and a retry of the same write was refused); the version if so."""
         record, version = store.read(path)
-        if record is not None and (record.get("token"), record.get("heartbeat")) == \
-                (lease.token, lease.record["heartbeat"]):
+        if record is not None and (record.get("token"), record.get("heartbeat")) == (
+            lease.token,
+            lease.record["heartbeat"],
+        ):
             return version
         return None
 
@@ -552,15 +552,11 @@ class ShardLeases:
             lease.io.release()
 
 
-
-
 def _lease_s_of(record: dict | None) -> float:
     try:
         return float((record or {}).get("lease_s") or 0.0)
     except (TypeError, ValueError):
         return 0.0
-
-
 
 
 def holder_text(lock: dict) -> str:

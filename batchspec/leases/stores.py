@@ -51,8 +51,10 @@ class BestEffortStore(CasStore):
         retry(lambda: self.out.fs.pipe_file(path, data), f"writing lease {path}")
         time.sleep(SETTLE_S)  # let a racing writer's write land, then see who is last
         now, written = self.read(path)
-        if now is not None and (now.get("token"), now.get("heartbeat")) == \
-                (record.get("token"), record.get("heartbeat")):
+        if now is not None and (now.get("token"), now.get("heartbeat")) == (
+            record.get("token"),
+            record.get("heartbeat"),
+        ):
             return written
         return None
 
@@ -69,8 +71,12 @@ _warned_best_effort: set[str] = set()
 def _warn_best_effort(protocol: str, why: str) -> None:
     if protocol not in _warned_best_effort:
         _warned_best_effort.add(protocol)
-        log.warning("shard leases on %s:// are best-effort: %s; two workers started at the same "
-                    "moment may both take a shard", protocol, why)
+        log.warning(
+            "shard leases on %s:// are best-effort: %s; two workers started at the same "
+            "moment may both take a shard",
+            protocol,
+            why,
+        )
 
 
 def cas_store_for(out: OutputDir) -> CasStore:
@@ -83,8 +89,7 @@ def cas_store_for(out: OutputDir) -> CasStore:
             store = adapter(fs)
             if store.honours_conditions(out.locks_dir()):
                 return store
-            _warn_best_effort(protocols[0], f"this server ignores conditional writes "
-                                            f"({adapter.CONDITIONS})")
+            _warn_best_effort(protocols[0], f"this server ignores conditional writes ({adapter.CONDITIONS})")
             return BestEffortStore(out)
     _warn_best_effort(protocols[0], "this store has no conditional writes")
     return BestEffortStore(out)

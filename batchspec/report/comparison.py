@@ -19,14 +19,14 @@ HEADLINE = [
     ("output_tokens", "output tokens", ("output_tokens",), 0),
     ("acceptance_rate", "acceptance rate", ("acceptance_rate",), 3),
     ("mean_acceptance_length", "mean acceptance length", ("mean_acceptance_length",), 2),
-    *((f"{key}.{p}", f"{label} {p}", (key, p), digits)
-      for key, label, digits in (("ttft_s", "TTFT (s)", 3), ("e2e_s", "e2e latency (s)", 3))
-      for p in ("p50", "p90", "p99")),
+    *(
+        (f"{key}.{p}", f"{label} {p}", (key, p), digits)
+        for key, label, digits in (("ttft_s", "TTFT (s)", 3), ("e2e_s", "e2e latency (s)", 3))
+        for p in ("p50", "p90", "p99")
+    ),
     ("decode_tokens_per_s.p50", "decode tok/s p50", ("decode_tokens_per_s", "p50"), 1),
     ("decode_tokens_per_s.mean", "decode tok/s mean", ("decode_tokens_per_s", "mean"), 1),
 ]
-
-
 
 
 def lookup(metrics_: dict, path: tuple[str, ...]):
@@ -36,16 +36,18 @@ def lookup(metrics_: dict, path: tuple[str, ...]):
     return metrics_
 
 
-
-
 def changes(a: dict, b: dict) -> dict[str, dict]:
     """Headline metrics of two runs' overall metrics, with B - A and B / A."""
     out = {}
     for key, _, path, _ in HEADLINE:
         va, vb = lookup(a, path), lookup(b, path)
         both = va is not None and vb is not None
-        out[key] = {"a": va, "b": vb, "delta": vb - va if both else None,
-                    "ratio": vb / va if both and va else None}
+        out[key] = {
+            "a": va,
+            "b": vb,
+            "delta": vb - va if both else None,
+            "ratio": vb / va if both and va else None,
+        }
     return out
 
 
@@ -54,22 +56,25 @@ SAMPLE = "sample_index"
 KEY = [REQUEST_ID, SAMPLE]
 
 
-
-
-
 def _requests(output: Output) -> tuple[pl.DataFrame, int]:
     """One row per request id and sample (its first), narrow: id, sample, success, text hash,
     acceptance rate; and the number of rows read."""
     columns = [REQUEST_ID, SAMPLE, ERROR, "spec_acceptance_rate"]
-    rows = (output.scan(columns, text_hash=True)
-            .select(REQUEST_ID, pl.col(SAMPLE).fill_null(0), pl.col(ERROR).is_null().alias("ok"),
-                    TEXT_HASH, "spec_acceptance_rate")
-            .cache())
-    first, total = output.collect([rows.unique(KEY, keep="first", maintain_order=True),
-                                   rows.select(pl.len())], columns, text_hash=True)
+    rows = (
+        output.scan(columns, text_hash=True)
+        .select(
+            REQUEST_ID,
+            pl.col(SAMPLE).fill_null(0),
+            pl.col(ERROR).is_null().alias("ok"),
+            TEXT_HASH,
+            "spec_acceptance_rate",
+        )
+        .cache()
+    )
+    first, total = output.collect(
+        [rows.unique(KEY, keep="first", maintain_order=True), rows.select(pl.len())], columns, text_hash=True
+    )
     return first, total.item()
-
-
 
 
 def match_rows(a: Output, b: Output) -> dict[str, Any]:
@@ -89,8 +94,7 @@ def match_rows(a: Output, b: Output) -> dict[str, Any]:
     diff = diff.to_series().drop_nulls()
     acceptance = distribution(diff)
     if acceptance is not None:
-        acceptance.update(b_higher=(diff > 0).sum(), a_higher=(diff < 0).sum(),
-                          equal=(diff == 0).sum())
+        acceptance.update(b_higher=(diff > 0).sum(), a_higher=(diff < 0).sum(), equal=(diff == 0).sum())
     return {
         "matched": joined.height,
         "only_in_a": da.height - joined.height,
@@ -104,16 +108,11 @@ def match_rows(a: Output, b: Output) -> dict[str, Any]:
     }
 
 
-
-
 def compare(a: Output, b: Output) -> dict[str, Any]:
     """The comparison report of two loaded outputs: each one's report, headline changes (B
     against A) and the rows matched by request_id."""
     ra, rb = summarize(a), summarize(b)
-    return {"a": ra, "b": rb, "changes": changes(ra["overall"], rb["overall"]),
-            "matching": match_rows(a, b)}
-
-
+    return {"a": ra, "b": rb, "changes": changes(ra["overall"], rb["overall"]), "matching": match_rows(a, b)}
 
 
 def build_comparison(path_a: str, path_b: str, storage_options: dict | None = None) -> dict[str, Any]:

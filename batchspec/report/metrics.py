@@ -42,7 +42,6 @@ from batchspec.stats import acceptance_rate, mean_acceptance_length
 HISTOGRAM = "spec_acceptance_histogram"
 
 
-
 #: Per-request distributions: report key -> output column.
 DISTRIBUTIONS = {
     "acceptance_rate_per_request": "spec_acceptance_rate",
@@ -54,13 +53,26 @@ DISTRIBUTIONS = {
 
 
 #: Integer columns summed into totals.
-SUMMED = ("num_prompt_tokens", "num_output_tokens", "spec_num_steps", "spec_num_draft_tokens",
-          "spec_num_accepted_tokens")
+SUMMED = (
+    "num_prompt_tokens",
+    "num_output_tokens",
+    "spec_num_steps",
+    "spec_num_draft_tokens",
+    "spec_num_accepted_tokens",
+)
 
 
 #: Everything the single-run statistics read; ``generated_text`` and kept input columns stay on disk.
-STAT_COLUMNS = ["finish_reason", *SUMMED, HISTOGRAM, *DISTRIBUTIONS.values(), "structured_valid",
-                "lora_adapter", "twin_of", ERROR]
+STAT_COLUMNS = [
+    "finish_reason",
+    *SUMMED,
+    HISTOGRAM,
+    *DISTRIBUTIONS.values(),
+    "structured_valid",
+    "lora_adapter",
+    "twin_of",
+    ERROR,
+]
 
 #: The name a report gives rows that ran on the base model in a job with LoRA adapters.
 BASE_MODEL = "(base model)"
@@ -69,30 +81,29 @@ BASE_MODEL = "(base model)"
 PERCENTILES = (50, 90, 99)
 
 
-
-
 # ---- statistics ----------------------------------------------------------------------------
+
 
 def _distribution_exprs(values: pl.Expr, key: str) -> list[pl.Expr]:
     """Aggregations of :func:`distribution`, named ``<key>.<stat>``."""
     values = values.cast(pl.Float64)
     values = values.filter(values.is_not_null() & values.is_finite())
-    return [values.len().alias(f"{key}.count"), values.mean().alias(f"{key}.mean"),
-            values.min().alias(f"{key}.min"),
-            *(values.quantile(p / 100, interpolation="linear").alias(f"{key}.p{p}")
-              for p in PERCENTILES),
-            values.max().alias(f"{key}.max")]
-
-
+    return [
+        values.len().alias(f"{key}.count"),
+        values.mean().alias(f"{key}.mean"),
+        values.min().alias(f"{key}.min"),
+        *(values.quantile(p / 100, interpolation="linear").alias(f"{key}.p{p}") for p in PERCENTILES),
+        values.max().alias(f"{key}.max"),
+    ]
 
 
 def _distribution_of(row: dict, key: str) -> dict[str, Any] | None:
     if not row.get(f"{key}.count"):
         return None
-    return {stat: row[f"{key}.{stat}"]
-            for stat in ("count", "mean", "min", *(f"p{p}" for p in PERCENTILES), "max")}
-
-
+    return {
+        stat: row[f"{key}.{stat}"]
+        for stat in ("count", "mean", "min", *(f"p{p}" for p in PERCENTILES), "max")
+    }
 
 
 def distribution(values: pl.Series) -> dict[str, Any] | None:
@@ -101,32 +112,38 @@ def distribution(values: pl.Series) -> dict[str, Any] | None:
     return _distribution_of(row, "v")
 
 
-
-
 def _aggregations() -> list[pl.Expr]:
     """The per-group aggregations of :func:`metrics_of`, over :data:`STAT_COLUMNS`."""
     ok = pl.col(ERROR).is_null()
-    return [pl.len().alias("rows"), pl.col(ERROR).is_not_null().sum().alias("errors"),
-            pl.col("spec_num_steps").is_not_null().any().alias("speculative"),
-            pl.col("structured_valid").is_not_null().sum().alias("structured_rows"),
-            pl.col("structured_valid").cast(pl.Int64).sum().alias("structured_valid"),
-            pl.col("twin_of").is_not_null().sum().alias("rows_from_twin"),
-            *(pl.col(c).cast(pl.Int64).sum().alias(c) for c in SUMMED),
-            *(e for key, column in DISTRIBUTIONS.items()
-              for e in _distribution_exprs(pl.col(column).filter(ok), key))]
-
-
+    return [
+        pl.len().alias("rows"),
+        pl.col(ERROR).is_not_null().sum().alias("errors"),
+        pl.col("spec_num_steps").is_not_null().any().alias("speculative"),
+        pl.col("structured_valid").is_not_null().sum().alias("structured_rows"),
+        pl.col("structured_valid").cast(pl.Int64).sum().alias("structured_valid"),
+        pl.col("twin_of").is_not_null().sum().alias("rows_from_twin"),
+        *(pl.col(c).cast(pl.Int64).sum().alias(c) for c in SUMMED),
+        *(
+            e
+            for key, column in DISTRIBUTIONS.items()
+            for e in _distribution_exprs(pl.col(column).filter(ok), key)
+        ),
+    ]
 
 
 #: The aggregates of a group without rows (an empty output file).
-_EMPTY = {"rows": 0, "errors": 0, "speculative": False, "structured_rows": 0,
-          "structured_valid": 0, "rows_from_twin": 0, **dict.fromkeys(SUMMED, 0)}
+_EMPTY = {
+    "rows": 0,
+    "errors": 0,
+    "speculative": False,
+    "structured_rows": 0,
+    "structured_valid": 0,
+    "rows_from_twin": 0,
+    **dict.fromkeys(SUMMED, 0),
+}
 
 
-
-
-def _metrics(agg: dict, finish: Counter, errors: Counter, histogram: list[int] | None
-             ) -> dict[str, Any]:
+def _metrics(agg: dict, finish: Counter, errors: Counter, histogram: list[int] | None) -> dict[str, Any]:
     """The metrics dict of one group (a shard, or all rows) from its aggregates."""
     speculative = bool(agg["speculative"])
     steps, drafted, accepted = (agg[c] if speculative else None for c in SUMMED[2:])
@@ -161,8 +178,6 @@ def _structured(agg: dict) -> dict[str, Any] | None:
     return {"rows": n, "valid": valid, "valid_share": valid / n}
 
 
-
-
 def _sum_histograms(hists: Iterable[list[int]]) -> list[int] | None:
     total: list[int] = []
     for h in hists:
@@ -172,27 +187,32 @@ def _sum_histograms(hists: Iterable[list[int]]) -> list[int] | None:
     return total or None
 
 
-
-
-def metrics_of(output: Output
-               ) -> tuple[dict[str, Any], dict[str, dict[str, Any]], dict[str, dict[str, Any]]]:
+def metrics_of(output: Output) -> tuple[dict[str, Any], dict[str, dict[str, Any]], dict[str, dict[str, Any]]]:
     """The metrics of all rows, of each shard and of each LoRA adapter (empty when no row ran
     with one), from one read of :data:`STAT_COLUMNS`."""
     rows = output.scan(STAT_COLUMNS).cache()  # shared by the queries below: read once
     hist = pl.col(HISTOGRAM)
-    overall, per_shard, per_adapter, finish, errors, hists = output.collect([
-        rows.select(_aggregations()),
-        rows.group_by("shard").agg(_aggregations()),
-        rows.group_by("lora_adapter").agg(_aggregations()),
-        rows.group_by("shard", "finish_reason").len(),
-        # distinct messages only: error_reason() then groups them in Python
-        rows.filter(pl.col(ERROR).is_not_null()).group_by("shard", ERROR).len(),
-        # element-wise sum of the per-row histograms: steps that accepted j = 0..k tokens
-        (rows.select("shard", HISTOGRAM).drop_nulls(HISTOGRAM)
-         .select("shard", j=pl.int_ranges(0, hist.list.len()), steps=hist)
-         .explode(["j", "steps"]).drop_nulls()
-         .group_by("shard", "j").agg(pl.col("steps").cast(pl.Int64).sum())),
-    ], STAT_COLUMNS)
+    overall, per_shard, per_adapter, finish, errors, hists = output.collect(
+        [
+            rows.select(_aggregations()),
+            rows.group_by("shard").agg(_aggregations()),
+            rows.group_by("lora_adapter").agg(_aggregations()),
+            rows.group_by("shard", "finish_reason").len(),
+            # distinct messages only: error_reason() then groups them in Python
+            rows.filter(pl.col(ERROR).is_not_null()).group_by("shard", ERROR).len(),
+            # element-wise sum of the per-row histograms: steps that accepted j = 0..k tokens
+            (
+                rows.select("shard", HISTOGRAM)
+                .drop_nulls(HISTOGRAM)
+                .select("shard", j=pl.int_ranges(0, hist.list.len()), steps=hist)
+                .explode(["j", "steps"])
+                .drop_nulls()
+                .group_by("shard", "j")
+                .agg(pl.col("steps").cast(pl.Int64).sum())
+            ),
+        ],
+        STAT_COLUMNS,
+    )
     finish_by: dict[str, Counter] = defaultdict(Counter)
     for shard, reason, n in finish.iter_rows():
         if reason is not None:
@@ -205,19 +225,25 @@ def metrics_of(output: Output
         hist_by[shard].extend([0] * (j + 1 - len(hist_by[shard])))
         hist_by[shard][j] = steps
     aggs = {row["shard"]: row for row in per_shard.iter_rows(named=True)}
-    shards = {s: _metrics(aggs.get(s, _EMPTY), finish_by[s], errors_by[s], hist_by.get(s) or None)
-              for s in output.shards}
-    total = _metrics(overall.row(0, named=True), sum(finish_by.values(), Counter()),
-                     sum(errors_by.values(), Counter()), _sum_histograms(hist_by.values()))
+    shards = {
+        s: _metrics(aggs.get(s, _EMPTY), finish_by[s], errors_by[s], hist_by.get(s) or None)
+        for s in output.shards
+    }
+    total = _metrics(
+        overall.row(0, named=True),
+        sum(finish_by.values(), Counter()),
+        sum(errors_by.values(), Counter()),
+        _sum_histograms(hist_by.values()),
+    )
     adapters = {}
     if per_adapter["lora_adapter"].is_not_null().any():
         # acceptance per adapter: a draft trained on the base model's outputs may fit one
         # adapter's far worse than another's (no finish reasons, errors or histograms here)
-        adapters = {row["lora_adapter"] or BASE_MODEL: _metrics(row, Counter(), Counter(), None)
-                    for row in per_adapter.sort("lora_adapter", nulls_last=True).iter_rows(named=True)}
+        adapters = {
+            row["lora_adapter"] or BASE_MODEL: _metrics(row, Counter(), Counter(), None)
+            for row in per_adapter.sort("lora_adapter", nulls_last=True).iter_rows(named=True)
+        }
     return total, shards, adapters
-
-
 
 
 def lineage(metadata: dict[str, dict]) -> dict[str, list]:
@@ -239,8 +265,6 @@ def lineage(metadata: dict[str, dict]) -> dict[str, list]:
     return values
 
 
-
-
 def summed_acceptance_per_position(runs: list[dict], run_ids: list[str]) -> dict[str, Any] | None:
     """vLLM's per-position acceptance counters, summed over the run summaries of the runs that
     wrote these files (one per worker); None when no such summary has them."""
@@ -253,10 +277,12 @@ def summed_acceptance_per_position(runs: list[dict], run_ids: list[str]) -> dict
         for i, a in enumerate(r["acceptance_per_position"].get("accepted") or []):
             accepted.extend([0] * (i + 1 - len(accepted)))
             accepted[i] += a
-    return {"runs": [r["run_id"] for r in picked], "num_drafts": drafts, "accepted": accepted,
-            "rate": [acceptance_rate(a, drafts) for a in accepted]}
-
-
+    return {
+        "runs": [r["run_id"] for r in picked],
+        "num_drafts": drafts,
+        "accepted": accepted,
+        "rate": [acceptance_rate(a, drafts) for a in accepted],
+    }
 
 
 def summarize(output: Output) -> dict[str, Any]:
@@ -272,8 +298,6 @@ def summarize(output: Output) -> dict[str, Any]:
         "lora_adapters": adapters,
         "acceptance_per_position": summed_acceptance_per_position(output.runs, lin["run_id"]),
     }
-
-
 
 
 def build_report(path: str, storage_options: dict | None = None) -> dict[str, Any]:

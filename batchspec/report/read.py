@@ -20,17 +20,26 @@ from batchspec.io.output_formats import OUTPUT_FORMATS, CommittedShard, OutputFo
 from batchspec.redact import sanitize_url
 
 #: The request-feature columns a report reads, as polars types (files without them read null).
-FEATURE_TYPES = {f.name: pl.from_arrow(pa.array([], f.type)).dtype for f in FEATURE_FIELDS
-                 if f.name in ("structured_valid", "sample_index", "lora_adapter", "twin_of")}
-
+FEATURE_TYPES = {
+    f.name: pl.from_arrow(pa.array([], f.type)).dtype
+    for f in FEATURE_FIELDS
+    if f.name in ("structured_valid", "sample_index", "lora_adapter", "twin_of")
+}
 
 
 #: Lineage fields taken from each file's ``batchspec`` metadata, in display order.
-LINEAGE_FIELDS = ("run_id", "job", "target_model", "lora_adapters", "draft_model",
-                  "speculative_method", "num_speculative_tokens", "speculative_auto", "vllm_version",
-                  "batchspec_version")
-
-
+LINEAGE_FIELDS = (
+    "run_id",
+    "job",
+    "target_model",
+    "lora_adapters",
+    "draft_model",
+    "speculative_method",
+    "num_speculative_tokens",
+    "speculative_auto",
+    "vllm_version",
+    "batchspec_version",
+)
 
 
 @dataclass
@@ -82,19 +91,21 @@ class Output:
         lf = self.format.scan(self.out, committed)
         # a feature column this file was written without (an older batchspec) reads as null
         have = set(committed.schema.names)
-        exprs: list[Any] = [c if c in have or c not in FEATURE_TYPES
-                            else pl.lit(None, dtype=FEATURE_TYPES[c]).alias(c) for c in columns]
+        exprs: list[Any] = [
+            c if c in have or c not in FEATURE_TYPES else pl.lit(None, dtype=FEATURE_TYPES[c]).alias(c)
+            for c in columns
+        ]
         if text_hash:
             exprs.append(pl.col(TEXT).hash(seed=0).alias(TEXT_HASH))
         return lf.select(exprs).with_columns(shard=pl.lit(shard, dtype=pl.String))
 
     def scan(self, columns: Sequence[str], text_hash: bool = False) -> pl.LazyFrame:
         """Every file's rows in shard order, lazily, with only ``columns`` (see :meth:`scan_file`)."""
-        return pl.concat([self.scan_file(s, columns, text_hash) for s in self.shards],
-                         how="vertical")
+        return pl.concat([self.scan_file(s, columns, text_hash) for s in self.shards], how="vertical")
 
-    def collect(self, queries: list[pl.LazyFrame], columns: Sequence[str],
-                text_hash: bool = False) -> list[pl.DataFrame]:
+    def collect(
+        self, queries: list[pl.LazyFrame], columns: Sequence[str], text_hash: bool = False
+    ) -> list[pl.DataFrame]:
         """Run queries over :meth:`scan` frames of these ``columns`` together (a ``cache()``d
         scan is read once for all of them). An unreadable file raises
         :class:`InputDataError` naming it."""
@@ -110,18 +121,14 @@ class Output:
             lf = lf.filter(pl.col(ERROR).is_null())
         return self.collect([lf.select(columns)], columns)[0]
 
-    def _read_error(self, exc: BaseException, columns: Sequence[str], text_hash: bool
-                    ) -> InputDataError:
+    def _read_error(self, exc: BaseException, columns: Sequence[str], text_hash: bool) -> InputDataError:
         """Find the file a failed query could not read: the error of a union rarely says."""
         for shard in self.shards:
             try:
                 self.scan_file(shard, columns, text_hash).collect()
             except (pl.exceptions.PolarsError, OSError, pa.ArrowException) as file_exc:
                 return InputDataError(self.file_url(shard), f"{self.format.unreadable}: {file_exc}")
-        return InputDataError(sanitize_url(self.display_url or self.url),
-                              f"reading the output failed: {exc}")
-
-
+        return InputDataError(sanitize_url(self.display_url or self.url), f"reading the output failed: {exc}")
 
 
 def load_output(url: str, storage_options: dict | None = None) -> Output:
@@ -142,8 +149,10 @@ def load_output(url: str, storage_options: dict | None = None) -> Output:
             break
     else:
         patterns = ", ".join(f"*{f.suffix}" for f in OUTPUT_FORMATS.values())
-        raise InputDataError(sanitize_url(url), f"no output files ({patterns}) here; is this the "
-                                                "output.path of a finished run?")
+        raise InputDataError(
+            sanitize_url(url),
+            f"no output files ({patterns}) here; is this the output.path of a finished run?",
+        )
     output = Output(url=url, out=out)
     for shard in names:
         committed = out.format.open_shard(out, shard)
@@ -157,8 +166,6 @@ def load_output(url: str, storage_options: dict | None = None) -> Output:
     return output
 
 
-
-
 def parse_storage_options(items: Iterable[str], base: dict | None = None) -> dict[str, Any]:
     """``base`` (deep-copied) with each ``KEY=VALUE`` of ``--storage-option`` set into it: dotted
     keys nest (``client_kwargs.endpoint_url=http://...``), values are parsed as YAML.
@@ -169,8 +176,11 @@ def parse_storage_options(items: Iterable[str], base: dict | None = None) -> dic
         key, sep, value = item.partition("=")
         parts = key.strip().split(".")
         if not sep or not all(p.strip() for p in parts):
-            raise SpecError(None, f"--storage-option {item!r}: expected KEY=VALUE with a dotted "
-                                  "key, e.g. client_kwargs.endpoint_url=http://localhost:9000")
+            raise SpecError(
+                None,
+                f"--storage-option {item!r}: expected KEY=VALUE with a dotted "
+                "key, e.g. client_kwargs.endpoint_url=http://localhost:9000",
+            )
         try:
             parsed = yaml.safe_load(value) if value.strip() else ""
         except yaml.YAMLError as exc:
@@ -179,8 +189,11 @@ def parse_storage_options(items: Iterable[str], base: dict | None = None) -> dic
         for i, part in enumerate(parts[:-1]):
             child = node.setdefault(part, {})
             if not isinstance(child, dict):
-                raise SpecError(None, f"--storage-option {key}: {'.'.join(parts[: i + 1])} holds "
-                                      f"{type(child).__name__} {child!r}, not a mapping")
+                raise SpecError(
+                    None,
+                    f"--storage-option {key}: {'.'.join(parts[: i + 1])} holds "
+                    f"{type(child).__name__} {child!r}, not a mapping",
+                )
             node = child
         node[parts[-1]] = parsed
     return options

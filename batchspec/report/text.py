@@ -15,6 +15,7 @@ from batchspec.report.read import (
 
 # ---- rendering -----------------------------------------------------------------------------
 
+
 @dataclass
 class Table:
     """One section of a rendered report. ``kv`` tables (name, value) print without a header in
@@ -29,10 +30,9 @@ class Table:
     align: str = ""
 
     def __post_init__(self):
-        self.align = self.align or ("l" * len(self.headers) if self.kv
-                                    else "l" + "r" * (len(self.headers) - 1))
-
-
+        self.align = self.align or (
+            "l" * len(self.headers) if self.kv else "l" + "r" * (len(self.headers) - 1)
+        )
 
 
 def fmt(value, digits: int = 3) -> str:
@@ -50,12 +50,8 @@ def fmt(value, digits: int = 3) -> str:
     return str(value)
 
 
-
-
 def _counts(counts: dict[str, int]) -> str:
     return ", ".join(f"{k} {v:,}" for k, v in counts.items()) or "-"
-
-
 
 
 _DIST_ROWS = [  # (label, report key, digits)
@@ -70,14 +66,10 @@ _DIST_ROWS = [  # (label, report key, digits)
 SPEC_OFF = "speculative decoding was off"
 
 
-
-
 def no_acceptance_reason(report: dict) -> str:
     """Why a single-run report has no acceptance numbers: speculation off, or on but no row
     carries its counts (every row failed, or none at all)."""
     return "no row has acceptance data" if report["lineage"]["speculative_method"] else SPEC_OFF
-
-
 
 
 def _summary_rows(report: dict) -> list[list[str]]:
@@ -93,15 +85,26 @@ def _summary_rows(report: dict) -> list[list[str]]:
         ["files", fmt(report["files"])],
         ["rows", fmt(m["rows"])],
         ["errors", fmt(m["errors"])],
-        *([["rows from a twin", f"{m['rows_from_twin']:,} (an identical request's result; "
-                                "not generated again)"]] if m.get("rows_from_twin") else []),
+        *(
+            [
+                [
+                    "rows from a twin",
+                    f"{m['rows_from_twin']:,} (an identical request's result; not generated again)",
+                ]
+            ]
+            if m.get("rows_from_twin")
+            else []
+        ),
         ["finish reasons", _counts(m["finish_reasons"])],
         ["prompt tokens", fmt(m["prompt_tokens"])],
         ["output tokens", fmt(m["output_tokens"])],
         ["acceptance rate", rate if m["speculative"] else f"- ({no_acceptance_reason(report)})"],
         ["mean acceptance length", length if m["speculative"] else "-"],
-        *([["structured outputs valid", _valid(m["structured_outputs"])]]
-          if m.get("structured_outputs") else []),
+        *(
+            [["structured outputs valid", _valid(m["structured_outputs"])]]
+            if m.get("structured_outputs")
+            else []
+        ),
     ]
 
 
@@ -115,14 +118,10 @@ def _valid(s: dict | None) -> str:
     return f"{s['valid_share']:.1%}  ({s['valid']:,} of {s['rows']:,} constrained rows)"
 
 
-
-
 def _dist_cells(d: dict | None, digits: int) -> list[str]:
     if d is None:
         return ["-"] * 6
     return [fmt(d["count"]), *(fmt(d[k], digits) for k in ("mean", "p50", "p90", "p99", "max"))]
-
-
 
 
 def _histogram_rows(hists: list[list[int] | None]) -> list[list[str]]:
@@ -142,64 +141,128 @@ def _histogram_rows(hists: list[list[int] | None]) -> list[list[str]]:
     return rows
 
 
-
-
 def tables(report: dict) -> list[Table]:
     """The sections of a single-run report, shared by the text, markdown and HTML renderers."""
     m = report["overall"]
     lin = report["lineage"]
     out = [
         Table("summary", "Summary", ["metric", "value"], _summary_rows(report), kv=True),
-        Table("lineage", "Lineage", ["field", "value"],
-              [[k, fmt(lin[k])] for k in LINEAGE_FIELDS], kv=True),
-        Table("distributions", "Per-request distributions",
-              ["metric", "n", "mean", "p50", "p90", "p99", "max"],
-              [[label, *_dist_cells(m[key], digits)] for label, key, digits in _DIST_ROWS],
-              note="successful rows; percentiles interpolate linearly between ranks"),
+        Table("lineage", "Lineage", ["field", "value"], [[k, fmt(lin[k])] for k in LINEAGE_FIELDS], kv=True),
+        Table(
+            "distributions",
+            "Per-request distributions",
+            ["metric", "n", "mean", "p50", "p90", "p99", "max"],
+            [[label, *_dist_cells(m[key], digits)] for label, key, digits in _DIST_ROWS],
+            note="successful rows; percentiles interpolate linearly between ranks",
+        ),
     ]
     shard_rows = []
     structured = m.get("structured_outputs") is not None
     for name, s in report["shards"].items():
         e2e, ttft, tps = s["e2e_s"] or {}, s["ttft_s"] or {}, s["decode_tokens_per_s"] or {}
-        shard_rows.append([name, fmt(s["rows"]), fmt(s["errors"]), fmt(s["output_tokens"]),
-                           fmt(s["acceptance_rate"]), fmt(s["mean_acceptance_length"], 2),
-                           fmt(ttft.get("p50")), fmt(e2e.get("p50")), fmt(e2e.get("p90")),
-                           fmt(tps.get("p50"), 1), fmt(tps.get("mean"), 1)]
-                          + ([_share(s.get("structured_outputs"))] if structured else []))
-    out.append(Table("shards", "Per shard",
-                     ["shard", "rows", "errors", "output tokens", "acceptance", "accept len",
-                      "TTFT p50 s", "e2e p50 s", "e2e p90 s", "tok/s p50", "tok/s mean"]
-                     + (["valid"] if structured else []),
-                     shard_rows))
+        shard_rows.append(
+            [
+                name,
+                fmt(s["rows"]),
+                fmt(s["errors"]),
+                fmt(s["output_tokens"]),
+                fmt(s["acceptance_rate"]),
+                fmt(s["mean_acceptance_length"], 2),
+                fmt(ttft.get("p50")),
+                fmt(e2e.get("p50")),
+                fmt(e2e.get("p90")),
+                fmt(tps.get("p50"), 1),
+                fmt(tps.get("mean"), 1),
+            ]
+            + ([_share(s.get("structured_outputs"))] if structured else [])
+        )
+    out.append(
+        Table(
+            "shards",
+            "Per shard",
+            [
+                "shard",
+                "rows",
+                "errors",
+                "output tokens",
+                "acceptance",
+                "accept len",
+                "TTFT p50 s",
+                "e2e p50 s",
+                "e2e p90 s",
+                "tok/s p50",
+                "tok/s mean",
+            ]
+            + (["valid"] if structured else []),
+            shard_rows,
+        )
+    )
     if report.get("lora_adapters"):
-        out.append(Table("lora_adapters", "Per LoRA adapter",
-                         ["adapter", "rows", "errors", "output tokens", "acceptance",
-                          "accept len", "e2e p50 s", "tok/s p50"],
-                         [[name, fmt(a["rows"]), fmt(a["errors"]), fmt(a["output_tokens"]),
-                           fmt(a["acceptance_rate"]), fmt(a["mean_acceptance_length"], 2),
-                           fmt((a["e2e_s"] or {}).get("p50")),
-                           fmt((a["decode_tokens_per_s"] or {}).get("p50"), 1)]
-                          for name, a in report["lora_adapters"].items()],
-                         note="a draft trained on the base model's outputs may fit an "
-                              "adapter's less well"))
+        out.append(
+            Table(
+                "lora_adapters",
+                "Per LoRA adapter",
+                [
+                    "adapter",
+                    "rows",
+                    "errors",
+                    "output tokens",
+                    "acceptance",
+                    "accept len",
+                    "e2e p50 s",
+                    "tok/s p50",
+                ],
+                [
+                    [
+                        name,
+                        fmt(a["rows"]),
+                        fmt(a["errors"]),
+                        fmt(a["output_tokens"]),
+                        fmt(a["acceptance_rate"]),
+                        fmt(a["mean_acceptance_length"], 2),
+                        fmt((a["e2e_s"] or {}).get("p50")),
+                        fmt((a["decode_tokens_per_s"] or {}).get("p50"), 1),
+                    ]
+                    for name, a in report["lora_adapters"].items()
+                ],
+                note="a draft trained on the base model's outputs may fit an adapter's less well",
+            )
+        )
     if m["errors"]:
-        out.append(Table("errors", "Errors by reason", ["reason", "rows"],
-                         [[r, fmt(n)] for r, n in m["errors_by_reason"].items()]))
+        out.append(
+            Table(
+                "errors",
+                "Errors by reason",
+                ["reason", "rows"],
+                [[r, fmt(n)] for r, n in m["errors_by_reason"].items()],
+            )
+        )
     hist = m["acceptance_histogram"]
-    out.append(Table("histogram", "Acceptance histogram", ["accepted j", "steps", "share", ""],
-                     _histogram_rows([hist]), align="lrrl",
-                     note="target steps that accepted j draft tokens" if hist
-                     else no_acceptance_reason(report)))
+    out.append(
+        Table(
+            "histogram",
+            "Acceptance histogram",
+            ["accepted j", "steps", "share", ""],
+            _histogram_rows([hist]),
+            align="lrrl",
+            note="target steps that accepted j draft tokens" if hist else no_acceptance_reason(report),
+        )
+    )
     pos = report.get("acceptance_per_position")
     if pos:
-        out.append(Table("per_position", "Acceptance per position", ["position", "accepted", "rate"],
-                         [[str(i + 1), fmt(a), fmt(r)]
-                          for i, (a, r) in enumerate(zip(pos["accepted"], pos["rate"], strict=True))],
-                         note=f"vLLM counters over {pos['num_drafts']:,} drafts, "
-                              f"run(s) {', '.join(pos['runs'])}"))
+        out.append(
+            Table(
+                "per_position",
+                "Acceptance per position",
+                ["position", "accepted", "rate"],
+                [
+                    [str(i + 1), fmt(a), fmt(r)]
+                    for i, (a, r) in enumerate(zip(pos["accepted"], pos["rate"], strict=True))
+                ],
+                note=f"vLLM counters over {pos['num_drafts']:,} drafts, run(s) {', '.join(pos['runs'])}",
+            )
+        )
     return out
-
-
 
 
 def compare_tables(report: dict) -> list[Table]:
@@ -211,49 +274,83 @@ def compare_tables(report: dict) -> list[Table]:
         delta = "-" if c["delta"] is None else f"{c['delta']:+,.{digits}f}"
         ratio = "-" if c["ratio"] is None else f"{c['ratio']:.3f}x"
         rows.append([label, fmt(c["a"], digits), fmt(c["b"], digits), delta, ratio])
-    out = [Table("changes", "A vs B", ["metric", "A", "B", "B - A", "B / A"], rows,
-                 note=f"A = {a['path']}, B = {b['path']}")]
+    out = [
+        Table(
+            "changes",
+            "A vs B",
+            ["metric", "A", "B", "B - A", "B / A"],
+            rows,
+            note=f"A = {a['path']}, B = {b['path']}",
+        )
+    ]
     identical = fmt(mt["identical_text"])
     if mt["identical_text_fraction"] is not None:
         identical += f" ({mt['identical_text_fraction']:.1%} of both-successful)"
-    match_rows_ = [["matched", fmt(mt["matched"])], ["only in A", fmt(mt["only_in_a"])],
-                   ["only in B", fmt(mt["only_in_b"])],
-                   ["duplicate ids (A, B)", f"{mt['duplicate_ids_a']:,}, {mt['duplicate_ids_b']:,}"],
-                   ["successful in both", fmt(mt["both_ok"])],
-                   ["identical generated_text", identical]]
+    match_rows_ = [
+        ["matched", fmt(mt["matched"])],
+        ["only in A", fmt(mt["only_in_a"])],
+        ["only in B", fmt(mt["only_in_b"])],
+        ["duplicate ids (A, B)", f"{mt['duplicate_ids_a']:,}, {mt['duplicate_ids_b']:,}"],
+        ["successful in both", fmt(mt["both_ok"])],
+        ["identical generated_text", identical],
+    ]
     d = mt["acceptance_rate_diff"]
     if d is None:
         match_rows_.append(["acceptance rate B - A", "- (needs acceptance data in both runs)"])
     else:
-        match_rows_ += [["acceptance rate B - A, mean", f"{d['mean']:+.3f}"],
-                        ["acceptance rate B - A, p50 / p90", f"{d['p50']:+.3f} / {d['p90']:+.3f}"],
-                        ["requests B higher / A higher / equal",
-                         f"{d['b_higher']:,} / {d['a_higher']:,} / {d['equal']:,}"]]
-    out.append(Table("matching", "Rows matched by request_id", ["metric", "value"], match_rows_,
-                     kv=True))
-    out.append(Table("lineage", "Lineage", ["field", "A", "B"], align="lll",
-                     rows=[["path", a["path"], b["path"]]]
-                     + [[k, fmt(a["lineage"][k]), fmt(b["lineage"][k])] for k in LINEAGE_FIELDS]))
+        match_rows_ += [
+            ["acceptance rate B - A, mean", f"{d['mean']:+.3f}"],
+            ["acceptance rate B - A, p50 / p90", f"{d['p50']:+.3f} / {d['p90']:+.3f}"],
+            [
+                "requests B higher / A higher / equal",
+                f"{d['b_higher']:,} / {d['a_higher']:,} / {d['equal']:,}",
+            ],
+        ]
+    out.append(Table("matching", "Rows matched by request_id", ["metric", "value"], match_rows_, kv=True))
+    out.append(
+        Table(
+            "lineage",
+            "Lineage",
+            ["field", "A", "B"],
+            align="lll",
+            rows=[["path", a["path"], b["path"]]]
+            + [[k, fmt(a["lineage"][k]), fmt(b["lineage"][k])] for k in LINEAGE_FIELDS],
+        )
+    )
     reasons = sorted(set(a["overall"]["errors_by_reason"]) | set(b["overall"]["errors_by_reason"]))
     if reasons:
-        out.append(Table("errors", "Errors by reason", ["reason", "A", "B"],
-                         [[r, fmt(a["overall"]["errors_by_reason"].get(r, 0)),
-                           fmt(b["overall"]["errors_by_reason"].get(r, 0))] for r in reasons]))
+        out.append(
+            Table(
+                "errors",
+                "Errors by reason",
+                ["reason", "A", "B"],
+                [
+                    [
+                        r,
+                        fmt(a["overall"]["errors_by_reason"].get(r, 0)),
+                        fmt(b["overall"]["errors_by_reason"].get(r, 0)),
+                    ]
+                    for r in reasons
+                ],
+            )
+        )
     hists = [a["overall"]["acceptance_histogram"], b["overall"]["acceptance_histogram"]]
     if any(hists):
-        out.append(Table("histogram", "Acceptance histogram",
-                         ["accepted j", "A steps", "A share", "B steps", "B share"],
-                         _histogram_rows(hists), note="target steps that accepted j draft tokens"))
+        out.append(
+            Table(
+                "histogram",
+                "Acceptance histogram",
+                ["accepted j", "A steps", "A share", "B steps", "B share"],
+                _histogram_rows(hists),
+                note="target steps that accepted j draft tokens",
+            )
+        )
     return out
-
-
 
 
 def report_tables(report: dict) -> list[Table]:
     """The sections of a single-run or a comparison report."""
     return compare_tables(report) if "matching" in report else tables(report)
-
-
 
 
 def render_text(report: dict) -> str:
@@ -264,8 +361,9 @@ def render_text(report: dict) -> str:
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines.append(t.title + (f"  ({t.note})" if t.note else ""))
         for n, row in enumerate(rows):
-            cells = [c.ljust(w) if a == "l" else c.rjust(w)
-                     for c, w, a in zip(row, widths, t.align, strict=True)]
+            cells = [
+                c.ljust(w) if a == "l" else c.rjust(w) for c, w, a in zip(row, widths, t.align, strict=True)
+            ]
             lines.append(("  " + "  ".join(cells)).rstrip())
             if n == 0 and not t.kv:
                 lines.append("  " + "  ".join("-" * w for w in widths))
@@ -273,13 +371,9 @@ def render_text(report: dict) -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
-
-
 #: Characters that mean something in GFM inline text: the escape itself, code spans, emphasis,
 #: strikethrough, links and images, and the table's cell separator.
 _MARKDOWN_SPECIAL = re.compile(r"([\\`*_~\[\]|])")
-
-
 
 
 def markdown_text(text: str) -> str:
@@ -291,11 +385,10 @@ def markdown_text(text: str) -> str:
     return re.sub(r"\r\n|\r|\n", "<br>", text)
 
 
-
-
 def render_markdown(report: dict) -> str:
     """GitHub-flavoured markdown: one heading and one table per section. Every value (paths,
     shard names, run ids, model names, error reasons) is escaped with :func:`markdown_text`."""
+
     def cell(text: str) -> str:
         return markdown_text(text) or " "
 
@@ -312,13 +405,9 @@ def render_markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
-
-
 def render_json(report: dict) -> str:
     """The report dict as JSON."""
     return json.dumps(report, indent=2, default=str) + "\n"
-
-
 
 
 def render(report: dict, fmt_: str = "table") -> str:

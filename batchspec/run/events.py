@@ -19,8 +19,6 @@ from batchspec.stats import acceptance_rate, mean_acceptance_length, tokens_per_
 LOG_FORMATS = ("text", "json")
 
 
-
-
 class EventLog:
     """Writes run events to a stream as text or JSON lines."""
 
@@ -49,8 +47,13 @@ class EventLog:
         message = self.scrub(message)
         fields = {k: self.scrub(v) if isinstance(v, str) else v for k, v in fields.items()}
         if self.fmt == "json":
-            record = {"ts": now.isoformat(timespec="milliseconds"), "level": level,
-                      "event": event, "run_id": self.run_id, **fields}
+            record = {
+                "ts": now.isoformat(timespec="milliseconds"),
+                "level": level,
+                "event": event,
+                "run_id": self.run_id,
+                **fields,
+            }
             if message:
                 record["message"] = message
             line = json.dumps(record, default=str, sort_keys=False)
@@ -64,21 +67,18 @@ class EventLog:
             print(line, file=self.stream, flush=True)
 
 
-
-
 def _fmt(value: Any) -> str:
     if isinstance(value, float):
         return f"{value:.4g}"
     return str(value)
 
 
-
-
 class Progress:
     """Live progress over rows and shards: tqdm bars at a terminal, periodic events otherwise."""
 
-    def __init__(self, events: EventLog, total_rows: int, total_shards: int, bars: bool,
-                 interval_s: float = 30.0):
+    def __init__(
+        self, events: EventLog, total_rows: int, total_shards: int, bars: bool, interval_s: float = 30.0
+    ):
         self.events = events
         self.total_rows = total_rows
         self.total_shards = total_shards
@@ -96,10 +96,23 @@ class Progress:
         if bars:
             from tqdm.auto import tqdm
 
-            self._shard_bar = tqdm(total=total_shards, unit="shard", desc="shards", position=0,
-                                   file=events.stream, dynamic_ncols=True)
-            self._row_bar = tqdm(total=total_rows, unit="row", desc="rows", position=1,
-                                 file=events.stream, dynamic_ncols=True, smoothing=0.1)
+            self._shard_bar = tqdm(
+                total=total_shards,
+                unit="shard",
+                desc="shards",
+                position=0,
+                file=events.stream,
+                dynamic_ncols=True,
+            )
+            self._row_bar = tqdm(
+                total=total_rows,
+                unit="row",
+                desc="rows",
+                position=1,
+                file=events.stream,
+                dynamic_ncols=True,
+                smoothing=0.1,
+            )
             events._bar_writer = lambda line: tqdm.write(line, file=events.stream)
 
     def stats(self) -> dict[str, Any]:
@@ -168,9 +181,14 @@ class Progress:
             elapsed = now - self.started
             rate = self.rows / elapsed if elapsed > 0 else 0
             eta = (self.total_rows - self.rows) / rate if rate > 0 else None
-            self.events.emit("progress", f"progress {self.rows}/{self.total_rows} rows",
-                             shards_done=self.shards, total_shards=self.total_shards,
-                             eta_s=round(eta, 1) if eta is not None else None, **s)
+            self.events.emit(
+                "progress",
+                f"progress {self.rows}/{self.total_rows} rows",
+                shards_done=self.shards,
+                total_shards=self.total_shards,
+                eta_s=round(eta, 1) if eta is not None else None,
+                **s,
+            )
 
     def close(self) -> None:
         for bar in (self._row_bar, self._shard_bar):

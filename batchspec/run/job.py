@@ -147,9 +147,12 @@ def _executor(spec: JobSpec, kind: str | None, ray_address: str | None, engine=N
     if kind not in EXECUTOR_KINDS:
         raise SpecError("executor.kind", f"expected one of {', '.join(EXECUTOR_KINDS)}, got {kind!r}")
     if kind == "ray" and spec.speculative_auto is not None:
-        raise SpecError("speculative", "auto measures its candidates on this process's own engine "
-                                       "before the shards run; with --executor ray, run `batchspec "
-                                       "tune` and set the speculative section it writes")
+        raise SpecError(
+            "speculative",
+            "auto measures its candidates on this process's own engine "
+            "before the shards run; with --executor ray, run `batchspec "
+            "tune` and set the speculative section it writes",
+        )
     if kind == "local":
         return LocalExecutor(engine)
     from batchspec.run.executors.ray import RayExecutor
@@ -160,10 +163,8 @@ def _executor(spec: JobSpec, kind: str | None, ray_address: str | None, engine=N
 class _Job:
     """One run of one worker, from plan to summary."""
 
-    def __init__(self, spec: JobSpec, options: RunOptions, run_id: str, events: EventLog,
-                 stop: StopFlag):
-        self.spec, self.options, self.run_id, self.events, self.stop = \
-            spec, options, run_id, events, stop
+    def __init__(self, spec: JobSpec, options: RunOptions, run_id: str, events: EventLog, stop: StopFlag):
+        self.spec, self.options, self.run_id, self.events, self.stop = spec, options, run_id, events, stop
         self.grace_s = spec.execution.grace_s if options.grace_s is None else options.grace_s
         #: the run's executor (:meth:`run` makes it, unless the caller gave a started one)
         self.executor: Executor | None = None
@@ -174,8 +175,12 @@ class _Job:
         self.gen_ended: float | None = None
         self.summary_path: str | None = None
         started_at = dt.datetime.now(dt.UTC)
-        self.owner = {"run_id": run_id, "host": this_host(), "pid": os.getpid(),
-                      "started_at": started_at.isoformat()}
+        self.owner = {
+            "run_id": run_id,
+            "host": this_host(),
+            "pid": os.getpid(),
+            "started_at": started_at.isoformat(),
+        }
         #: the run summary; :meth:`finish` adds the outcome's shard sections and the totals
         self.summary: dict[str, Any] = {
             "run_id": run_id,
@@ -201,8 +206,9 @@ class _Job:
             self.executor = options.executor
         # cheap checks first: overlapping locations, then a misspelled vLLM key, both exit 2
         # before any input is listed or read
-        check_no_overlap(spec.input.paths, spec.input.storage_options, spec.output.path,
-                         spec.output.storage_options)
+        check_no_overlap(
+            spec.input.paths, spec.input.storage_options, spec.output.path, spec.output.storage_options
+        )
         check_vllm_keys(spec)
         if spec.speculative_auto is not None:
             from batchspec.tune.auto import check_auto
@@ -249,19 +255,30 @@ class _Job:
         if p.stale:
             raise stale_error(p)
         todo = [s for s in p.shards if p.states[s.name] is not ShardState.COMMITTED]
-        events.emit("run_started", f"run {self.run_id} of job {spec.name!r}: {len(todo)} of "
-                    f"{len(p.shards)} shards to do", job=spec.name, shards=len(p.shards),
-                    pending=len(todo), output=p.out.display_url,
-                    worker=f"{options.worker_index}/{options.num_workers}")
+        events.emit(
+            "run_started",
+            f"run {self.run_id} of job {spec.name!r}: {len(todo)} of {len(p.shards)} shards to do",
+            job=spec.name,
+            shards=len(p.shards),
+            pending=len(todo),
+            output=p.out.display_url,
+            worker=f"{options.worker_index}/{options.num_workers}",
+        )
         if p.orphans:
             self.summary["orphan_outputs"] = p.orphans
-            events.emit("orphan_outputs", f"{len(p.orphans)} output file(s) have no current input "
-                        f"and are not part of this job's result (e.g. {p.orphans[0]!r}); "
-                        "`batchspec status` lists them", level="warning", count=len(p.orphans))
+            events.emit(
+                "orphan_outputs",
+                f"{len(p.orphans)} output file(s) have no current input "
+                f"and are not part of this job's result (e.g. {p.orphans[0]!r}); "
+                "`batchspec status` lists them",
+                level="warning",
+                count=len(p.orphans),
+            )
         for s in p.shards:
             if p.states[s.name] is ShardState.COMMITTED:
-                events.emit("shard_skipped", f"shard {s.name} already committed", shard=s.name,
-                            reason="committed")
+                events.emit(
+                    "shard_skipped", f"shard {s.name} already committed", shard=s.name, reason="committed"
+                )
         remove_orphan_tmp_files(p.out.tmp_dir())  # beside the output, or the local spool
         return todo, p.spec_fingerprint
 
@@ -273,8 +290,9 @@ class _Job:
 
         self.stop.raise_now = True  # measuring starts engines: a signal ends it at once
         try:
-            chosen, choice = choose_speculation(ctx.spec, shards, pending_rows, ctx.out,
-                                                self.events, self.options.remeasure)
+            chosen, choice = choose_speculation(
+                ctx.spec, shards, pending_rows, ctx.out, self.events, self.options.remeasure
+            )
         finally:
             self.stop.raise_now = False
         self.summary["speculative_auto"] = choice.summary()
@@ -282,10 +300,18 @@ class _Job:
         return chosen
 
     def context(self) -> RunContext:
-        return RunContext(spec=self.spec, run_id=self.run_id, out=self.out, owner=self.owner,
-                          events=self.events, stop=self.stop, overwrite=self.options.overwrite,
-                          grace_s=self.grace_s, new_progress=self.new_progress,
-                          outcome=self.outcome)
+        return RunContext(
+            spec=self.spec,
+            run_id=self.run_id,
+            out=self.out,
+            owner=self.owner,
+            events=self.events,
+            stop=self.stop,
+            overwrite=self.options.overwrite,
+            grace_s=self.grace_s,
+            new_progress=self.new_progress,
+            outcome=self.outcome,
+        )
 
     def record_engine(self) -> None:
         """The engine's version and context length, for the summary."""
@@ -302,8 +328,9 @@ class _Job:
         """Live progress for the driver: bars at a terminal, else periodic events."""
         bars = self.options.progress_bars
         bars = _isatty(self.events.stream) if bars is None else bars
-        self.progress = Progress(self.events, total_rows, total_shards, bars,
-                                 self.spec.execution.progress_interval_s)
+        self.progress = Progress(
+            self.events, total_rows, total_shards, bars, self.spec.execution.progress_interval_s
+        )
         return self.progress
 
     # ------------------------------------------------------------------ endings
@@ -327,14 +354,17 @@ class _Job:
             exc = wrapped
         if self.executor is not None:
             self.executor.abort()
-        if isinstance(exc, RuntimeFailure) and self.events.engine_log and "engine" in str(exc) \
-                and "engine log:" not in str(exc):
+        if (
+            isinstance(exc, RuntimeFailure)
+            and self.events.engine_log
+            and "engine" in str(exc)
+            and "engine log:" not in str(exc)
+        ):
             exc.args = (f"{exc} (engine log: {self.events.engine_log})",)
         self.summary["status"] = "interrupted" if isinstance(exc, Interrupted) else "failed"
         self.summary["error"] = self.events.scrub(str(exc))
         self.summary["exit_code"] = exc.exit_code
-        self.events.emit("error", f"{exc.kind}: {exc}", level="error", exit_code=exc.exit_code,
-                         kind=exc.kind)
+        self.events.emit("error", f"{exc.kind}: {exc}", level="error", exit_code=exc.exit_code, kind=exc.kind)
         exc.logged = True
         self.finish(exc)
         return exc
@@ -346,8 +376,9 @@ class _Job:
         if self.progress is not None:
             self.progress.close()
         wall = time.monotonic() - self.t0
-        gen_wall = ((self.gen_ended or time.monotonic()) - self.gen_started
-                    if self.gen_started is not None else 0.0)
+        gen_wall = (
+            (self.gen_ended or time.monotonic()) - self.gen_started if self.gen_started is not None else 0.0
+        )
         positions = self.executor.acceptance_per_position() if self.executor is not None else None
         summarise(summary, self.outcome, wall, gen_wall, positions)
         cache = self.executor.prefix_cache() if self.executor is not None else None
@@ -358,15 +389,21 @@ class _Job:
             try:
                 path = write_summary(self.out, self.run_id, summary)
             except Exception as write_exc:  # never hide the run's own failure behind this one
-                events.emit("summary_failed", f"could not write the run summary: {write_exc}",
-                            level="warning")
+                events.emit(
+                    "summary_failed", f"could not write the run summary: {write_exc}", level="warning"
+                )
                 path = None
         self.summary_path = path
         t = summary["totals"]
-        events.emit("run_finished", human_summary(summary),
-                    level="info" if exc is None else "error", status=summary.get("status"),
-                    exit_code=summary["exit_code"], summary=path,
-                    **{k: t[k] for k in ("rows", "errors", "output_tokens", "wall_s")})
+        events.emit(
+            "run_finished",
+            human_summary(summary),
+            level="info" if exc is None else "error",
+            status=summary.get("status"),
+            exit_code=summary["exit_code"],
+            summary=path,
+            **{k: t[k] for k in ("rows", "errors", "output_tokens", "wall_s")},
+        )
 
 
 def _isatty(stream) -> bool:
@@ -378,7 +415,8 @@ def _isatty(stream) -> bool:
 
 def _interrupted(signum: int) -> Interrupted:
     name = signal.Signals(signum).name
-    return Interrupted(f"stopped by {name}: committed shards stay committed; uncommitted shards "
-                       f"were discarded and will be redone", signum=signum)
-
-
+    return Interrupted(
+        f"stopped by {name}: committed shards stay committed; uncommitted shards "
+        f"were discarded and will be redone",
+        signum=signum,
+    )

@@ -22,17 +22,22 @@ class LeaseWait:
     ``progress`` takes ``rows_dropped(n)`` and ``rows_restored(n)``; ``row_counts`` is each
     shard's rows."""
 
-    def __init__(self, lease_s: float, outcome: RunOutcome, events: EventLog, progress,
-                 row_counts: dict[str, int]):
+    def __init__(
+        self, lease_s: float, outcome: RunOutcome, events: EventLog, progress, row_counts: dict[str, int]
+    ):
         self.rule = BusyRetry(lease_s)
         self.outcome, self.events, self.progress = outcome, events, progress
         self.row_counts = row_counts
         #: shard -> monotonic time its retry is due, for the shards waiting for one
         self._due: dict[str, float] = {}
 
-    def schedule_retries(self, busy: dict[str, str],
-                         observation: Callable[[str], LeaseObservation | None],
-                         stopping: bool = False, **fields) -> list[str]:
+    def schedule_retries(
+        self,
+        busy: dict[str, str],
+        observation: Callable[[str], LeaseObservation | None],
+        stopping: bool = False,
+        **fields,
+    ) -> list[str]:
         """Shards found busy (shard -> holder in words), with what the finder saw of each
         holder (:meth:`ShardLeases.observation`): every one is busy in the outcome; those whose
         holder may be dead (and not waited for yet, and the run not stopping) get one retry,
@@ -49,10 +54,16 @@ class LeaseWait:
             return []
         retry = sorted(waits)
         wait_s = max(waits.values())
-        self.events.emit("shards_waiting", f"{len(retry)} shard(s) held by runs that have not "
-                         "renewed their lease (" + "; ".join(f"{n}: {busy[n]}" for n in retry)
-                         + f"); taking them over in {wait_s:.0f}s unless they do",
-                         shards=retry, wait_s=round(wait_s, 1), **fields)
+        self.events.emit(
+            "shards_waiting",
+            f"{len(retry)} shard(s) held by runs that have not "
+            "renewed their lease ("
+            + "; ".join(f"{n}: {busy[n]}" for n in retry)
+            + f"); taking them over in {wait_s:.0f}s unless they do",
+            shards=retry,
+            wait_s=round(wait_s, 1),
+            **fields,
+        )
         return retry
 
     def due_in(self, name: str) -> float:

@@ -111,21 +111,27 @@ class RunOutcome:
 
     def incomplete(self) -> RuntimeFailure | None:
         """Exit 1 naming every shard the run left undone (busy, lost or failed), or None."""
-        for shards, what in ((self.busy, "are being processed by another run and were left "
-                                         "alone"),
-                             (self.lost, "lost their lease to another run and were not "
-                                         "committed by this one"),
-                             (self.failed, "failed on every try")):
+        for shards, what in (
+            (self.busy, "are being processed by another run and were left alone"),
+            (self.lost, "lost their lease to another run and were not committed by this one"),
+            (self.failed, "failed on every try"),
+        ):
             if shards:
-                return RuntimeFailure(f"{len(shards)} shards {what}: " + "; ".join(
-                    f"{k} ({v})" for k, v in sorted(shards.items())))
+                return RuntimeFailure(
+                    f"{len(shards)} shards {what}: "
+                    + "; ".join(f"{k} ({v})" for k, v in sorted(shards.items()))
+                )
         return None
 
     def summary_sections(self) -> dict[str, Any]:
         """The run summary's shard sections (``failed_shards`` and ``executor`` only when
         there is something to say)."""
-        sections: dict[str, Any] = {"shards": self.committed, "bad_shards": self.bad,
-                                    "busy_shards": self.busy, "lost_shards": self.lost}
+        sections: dict[str, Any] = {
+            "shards": self.committed,
+            "bad_shards": self.bad,
+            "busy_shards": self.busy,
+            "lost_shards": self.lost,
+        }
         if self.executor is not None:
             sections["executor"] = self.executor
         if self.failed:
@@ -140,16 +146,16 @@ class RunOutcome:
         out = totals.as_dict(wall_s)
         out["shards_committed"] = len(self.committed)
         out["generation_wall_s"] = round(generation_wall_s, 3)
-        out["generation_output_tokens_per_s"] = tokens_per_s(totals.output_tokens,
-                                                              generation_wall_s)
+        out["generation_output_tokens_per_s"] = tokens_per_s(totals.output_tokens, generation_wall_s)
         return out
 
 
 # ---------------------------------------------------------------------------- 4. summarise
 
 
-def summarise(summary: dict, outcome: RunOutcome, wall_s: float, generation_wall_s: float,
-              per_position: dict | None) -> dict:
+def summarise(
+    summary: dict, outcome: RunOutcome, wall_s: float, generation_wall_s: float, per_position: dict | None
+) -> dict:
     """Fill in the run summary's shard sections, totals (over the committed shards) and end
     time."""
     summary.update(outcome.summary_sections())
@@ -171,14 +177,17 @@ def write_summary(out: OutputDir, run_id: str, summary: dict) -> str:
 def human_summary(summary: dict) -> str:
     """One line a person reads at the end of a run."""
     t = summary["totals"]
-    parts = [f"{summary.get('status', '?')}: {t['shards_committed']} shards committed",
-             f"{t['rows']} rows", f"{t['errors']} errors", f"{t['output_tokens']} output tokens",
-             f"{t['wall_s']:.1f}s"]
+    parts = [
+        f"{summary.get('status', '?')}: {t['shards_committed']} shards committed",
+        f"{t['rows']} rows",
+        f"{t['errors']} errors",
+        f"{t['output_tokens']} output tokens",
+        f"{t['wall_s']:.1f}s",
+    ]
     if t.get("generation_output_tokens_per_s"):
         parts.append(f"{t['generation_output_tokens_per_s']:.0f} tok/s")
     if t.get("acceptance_rate") is not None:
-        parts.append(f"acceptance {t['acceptance_rate']:.3f}, "
-                     f"mean length {t['mean_acceptance_length']:.2f}")
+        parts.append(f"acceptance {t['acceptance_rate']:.3f}, mean length {t['mean_acceptance_length']:.2f}")
     if summary.get("bad_shards"):
         parts.append(f"{len(summary['bad_shards'])} bad shards skipped")
     if summary.get("failed_shards"):

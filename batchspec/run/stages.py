@@ -58,20 +58,29 @@ class Plan:
     spec_fingerprint: dict[str, str]
 
 
-
-
-def plan(spec: JobSpec, worker_index: int = 0, num_workers: int = 1,
-         overwrite: bool = False, out: OutputDir | None = None) -> Plan:
+def plan(
+    spec: JobSpec,
+    worker_index: int = 0,
+    num_workers: int = 1,
+    overwrite: bool = False,
+    out: OutputDir | None = None,
+) -> Plan:
     """The worker's shards and each one's state (committed, stale, partial or pending)."""
     from batchspec.spec.fingerprint import spec_fingerprint
 
     check_worker(worker_index, num_workers)
-    check_no_overlap(spec.input.paths, spec.input.storage_options, spec.output.path,
-                     spec.output.storage_options)
+    check_no_overlap(
+        spec.input.paths, spec.input.storage_options, spec.output.path, spec.output.storage_options
+    )
     out = out or OutputDir(spec.output.path, spec.output.storage_options, spec.output.format)
     exclude = out.path if same_store(spec.input.paths, spec.input.storage_options, out) else None
-    every = discover_shards(spec.input.paths, spec.input.storage_options, exclude=exclude,
-                            allow_empty=spec.input.allow_empty, input_format=spec.input.format)
+    every = discover_shards(
+        spec.input.paths,
+        spec.input.storage_options,
+        exclude=exclude,
+        allow_empty=spec.input.allow_empty,
+        input_format=spec.input.format,
+    )
     shards = assign(every, worker_index, num_workers)
     fp = spec_fingerprint(spec)
     states: dict[str, ShardState] = {}
@@ -88,8 +97,6 @@ def plan(spec: JobSpec, worker_index: int = 0, num_workers: int = 1,
     return Plan(out, shards, states, stale, orphans, fp)
 
 
-
-
 def stale_error(p: Plan) -> SpecError:
     """Exit 2: the output holds shards written under another spec; name what changed."""
     changed = sorted({c for cs in p.stale.values() for c in cs})
@@ -98,17 +105,16 @@ def stale_error(p: Plan) -> SpecError:
         "output.path",
         f"{len(p.stale)} committed shard(s) under {p.out.display_url} were written with a "
         f"different {', '.join(changed)} (e.g. shard {example!r}); one output directory never "
-        "mixes two specs: rerun with --overwrite to redo every shard, or write to a new output.path")
-
-
+        "mixes two specs: rerun with --overwrite to redo every shard, or write to a new output.path",
+    )
 
 
 # ---------------------------------------------------------------------------- 2. check inputs
 
 
-def check_inputs(spec: JobSpec, todo: list[Shard],
-                 bad_shard: Callable[[Shard, InputDataError], None]
-                 ) -> tuple[list[Shard], dict[str, int]]:
+def check_inputs(
+    spec: JobSpec, todo: list[Shard], bad_shard: Callable[[Shard, InputDataError], None]
+) -> tuple[list[Shard], dict[str, int]]:
     """Check every pending shard's schema before loading any model: a missing column exits 3
     now (``bad_shard`` raises), or the shard is left out (``on_bad_shard: skip``). Returns the
     readable shards and each one's row count."""
@@ -124,8 +130,6 @@ def check_inputs(spec: JobSpec, todo: list[Shard],
         reader.close()
         ok.append(s)
     return ok, row_counts
-
-
 
 
 # ---------------------------------------------------------------------------- 3. per shard
@@ -158,8 +162,7 @@ class ShardRun:
     def move(self, to: ShardState) -> None:
         """The one way a shard changes state; a move :data:`MOVES` does not allow is a bug."""
         if to not in MOVES.get(self.state, frozenset()):
-            raise RuntimeError(f"shard {self.shard.name}: no move from {self.state.value} to "
-                               f"{to.value}")
+            raise RuntimeError(f"shard {self.shard.name}: no move from {self.state.value} to {to.value}")
         self.state = to
 
     @property
@@ -192,8 +195,6 @@ class SeenIds:
         return False
 
 
-
-
 class ShardPipeline:
     """Claim, read prompts, generate, write and commit: the per-shard stages one worker runs
     through one engine (a local run, or one Ray replica).
@@ -204,10 +205,22 @@ class ShardPipeline:
     ``bad_shard`` records an unreadable shard, or raises to end the run; what it raises lands in
     ``fatal`` and stops the feed (shards already read still finish and commit)."""
 
-    def __init__(self, spec: JobSpec, run_id: str, out: OutputDir, leases, events: EventLog,
-                 progress, outcome: RunOutcome, spec_fingerprint: dict[str, str],
-                 vllm_version: str | None, overwrite: bool, stop: Callable[[], bool],
-                 grace_s: float, bad_shard: Callable[[Shard, InputDataError], None]):
+    def __init__(
+        self,
+        spec: JobSpec,
+        run_id: str,
+        out: OutputDir,
+        leases,
+        events: EventLog,
+        progress,
+        outcome: RunOutcome,
+        spec_fingerprint: dict[str, str],
+        vllm_version: str | None,
+        overwrite: bool,
+        stop: Callable[[], bool],
+        grace_s: float,
+        bad_shard: Callable[[Shard, InputDataError], None],
+    ):
         self.spec, self.run_id, self.out, self.leases = spec, run_id, out, leases
         self.events, self.progress, self.outcome = events, progress, outcome
         self.spec_fingerprint, self.overwrite, self.stop = spec_fingerprint, overwrite, stop
@@ -223,8 +236,13 @@ class ShardPipeline:
             "spec_fingerprint": spec_fingerprint,
             "target_model": sanitize_url(spec.model.target),
             # name=source of each LoRA adapter rows may run with (a row's is in lora_adapter)
-            "lora_adapters": (None if spec.model.lora is None else ", ".join(
-                f"{name}={sanitize_url(src)}" for name, src in spec.model.lora.adapters.items())),
+            "lora_adapters": (
+                None
+                if spec.model.lora is None
+                else ", ".join(
+                    f"{name}={sanitize_url(src)}" for name, src in spec.model.lora.adapters.items()
+                )
+            ),
             "draft_model": sanitize_url(m) if (m := (spec.speculative or {}).get("model")) else None,
             "speculative_method": (spec.speculative or {}).get("method"),
             # speculative: auto chose the section above (the run summary names its record)
@@ -245,16 +263,21 @@ class ShardPipeline:
             run.move(ShardState.BUSY)
             self.outcome.busy[name] = holder_text(holder)
             self.progress.rows_dropped(self.row_counts[name])
-            self.events.emit("shard_busy", f"shard {name} is being processed by another run "
-                             f"({holder_text(holder)}); leaving it alone", level="warning",
-                             shard=name, holder=holder.get("run_id"))
+            self.events.emit(
+                "shard_busy",
+                f"shard {name} is being processed by another run ({holder_text(holder)}); leaving it alone",
+                level="warning",
+                shard=name,
+                holder=holder.get("run_id"),
+            )
             return False
         if not self.overwrite and self.out.shard_state(run.shard) is ShardState.COMMITTED:
             self.leases.release(name)  # committed by another process since this run began
             run.move(ShardState.SKIPPED)
             self.progress.rows_dropped(self.row_counts[name])
-            self.events.emit("shard_skipped", f"shard {name} already committed", shard=name,
-                             reason="committed")
+            self.events.emit(
+                "shard_skipped", f"shard {name} already committed", shard=name, reason="committed"
+            )
             return False
         run.move(ShardState.READING)
         return True
@@ -265,14 +288,22 @@ class ShardPipeline:
         """Open the shard's reader and its output's temporary file."""
         spec, name = self.spec, run.shard.name
         run.reader = open_reader(run.shard, spec)
-        metadata = {**self.metadata_base, "shard": name, "input": sanitize_url(run.shard.url),
-                    "input_fingerprint": run.shard.fingerprint}
-        run.writer = self.out.format.writer(self.out, run.shard, spec.output,
-                                            run.reader.kept_fields, metadata)
+        metadata = {
+            **self.metadata_base,
+            "shard": name,
+            "input": sanitize_url(run.shard.url),
+            "input_fingerprint": run.shard.fingerprint,
+        }
+        run.writer = self.out.format.writer(
+            self.out, run.shard, spec.output, run.reader.kept_fields, metadata
+        )
         run.started = time.monotonic()
-        self.events.emit("shard_started", f"shard {name} started", shard=name,
-                         rows=self.row_counts[name] if name in self.row_counts
-                         else run.reader.num_rows)  # a JSON-lines shard's is counted once
+        self.events.emit(
+            "shard_started",
+            f"shard {name} started",
+            shard=name,
+            rows=self.row_counts[name] if name in self.row_counts else run.reader.num_rows,
+        )  # a JSON-lines shard's is counted once
 
     def read_prompts(self, runs: list[ShardRun], seen: SeenIds) -> Iterator[Row]:
         """Every claimed shard's rows, one shard after another, for the engine's stream."""
@@ -284,14 +315,15 @@ class ShardPipeline:
             try:
                 self.open_shard(run)
                 name = run.shard.name
-                expected = (self.row_counts[name] if name in self.row_counts
-                            else run.reader.num_rows)
+                expected = self.row_counts[name] if name in self.row_counts else run.reader.num_rows
                 for row in prefix_order(run.reader.rows(), self.spec.execution.prefix_window):
                     if self.stop() or run.dropped:
                         break
                     if run.rows_read >= expected:
-                        raise InputDataError(run.shard.url, f"the shard has more rows than the "
-                                             f"{expected} it had when the run was planned")
+                        raise InputDataError(
+                            run.shard.url,
+                            f"the shard has more rows than the {expected} it had when the run was planned",
+                        )
                     if seen.add(row.request_id):
                         run.stats.duplicate_ids += 1
                     run.rows_read += 1
@@ -341,9 +373,12 @@ class ShardPipeline:
             """After a stop: only requests of shards that can still be committed may drain."""
             return by_name[row.shard].state is ShardState.READ
 
-        twins = Twins(self.spec.sampling, self.spec.execution.dedupe_window,
-                      hold=self.spec.execution.max_in_flight,
-                      max_bytes=self.spec.execution.dedupe_max_bytes)
+        twins = Twins(
+            self.spec.sampling,
+            self.spec.execution.dedupe_window,
+            hold=self.spec.execution.max_in_flight,
+            max_bytes=self.spec.execution.dedupe_max_bytes,
+        )
         rows: Iterator[Row] | None = twins.primaries(self.read_prompts(runs, SeenIds()))
 
         def deliver(row: Row, results: list[dict]) -> None:
@@ -352,8 +387,9 @@ class ShardPipeline:
                 self.write(run, row, results)
 
         while rows is not None:
-            stream = engine.stream(rows, self.spec.execution.max_in_flight, stop=self.stop,
-                                   grace_s=self.grace_s, keep=keep)
+            stream = engine.stream(
+                rows, self.spec.execution.max_in_flight, stop=self.stop, grace_s=self.grace_s, keep=keep
+            )
             try:
                 for row, results in stream:
                     # the keeper thread marks a lease lost: act between steps
@@ -424,19 +460,29 @@ class ShardPipeline:
         shard_summary = run.stats.as_dict(wall)
         self.outcome.committed[name] = shard_summary
         self.progress.shard_done()
-        self.events.emit("shard_committed", f"shard {name} committed", shard=name,
-                         rows=run.stats.rows, errors=run.stats.errors,
-                         output_tokens=run.stats.output_tokens, wall_s=round(wall, 2),
-                         acceptance_rate=shard_summary["acceptance_rate"])
+        self.events.emit(
+            "shard_committed",
+            f"shard {name} committed",
+            shard=name,
+            rows=run.stats.rows,
+            errors=run.stats.errors,
+            output_tokens=run.stats.output_tokens,
+            wall_s=round(wall, 2),
+            acceptance_rate=shard_summary["acceptance_rate"],
+        )
 
     def abandon(self, run: ShardRun, why: str) -> None:
         """Our lease on this shard is gone: drop our copy (``ABANDONED``), never commit it."""
         self.drop(run, ShardState.ABANDONED)
         holder = self.leases.holder(run.shard.name) or {}
         self.outcome.lost[run.shard.name] = f"{why}: {holder_text(holder)}"
-        self.events.emit("shard_conflict", f"shard {run.shard.name} was {why} "
-                         f"({holder_text(holder)}); this run's copy was discarded",
-                         level="warning", shard=run.shard.name, holder=holder.get("run_id"))
+        self.events.emit(
+            "shard_conflict",
+            f"shard {run.shard.name} was {why} ({holder_text(holder)}); this run's copy was discarded",
+            level="warning",
+            shard=run.shard.name,
+            holder=holder.get("run_id"),
+        )
 
     def drop(self, run: ShardRun, state: ShardState) -> None:
         """Move a claimed shard to ``FAILED`` or ``ABANDONED``: discard its temporary file and

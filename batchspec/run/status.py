@@ -14,11 +14,18 @@ def job_status(spec: JobSpec, worker_index: int = 0, num_workers: int = 1) -> di
     """{"shards": [{shard, state, input, output, changed}], "orphans": [output names with no
     current input]}: what ``batchspec status`` shows."""
     p = plan(spec, worker_index, num_workers)
-    shards = [{"shard": s.name, "state": p.states[s.name].value, "input": sanitize_url(s.url),
-               "output": (sanitize_url(p.out.output_path(s))
-                          if p.states[s.name] is ShardState.COMMITTED else None),
-               "changed": p.stale.get(s.name, [])}
-              for s in p.shards]
+    shards = [
+        {
+            "shard": s.name,
+            "state": p.states[s.name].value,
+            "input": sanitize_url(s.url),
+            "output": (
+                sanitize_url(p.out.output_path(s)) if p.states[s.name] is ShardState.COMMITTED else None
+            ),
+            "changed": p.stale.get(s.name, []),
+        }
+        for s in p.shards
+    ]
     return {"shards": shards, "orphans": list(p.orphans)}
 
 

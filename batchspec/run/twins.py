@@ -43,10 +43,19 @@ from batchspec.io.rows import Row
 from batchspec.spec.model import ExecutionSpec
 
 #: Result columns a twin does not copy: nothing was generated or timed for it.
-NOT_COPIED = ("spec_num_steps", "spec_num_draft_tokens", "spec_num_accepted_tokens",
-              "spec_acceptance_rate", "spec_mean_acceptance_length",
-              "spec_acceptance_histogram", "time_queued_s", "time_to_first_token_s",
-              "time_decode_s", "time_e2e_s", "output_tokens_per_s")
+NOT_COPIED = (
+    "spec_num_steps",
+    "spec_num_draft_tokens",
+    "spec_num_accepted_tokens",
+    "spec_acceptance_rate",
+    "spec_mean_acceptance_length",
+    "spec_acceptance_histogram",
+    "time_queued_s",
+    "time_to_first_token_s",
+    "time_decode_s",
+    "time_e2e_s",
+    "output_tokens_per_s",
+)
 TWIN_OF = "twin_of"
 #: Result columns that can hold thousands of values: results with them are not kept for later.
 _LARGE = ("token_logprobs", "top_logprobs", "prompt_token_logprobs", "prompt_top_logprobs")
@@ -63,8 +72,7 @@ def request_key(row: Row, sampling: dict[str, Any]) -> bytes | None:
     if merged.get("seed") is None and merged.get("temperature") != 0:
         return None
     asked = [row.prompt, row.messages, row.lora, sorted(row.overrides.items())]
-    return hashlib.blake2b(json.dumps(asked, sort_keys=True, default=str).encode(),
-                           digest_size=16).digest()
+    return hashlib.blake2b(json.dumps(asked, sort_keys=True, default=str).encode(), digest_size=16).digest()
 
 
 def twin_results(results: list[dict], of: str) -> list[dict]:
@@ -74,8 +82,9 @@ def twin_results(results: list[dict], of: str) -> list[dict]:
 
 def is_answer(results: list[dict]) -> bool:
     """True when every sample of a result is the request's answer (no error, not aborted)."""
-    return bool(results) and all(r.get("error") is None and r.get("finish_reason")
-                                 not in _NOT_ANSWERS for r in results)
+    return bool(results) and all(
+        r.get("error") is None and r.get("finish_reason") not in _NOT_ANSWERS for r in results
+    )
 
 
 def result_bytes(results: list[dict]) -> int:
@@ -98,8 +107,13 @@ def _bytes(value: Any) -> int:
 class Twins:
     """Holds back twins of requests in flight and serves them when the request finishes."""
 
-    def __init__(self, sampling: dict[str, Any], window: int, hold: int,
-                 max_bytes: int = ExecutionSpec.dedupe_max_bytes):
+    def __init__(
+        self,
+        sampling: dict[str, Any],
+        window: int,
+        hold: int,
+        max_bytes: int = ExecutionSpec.dedupe_max_bytes,
+    ):
         self.sampling, self.window, self.hold = dict(sampling), window, hold
         self.max_bytes = max_bytes
         #: key -> the request id of the row sent to the engine for it

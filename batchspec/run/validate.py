@@ -29,8 +29,6 @@ class ShardCheck:
     problem: str | None = None
 
 
-
-
 @dataclass
 class ValidationReport:
     job: str
@@ -45,15 +43,14 @@ class ValidationReport:
                 lines.append(f"  {s.name}: BAD: {s.problem}")
                 continue
             bad = ", ".join(f"{n} {reason}" for reason, n in sorted(s.bad_rows.items()))
-            lines.append(f"  {s.name}: {s.state}, {s.rows} rows, longest prompt "
-                         f"{s.max_prompt_tokens} tokens" + (f"; rows to be refused: {bad}"
-                                                             if bad else ""))
+            lines.append(
+                f"  {s.name}: {s.state}, {s.rows} rows, longest prompt "
+                f"{s.max_prompt_tokens} tokens" + (f"; rows to be refused: {bad}" if bad else "")
+            )
         rows = sum(s.rows for s in self.shards)
         refused = sum(sum(s.bad_rows.values()) for s in self.shards)
         lines.append(f"{len(self.shards)} shards, {rows} rows, {refused} rows would get an error")
         return "\n".join(lines)
-
-
 
 
 def validate_job(spec: JobSpec, worker_index: int = 0, num_workers: int = 1) -> ValidationReport:
@@ -78,7 +75,8 @@ def validate_job(spec: JobSpec, worker_index: int = 0, num_workers: int = 1) -> 
     # code shipped with a model runs only when the spec asks for it, as vLLM does
     tokenizer = AutoTokenizer.from_pretrained(
         spec.model.engine.get("tokenizer") or spec.model.target,
-        trust_remote_code=spec.model.engine.get("trust_remote_code") is True)
+        trust_remote_code=spec.model.engine.get("trust_remote_code") is True,
+    )
     max_len = max_model_len(spec)
     report = ValidationReport(spec.name, max_len, [])
     for shard in shards:

@@ -27,8 +27,7 @@ from batchspec.spec.model import (
 
 # --------------------------------------------------------------------------- validation
 
-_TOP_KEYS = ("name", "input", "output", "model", "speculative", "sampling", "execution",
-             "executor")
+_TOP_KEYS = ("name", "input", "output", "model", "speculative", "sampling", "execution", "executor")
 
 
 def build_spec(raw: dict[str, Any]) -> JobSpec:
@@ -48,12 +47,17 @@ def build_spec(raw: dict[str, Any]) -> JobSpec:
         speculative_auto=_auto_speculation(raw),
     )
     if spec.speculative_auto is not None and spec.executor.kind == "ray":
-        raise SpecError("speculative", "auto measures its candidates on this process's own engine "
-                                       "before the shards run; with executor.kind ray, run "
-                                       "`batchspec tune` and set the speculative section it writes")
+        raise SpecError(
+            "speculative",
+            "auto measures its candidates on this process's own engine "
+            "before the shards run; with executor.kind ray, run "
+            "`batchspec tune` and set the speculative section it writes",
+        )
     if spec.input.lora_column and spec.model.lora is None:
-        raise SpecError("input.lora_column", "rows can pick a LoRA adapter only from those "
-                                             "model.lora.adapters names; model.lora is not set")
+        raise SpecError(
+            "input.lora_column",
+            "rows can pick a LoRA adapter only from those model.lora.adapters names; model.lora is not set",
+        )
     return spec
 
 
@@ -69,12 +73,10 @@ class _Fields:
     def get(self, key: str, types, required: bool = False) -> Any:
         """The key's value (its default when absent), of ``types`` and, where the field's type
         is a ``Literal``, one of its values."""
-        value = _get(self.values, key, types, self.name, required=required,
-                     default=self.default(key))
+        value = _get(self.values, key, types, self.name, required=required, default=self.default(key))
         choices = _choices(self.cls).get(key)
         if choices is not None and value is not None and value not in choices:
-            shown = " or ".join(filter(None, (", ".join(map(repr, choices[:-1])),
-                                              repr(choices[-1]))))
+            shown = " or ".join(filter(None, (", ".join(map(repr, choices[:-1])), repr(choices[-1]))))
             optional = " (or no key)" if self.default(key) is None else ""
             raise SpecError(_join(self.name, key), f"expected {shown}{optional}, got {value!r}")
         return value
@@ -97,8 +99,13 @@ class _Fields:
 
 
 def _input_spec(raw: dict) -> InputSpec:
-    inp = _Fields(raw, "input", InputSpec, required=True,
-                  keys=("path", *(f.name for f in dataclasses.fields(InputSpec) if f.name != "paths")))
+    inp = _Fields(
+        raw,
+        "input",
+        InputSpec,
+        required=True,
+        keys=("path", *(f.name for f in dataclasses.fields(InputSpec) if f.name != "paths")),
+    )
     paths = inp.get("path", (str, list), required=True)
     paths = [paths] if isinstance(paths, str) else paths
     if not paths or not all(isinstance(p, str) and p.strip() for p in paths):
@@ -107,22 +114,27 @@ def _input_spec(raw: dict) -> InputSpec:
     messages_column = inp.get("messages_column", str)
     input_format = inp.get("format", str)
     if input_format == "openai":
-        for key in ("prompt_column", "messages_column", "id_column", "lora_column",
-                    "sampling_columns"):
+        for key in ("prompt_column", "messages_column", "id_column", "lora_column", "sampling_columns"):
             if inp.get(key, (str, dict)):
-                raise SpecError(f"input.{key}", "an OpenAI batch file's lines give their own "
-                                                "prompt or messages, custom_id, model and "
-                                                "sampling; leave this key out")
+                raise SpecError(
+                    f"input.{key}",
+                    "an OpenAI batch file's lines give their own "
+                    "prompt or messages, custom_id, model and "
+                    "sampling; leave this key out",
+                )
     elif bool(prompt_column) == bool(messages_column):
-        raise SpecError("input.prompt_column",
-                        "give exactly one of input.prompt_column (text) and "
-                        "input.messages_column (chat messages)")
+        raise SpecError(
+            "input.prompt_column",
+            "give exactly one of input.prompt_column (text) and input.messages_column (chat messages)",
+        )
     sampling_columns = inp.get("sampling_columns", dict)
     for k, v in sampling_columns.items():
         if k not in ROW_OVERRIDABLE:
-            raise SpecError(f"input.sampling_columns.{k}",
-                            f"not a per-row SamplingParams field{_suggest(k, ROW_OVERRIDABLE)}; "
-                            f"one of: {', '.join(ROW_OVERRIDABLE)}")
+            raise SpecError(
+                f"input.sampling_columns.{k}",
+                f"not a per-row SamplingParams field{_suggest(k, ROW_OVERRIDABLE)}; "
+                f"one of: {', '.join(ROW_OVERRIDABLE)}",
+            )
         if not isinstance(v, str) or not v:
             raise SpecError(f"input.sampling_columns.{k}", "expected the name of an input column")
     on_bad_shard = inp.get("on_bad_shard", str)
@@ -170,8 +182,9 @@ def _output_spec(raw: dict) -> OutputSpec:
 
 def _model_spec(raw: dict) -> ModelSpec:
     mod = _Fields(raw, "model", ModelSpec, required=True)
-    model_spec = ModelSpec(target=mod.get("target", str, required=True),
-                           engine=mod.get("engine", dict), lora=_lora_spec(mod))
+    model_spec = ModelSpec(
+        target=mod.get("target", str, required=True), engine=mod.get("engine", dict), lora=_lora_spec(mod)
+    )
     for reserved, where in _ENGINE_RESERVED.items():
         if reserved in model_spec.engine:
             raise SpecError(f"model.engine.{reserved}", f"set this with `{where}` instead")
@@ -181,17 +194,23 @@ def _model_spec(raw: dict) -> ModelSpec:
         for name in model_spec.lora.adapters:
             if name in served:
                 # an OpenAI Batch line naming the base model would run with the adapter
-                raise SpecError(f"model.lora.adapters.{name}",
-                                "an adapter may not share its name with the model the job serves "
-                                "(model.target or model.engine.served_model_name): rows naming "
-                                "that model would run with the adapter; rename the adapter")
+                raise SpecError(
+                    f"model.lora.adapters.{name}",
+                    "an adapter may not share its name with the model the job serves "
+                    "(model.target or model.engine.served_model_name): rows naming "
+                    "that model would run with the adapter; rename the adapter",
+                )
     return model_spec
 
 
 #: Engine arguments batchspec sets from other keys of the spec.
-_ENGINE_RESERVED = {"model": "model.target", "speculative_config": "speculative",
-                    "enable_lora": "model.lora.adapters", "max_loras": "model.lora.max_loras",
-                    "max_lora_rank": "model.lora.max_lora_rank"}
+_ENGINE_RESERVED = {
+    "model": "model.target",
+    "speculative_config": "speculative",
+    "enable_lora": "model.lora.adapters",
+    "max_loras": "model.lora.max_loras",
+    "max_lora_rank": "model.lora.max_lora_rank",
+}
 
 
 def _lora_spec(mod: _Fields) -> LoraSpec | None:
@@ -201,29 +220,36 @@ def _lora_spec(mod: _Fields) -> LoraSpec | None:
     lora = _Fields({"model.lora": values}, "model.lora", LoraSpec, required=True)
     adapters = lora.get("adapters", dict, required=True)
     if not adapters:
-        raise SpecError("model.lora.adapters", "expected at least one adapter: name -> local "
-                                               "directory or model id")
+        raise SpecError(
+            "model.lora.adapters", "expected at least one adapter: name -> local directory or model id"
+        )
     for name, source in adapters.items():
         if not isinstance(name, str) or not name.strip():
             raise SpecError("model.lora.adapters", f"expected adapter names, got {name!r}")
         if not isinstance(source, str) or not source.strip():
-            raise SpecError(f"model.lora.adapters.{name}",
-                            f"expected a local directory or a model id, got {kind_of(source)}")
+            raise SpecError(
+                f"model.lora.adapters.{name}",
+                f"expected a local directory or a model id, got {kind_of(source)}",
+            )
         if "://" in source:
-            raise SpecError(f"model.lora.adapters.{name}",
-                            "vLLM loads an adapter from a local directory or a model id, not "
-                            f"from a URL ({source.split('://', 1)[0]}://): copy it to local disk")
+            raise SpecError(
+                f"model.lora.adapters.{name}",
+                "vLLM loads an adapter from a local directory or a model id, not "
+                f"from a URL ({source.split('://', 1)[0]}://): copy it to local disk",
+            )
     adapter = lora.get("adapter", str)
     if adapter is not None and adapter not in adapters:
-        raise SpecError("model.lora.adapter", f"{adapter!r} is not one of model.lora.adapters"
-                                              f"{_suggest(adapter, adapters)}: "
-                                              f"{', '.join(adapters)}")
+        raise SpecError(
+            "model.lora.adapter",
+            f"{adapter!r} is not one of model.lora.adapters"
+            f"{_suggest(adapter, adapters)}: "
+            f"{', '.join(adapters)}",
+        )
     return LoraSpec(
         adapters=dict(adapters),
         adapter=adapter,
         max_loras=None if lora.values.get("max_loras") is None else lora.positive("max_loras"),
-        max_lora_rank=(None if lora.values.get("max_lora_rank") is None
-                       else lora.positive("max_lora_rank")),
+        max_lora_rank=(None if lora.values.get("max_lora_rank") is None else lora.positive("max_lora_rank")),
     )
 
 
@@ -237,8 +263,9 @@ def _speculative(raw: dict) -> dict[str, Any] | None:
         raise SpecError("speculative", f"expected a mapping, auto or null, got {kind_of(speculative)}")
     speculative = dict(speculative)
     if not speculative.get("method") and not speculative.get("model"):
-        raise SpecError("speculative.method",
-                        "give a method (draft_model, ngram, eagle, ...) or a draft model")
+        raise SpecError(
+            "speculative.method", "give a method (draft_model, ngram, eagle, ...) or a draft model"
+        )
     if speculative.get("model") and not speculative.get("method"):
         speculative["method"] = "draft_model"
     return speculative
@@ -256,31 +283,42 @@ def _auto_speculation(raw: dict) -> AutoSpeculation | None:
         return None
     if raw["speculative"] == "auto":
         return AutoSpeculation()
-    auto = _Fields(raw, "speculative", AutoSpeculation, required=True,
-                   keys=["method", *(f.name for f in dataclasses.fields(AutoSpeculation))])
+    auto = _Fields(
+        raw,
+        "speculative",
+        AutoSpeculation,
+        required=True,
+        keys=["method", *(f.name for f in dataclasses.fields(AutoSpeculation))],
+    )
     drafts = auto.get("drafts", list)
     if any(not isinstance(d, str) or not d.strip() for d in drafts):
-        raise SpecError("speculative.drafts", f"expected a list of draft model paths or ids, "
-                                              f"got {drafts!r}")
+        raise SpecError("speculative.drafts", f"expected a list of draft model paths or ids, got {drafts!r}")
     k = _positive_ints(auto, "k")
     if not k:
         raise SpecError("speculative.k", "expected at least one num_speculative_tokens")
-    concurrency = _positive_ints(auto, "concurrency") if auto.values.get("concurrency") is not None \
-        else None
+    concurrency = _positive_ints(auto, "concurrency") if auto.values.get("concurrency") is not None else None
     ngram = auto.get("ngram", bool)
     if not drafts and not ngram:
-        raise SpecError("speculative.drafts", "auto with ngram: false and no drafts has nothing "
-                                              "to try beside speculation off")
+        raise SpecError(
+            "speculative.drafts",
+            "auto with ngram: false and no drafts has nothing to try beside speculation off",
+        )
     max_minutes = auto.get("max_minutes", (int, float))
     if isinstance(max_minutes, bool) or max_minutes <= 0:
         raise SpecError("speculative.max_minutes", f"expected minutes > 0, got {max_minutes!r}")
     seed = auto.get("seed", int)
     if isinstance(seed, bool):
         raise SpecError("speculative.seed", f"expected an integer, got {seed!r}")
-    return AutoSpeculation(drafts=tuple(drafts), k=tuple(sorted(set(k))), ngram=ngram,
-                           sample=auto.positive("sample"), seed=seed,
-                           concurrency=None if concurrency is None else tuple(sorted(set(concurrency))),
-                           max_minutes=float(max_minutes), remeasure=auto.get("remeasure", bool))
+    return AutoSpeculation(
+        drafts=tuple(drafts),
+        k=tuple(sorted(set(k))),
+        ngram=ngram,
+        sample=auto.positive("sample"),
+        seed=seed,
+        concurrency=None if concurrency is None else tuple(sorted(set(concurrency))),
+        max_minutes=float(max_minutes),
+        remeasure=auto.get("remeasure", bool),
+    )
 
 
 def _positive_ints(fields: _Fields, key: str) -> list[int]:
@@ -313,16 +351,17 @@ def _dedupe_window(exe: _Fields) -> int:
 def _dedupe_max_bytes(exe: _Fields) -> int:
     value = exe.get("dedupe_max_bytes", int)
     if isinstance(value, bool) or value < 0:
-        raise SpecError("execution.dedupe_max_bytes", "expected a number of bytes, 0 or more (0: "
-                                                      f"no finished result kept), got {value!r}")
+        raise SpecError(
+            "execution.dedupe_max_bytes",
+            f"expected a number of bytes, 0 or more (0: no finished result kept), got {value!r}",
+        )
     return value
 
 
 def _window(exe: _Fields, key: str, zero: str) -> int:
     value = exe.get(key, int)
     if isinstance(value, bool) or value < 0:
-        raise SpecError(f"execution.{key}", f"expected a number of rows, 0 or more ({zero}), "
-                                            f"got {value!r}")
+        raise SpecError(f"execution.{key}", f"expected a number of rows, 0 or more ({zero}), got {value!r}")
     return value
 
 
@@ -331,10 +370,16 @@ def _executor_spec(raw: dict) -> ExecutorSpec:
     kind = ex.get("kind", str)
     resources = ex.get("resources_per_replica", dict)
     for key, value in resources.items():
-        if not isinstance(key, str) or isinstance(value, bool) or not isinstance(value, (int, float)) \
-                or value < 0:
-            raise SpecError(f"executor.resources_per_replica.{key}",
-                            f"expected a number of {key} (0 or more), got {value!r}")
+        if (
+            not isinstance(key, str)
+            or isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or value < 0
+        ):
+            raise SpecError(
+                f"executor.resources_per_replica.{key}",
+                f"expected a number of {key} (0 or more), got {value!r}",
+            )
     return ExecutorSpec(
         kind=kind,
         replicas=ex.positive("replicas"),
@@ -371,9 +416,10 @@ def _check_keys(section: dict, allowed, where: str) -> None:
     allowed = tuple(allowed)
     for key in section:
         if key not in allowed:
-            raise SpecError(_join(where, key),
-                            f"unknown key{_suggest(str(key), allowed)}; allowed here: "
-                            f"{', '.join(allowed)}")
+            raise SpecError(
+                _join(where, key),
+                f"unknown key{_suggest(str(key), allowed)}; allowed here: {', '.join(allowed)}",
+            )
 
 
 def _get(section: dict, key: str, types, where: str, required: bool = False, default=None):
@@ -422,8 +468,14 @@ def _join(where: str, key) -> str:
 
 
 def kind_of(value) -> str:
-    return {dict: "a mapping", list: "a list", str: "a string", bool: "a boolean",
-            int: "an integer", float: "a number"}.get(type(value), type(value).__name__)
+    return {
+        dict: "a mapping",
+        list: "a list",
+        str: "a string",
+        bool: "a boolean",
+        int: "an integer",
+        float: "a number",
+    }.get(type(value), type(value).__name__)
 
 
 def _type_names(types) -> str:

@@ -76,67 +76,161 @@ FINGERPRINT_VERSION = 2
 
 
 #: Component names, in the order :func:`describe_changes` reports them.
-COMPONENTS = ("model.target", "model.lora", "speculative.model", "speculative", "model.engine",
-              "sampling", "columns")
+COMPONENTS = (
+    "model.target",
+    "model.lora",
+    "speculative.model",
+    "speculative",
+    "model.engine",
+    "sampling",
+    "columns",
+)
 
 
 #: Engine arguments that change speed, memory or logging but not the generated text.
-THROUGHPUT_ENGINE_KEYS = frozenset({
-    # batching and scheduling
-    "max_num_seqs", "max_num_batched_tokens", "max_num_partial_prefills",
-    "max_long_partial_prefills", "long_prefill_token_threshold",
-    "long_prefill_token_threshold_adaptive", "enable_chunked_prefill", "scheduling_policy",
-    "scheduler_cls", "async_scheduling", "stream_interval", "max_num_active_seqs",
-    "max_num_queued_reqs", "max_num_queued_tokens", "max_num_scheduled_tokens",
-    "prefill_schedule_interval", "enable_dbo", "dbo_decode_token_threshold",
-    "dbo_prefill_token_threshold", "ubatch_size",
-    # memory and caches
-    "gpu_memory_utilization", "swap_space", "cpu_offload_gb", "kv_cache_memory_bytes",
-    "num_gpu_blocks_override", "block_size", "enable_prefix_caching", "prefix_caching_hash_algo",
-    "prefix_cache_retention_interval", "enable_sleep_mode", "sleep_mode_offload_cudagraph",
-    "enable_cumem_allocator", "kv_offloading_backend", "kv_offloading_size",
-    "mm_processor_cache_gb", "mm_processor_cache_type", "mm_shm_cache_max_object_size_mb",
-    "offload_backend", "offload_group_size", "offload_num_in_group", "offload_prefetch_step",
-    "offload_params",
-    # compilation and kernels' launch mode
-    "enforce_eager", "compilation_config", "cudagraph_capture_sizes",
-    "max_cudagraph_capture_size", "optimization_level",
-    # parallelism and placement
-    "tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size",
-    "data_parallel_size_local", "data_parallel_rank", "data_parallel_start_rank",
-    "data_parallel_address", "data_parallel_rpc_port", "data_parallel_backend",
-    "data_parallel_external_lb", "data_parallel_hybrid_lb", "distributed_executor_backend",
-    "disable_custom_all_reduce", "max_parallel_loading_workers", "master_addr", "master_port",
-    "nnodes", "node_rank", "numa_bind", "numa_bind_cpus", "numa_bind_nodes", "device_ids",
-    "distributed_timeout_seconds", "cpu_distributed_timeout_seconds", "worker_cls",
-    "worker_extension_cls",
-    # loading speed, logging, metrics, process management
-    "download_dir", "use_tqdm_on_load", "safetensors_load_strategy",
-    "safetensors_prefetch_block_size", "safetensors_prefetch_num_threads", "disable_log_stats",
-    "disable_log_requests", "enable_log_requests", "aggregate_engine_logging",
-    "enable_logging_iteration_details", "log_level", "log_config_file", "logging_config",
-    "kv_cache_metrics", "kv_cache_metrics_sample", "cudagraph_metrics", "enable_mfu_metrics",
-    "enable_mm_processor_stats", "collect_detailed_traces", "otlp_traces_endpoint",
-    "show_hidden_metrics_for_version", "profiler_config", "per_request_spec_decode_metrics",
-    "shutdown_timeout", "served_model_name", "renderer_num_workers", "jit_monitor_mode",
-    "jit_monitor_verbose", "enable_layerwise_nvtx_tracing", "ray_workers_use_nsight",
-})
+THROUGHPUT_ENGINE_KEYS = frozenset(
+    {
+        # batching and scheduling
+        "max_num_seqs",
+        "max_num_batched_tokens",
+        "max_num_partial_prefills",
+        "max_long_partial_prefills",
+        "long_prefill_token_threshold",
+        "long_prefill_token_threshold_adaptive",
+        "enable_chunked_prefill",
+        "scheduling_policy",
+        "scheduler_cls",
+        "async_scheduling",
+        "stream_interval",
+        "max_num_active_seqs",
+        "max_num_queued_reqs",
+        "max_num_queued_tokens",
+        "max_num_scheduled_tokens",
+        "prefill_schedule_interval",
+        "enable_dbo",
+        "dbo_decode_token_threshold",
+        "dbo_prefill_token_threshold",
+        "ubatch_size",
+        # memory and caches
+        "gpu_memory_utilization",
+        "swap_space",
+        "cpu_offload_gb",
+        "kv_cache_memory_bytes",
+        "num_gpu_blocks_override",
+        "block_size",
+        "enable_prefix_caching",
+        "prefix_caching_hash_algo",
+        "prefix_cache_retention_interval",
+        "enable_sleep_mode",
+        "sleep_mode_offload_cudagraph",
+        "enable_cumem_allocator",
+        "kv_offloading_backend",
+        "kv_offloading_size",
+        "mm_processor_cache_gb",
+        "mm_processor_cache_type",
+        "mm_shm_cache_max_object_size_mb",
+        "offload_backend",
+        "offload_group_size",
+        "offload_num_in_group",
+        "offload_prefetch_step",
+        "offload_params",
+        # compilation and kernels' launch mode
+        "enforce_eager",
+        "compilation_config",
+        "cudagraph_capture_sizes",
+        "max_cudagraph_capture_size",
+        "optimization_level",
+        # parallelism and placement
+        "tensor_parallel_size",
+        "pipeline_parallel_size",
+        "data_parallel_size",
+        "data_parallel_size_local",
+        "data_parallel_rank",
+        "data_parallel_start_rank",
+        "data_parallel_address",
+        "data_parallel_rpc_port",
+        "data_parallel_backend",
+        "data_parallel_external_lb",
+        "data_parallel_hybrid_lb",
+        "distributed_executor_backend",
+        "disable_custom_all_reduce",
+        "max_parallel_loading_workers",
+        "master_addr",
+        "master_port",
+        "nnodes",
+        "node_rank",
+        "numa_bind",
+        "numa_bind_cpus",
+        "numa_bind_nodes",
+        "device_ids",
+        "distributed_timeout_seconds",
+        "cpu_distributed_timeout_seconds",
+        "worker_cls",
+        "worker_extension_cls",
+        # loading speed, logging, metrics, process management
+        "download_dir",
+        "use_tqdm_on_load",
+        "safetensors_load_strategy",
+        "safetensors_prefetch_block_size",
+        "safetensors_prefetch_num_threads",
+        "disable_log_stats",
+        "disable_log_requests",
+        "enable_log_requests",
+        "aggregate_engine_logging",
+        "enable_logging_iteration_details",
+        "log_level",
+        "log_config_file",
+        "logging_config",
+        "kv_cache_metrics",
+        "kv_cache_metrics_sample",
+        "cudagraph_metrics",
+        "enable_mfu_metrics",
+        "enable_mm_processor_stats",
+        "collect_detailed_traces",
+        "otlp_traces_endpoint",
+        "show_hidden_metrics_for_version",
+        "profiler_config",
+        "per_request_spec_decode_metrics",
+        "shutdown_timeout",
+        "served_model_name",
+        "renderer_num_workers",
+        "jit_monitor_mode",
+        "jit_monitor_verbose",
+        "enable_layerwise_nvtx_tracing",
+        "ray_workers_use_nsight",
+    }
+)
 
 
 #: Files of a local model directory hashed whole: they decide how text becomes tokens, how chat
 #: messages are rendered, which sampling defaults vLLM applies and which weight files it loads.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json",
-                   "vocab.txt", "merges.txt", "special_tokens_map.json", "added_tokens.json",
-                   "spiece.model", "chat_template.jinja", "chat_template.json",
-                   "generation_config.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "spiece.model",
+    "chat_template.jinja",
+    "chat_template.json",
+    "generation_config.json",
+)
 
 
-MODEL_FILES = TOKENIZER_FILES + ("tekken.json", "params.json", "preprocessor_config.json",
-                                 "processor_config.json", "model.safetensors.index.json",
-                                 "pytorch_model.bin.index.json",
-                                 "consolidated.safetensors.index.json",
-                                 # a LoRA adapter's rank, alpha and target modules
-                                 "adapter_config.json")
+MODEL_FILES = TOKENIZER_FILES + (
+    "tekken.json",
+    "params.json",
+    "preprocessor_config.json",
+    "processor_config.json",
+    "model.safetensors.index.json",
+    "pytorch_model.bin.index.json",
+    "consolidated.safetensors.index.json",
+    # a LoRA adapter's rank, alpha and target modules
+    "adapter_config.json",
+)
 
 
 #: Weight files, hashed whole, anywhere under the directory (outside hidden folders) ...
@@ -154,30 +248,36 @@ def spec_fingerprint(spec: JobSpec) -> dict[str, str]:
     engine = spec.model.engine
     cache = DigestCache()
     components: dict[str, Any] = {
-        "model.target": model_identity(spec.model.target, engine.get("revision"),
-                                       engine.get("tokenizer_revision"), cache=cache),
+        "model.target": model_identity(
+            spec.model.target, engine.get("revision"), engine.get("tokenizer_revision"), cache=cache
+        ),
     }
     lora = spec.model.lora
     if lora is not None:
         # what a row's adapter is, by its contents: the same name on other weights is a change
         components["model.lora"] = {
-            "adapters": {name: model_identity(source, cache=cache)
-                         for name, source in lora.adapters.items()},
+            "adapters": {name: model_identity(source, cache=cache) for name, source in lora.adapters.items()},
             "adapter": lora.adapter,
         }
     speculative = spec.speculative
     if speculative is not None and speculative.get("model"):
         components["speculative.model"] = model_identity(
-            str(speculative["model"]), speculative.get("revision"), None, cache=cache)
+            str(speculative["model"]), speculative.get("revision"), None, cache=cache
+        )
     cache.save()
     components["speculative"] = (
-        {"method": "auto"} if spec.speculative_auto is not None else
-        None if speculative is None else {k: v for k, v in speculative.items() if k != "model"})
+        {"method": "auto"}
+        if spec.speculative_auto is not None
+        else None
+        if speculative is None
+        else {k: v for k, v in speculative.items() if k != "model"}
+    )
     # The public view: URLs sanitised, and a string under a key public_spec does not know to be
     # harmless counts as present (``***``) but not by its value.
     public_engine = public_spec({"model": {"engine": dict(engine)}})["model"]["engine"]
-    components["model.engine"] = {k: v for k, v in public_engine.items()
-                                  if k not in THROUGHPUT_ENGINE_KEYS and not is_secret_key(k)}
+    components["model.engine"] = {
+        k: v for k, v in public_engine.items() if k not in THROUGHPUT_ENGINE_KEYS and not is_secret_key(k)
+    }
     components["sampling"] = spec.sampling
     components["columns"] = {
         "prompt_column": spec.input.prompt_column,
@@ -206,12 +306,12 @@ def describe_changes(old: dict, new: dict) -> list[str]:
     them counts as changed), in :data:`COMPONENTS` order, then any others sorted by name."""
     names = set(old) | set(new)
     ordered = [c for c in COMPONENTS if c in names] + sorted(names - set(COMPONENTS))
-    return [name for name in ordered if old.get(name) != new.get(name)
-            or (name in old) != (name in new)]
+    return [name for name in ordered if old.get(name) != new.get(name) or (name in old) != (name in new)]
 
 
-def model_identity(model: str, revision: Any = None, tokenizer_revision: Any = None,
-                   cache: DigestCache | None = None) -> dict:
+def model_identity(
+    model: str, revision: Any = None, tokenizer_revision: Any = None, cache: DigestCache | None = None
+) -> dict:
     """What identifies a model: a local directory or file by its contents (SHA-256 digests,
     cached in ``cache``; one of its own, saved before returning, when none is given), anything
     else (a hub id, a URL) by its name and revisions."""
@@ -219,8 +319,7 @@ def model_identity(model: str, revision: Any = None, tokenizer_revision: Any = N
     local = "://" not in model and (path.is_dir() or path.is_file())
     if not local:
         # Never the URL's userinfo or query string: a new presigned signature is the same model.
-        return {"id": sanitize_url(model), "revision": revision,
-                "tokenizer_revision": tokenizer_revision}
+        return {"id": sanitize_url(model), "revision": revision, "tokenizer_revision": tokenizer_revision}
     own = cache is None
     cache = DigestCache() if cache is None else cache
     try:
@@ -260,11 +359,11 @@ def _directory_identity(path: Path, cache: DigestCache) -> dict:
             custom_code = "auto_map" in json.loads((path / "tokenizer_config.json").read_bytes())
         except (ValueError, TypeError):
             pass
-    identity = {"config": config, "weights": dict(sorted(weights.items())),
-                "tokenizer": files}
+    identity = {"config": config, "weights": dict(sorted(weights.items())), "tokenizer": files}
     if custom_code:  # trust_remote_code runs these: they shape the output like weights do
-        identity["code"] = {file.name: cache.digest(file) for file in sorted(path.glob("*.py"))
-                            if file.is_file()}
+        identity["code"] = {
+            file.name: cache.digest(file) for file in sorted(path.glob("*.py")) if file.is_file()
+        }
     return identity
 
 
@@ -295,8 +394,13 @@ def cache_dir() -> Path:
 
 
 def _stat_key(st: os.stat_result) -> dict[str, int]:
-    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns,
-            "ino": st.st_ino, "dev": st.st_dev}
+    return {
+        "size": st.st_size,
+        "mtime_ns": st.st_mtime_ns,
+        "ctime_ns": st.st_ctime_ns,
+        "ino": st.st_ino,
+        "dev": st.st_dev,
+    }
 
 
 class DigestCache:
@@ -330,8 +434,9 @@ class DigestCache:
         digest = _hash_file(real)
         seconds = time.monotonic() - started
         if before.st_size >= 1 << 30:
-            log.info("hashed %s (%.1f GB) in %.1f s; cached for later runs", real,
-                     before.st_size / 1e9, seconds)
+            log.info(
+                "hashed %s (%.1f GB) in %.1f s; cached for later runs", real, before.st_size / 1e9, seconds
+            )
         after = os.stat(real)
         recent = time.time_ns() - max(after.st_mtime_ns, after.st_ctime_ns) < RACY_NS
         if _stat_key(after) == key and not recent:
@@ -399,8 +504,7 @@ class DigestCache:
                 data = json.loads(handle.read())
         except (OSError, ValueError):
             return {}
-        entries = data.get("entries") if isinstance(data, dict) and data.get("version") == 1 \
-            else None
+        entries = data.get("entries") if isinstance(data, dict) and data.get("version") == 1 else None
         if not isinstance(entries, dict):
             return {}
         return {path: entry for path, entry in entries.items() if _valid_entry(entry)}
@@ -410,9 +514,12 @@ def _valid_entry(entry: Any) -> bool:
     if not isinstance(entry, dict):
         return False
     digest = entry.get("sha256")
-    return (all(type(entry.get(k)) is int for k in ("size", "mtime_ns", "ctime_ns", "ino", "dev"))
-            and isinstance(digest, str) and len(digest) == 64
-            and all(c in "0123456789abcdef" for c in digest))
+    return (
+        all(type(entry.get(k)) is int for k in ("size", "mtime_ns", "ctime_ns", "ino", "dev"))
+        and isinstance(digest, str)
+        and len(digest) == 64
+        and all(c in "0123456789abcdef" for c in digest)
+    )
 
 
 def _hash_file(path: str) -> str:
@@ -426,6 +533,5 @@ def _hash_file(path: str) -> str:
 
 
 def _digest(value: Any) -> str:
-    canonical = json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False,
-                           default=str)
+    canonical = json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=str)
     return hashlib.sha256(canonical.encode()).hexdigest()[:16]

@@ -34,8 +34,11 @@ MAX_YAML_ALIASES = 100
 # --------------------------------------------------------------------------- loading
 
 
-def load_spec(path: str | os.PathLike, overrides: list[str] | tuple[str, ...] = (),
-              environ: Mapping[str, str] | None = None) -> JobSpec:
+def load_spec(
+    path: str | os.PathLike,
+    overrides: list[str] | tuple[str, ...] = (),
+    environ: Mapping[str, str] | None = None,
+) -> JobSpec:
     """Read a YAML job spec, expand ``${VAR}``, apply ``--set`` overrides and validate it."""
     environ = os.environ if environ is None else environ
     try:
@@ -60,12 +63,12 @@ def apply_override(raw: dict, item: str, environ: Mapping[str, str] | None = Non
     key, sep, value = item.partition("=")
     key = key.strip()
     if not sep or not key or any(not part for part in key.split(".")):
-        raise SpecError(None, f"--set {item!r}: expected KEY=VALUE with a dotted key, "
-                              "e.g. --set sampling.max_tokens=32")
+        raise SpecError(
+            None, f"--set {item!r}: expected KEY=VALUE with a dotted key, e.g. --set sampling.max_tokens=32"
+        )
     parts = key.split(".")
     if value.strip():
-        parsed = load_yaml(value, f"--set {key}", os.environ if environ is None else environ,
-                           key_path=key)
+        parsed = load_yaml(value, f"--set {key}", os.environ if environ is None else environ, key_path=key)
     else:
         parsed = ""
     node = raw
@@ -74,8 +77,9 @@ def apply_override(raw: dict, item: str, environ: Mapping[str, str] | None = Non
         if child is None:
             child = node[part] = {}
         elif not isinstance(child, dict):
-            raise SpecError(".".join(parts[: i + 1]),
-                            f"--set {key}: this key holds {kind_of(child)}, not a mapping")
+            raise SpecError(
+                ".".join(parts[: i + 1]), f"--set {key}: this key holds {kind_of(child)}, not a mapping"
+            )
         node = child
     node[parts[-1]] = parsed
 
@@ -93,8 +97,10 @@ class _Unset:
         self.key, self.name = key, name
 
     def error(self) -> SpecError:
-        return SpecError(self.key or None, f"${{{self.name}}} is not set in the environment "
-                                           f"(use ${{{self.name}:-default}} for a default)")
+        return SpecError(
+            self.key or None,
+            f"${{{self.name}}} is not set in the environment (use ${{{self.name}:-default}} for a default)",
+        )
 
 
 class _Refused(Exception):
@@ -109,8 +115,9 @@ _STR_TAG = "tag:yaml.org,2002:str"
 
 #: What an expanded plain scalar may become: YAML's null, bool, int and float. A timestamp stays
 #: a string: dates are what schedulers template most, and they name paths and runs.
-_TYPED_TAGS = frozenset({"tag:yaml.org,2002:null", "tag:yaml.org,2002:bool",
-                         "tag:yaml.org,2002:int", "tag:yaml.org,2002:float"})
+_TYPED_TAGS = frozenset(
+    {"tag:yaml.org,2002:null", "tag:yaml.org,2002:bool", "tag:yaml.org,2002:int", "tag:yaml.org,2002:float"}
+)
 
 
 class _SpecLoader(yaml.SafeLoader):
@@ -128,8 +135,9 @@ class _SpecLoader(yaml.SafeLoader):
         if self.check_event(yaml.AliasEvent):
             self.alias_uses += 1
             if self.alias_uses > MAX_YAML_ALIASES:
-                raise _Refused(f"more than {MAX_YAML_ALIASES} YAML aliases (*name); write "
-                               "the repeated values out")
+                raise _Refused(
+                    f"more than {MAX_YAML_ALIASES} YAML aliases (*name); write the repeated values out"
+                )
             return super().compose_node(parent, index)
         if isinstance(parent, MappingNode) and index is None:
             self.composing_key += 1  # keys are never expanded
@@ -186,8 +194,10 @@ class _SpecLoader(yaml.SafeLoader):
         node = super().compose_document()
         size = _expanded_size(node)
         if size > MAX_YAML_NODES:
-            raise _Refused(f"it expands to {size:,} nodes when its aliases are copied, more "
-                           f"than {MAX_YAML_NODES:,} (an alias bomb?)")
+            raise _Refused(
+                f"it expands to {size:,} nodes when its aliases are copied, more "
+                f"than {MAX_YAML_NODES:,} (an alias bomb?)"
+            )
         return node
 
 
@@ -230,8 +240,7 @@ def load_yaml(text: str, source: str, environ: Mapping[str, str], key_path: str 
     except _Refused as exc:
         raise SpecError(key_path or None, f"{source}: refused: {exc}") from None
     except RecursionError:
-        raise SpecError(key_path or None, f"{source}: refused: the YAML is nested too deeply") \
-            from None
+        raise SpecError(key_path or None, f"{source}: refused: the YAML is nested too deeply") from None
     except yaml.YAMLError as exc:
         what = "value is not valid YAML" if key_path else "not valid YAML"
         raise SpecError(key_path or None, f"{source}: {what}: {_yaml_problem(exc)}") from None
@@ -273,5 +282,4 @@ def _raise_unset(value: Any) -> None:
             _raise_unset(item)
 
 
-_SpecLoader.add_constructor(_UNSET_TAG,
-                            lambda loader, node: _Unset(*node.value.split("\0", 1)))
+_SpecLoader.add_constructor(_UNSET_TAG, lambda loader, node: _Unset(*node.value.split("\0", 1)))

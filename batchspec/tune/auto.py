@@ -75,10 +75,15 @@ class AutoChoice:
 
     def summary(self) -> dict[str, Any]:
         """The run summary's ``speculative_auto`` section."""
-        return {"chosen": self.label, "speculative": _public(self.speculative),
-                "reused": self.reused, "record": self.path, "key": self.key,
-                "measured_at": self.record.get("measured_at"),
-                "predicted": self.record.get("predicted")}
+        return {
+            "chosen": self.label,
+            "speculative": _public(self.speculative),
+            "reused": self.reused,
+            "record": self.path,
+            "key": self.key,
+            "measured_at": self.record.get("measured_at"),
+            "predicted": self.record.get("predicted"),
+        }
 
 
 def check_auto(spec: JobSpec) -> None:
@@ -95,8 +100,9 @@ def check_auto(spec: JobSpec) -> None:
             raise SpecError(f"speculative.drafts[{i}]", reason)
 
 
-def choose_speculation(spec: JobSpec, shards: list, pending_rows: int, out: OutputDir, events,
-                       remeasure: bool = False) -> tuple[JobSpec, AutoChoice]:
+def choose_speculation(
+    spec: JobSpec, shards: list, pending_rows: int, out: OutputDir, events, remeasure: bool = False
+) -> tuple[JobSpec, AutoChoice]:
     """The job with the chosen speculative section (``spec.speculative_auto`` kept), and the
     choice. Reuses the stored record under this job's key unless asked to measure."""
     auto = spec.speculative_auto
@@ -113,25 +119,42 @@ def choose_speculation(spec: JobSpec, shards: list, pending_rows: int, out: Outp
             chosen, why = _section_from_record(spec, record, key)
         if chosen is not None:
             speculative, label = chosen
-            events.emit("speculative_auto", f"speculative: auto: using {label}, measured "
-                        f"{record['measured_at']}; `--remeasure` measures again",
-                        chosen=label, reused=True, record=path)
+            events.emit(
+                "speculative_auto",
+                f"speculative: auto: using {label}, measured "
+                f"{record['measured_at']}; `--remeasure` measures again",
+                chosen=label,
+                reused=True,
+                record=path,
+            )
             choice = AutoChoice(speculative, label, path, key, True, record)
             return resolved(spec, speculative), choice
         if why is not None:
-            events.emit("speculative_auto_record_ignored",
-                        f"speculative: auto: not using the stored choice {path}: {why}; "
-                        "measuring again", level="warning", record=path, reason=why)
+            events.emit(
+                "speculative_auto_record_ignored",
+                f"speculative: auto: not using the stored choice {path}: {why}; measuring again",
+                level="warning",
+                record=path,
+                reason=why,
+            )
     record, speculative, label = _measure(spec, shards, pending_rows, events, key, components)
     if record["recommended"]:
         out.write_json(path, record)
     else:  # nothing measured in time: run with off now, measure again next time
         path = "(not kept: nothing was measured within max_minutes)"
     predicted = record.get("predicted") or {}
-    events.emit("speculative_auto", f"speculative: auto: chose {label}"
-                + (f"; predicted generation time of the {pending_rows} pending rows "
-                   f"{predicted['wall_s']:.0f}s" if predicted.get("wall_s") else ""),
-                chosen=label, reused=False, record=path)
+    events.emit(
+        "speculative_auto",
+        f"speculative: auto: chose {label}"
+        + (
+            f"; predicted generation time of the {pending_rows} pending rows {predicted['wall_s']:.0f}s"
+            if predicted.get("wall_s")
+            else ""
+        ),
+        chosen=label,
+        reused=False,
+        record=path,
+    )
     choice = AutoChoice(speculative, label, path, key, False, record)
     return resolved(spec, speculative), choice
 
@@ -166,9 +189,14 @@ def choice_key(spec: JobSpec) -> tuple[str, dict[str, str]]:
         "model.engine": engine,
         "sampling": fingerprint["sampling"],
         "columns": fingerprint["columns"],
-        "candidates": {"drafts": drafts, "k": list(auto.k), "ngram": auto.ngram,
-                       "concurrency": list(auto.concurrency or [default_concurrency(spec)]),
-                       "sample": auto.sample, "seed": auto.seed},
+        "candidates": {
+            "drafts": drafts,
+            "k": list(auto.k),
+            "ngram": auto.ngram,
+            "concurrency": list(auto.concurrency or [default_concurrency(spec)]),
+            "sample": auto.sample,
+            "seed": auto.seed,
+        },
         "vllm": vllm_version(),
         "hardware": hardware(),
     }
@@ -179,9 +207,11 @@ def choice_key(spec: JobSpec) -> tuple[str, dict[str, str]]:
 def hardware() -> dict[str, Any]:
     """What the measurements depend on about this machine: architecture, CPU model, the cores
     this process may use, and the GPUs it sees (none on a CPU build)."""
-    info: dict[str, Any] = {"machine": platform.machine(), "cpu": _cpu_model(),
-                            "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-                            else os.cpu_count()}
+    info: dict[str, Any] = {
+        "machine": platform.machine(),
+        "cpu": _cpu_model(),
+        "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+    }
     try:
         import torch
 
@@ -233,8 +263,9 @@ class _EventStream:
         return False
 
 
-def _measure(spec: JobSpec, shards: list, pending_rows: int, events, key: str,
-             components: dict[str, str]) -> tuple[dict, dict | None, str]:
+def _measure(
+    spec: JobSpec, shards: list, pending_rows: int, events, key: str, components: dict[str, str]
+) -> tuple[dict, dict | None, str]:
     """Measure with tune's machinery on the pending shards; (record, section, label)."""
     from batchspec.tune.model import TuneOptions
     from batchspec.tune.session import default_concurrency, run_tune, tune_secrets
@@ -242,17 +273,27 @@ def _measure(spec: JobSpec, shards: list, pending_rows: int, events, key: str,
     auto = spec.speculative_auto
     assert auto is not None
     levels = list(auto.concurrency or [default_concurrency(spec)])
-    options = TuneOptions(sample=auto.sample, seed=auto.seed, concurrency=levels,
-                          drafts=list(auto.drafts), ks=list(auto.k), repeats=2, top=1,
-                          max_minutes=auto.max_minutes, ngram=auto.ngram)
-    events.emit("speculative_auto_measuring",
-                "speculative: auto: measuring speculation off, "
-                + ("n-gram, " if auto.ngram else "")
-                + (f"{len(auto.drafts)} draft(s) at k {','.join(map(str, auto.k))} " if auto.drafts
-                   else "")
-                + f"on a sample of {auto.sample} pending rows at concurrency "
-                  f"{','.join(map(str, levels))} (at most {auto.max_minutes:g} min)",
-                drafts=len(auto.drafts), levels=levels)
+    options = TuneOptions(
+        sample=auto.sample,
+        seed=auto.seed,
+        concurrency=levels,
+        drafts=list(auto.drafts),
+        ks=list(auto.k),
+        repeats=2,
+        top=1,
+        max_minutes=auto.max_minutes,
+        ngram=auto.ngram,
+    )
+    events.emit(
+        "speculative_auto_measuring",
+        "speculative: auto: measuring speculation off, "
+        + ("n-gram, " if auto.ngram else "")
+        + (f"{len(auto.drafts)} draft(s) at k {','.join(map(str, auto.k))} " if auto.drafts else "")
+        + f"on a sample of {auto.sample} pending rows at concurrency "
+        f"{','.join(map(str, levels))} (at most {auto.max_minutes:g} min)",
+        drafts=len(auto.drafts),
+        levels=levels,
+    )
     started = time.monotonic()
     base = dataclasses.replace(spec, speculative_auto=None, speculative=None)
     report = run_tune(base, options, job=spec.name, stream=_EventStream(events), shards=shards)
@@ -272,17 +313,24 @@ def _measure(spec: JobSpec, shards: list, pending_rows: int, events, key: str,
         "recommended": {str(c): v for c, v in report.recommended.items()},
         "measured_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "measuring_s": round(time.monotonic() - started, 1),
-        "sample": {"rows": report.sample_rows, "seed": auto.seed, "rows_in_pending_shards":
-                   report.rows_seen, "shards": [s.name for s in shards],
-                   "fingerprint": sample_digest},
-        "predicted": {"rows": pending_rows, "wall_s": None if wall is None else round(wall, 1),
-                      "concurrency": level,
-                      # each level measured: what was recommended there, at what rate, and how
-                      # long the pending rows would take at that many in flight
-                      "per_level": {str(c): _level_prediction(report, c, pending_rows)
-                                    for c in sorted(report.recommended)}},
-        "measurements": {k: measured[k] for k in ("candidates", "noise", "prediction",
-                                                  "lossless", "notes")},
+        "sample": {
+            "rows": report.sample_rows,
+            "seed": auto.seed,
+            "rows_in_pending_shards": report.rows_seen,
+            "shards": [s.name for s in shards],
+            "fingerprint": sample_digest,
+        },
+        "predicted": {
+            "rows": pending_rows,
+            "wall_s": None if wall is None else round(wall, 1),
+            "concurrency": level,
+            # each level measured: what was recommended there, at what rate, and how
+            # long the pending rows would take at that many in flight
+            "per_level": {
+                str(c): _level_prediction(report, c, pending_rows) for c in sorted(report.recommended)
+            },
+        },
+        "measurements": {k: measured[k] for k in ("candidates", "noise", "prediction", "lossless", "notes")},
         "batchspec_version": batchspec.__version__,
     }
     if report.mismatches:  # lossless broken: never run a candidate that changed greedy text
@@ -297,8 +345,11 @@ def _level_prediction(report, c: int, rows: int) -> dict[str, Any]:
     label = report.recommended[c]
     tps = report.rate(label, c)
     wall = report.predicted_wall_s(c, rows)
-    return {"recommended": label, "tokens_per_s": None if tps is None else round(tps, 2),
-            "wall_s": None if wall is None else round(wall, 1)}
+    return {
+        "recommended": label,
+        "tokens_per_s": None if tps is None else round(tps, 2),
+        "wall_s": None if wall is None else round(wall, 1),
+    }
 
 
 def _candidates(spec: JobSpec) -> dict[str, Any]:
@@ -307,8 +358,9 @@ def _candidates(spec: JobSpec) -> dict[str, Any]:
 
     auto = spec.speculative_auto
     assert auto is not None
-    fixed, families = candidates(dataclasses.replace(spec, speculative=None), list(auto.drafts),
-                                 list(auto.k), auto.ngram)
+    fixed, families = candidates(
+        dataclasses.replace(spec, speculative=None), list(auto.drafts), list(auto.k), auto.ngram
+    )
     return {c.label: c for c in fixed + [c for f in families.values() for c in f]}
 
 
@@ -328,16 +380,18 @@ def _section(spec: JobSpec, recommended: dict[int, str]) -> tuple[dict | None, s
         return copy.deepcopy(cand.speculative), cand.k
 
     max_num_seqs = spec.model.engine.get("max_num_seqs")
-    speculative, level = choose_section(recommended, section,
-                                        max_num_seqs if isinstance(max_num_seqs, int) else None)
+    speculative, level = choose_section(
+        recommended, section, max_num_seqs if isinstance(max_num_seqs, int) else None
+    )
     if level is None:
         label = "; ".join(f"c={c}: {v}" for c, v in sorted(recommended.items()))
         return speculative, f"per batch size ({label})", None
     return speculative, recommended[level], level
 
 
-def _section_from_record(spec: JobSpec, record: Any, key: str
-                         ) -> tuple[tuple[dict | None, str] | None, str | None]:
+def _section_from_record(
+    spec: JobSpec, record: Any, key: str
+) -> tuple[tuple[dict | None, str] | None, str | None]:
     """(the stored choice as a section of this job and its label, None) where the record has
     the shape :func:`_measure` writes and names only this job's candidates; else (None, what is
     wrong with it). The section is built from the job's own candidates, so a draft's path is
@@ -348,8 +402,12 @@ def _section_from_record(spec: JobSpec, record: Any, key: str
         return None, f"its version is {_json_text(record.get('version'))}, not {RECORD_VERSION}"
     if record.get("key") != key:
         return None, f"its key is {_json_text(record.get('key'))}, not the {key} it is filed under"
-    for field, types in (("chosen", str), ("measured_at", str), ("predicted", dict),
-                         ("speculative", (dict, type(None)))):
+    for field, types in (
+        ("chosen", str),
+        ("measured_at", str),
+        ("predicted", dict),
+        ("speculative", (dict, type(None))),
+    ):
         if field not in record:
             return None, f"its {field} is missing"
         if not isinstance(record[field], types):
@@ -364,15 +422,16 @@ def _section_from_record(spec: JobSpec, record: Any, key: str
         if not (c.isdecimal() and int(c) > 0):
             return None, f"its recommended has the level {_json_text(c)}, not a number of requests"
         if not isinstance(label, str) or label not in labels:
-            return None, (f"its recommended names {_json_text(label)}, not a candidate of "
-                          f"this job ({', '.join(labels)})")
+            return None, (
+                f"its recommended names {_json_text(label)}, not a candidate of "
+                f"this job ({', '.join(labels)})"
+            )
         levels[int(c)] = label
     if record["speculative"] is None and (chosen == "off" or chosen.startswith("off (")):
         return (None, chosen), None  # off, measured so, or no candidate kept greedy text
     speculative, label, _ = _section(spec, levels)
     if label != chosen:
-        return None, (f"its chosen is {_json_text(chosen)}, but its recommended gives "
-                      f"{_json_text(label)}")
+        return None, (f"its chosen is {_json_text(chosen)}, but its recommended gives {_json_text(label)}")
     return (speculative, label), None
 
 

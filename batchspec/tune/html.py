@@ -16,8 +16,20 @@ from batchspec.redact import scrub_text
 from batchspec.report.html import CSS, Plot, chart_card, nice_ticks, series_legend, tick_label
 
 #: Line colours, one per candidate (off is always the first, dark slate).
-PALETTE = ("#334155", "#2563eb", "#16a34a", "#d97706", "#db2777", "#7c3aed", "#0891b2", "#dc2626",
-           "#65a30d", "#9333ea", "#0d9488", "#ea580c")
+PALETTE = (
+    "#334155",
+    "#2563eb",
+    "#16a34a",
+    "#d97706",
+    "#db2777",
+    "#7c3aed",
+    "#0891b2",
+    "#dc2626",
+    "#65a30d",
+    "#9333ea",
+    "#0d9488",
+    "#ea580c",
+)
 
 
 def throughput_chart(candidates: list[dict[str, Any]]) -> tuple[str, list[tuple[str, str]]]:
@@ -28,7 +40,8 @@ def throughput_chart(candidates: list[dict[str, Any]]) -> tuple[str, list[tuple[
     for c in candidates:
         if c.get("output_tokens_per_s") is not None:
             series.setdefault(scrub_text(str(c["label"])), []).append(
-                (c["concurrency"], c["output_tokens_per_s"]))
+                (c["concurrency"], c["output_tokens_per_s"])
+            )
     levels = sorted({x for pts in series.values() for x, _ in pts})
     if not levels:
         return '<div class="off">Nothing was measured: no chart.</div>', []
@@ -38,8 +51,9 @@ def throughput_chart(candidates: list[dict[str, Any]]) -> tuple[str, list[tuple[
     if hi == lo:
         lo, hi = lo - 1, hi + 1
     top = max(y for pts in series.values() for _, y in pts)
-    plot = Plot((lo, hi), nice_ticks(0, top * 1.05), "concurrency (requests in flight)",
-                "output tok/s", width=1160)
+    plot = Plot(
+        (lo, hi), nice_ticks(0, top * 1.05), "concurrency (requests in flight)", "output tok/s", width=1160
+    )
     legend = []
     for i, (label, pts) in enumerate(series.items()):
         colour = PALETTE[i % len(PALETTE)]
@@ -51,15 +65,26 @@ def throughput_chart(candidates: list[dict[str, Any]]) -> tuple[str, list[tuple[
             dash = ' stroke-dasharray="5 4"' if label == "off" else ""
             plot.add(f'<polyline fill="none" stroke="{colour}" stroke-width="2"{dash} points="{path}"/>')
         for (x, y), (cx, ty) in zip(coords, pts, strict=True):
-            plot.add(f'<circle cx="{x:.1f}" cy="{y:.1f}" r="3.5" fill="{colour}">'
-                     f'<title>{escape(label)}: {ty:.1f} tok/s at concurrency {cx}</title></circle>')
+            plot.add(
+                f'<circle cx="{x:.1f}" cy="{y:.1f}" r="3.5" fill="{colour}">'
+                f"<title>{escape(label)}: {ty:.1f} tok/s at concurrency {cx}</title></circle>"
+            )
     ticks = [(plot.px(fx(v)), tick_label(v)) for v in levels]
     return plot.svg(ticks), legend
 
 
 def _table(data: dict[str, Any]) -> str:
-    head = ("concurrency", "candidate", "tok/s", "predicted", "error", "acceptance",
-            "tokens/step", "e2e p50 s", "skipped")
+    head = (
+        "concurrency",
+        "candidate",
+        "tok/s",
+        "predicted",
+        "error",
+        "acceptance",
+        "tokens/step",
+        "e2e p50 s",
+        "skipped",
+    )
     rec = data.get("recommended", {})
 
     def cell(v, digits=2):
@@ -72,16 +97,23 @@ def _table(data: dict[str, Any]) -> str:
         star = " ★" if rec.get(str(c["concurrency"])) == c["label"] else ""
         label = scrub_text(str(c["label"]))
         err = c.get("prediction_error")
-        rows.append("<tr>" + "".join([
-            f'<td class="r">{c["concurrency"]}</td>',
-            f'<td class="l">{escape(label)}{star}</td>',
-            f'<td class="r">{cell(c["output_tokens_per_s"], 1)}</td>',
-            f'<td class="r">{cell(c["predicted_output_tokens_per_s"], 1)}</td>',
-            f'<td class="r">{"" if err is None else f"{err * 100:.0f}%"}</td>',
-            f'<td class="r">{cell(c["acceptance_rate"])}</td>',
-            f'<td class="r">{cell(c["mean_acceptance_length"])}</td>',
-            f'<td class="r">{cell(c["e2e_p50_s"], 3)}</td>',
-            f'<td class="l">{escape(scrub_text(c["skipped"] or ""))}</td>']) + "</tr>")
+        rows.append(
+            "<tr>"
+            + "".join(
+                [
+                    f'<td class="r">{c["concurrency"]}</td>',
+                    f'<td class="l">{escape(label)}{star}</td>',
+                    f'<td class="r">{cell(c["output_tokens_per_s"], 1)}</td>',
+                    f'<td class="r">{cell(c["predicted_output_tokens_per_s"], 1)}</td>',
+                    f'<td class="r">{"" if err is None else f"{err * 100:.0f}%"}</td>',
+                    f'<td class="r">{cell(c["acceptance_rate"])}</td>',
+                    f'<td class="r">{cell(c["mean_acceptance_length"])}</td>',
+                    f'<td class="r">{cell(c["e2e_p50_s"], 3)}</td>',
+                    f'<td class="l">{escape(scrub_text(c["skipped"] or ""))}</td>',
+                ]
+            )
+            + "</tr>"
+        )
     ths = "".join(f'<th class="{"l" if h in ("candidate", "skipped") else "r"}">{h}</th>' for h in head)
     return f'<div class="scroll"><table><tr>{ths}</tr>{"".join(rows)}</table></div>'
 
@@ -89,17 +121,26 @@ def _table(data: dict[str, Any]) -> str:
 def render_tune_html(data: dict[str, Any]) -> str:
     """The page for a tune report (the ``--json`` object)."""
     svg, legend = throughput_chart(data["candidates"])
-    rec = ", ".join(f"concurrency {c}: {scrub_text(str(label))}"
-                    for c, label in data["recommended"].items()) or "none"
+    rec = (
+        ", ".join(f"concurrency {c}: {scrub_text(str(label))}" for c, label in data["recommended"].items())
+        or "none"
+    )
     noise = ", ".join(f"{c}: {v['threshold'] * 100:.1f}%" for c, v in data["noise"].items())
     pred = data["prediction"]
-    sub = (f"Dashed: speculation off. Recommended ({escape(data['objective'])}): {escape(rec)}. "
-           f"Noise threshold {escape(noise)}.")
+    sub = (
+        f"Dashed: speculation off. Recommended ({escape(data['objective'])}): {escape(rec)}. "
+        f"Noise threshold {escape(noise)}."
+    )
     body = chart_card("Output tok/s against concurrency", sub, series_legend(legend) + svg, wide=True)
     err = pred.get("mean_relative_error")
-    table = chart_card("Candidates", "★ recommended; error = |predicted - measured| / measured. Cost "
-                  f"model: {pred['cost_model']}. Mean error "
-                  f"{'n/a' if err is None else f'{err * 100:.0f}%'}.", _table(data), wide=True)
+    table = chart_card(
+        "Candidates",
+        "★ recommended; error = |predicted - measured| / measured. Cost "
+        f"model: {pred['cost_model']}. Mean error "
+        f"{'n/a' if err is None else f'{err * 100:.0f}%'}.",
+        _table(data),
+        wide=True,
+    )
     generated = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
     lossless = data["lossless"]
     job = escape(scrub_text(str(data["job"])))
@@ -109,8 +150,8 @@ def render_tune_html(data: dict[str, Any]) -> str:
 <title>batchspec tune</title><style>{CSS}</style></head>
 <body><main>
 <header><h1>batchspec tune</h1><div class="meta"><code>{job}</code> &nbsp;·&nbsp;
-sample {data['sample']['rows']} rows (seed {data['sample']['seed']}) &nbsp;·&nbsp;
-lossless: {lossless['checked_rows']} greedy rows, {len(lossless['mismatches'])} mismatches</div></header>
+sample {data["sample"]["rows"]} rows (seed {data["sample"]["seed"]}) &nbsp;·&nbsp;
+lossless: {lossless["checked_rows"]} greedy rows, {len(lossless["mismatches"])} mismatches</div></header>
 <div class="grid">{body}{table}</div>
 <footer>Generated by batchspec tune, {generated}.</footer>
 </main></body></html>

@@ -35,8 +35,6 @@ def sample_rows(spec: JobSpec, n: int, seed: int, shards=None) -> tuple[list[Row
     return chosen, seen
 
 
-
-
 def row_temperatures(spec: JobSpec, rows: list[Row]) -> dict[str, float | None]:
     """request_id -> the temperature the row is sampled with (None: its overrides are invalid,
     it becomes an error row in every candidate alike)."""
@@ -51,21 +49,16 @@ def row_temperatures(spec: JobSpec, rows: list[Row]) -> dict[str, float | None]:
     return out
 
 
-
-
 # --------------------------------------------------------------------------- measuring
-
-
 
 
 def _p50(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
-
-
-def measure_level(engine, rows: list[Row], concurrency: int,
-                  level: LevelMeasurement | None = None, passes: int = 1) -> LevelMeasurement:
+def measure_level(
+    engine, rows: list[Row], concurrency: int, level: LevelMeasurement | None = None, passes: int = 1
+) -> LevelMeasurement:
     """Send ``rows`` through ``engine`` with ``concurrency`` in flight ``passes`` times and time
     it: one tok/s over all passes (a level whose rows take under a second is timed over a few).
     The engine's prefix cache is emptied before each pass, so every pass prefills its prompts
@@ -110,8 +103,7 @@ def measure_level(engine, rows: list[Row], concurrency: int,
 MAX_PASSES = 8
 
 
-def _sized_level(engine, rows: list[Row], concurrency: int
-                 ) -> tuple[LevelMeasurement, tuple[int, int]]:
+def _sized_level(engine, rows: list[Row], concurrency: int) -> tuple[LevelMeasurement, tuple[int, int]]:
     """A level timed on :func:`level_rows`, or, where that took under :data:`MIN_LEVEL_SECONDS`,
     timed again on enough rows to last that long: more of the sample, and where the sample has
     no more, several passes over it. Returns the level and its size (rows, passes)."""
@@ -126,9 +118,14 @@ def _sized_level(engine, rows: list[Row], concurrency: int
     return measure_level(engine, rows[:n], concurrency, passes=passes), (n, passes)
 
 
-def measure_candidate(spec: JobSpec, rows: list[Row], concurrencies: list[int], repeats: int,
-                      deadline: float | None, sizes: dict[int, int] | None = None
-                      ) -> tuple[dict[int, LevelMeasurement], dict[int, str]]:
+def measure_candidate(
+    spec: JobSpec,
+    rows: list[Row],
+    concurrencies: list[int],
+    repeats: int,
+    deadline: float | None,
+    sizes: dict[int, int] | None = None,
+) -> tuple[dict[int, LevelMeasurement], dict[int, str]]:
     """Start one engine for ``spec``, time every level, shut it down.
 
     ``sizes`` (concurrency -> (rows, passes) timed there) is shared by a tune's candidates, so
@@ -157,7 +154,7 @@ def measure_candidate(spec: JobSpec, rows: list[Row], concurrencies: list[int], 
     levels: dict[int, LevelMeasurement] = {}
     skipped: dict[int, str] = {}
     try:
-        warm = rows[:min(WARMUP_ROWS, len(rows))]
+        warm = rows[: min(WARMUP_ROWS, len(rows))]
         list(engine.stream(iter(warm), max_in_flight=max(concurrencies)))
         sizes = {} if sizes is None else sizes
         for c in sorted(concurrencies):

@@ -34,12 +34,14 @@ OBJECTIVES = ("throughput", "latency")
 
 
 #: How the prediction is made, as the report states it.
-COST_MODEL = ("tokens per step tau(k) = 1 + sum of the first k per-position acceptance rates of "
-              "the largest-k run; time per sequence step (tau / tok/s) fitted per concurrency "
-              "through the draft's measured k: a + b k through its smallest and largest, a "
-              "parabola through those and the middle one where it has four k or more (through "
-              "speculation off and the largest k where only that was measured); predicted "
-              "tok/s = tau(k) / step time(k)")
+COST_MODEL = (
+    "tokens per step tau(k) = 1 + sum of the first k per-position acceptance rates of "
+    "the largest-k run; time per sequence step (tau / tok/s) fitted per concurrency "
+    "through the draft's measured k: a + b k through its smallest and largest, a "
+    "parabola through those and the middle one where it has four k or more (through "
+    "speculation off and the largest k where only that was measured); predicted "
+    "tok/s = tau(k) / step time(k)"
+)
 
 
 TIME_BUDGET = "time budget (--max-minutes) spent before it was measured"
@@ -128,17 +130,24 @@ class CandidateResult:
             "output_tokens_per_s": _round(lv.tps) if lv else None,
             "acceptance_rate": _round(lv.acceptance_rate, 4) if lv else None,
             "mean_acceptance_length": _round(lv.mean_acceptance_length, 3) if lv else None,
-            "acceptance_per_position": ([_round(r, 4) for r in lv.per_position["rate"]]
-                                        if lv and lv.per_position else None),
+            "acceptance_per_position": (
+                [_round(r, 4) for r in lv.per_position["rate"]] if lv and lv.per_position else None
+            ),
             "predicted_output_tokens_per_s": _round(self.predicted),
             "prediction_error": _round(relative_error(self.predicted, lv.tps), 4)
-            if lv and self.predicted and not self.calibration else None,
+            if lv and self.predicted and not self.calibration
+            else None,
             "e2e_p50_s": _round(lv.p50, 4) if lv else None,
             "skipped": self.skipped,
         }
         if lv:
-            out.update(rows=lv.rows, passes=lv.passes, output_tokens=lv.output_tokens,
-                       wall_s=_round(statistics.fmean(lv.wall_s), 3), lossless=self.lossless)
+            out.update(
+                rows=lv.rows,
+                passes=lv.passes,
+                output_tokens=lv.output_tokens,
+                wall_s=_round(statistics.fmean(lv.wall_s), 3),
+                lossless=self.lossless,
+            )
             if len(lv.tokens_per_s) > 1:
                 out["repeats"] = [_round(v) for v in lv.tokens_per_s]
         if self.calibration:
@@ -193,11 +202,11 @@ class TuneReport:
     sample_ids: list[str] = field(default_factory=list)
 
     def entry(self, label: str, concurrency: int) -> CandidateResult | None:
-        return next((e for e in self.entries
-                     if e.candidate.label == label and e.concurrency == concurrency), None)
+        return next(
+            (e for e in self.entries if e.candidate.label == label and e.concurrency == concurrency), None
+        )
 
-    def predicted_wall_s(self, concurrency: int, rows: int, label: str | None = None
-                         ) -> float | None:
+    def predicted_wall_s(self, concurrency: int, rows: int, label: str | None = None) -> float | None:
         """Seconds ``rows`` rows would take at ``concurrency`` with ``label`` (default: the
         recommended candidate there): the sample's output tokens per row (speculation off's
         run at that level) over the candidate's measured tok/s, else its predicted tok/s."""
@@ -230,19 +239,24 @@ class TuneReport:
             "job": self.job,
             "objective": self.options.objective,
             "concurrency": self.concurrency,
-            "sample": {"rows": self.sample_rows, "seed": self.options.seed,
-                       "rows_in_input": self.rows_seen, "greedy_rows": self.greedy_rows,
-                       "rows_per_concurrency": {str(c): self.level_size(c)
-                                                for c in self.concurrency}},
+            "sample": {
+                "rows": self.sample_rows,
+                "seed": self.options.seed,
+                "rows_in_input": self.rows_seen,
+                "greedy_rows": self.greedy_rows,
+                "rows_per_concurrency": {str(c): self.level_size(c) for c in self.concurrency},
+            },
             "candidates": [e.as_dict() for e in self.entries],
             "recommended": {str(c): label for c, label in self.recommended.items()},
             "noise": {str(c): v for c, v in self.noise.items()},
-            "predicted_wall_s": {str(c): _round(self.predicted_wall_s(c, self.rows_seen), 1)
-                                 for c in self.recommended},
-            "prediction": {"cost_model": COST_MODEL,
-                           "max_relative_error": max(errors) if errors else None,
-                           "mean_relative_error": round(statistics.fmean(errors), 4)
-                           if errors else None},
+            "predicted_wall_s": {
+                str(c): _round(self.predicted_wall_s(c, self.rows_seen), 1) for c in self.recommended
+            },
+            "prediction": {
+                "cost_model": COST_MODEL,
+                "max_relative_error": max(errors) if errors else None,
+                "mean_relative_error": round(statistics.fmean(errors), 4) if errors else None,
+            },
             "lossless": {"checked_rows": self.greedy_rows, "mismatches": self.mismatches},
             "wall_s": round(self.wall_s, 1),
             "notes": self.notes,
@@ -258,7 +272,7 @@ def relative_error(predicted: float | None, measured: float | None) -> float | N
 
 def level_rows(rows: list, concurrency: int) -> list:
     """The sampled rows timed at a concurrency level: enough for a few waves of requests."""
-    return rows[:max(MIN_LEVEL_ROWS, LEVEL_WAVES * concurrency)]
+    return rows[: max(MIN_LEVEL_ROWS, LEVEL_WAVES * concurrency)]
 
 
 # --------------------------------------------------------------------------- candidates

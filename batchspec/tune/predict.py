@@ -27,8 +27,9 @@ def tokens_per_step(rates: list[float], k: int) -> float:
     return 1.0 + sum(rates[:k])
 
 
-def predict_tokens_per_s(off_tps: float, big_tps: float, big_tau: float, rates: list[float],
-                         big_k: int, k: int) -> float:
+def predict_tokens_per_s(
+    off_tps: float, big_tps: float, big_tau: float, rates: list[float], big_k: int, k: int
+) -> float:
     """Predicted output tok/s at k from speculation off and the run at ``big_k`` (same level).
 
     Time per sequence step: ``1 / off_tps`` at k = 0, ``big_tau / big_tps`` at ``big_k``,
@@ -54,8 +55,7 @@ def calibration(family: list[Candidate]) -> list[Candidate]:
     return picks
 
 
-def predict_from_measured(points: list[tuple[int, float, float]], rates: list[float], k: int
-                          ) -> float | None:
+def predict_from_measured(points: list[tuple[int, float, float]], rates: list[float], k: int) -> float | None:
     """Predicted output tok/s at k from measured k of one draft at one level, each given as
     (k, measured tok/s, measured tokens per step); None where the fit says nothing.
 
@@ -104,7 +104,7 @@ def pick_ks(predicted: dict[int, dict[int, float]], top: int) -> list[int]:
     chosen: set[int] = set()
     for by_k in predicted.values():
         ranked = sorted(by_k, key=lambda k: (-by_k[k], k))
-        chosen.update(ranked[:max(0, top)])
+        chosen.update(ranked[: max(0, top)])
     return sorted(chosen)
 
 
@@ -117,8 +117,9 @@ def spread(values: list[float]) -> float:
     return (max(values) - min(values)) / mean if mean else 0.0
 
 
-def recommend(entries: list[CandidateResult], objective: str = "throughput",
-              min_noise: float = MIN_NOISE) -> tuple[dict[int, str], dict[int, dict[str, float]]]:
+def recommend(
+    entries: list[CandidateResult], objective: str = "throughput", min_noise: float = MIN_NOISE
+) -> tuple[dict[int, str], dict[int, dict[str, float]]]:
     """Per concurrency: the fastest measured, lossless candidate if it beats off by more than the
     noise (off's relative spread over its repeats, at least ``min_noise``), else "off".
 
@@ -137,8 +138,11 @@ def recommend(entries: list[CandidateResult], objective: str = "throughput",
         tps_noise = spread(off.level.tokens_per_s)
         p50_noise = spread(off.level.e2e_p50_s)
         used = max(tps_noise if objective == "throughput" else p50_noise, min_noise)
-        noise[c] = {"output_tokens_per_s": round(tps_noise, 4), "e2e_p50_s": round(p50_noise, 4),
-                    "threshold": round(used, 4)}
+        noise[c] = {
+            "output_tokens_per_s": round(tps_noise, 4),
+            "e2e_p50_s": round(p50_noise, 4),
+            "threshold": round(used, 4),
+        }
         rivals = [e for e in here if e is not off and e.lossless is not False]
         chosen[c] = "off"
         if objective == "throughput":
@@ -164,8 +168,7 @@ def write_concurrency(measured: list[int], max_num_seqs: int | None) -> int:
     return min(measured, key=lambda c: (abs(c - max_num_seqs), -c))
 
 
-def batch_size_schedule(levels: dict[int, tuple[dict | None, int]], max_num_seqs: int | None
-                        ) -> dict | None:
+def batch_size_schedule(levels: dict[int, tuple[dict | None, int]], max_num_seqs: int | None) -> dict | None:
     """One speculative section for every measured level, with vLLM's dynamic k
     (``num_speculative_tokens_per_batch_size``), or None where no single one fits.
 
@@ -178,8 +181,10 @@ def batch_size_schedule(levels: dict[int, tuple[dict | None, int]], max_num_seqs
     the level above; the last one runs on (vLLM carries the last k forward up to max_num_seqs)."""
     if len(levels) < 2 or any(cfg is None for cfg, _ in levels.values()):
         return None
-    bases = {yaml.safe_dump({k: v for k, v in cfg.items() if k != "num_speculative_tokens"})
-             for cfg, _ in levels.values()}
+    bases = {
+        yaml.safe_dump({k: v for k, v in cfg.items() if k != "num_speculative_tokens"})
+        for cfg, _ in levels.values()
+    }
     configs = [cfg for cfg, _ in levels.values()]
     if len(bases) != 1 or configs[0].get("method") != "draft_model":
         return None  # two different drafts, or a method the CPU check did not cover
@@ -196,12 +201,16 @@ def batch_size_schedule(levels: dict[int, tuple[dict | None, int]], max_num_seqs
             hi = max(lo, c, max_num_seqs or c)
         schedule.append([lo, hi, ks[c]])
         lo = hi + 1
-    return {**configs[0], "num_speculative_tokens": max(ks.values()),
-            "num_speculative_tokens_per_batch_size": schedule}
+    return {
+        **configs[0],
+        "num_speculative_tokens": max(ks.values()),
+        "num_speculative_tokens_per_batch_size": schedule,
+    }
 
 
-def choose_section(recommended: dict[int, str], section, max_num_seqs: int | None
-                   ) -> tuple[dict | None, int | None]:
+def choose_section(
+    recommended: dict[int, str], section, max_num_seqs: int | None
+) -> tuple[dict | None, int | None]:
     """The speculative section a job runs with, from the recommendation per measured level:
     one section with vLLM's per-batch-size k where one draft fits every level
     (:func:`batch_size_schedule`; returned with concurrency None), else the recommendation at

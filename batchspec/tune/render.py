@@ -13,8 +13,17 @@ def _f(value: float | None, fmt: str = ".1f", suffix: str = "") -> str:
 
 def render_table(report: TuneReport) -> str:
     """The terminal table: measured candidates per level, then recommendations and skips."""
-    head = ["concurrency", "candidate", "tok/s", "vs off", "predicted", "error", "acceptance",
-            "tokens/step", "e2e p50 s"]
+    head = [
+        "concurrency",
+        "candidate",
+        "tok/s",
+        "vs off",
+        "predicted",
+        "error",
+        "acceptance",
+        "tokens/step",
+        "e2e p50 s",
+    ]
     rows = []
     for c in report.concurrency:
         off = report.entry("off", c)
@@ -25,17 +34,27 @@ def render_table(report: TuneReport) -> str:
             lv = e.level
             err = None if e.calibration else relative_error(e.predicted, lv.tps)
             mark = " *" if report.recommended.get(c) == e.candidate.label else ""
-            rows.append([str(c), e.candidate.label + mark, _f(lv.tps),
-                         _f(lv.tps / off_tps if off_tps else None, ".2f", "x"),
-                         _f(e.predicted) + (" (fit)" if e.calibration and e.predicted else ""),
-                         _f(err * 100 if err is not None else None, ".0f", "%"),
-                         _f(lv.acceptance_rate, ".2f"), _f(lv.mean_acceptance_length, ".2f"),
-                         _f(lv.p50, ".3f")])
+            rows.append(
+                [
+                    str(c),
+                    e.candidate.label + mark,
+                    _f(lv.tps),
+                    _f(lv.tps / off_tps if off_tps else None, ".2f", "x"),
+                    _f(e.predicted) + (" (fit)" if e.calibration and e.predicted else ""),
+                    _f(err * 100 if err is not None else None, ".0f", "%"),
+                    _f(lv.acceptance_rate, ".2f"),
+                    _f(lv.mean_acceptance_length, ".2f"),
+                    _f(lv.p50, ".3f"),
+                ]
+            )
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(head)]
     lines = []
     for r in [head, *rows]:
-        lines.append("  ".join(v.ljust(w) if i < 2 else v.rjust(w)
-                               for i, (v, w) in enumerate(zip(r, widths, strict=True))))
+        lines.append(
+            "  ".join(
+                v.ljust(w) if i < 2 else v.rjust(w) for i, (v, w) in enumerate(zip(r, widths, strict=True))
+            )
+        )
     lines.append("")
     what = "output tok/s" if report.options.objective == "throughput" else "e2e p50"
     for c in report.concurrency:
@@ -44,23 +63,31 @@ def render_table(report: TuneReport) -> str:
         if label is None:
             lines.append(f"concurrency {c}: no recommendation (speculation off was not measured)")
             continue
-        lines.append(f"concurrency {c}: recommended {label} (* above; by {what}, noise "
-                     f"{n['threshold'] * 100:.1f}%: off's spread over {report.options.repeats} "
-                     f"repeats, at least {MIN_NOISE * 100:.0f}%)")
+        lines.append(
+            f"concurrency {c}: recommended {label} (* above; by {what}, noise "
+            f"{n['threshold'] * 100:.1f}%: off's spread over {report.options.repeats} "
+            f"repeats, at least {MIN_NOISE * 100:.0f}%)"
+        )
         wall = report.predicted_wall_s(c, report.rows_seen)
         if wall is not None:
-            lines.append(f"concurrency {c}: predicted wall time of the input's {report.rows_seen} "
-                         f"rows with {label}: {wall:.0f}s (generation only, no engine start)")
+            lines.append(
+                f"concurrency {c}: predicted wall time of the input's {report.rows_seen} "
+                f"rows with {label}: {wall:.0f}s (generation only, no engine start)"
+            )
     skipped: dict[str, set[str]] = {}
     for e in report.entries:
         if e.skipped:
             skipped.setdefault(e.skipped, set()).add(e.candidate.label)
     for reason, labels in skipped.items():
         lines.append(f"skipped {', '.join(sorted(labels))}: {reason}")
-    lines.append(f"lossless: {report.greedy_rows} greedy rows compared with speculation off; "
-                 + (f"{len(report.mismatches)} MISMATCHES" if report.mismatches else "all equal"))
+    lines.append(
+        f"lossless: {report.greedy_rows} greedy rows compared with speculation off; "
+        + (f"{len(report.mismatches)} MISMATCHES" if report.mismatches else "all equal")
+    )
     for note in report.notes:
         lines.append(f"note: {note}")
-    lines.append(f"sample: {report.sample_rows} of {report.rows_seen} rows (seed "
-                 f"{report.options.seed}); {report.wall_s:.0f}s")
+    lines.append(
+        f"sample: {report.sample_rows} of {report.rows_seen} rows (seed "
+        f"{report.options.seed}); {report.wall_s:.0f}s"
+    )
     return "\n".join(lines) + "\n"

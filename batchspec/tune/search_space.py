@@ -36,8 +36,9 @@ def _unique(name: str, taken: set[str]) -> str:
     return out
 
 
-def candidates(spec: JobSpec, drafts: list[str], ks: list[int], ngram: bool
-               ) -> tuple[list[Candidate], dict[str, list[Candidate]]]:
+def candidates(
+    spec: JobSpec, drafts: list[str], ks: list[int], ngram: bool
+) -> tuple[list[Candidate], dict[str, list[Candidate]]]:
     """(fixed candidates: off then n-gram, draft families: label -> candidates by k).
 
     The job's own speculative config is a family (its other keys kept, only k varies); each
@@ -46,11 +47,16 @@ def candidates(spec: JobSpec, drafts: list[str], ks: list[int], ngram: bool
     job = dict(spec.speculative) if spec.speculative else None
     if ngram or (job and job.get("method") == "ngram"):
         base = job if job and job.get("method") == "ngram" else NGRAM_BASE
-        ngram_ks = sorted(set(NGRAM_K) | ({job["num_speculative_tokens"]}
-                                          if base is job and "num_speculative_tokens" in job else set()))
+        ngram_ks = sorted(
+            set(NGRAM_K)
+            | ({job["num_speculative_tokens"]} if base is job and "num_speculative_tokens" in job else set())
+        )
         for k in ngram_ks:
-            fixed.append(Candidate(f"ngram k={k}", {**base, "num_speculative_tokens": k}, "ngram", k,
-                                   from_job=base is job))
+            fixed.append(
+                Candidate(
+                    f"ngram k={k}", {**base, "num_speculative_tokens": k}, "ngram", k, from_job=base is job
+                )
+            )
     bases: list[dict] = []
     if job and job.get("method") != "ngram":
         bases.append(job)
@@ -64,9 +70,10 @@ def candidates(spec: JobSpec, drafts: list[str], ks: list[int], ngram: bool
         if base.get("method") not in (None, "draft_model"):
             method = sanitize_url(str(base["method"]))
             name = _unique(f"{method}:{name}" if base.get("model") else method, set(families))
-        families[name] = [Candidate(f"{name} k={k}", {**base, "num_speculative_tokens": k}, name, k,
-                                    from_job=base is job)
-                          for k in sorted(set(ks))]
+        families[name] = [
+            Candidate(f"{name} k={k}", {**base, "num_speculative_tokens": k}, name, k, from_job=base is job)
+            for k in sorted(set(ks))
+        ]
     return fixed, families
 
 

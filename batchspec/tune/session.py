@@ -81,8 +81,14 @@ class _Progress:
         if bar:
             from tqdm import tqdm
 
-            self.bar = tqdm(total=total, file=stream, unit="engine", desc="tune", leave=False,
-                            bar_format="{desc}: {n}/{total} engines |{bar}| {postfix}")
+            self.bar = tqdm(
+                total=total,
+                file=stream,
+                unit="engine",
+                desc="tune",
+                leave=False,
+                bar_format="{desc}: {n}/{total} engines |{bar}| {postfix}",
+            )
 
     def grow(self, extra: int) -> None:
         self.total += extra
@@ -106,9 +112,12 @@ class _Progress:
             self.bar.update(1)
         else:
             left = self.left_s()
-            print(f"batchspec tune: [{self.done}/{self.total}] {label}: {self.public(what)}"
-                  + (f" (~{left:.0f}s left)" if left and self.done < self.total else ""),
-                  file=self.stream, flush=True)
+            print(
+                f"batchspec tune: [{self.done}/{self.total}] {label}: {self.public(what)}"
+                + (f" (~{left:.0f}s left)" if left and self.done < self.total else ""),
+                file=self.stream,
+                flush=True,
+            )
 
     def close(self) -> None:
         if self.bar is not None:
@@ -119,8 +128,9 @@ def _levels_text(levels: dict[int, LevelMeasurement]) -> str:
     return "; ".join(f"c={c}: {lv.tps:.1f} tok/s" for c, lv in sorted(levels.items())) or "nothing"
 
 
-def run_tune(spec: JobSpec, options: TuneOptions, job: str = "", stream=None,
-             progress_bar: bool = False, shards=None) -> TuneReport:
+def run_tune(
+    spec: JobSpec, options: TuneOptions, job: str = "", stream=None, progress_bar: bool = False, shards=None
+) -> TuneReport:
     """Sample (from ``shards`` where given, else the whole input), measure, predict and
     recommend (see the module docstring)."""
     started = time.monotonic()
@@ -140,8 +150,13 @@ def _check_options(spec: JobSpec, options: TuneOptions) -> list[int]:
     concurrency = sorted(set(options.concurrency or [default_concurrency(spec)]))
     if any(c < 1 for c in concurrency):
         raise SpecError(None, "--concurrency: levels must be positive integers")
-    if options.sample < 1 or options.repeats < 1 or options.top < 0 or not options.ks \
-            or any(k < 1 for k in options.ks):
+    if (
+        options.sample < 1
+        or options.repeats < 1
+        or options.top < 0
+        or not options.ks
+        or any(k < 1 for k in options.ks)
+    ):
         raise SpecError(None, "--sample, --repeats and --k must be positive, --top at least 0")
     check_vllm_keys(spec)
     return concurrency
@@ -154,16 +169,19 @@ class _Session:
     #: The progress line or bar over engines, from :meth:`measure_all` on.
     progress: _Progress
 
-    def __init__(self, spec: JobSpec, options: TuneOptions, concurrency: list[int], started: float,
-                 shards=None):
+    def __init__(
+        self, spec: JobSpec, options: TuneOptions, concurrency: list[int], started: float, shards=None
+    ):
         self.options, self.concurrency = options, concurrency
         self.deadline = started + options.max_minutes * 60 if options.max_minutes is not None else None
         self.max_num_seqs = max(concurrency)
         self.fixed, self.families = candidates(spec, options.drafts, options.ks, options.ngram)
         self.secrets = tune_secrets(spec, options.drafts)
         # every candidate's spec is checked before any engine starts: a bad key exits 2 at once
-        self.specs = {cand.label: candidate_spec(spec, cand.speculative, self.max_num_seqs)
-                      for cand in self.every_candidate()}
+        self.specs = {
+            cand.label: candidate_spec(spec, cand.speculative, self.max_num_seqs)
+            for cand in self.every_candidate()
+        }
         self.rows, self.seen = sample_rows(spec, options.sample, options.seed, shards)
         temps = row_temperatures(spec, self.rows)
         self.greedy = {rid for rid, t in temps.items() if t == 0}
@@ -184,8 +202,7 @@ class _Session:
     def engines(self) -> int:
         """Engines the tune expects to start: each fixed candidate, each draft's calibration k
         and its ``--top`` best predicted k."""
-        return len(self.fixed) + sum(len(calibration(f)) + self.options.top
-                                     for f in self.families.values())
+        return len(self.fixed) + sum(len(calibration(f)) + self.options.top for f in self.families.values())
 
     def public(self, text: str) -> str:
         """Free text for the report (a skip reason quoting vLLM): secrets out, URLs sanitised."""
@@ -197,8 +214,10 @@ class _Session:
             notes.append(f"the input has {len(self.rows)} sendable rows: all of them are the sample")
         for c in self.concurrency:
             if len(self.rows) < c:
-                notes.append(f"concurrency {c}: the sample has only {len(self.rows)} rows, so fewer "
-                             f"requests than that were ever in flight (raise --sample)")
+                notes.append(
+                    f"concurrency {c}: the sample has only {len(self.rows)} rows, so fewer "
+                    f"requests than that were ever in flight (raise --sample)"
+                )
         return notes
 
     # .................................................................. measuring
@@ -240,19 +259,24 @@ class _Session:
             raise SkipCandidate(f"the sample has rows with temperature > 0: {CPU_SAMPLING_REFUSAL}")
         self.progress.start(cand.label)
         try:
-            levels, late = measure_candidate(cspec, self.rows, self.concurrency, repeats,
-                                             self.deadline, self.sizes)
+            levels, late = measure_candidate(
+                cspec, self.rows, self.concurrency, repeats, self.deadline, self.sizes
+            )
         except RuntimeFailure as exc:
             if cand.speculative is None:
                 raise
             raise SkipCandidate(f"the engine failed: {exc}") from exc
         for c, lv in levels.items():
-            refused = {rid: err for rid, err in lv.errors.items()
-                       if rid not in self.off_levels.get(c, LevelMeasurement(c, 0)).errors}
+            refused = {
+                rid: err
+                for rid, err in lv.errors.items()
+                if rid not in self.off_levels.get(c, LevelMeasurement(c, 0)).errors
+            }
             if cand.speculative is not None and refused:
                 rid, err = next(iter(refused.items()))
-                raise SkipCandidate(f"the engine refused {len(refused)} row(s) that off ran, e.g. "
-                                    f"{rid}: {err}")
+                raise SkipCandidate(
+                    f"the engine refused {len(refused)} row(s) that off ran, e.g. {rid}: {err}"
+                )
         self.late.update({(cand.label, c): why for c, why in late.items()})
         return levels
 
@@ -282,11 +306,13 @@ class _Session:
         predicted = self._predict(family, fitted)
         for cand in calib:
             if cand.k in fitted:
-                self.record(cand, fitted[cand.k],
-                            {c: p.get(cand.k) for c, p in predicted.items()}, calibration=True)
+                self.record(
+                    cand, fitted[cand.k], {c: p.get(cand.k) for c, p in predicted.items()}, calibration=True
+                )
         # --top: that many more k, the best predicted of those not measured yet
-        chosen = pick_ks({c: {k: v for k, v in p.items() if k not in fitted}
-                          for c, p in predicted.items()}, top)
+        chosen = pick_ks(
+            {c: {k: v for k, v in p.items() if k not in fitted} for c, p in predicted.items()}, top
+        )
         self.progress.grow(len(chosen) - top)
         for cand in family:
             if any(cand is done for done in calib):
@@ -294,9 +320,14 @@ class _Session:
             preds = {c: p[cand.k] for c, p in predicted.items() if cand.k in p}
             if cand.k not in chosen:
                 for c in self.concurrency:
-                    self.entry(cand, c, predicted=preds.get(c),
-                               skipped=f"not among the {top} best predicted k (--top)" if preds else
-                               "no prediction (speculation off or the largest k was not measured)")
+                    self.entry(
+                        cand,
+                        c,
+                        predicted=preds.get(c),
+                        skipped=f"not among the {top} best predicted k (--top)"
+                        if preds
+                        else "no prediction (speculation off or the largest k was not measured)",
+                    )
                 continue
             try:
                 self.record(cand, self.measure(cand), preds)
@@ -305,8 +336,9 @@ class _Session:
                     self.entry(cand, c, predicted=preds.get(c), skipped=str(exc))
                 self.progress.finish(cand.label, f"skipped: {exc}")
 
-    def _predict(self, family: list[Candidate], fitted: dict[int, dict[int, LevelMeasurement]]
-                 ) -> dict[int, dict[int, float]]:
+    def _predict(
+        self, family: list[Candidate], fitted: dict[int, dict[int, LevelMeasurement]]
+    ) -> dict[int, dict[int, float]]:
         """Concurrency -> k -> predicted tok/s for every k of ``family``: from its calibration k
         measured at that level (``fitted``: k -> levels; :func:`predict_from_measured`), else
         from speculation off and the largest k (:func:`predict_tokens_per_s`). The per-position
@@ -317,9 +349,11 @@ class _Session:
             if not lv.per_position or not lv.tps or not lv.mean_acceptance_length:
                 continue
             rates = [r or 0.0 for r in lv.per_position["rate"]]
-            points = [(k, levels[c].tps, levels[c].mean_acceptance_length)
-                      for k, levels in sorted(fitted.items())
-                      if c in levels and levels[c].tps and levels[c].mean_acceptance_length]
+            points = [
+                (k, levels[c].tps, levels[c].mean_acceptance_length)
+                for k, levels in sorted(fitted.items())
+                if c in levels and levels[c].tps and levels[c].mean_acceptance_length
+            ]
             by_k: dict[int, float] = {}
             if len(points) >= 2:
                 for cand in family:
@@ -329,8 +363,12 @@ class _Session:
             off = self.off_levels.get(c)
             if len(by_k) < len(family) and off is not None:
                 for cand in family:
-                    by_k.setdefault(cand.k, predict_tokens_per_s(
-                        off.tps, lv.tps, lv.mean_acceptance_length, rates, big.k, cand.k))
+                    by_k.setdefault(
+                        cand.k,
+                        predict_tokens_per_s(
+                            off.tps, lv.tps, lv.mean_acceptance_length, rates, big.k, cand.k
+                        ),
+                    )
             if by_k:
                 predicted[c] = by_k
         return predicted
@@ -349,15 +387,27 @@ class _Session:
             self.entry(cand, c, skipped=reason)
         self.progress.finish(cand.label, f"skipped: {reason}")
 
-    def record(self, cand: Candidate, levels: dict[int, LevelMeasurement],
-               predicted: dict[int, float] | None = None, calibration: bool = False) -> None:
+    def record(
+        self,
+        cand: Candidate,
+        levels: dict[int, LevelMeasurement],
+        predicted: dict[int, float] | None = None,
+        calibration: bool = False,
+    ) -> None:
         for c in self.concurrency:
             lv = levels.get(c)
-            e = self.entry(cand, c, level=lv, predicted=(predicted or {}).get(c), calibration=calibration,
-                           skipped=None if lv else self.late.get((cand.label, c), TIME_BUDGET))
+            e = self.entry(
+                cand,
+                c,
+                level=lv,
+                predicted=(predicted or {}).get(c),
+                calibration=calibration,
+                skipped=None if lv else self.late.get((cand.label, c), TIME_BUDGET),
+            )
             if lv is not None and cand.speculative is not None:
-                e.lossless = check_lossless(cand.label, c, self.off_levels.get(c), lv, self.greedy,
-                                            self.mismatches)
+                e.lossless = check_lossless(
+                    cand.label, c, self.off_levels.get(c), lv, self.greedy, self.mismatches
+                )
         self.progress.finish(cand.label, _levels_text(levels))
 
     def report(self, job: str, started: float) -> TuneReport:
@@ -367,12 +417,25 @@ class _Session:
         recommended, noise = recommend(self.entries, self.options.objective)
         notes = list(self.notes)
         if self.sampled:
-            notes.append(f"{len(self.rows) - len(self.greedy)} sampled rows (temperature > 0) are "
-                         "not checked for losslessness: only greedy rows must match speculation off")
-        return TuneReport(scrub_text(job), self.options, self.concurrency, len(self.rows), self.seen,
-                          len(self.greedy), self.entries, recommended, noise, self.mismatches,
-                          time.monotonic() - started, notes,
-                          [row.request_id for row in self.rows])
+            notes.append(
+                f"{len(self.rows) - len(self.greedy)} sampled rows (temperature > 0) are "
+                "not checked for losslessness: only greedy rows must match speculation off"
+            )
+        return TuneReport(
+            scrub_text(job),
+            self.options,
+            self.concurrency,
+            len(self.rows),
+            self.seen,
+            len(self.greedy),
+            self.entries,
+            recommended,
+            noise,
+            self.mismatches,
+            time.monotonic() - started,
+            notes,
+            [row.request_id for row in self.rows],
+        )
 
 
 def tune_secrets(spec: JobSpec, drafts: list[str] | tuple[str, ...] = ()) -> set[str]:
@@ -381,8 +444,14 @@ def tune_secrets(spec: JobSpec, drafts: list[str] | tuple[str, ...] = ()) -> set
     return secret_values(spec.raw) | secret_values({"draft": list(drafts)})
 
 
-def check_lossless(label: str, concurrency: int, off: LevelMeasurement | None, lv: LevelMeasurement,
-                   greedy: set[str], mismatches: list[dict[str, Any]]) -> bool | None:
+def check_lossless(
+    label: str,
+    concurrency: int,
+    off: LevelMeasurement | None,
+    lv: LevelMeasurement,
+    greedy: set[str],
+    mismatches: list[dict[str, Any]],
+) -> bool | None:
     """Greedy rows must have the same text as speculation off at the same level; mismatches are
     appended (row, candidate, both texts' start). None when off was not measured there."""
     if off is None:
@@ -396,11 +465,20 @@ def check_lossless(label: str, concurrency: int, off: LevelMeasurement | None, l
             continue
         if text != ref:
             ok = False
-            at = next((i for i, (a, b) in enumerate(zip(ref, text, strict=False)) if a != b),
-                      min(len(ref), len(text)))
-            mismatches.append({"row": rid, "candidate": label, "concurrency": concurrency,
-                               "first_difference_at_char": at, "off": ref[max(0, at - 20):at + 40],
-                               "candidate_text": text[max(0, at - 20):at + 40]})
+            at = next(
+                (i for i, (a, b) in enumerate(zip(ref, text, strict=False)) if a != b),
+                min(len(ref), len(text)),
+            )
+            mismatches.append(
+                {
+                    "row": rid,
+                    "candidate": label,
+                    "concurrency": concurrency,
+                    "first_difference_at_char": at,
+                    "off": ref[max(0, at - 20) : at + 40],
+                    "candidate_text": text[max(0, at - 20) : at + 40],
+                }
+            )
     return ok
 
 

@@ -67,8 +67,7 @@ def spec_as_written(job_path: str, overrides: tuple[str, ...] | list[str] = ()) 
             if node.get(part) is None:
                 node[part] = {}
             node = node[part]
-        node[parts[-1]] = _as_written(value, f"--set {key.strip()}", key.strip()) \
-            if value.strip() else ""
+        node[parts[-1]] = _as_written(value, f"--set {key.strip()}", key.strip()) if value.strip() else ""
     return raw
 
 
@@ -77,22 +76,26 @@ def check_writable(raw: dict, drafts: list[str] | tuple[str, ...] = ()) -> None:
     written (``raw``, from :func:`spec_as_written`), or a ``--draft`` URL that could become its
     ``speculative.model``. Each place is named, with the ``${VAR}`` form to use instead."""
     found = literal_secrets(raw)
-    found += [f"--draft {sanitize_url(d)!r} ({what})" for d in drafts
-              for what in url_literal_secrets(str(d))]
+    found += [f"--draft {sanitize_url(d)!r} ({what})" for d in drafts for what in url_literal_secrets(str(d))]
     if not found:
         return
     # (no example URL with a query here: the message goes through the URL sanitiser)
-    raise SpecError("--write", "refused: the written job would hold a literal credential: "
-                    + "; ".join(found) + ". tune never writes one: give it as an environment "
-                    "variable, written as ${VAR} (in the job file, e.g. hf_token: ${HF_TOKEN}; "
-                    "single-quoted on the command line, e.g. --set "
-                    "'model.engine.hf_token=${HF_TOKEN}'; a draft URL that holds a credential "
-                    "as the job's own draft, e.g. --set 'speculative.model=${DRAFT_URL}'). "
-                    "Nothing was measured")
+    raise SpecError(
+        "--write",
+        "refused: the written job would hold a literal credential: "
+        + "; ".join(found)
+        + ". tune never writes one: give it as an environment "
+        "variable, written as ${VAR} (in the job file, e.g. hf_token: ${HF_TOKEN}; "
+        "single-quoted on the command line, e.g. --set "
+        "'model.engine.hf_token=${HF_TOKEN}'; a draft URL that holds a credential "
+        "as the job's own draft, e.g. --set 'speculative.model=${DRAFT_URL}'). "
+        "Nothing was measured",
+    )
 
 
-def written_spec(job_path: str, overrides: tuple[str, ...], report: TuneReport,
-                 max_num_seqs: int | None) -> str:
+def written_spec(
+    job_path: str, overrides: tuple[str, ...], report: TuneReport, max_num_seqs: int | None
+) -> str:
     """The job file with the recommended ``speculative`` section, as ``--write`` writes it.
 
     The job's own YAML as written (``${VAR}`` never expanded, in the file and in ``--set``
@@ -118,23 +121,32 @@ def written_spec(job_path: str, overrides: tuple[str, ...], report: TuneReport,
     chosen, c = choose_section({c: report.recommended[c] for c in measured}, section, max_num_seqs)
     if c is None:
         raw["speculative"] = chosen
-        header = ["# Written by batchspec tune from " + Path(job_path).name + ": one speculative "
-                  "section for every concurrency measured,",
-                  f"# recommended per concurrency ({recs}), as vLLM's per-batch-size k "
-                  "(num_speculative_tokens_per_batch_size; k 0 = speculation off there)."]
+        header = [
+            "# Written by batchspec tune from " + Path(job_path).name + ": one speculative "
+            "section for every concurrency measured,",
+            f"# recommended per concurrency ({recs}), as vLLM's per-batch-size k "
+            "(num_speculative_tokens_per_batch_size; k 0 = speculation off there).",
+        ]
     else:
         raw["speculative"] = chosen
-        why = ("the only concurrency measured" if len(measured) == 1 else
-               f"the measured level nearest the job's max_num_seqs ({max_num_seqs})"
-               if max_num_seqs is not None else
-               "the largest level measured; the job sets no max_num_seqs")
-        header = [f"# Written by batchspec tune from {Path(job_path).name}: speculative = "
-                  f"{report.recommended[c]},", f"# recommended for concurrency {c} ({why})."]
+        why = (
+            "the only concurrency measured"
+            if len(measured) == 1
+            else f"the measured level nearest the job's max_num_seqs ({max_num_seqs})"
+            if max_num_seqs is not None
+            else "the largest level measured; the job sets no max_num_seqs"
+        )
+        header = [
+            f"# Written by batchspec tune from {Path(job_path).name}: speculative = {report.recommended[c]},",
+            f"# recommended for concurrency {c} ({why}).",
+        ]
         if len(measured) > 1:
             header.append(f"# Recommended per concurrency: {recs}.")
     check_writable(raw)
-    header.append(f"# Objective {report.options.objective}; sample of {report.sample_rows} rows, "
-                  f"seed {report.options.seed}.")
+    header.append(
+        f"# Objective {report.options.objective}; sample of {report.sample_rows} rows, "
+        f"seed {report.options.seed}."
+    )
     if overrides:  # their keys: the values are in the body, written once
         keys = ", ".join(dict.fromkeys(item.partition("=")[0].strip() for item in overrides))
         header.append(f"# --set applied: {keys}")
@@ -172,13 +184,17 @@ def check_output_files(job: str, spec: JobSpec, files: dict[str, str | None]) ->
         try:
             fd, probe = tempfile.mkstemp(prefix=".batchspec-tune-", dir=parent)
         except OSError as exc:
-            raise SpecError(option, f"{value!r}: cannot write in {str(parent)!r}: "
-                                    f"{exc.strerror or exc}") from None
+            raise SpecError(
+                option, f"{value!r}: cannot write in {str(parent)!r}: {exc.strerror or exc}"
+            ) from None
         os.close(fd)
         os.unlink(probe)
         if real == job_real:
-            raise SpecError(option, f"{value!r} is the job file itself; write to another file "
-                                    "(and move it over the job if that is what you want)")
+            raise SpecError(
+                option,
+                f"{value!r} is the job file itself; write to another file "
+                "(and move it over the job if that is what you want)",
+            )
         if real in seen:
             raise SpecError(option, f"{value!r} is also the file of {seen[real]}")
         seen[real] = option
@@ -190,7 +206,7 @@ def check_output_files(job: str, spec: JobSpec, files: dict[str, str | None]) ->
 def _local(url: str) -> str | None:
     """The local path of a job location, None for a remote store."""
     if url.startswith("file://"):
-        return url[len("file://"):]
+        return url[len("file://") :]
     return None if "://" in url or "::" in url else url
 
 
@@ -215,8 +231,11 @@ def _job_location(real: str, spec: JobSpec) -> str | None:
             if fnmatch.fnmatchcase(real, pattern):
                 return f"matches the job's input pattern {url!r}"
         elif _inside(real, os.path.realpath(path)):
-            return f"is the job's input {url!r}" if real == os.path.realpath(path) else \
-                f"lies in the job's input directory {url!r}"
+            return (
+                f"is the job's input {url!r}"
+                if real == os.path.realpath(path)
+                else f"lies in the job's input directory {url!r}"
+            )
     return None
 
 
@@ -262,5 +281,5 @@ _AsWrittenLoader.add_constructor("tag:yaml.org,2002:str", _construct_str)
 
 
 _WrittenDumper.add_representer(
-    _Quoted, lambda dumper, value: dumper.represent_scalar("tag:yaml.org,2002:str", str(value),
-                                                           style="'"))
+    _Quoted, lambda dumper, value: dumper.represent_scalar("tag:yaml.org,2002:str", str(value), style="'")
+)

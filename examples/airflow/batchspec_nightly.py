@@ -56,17 +56,40 @@ GRACE_S = 60
 #: The environment the spec's ${VAR}s read; Airflow renders the templates for each run.
 JOB_ENV = {"DS": "{{ ds }}"}
 #: What batchspec may see of the worker's environment, by name and by prefix (see the docstring).
-PASS_NAMES = frozenset({
-    "PATH", "HOME", "USER", "LOGNAME", "LANG", "LANGUAGE", "LC_ALL", "LC_CTYPE", "TZ", "TMPDIR",
-    "XDG_CACHE_HOME", "LD_LIBRARY_PATH", "OMP_NUM_THREADS",
-    "HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY", "http_proxy", "https_proxy", "no_proxy",
-    "SSL_CERT_FILE", "SSL_CERT_DIR", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE",
-})
+PASS_NAMES = frozenset(
+    {
+        "PATH",
+        "HOME",
+        "USER",
+        "LOGNAME",
+        "LANG",
+        "LANGUAGE",
+        "LC_ALL",
+        "LC_CTYPE",
+        "TZ",
+        "TMPDIR",
+        "XDG_CACHE_HOME",
+        "LD_LIBRARY_PATH",
+        "OMP_NUM_THREADS",
+        "HTTP_PROXY",
+        "HTTPS_PROXY",
+        "NO_PROXY",
+        "http_proxy",
+        "https_proxy",
+        "no_proxy",
+        "SSL_CERT_FILE",
+        "SSL_CERT_DIR",
+        "REQUESTS_CA_BUNDLE",
+        "CURL_CA_BUNDLE",
+    }
+)
 PASS_PREFIXES = ("BATCHSPEC_", "VLLM_", "HF_", "CUDA_", "NVIDIA_", "NCCL_")
 #: Credentials by the stores a job names: a job on S3 gets AWS_*, never Google's or Azure's.
-STORE_PREFIXES = {("s3://", "s3a://"): ("AWS_",),
-                  ("gs://", "gcs://"): ("GOOGLE_", "GCLOUD_", "CLOUDSDK_"),
-                  ("az://", "abfs://", "abfss://", "adl://"): ("AZURE_",)}
+STORE_PREFIXES = {
+    ("s3://", "s3a://"): ("AWS_",),
+    ("gs://", "gcs://"): ("GOOGLE_", "GCLOUD_", "CLOUDSDK_"),
+    ("az://", "abfs://", "abfss://", "adl://"): ("AZURE_",),
+}
 _SPEC_VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)")
 
 
@@ -79,8 +102,9 @@ def _config(job_env: dict[str, str]) -> tuple[str, str, dict[str, str]]:
     return binary, job, batchspec_env(job, job_env, extra)
 
 
-def batchspec_env(job: str, job_env: dict[str, str], extra: str = "",
-                  environ: dict[str, str] | None = None) -> dict[str, str]:
+def batchspec_env(
+    job: str, job_env: dict[str, str], extra: str = "", environ: dict[str, str] | None = None
+) -> dict[str, str]:
     """The environment batchspec runs with: the allow-listed part of ``environ`` (the worker's),
     the spec's own ``${VAR}``s, the credentials of the stores it names, ``extra`` (comma-separated
     names), then ``job_env`` (the rendered ``DS``)."""
@@ -93,8 +117,9 @@ def batchspec_env(job: str, job_env: dict[str, str], extra: str = "",
     names |= {n.strip() for n in extra.split(",") if n.strip()}
     # the stores a job names: in the spec's text, or in the ${VAR}s it reads (input: ${URL})
     where = " ".join([text, *(environ.get(n, "") for n in names), *job_env.values()])
-    prefixes = PASS_PREFIXES + tuple(p for schemes, ps in STORE_PREFIXES.items()
-                                     if any(s in where for s in schemes) for p in ps)
+    prefixes = PASS_PREFIXES + tuple(
+        p for schemes, ps in STORE_PREFIXES.items() if any(s in where for s in schemes) for p in ps
+    )
     env = {k: v for k, v in environ.items() if k in names or k.startswith(prefixes)}
     return {**env, **job_env}
 
@@ -106,8 +131,7 @@ def _stream(args: list[str], env: dict[str, str], what: str) -> tuple[int, dict]
     log.info("%s: %s", what, " ".join(args))
     log.info("environment passed: %s", " ".join(sorted(env)))
     finished: dict = {}
-    proc = subprocess.Popen(args, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         for line in proc.stdout:
             log.info("%s", line.rstrip())
@@ -132,10 +156,11 @@ def _raise_for(code: int, what: str) -> None:
     if code == 0:
         return
     if code in NOT_RETRYABLE:
-        raise AirflowFailException(f"{what} exited {code} ({NOT_RETRYABLE[code]}): not retrying, "
-                                   f"fix the spec or the data and clear the task")
-    raise RuntimeError(f"{what} exited {code}: retrying if tries are left (a rerun skips "
-                       f"committed shards)")
+        raise AirflowFailException(
+            f"{what} exited {code} ({NOT_RETRYABLE[code]}): not retrying, "
+            f"fix the spec or the data and clear the task"
+        )
+    raise RuntimeError(f"{what} exited {code}: retrying if tries are left (a rerun skips committed shards)")
 
 
 @dag(
@@ -158,22 +183,39 @@ def batchspec_nightly() -> None:
             raise AirflowFailException(f"batchspec_num_workers must be at least 1, not {num_workers}")
         return [{"worker_index": i, "num_workers": num_workers} for i in range(num_workers)]
 
-    @task(retries=int(os.environ.get("BATCHSPEC_RETRIES", "2")),
-          retry_delay=timedelta(seconds=float(os.environ.get("BATCHSPEC_RETRY_DELAY_S", "300"))),
-          retry_exponential_backoff=True)
+    @task(
+        retries=int(os.environ.get("BATCHSPEC_RETRIES", "2")),
+        retry_delay=timedelta(seconds=float(os.environ.get("BATCHSPEC_RETRY_DELAY_S", "300"))),
+        retry_exponential_backoff=True,
+    )
     def run_worker(worker_index: int, num_workers: int, job_env: dict[str, str]) -> dict:
         """``batchspec run`` for one worker's shards; returns its ``run_finished`` event (rows,
         errors, wall time, the run summary's path) as the task's XCom."""
         binary, job, env = _config(job_env)
         what = f"batchspec run (worker {worker_index}/{num_workers})"
-        code, finished = _stream([binary, "run", job, "--worker-index", str(worker_index),
-                                  "--num-workers", str(num_workers), "--log-format", "json"],
-                                 env, what)
+        code, finished = _stream(
+            [
+                binary,
+                "run",
+                job,
+                "--worker-index",
+                str(worker_index),
+                "--num-workers",
+                str(num_workers),
+                "--log-format",
+                "json",
+            ],
+            env,
+            what,
+        )
         _raise_for(code, what)
         return finished
 
-    @task(trigger_rule=TriggerRule.ALL_DONE, retries=int(os.environ.get("BATCHSPEC_RETRIES", "2")),
-          retry_delay=timedelta(seconds=30))
+    @task(
+        trigger_rule=TriggerRule.ALL_DONE,
+        retries=int(os.environ.get("BATCHSPEC_RETRIES", "2")),
+        retry_delay=timedelta(seconds=30),
+    )
     def check_status(job_env: dict[str, str]) -> dict[str, int]:
         """``batchspec status`` over the whole job: fails while any shard is not committed, so the
         run is green only when every row is in the output. Runs after failed workers too, to say
@@ -194,8 +236,9 @@ def batchspec_nightly() -> None:
         left = sorted(s["shard"] for s in shards if s["state"] != "committed")
         if left:
             # not worth a retry: only rerunning the workers (clear the failed ones) commits them
-            raise AirflowFailException(f"{len(left)} of {len(shards)} shards not committed "
-                                       f"({counts}): {', '.join(left[:20])}")
+            raise AirflowFailException(
+                f"{len(left)} of {len(shards)} shards not committed ({counts}): {', '.join(left[:20])}"
+            )
         return counts
 
     workers = run_worker.partial(job_env=JOB_ENV).expand_kwargs(plan_workers())

@@ -29,7 +29,7 @@ LINES = {
     "seed-float-integral": ({"seed": 42.0}, None),
     "seed-text": ({"seed": "7"}, "seed: expected an integer"),
     "seed-fraction": ({"seed": 1.5}, "seed: expected an integer"),
-    "seed-too-wide": ({"seed": 2 ** 70}, "seed: expected an integer"),
+    "seed-too-wide": ({"seed": 2**70}, "seed: expected an integer"),
     "stop-nested": ({"stop": [["x"]]}, "stop: expected a string or a list of strings"),
     "stop-mapping": ({"stop": {"a": 1}}, "stop: expected a string or a list of strings"),
     "schema-self": ({"constraint": json.dumps({"json": {"$ref": "#"}})}, "cycle"),
@@ -40,17 +40,25 @@ LINES = {
 def test_bad_values_are_error_rows_and_the_engine_keeps_running(tmp_path, shared_engines):
     path = tmp_path / "in" / "rows.jsonl"
     path.parent.mkdir(parents=True)
-    lines = [json.dumps({"id": rid, "prompt": f"{PROMPT} {i}", **extra})
-             for i, (rid, (extra, _)) in enumerate(LINES.items())]
+    lines = [
+        json.dumps({"id": rid, "prompt": f"{PROMPT} {i}", **extra})
+        for i, (rid, (extra, _)) in enumerate(LINES.items())
+    ]
     deep = '{"id": "deep", "prompt": ' + "[" * 5000 + "]" * 5000 + "}"
     lines.insert(3, deep)
     path.write_text("\n".join(lines) + "\n")
-    job = write_job(tmp_path / "job.yaml",
-                    input={"path": str(path), "prompt_column": "prompt", "id_column": "id",
-                           "sampling_columns": {"seed": "seed", "stop": "stop",
-                                                "structured_outputs": "constraint"}},
-                    output={"path": str(tmp_path / "out"), "keep_columns": ["id"]},
-                    speculative=DRAFT, sampling=SAMPLING)
+    job = write_job(
+        tmp_path / "job.yaml",
+        input={
+            "path": str(path),
+            "prompt_column": "prompt",
+            "id_column": "id",
+            "sampling_columns": {"seed": "seed", "stop": "stop", "structured_outputs": "constraint"},
+        },
+        output={"path": str(tmp_path / "out"), "keep_columns": ["id"]},
+        speculative=DRAFT,
+        sampling=SAMPLING,
+    )
     run = shared_engines.run(load_spec(job))
     assert run.exit_code == 0, run.log
     rows = read_output(tmp_path / "out").to_pylist()
@@ -74,16 +82,27 @@ def test_a_float64_seed_column_with_a_missing_value_runs(tmp_path, shared_engine
     """pandas writes an integer column with a missing value as float64: 42.0, NaN (null in
     Parquet). Before, 42.0 went to vLLM as it was and killed the engine; now it is the seed 42
     and the null row keeps the job's (no) seed."""
-    write_parquet(tmp_path / "in" / "s.parquet", {
-        "id": ["a", "b", "c", "d"],
-        "prompt": [PROMPT, PROMPT, "for i in range(", PROMPT],
-        "seed": pa.array([42.0, None, 7.0, 42.0], pa.float64()),
-    })
-    job = write_job(tmp_path / "job.yaml",
-                    input={"path": str(tmp_path / "in" / "*.parquet"), "prompt_column": "prompt",
-                           "id_column": "id", "sampling_columns": {"seed": "seed"}},
-                    output={"path": str(tmp_path / "out")},
-                    speculative=DRAFT, sampling=SAMPLING, execution={"dedupe_window": 0})
+    write_parquet(
+        tmp_path / "in" / "s.parquet",
+        {
+            "id": ["a", "b", "c", "d"],
+            "prompt": [PROMPT, PROMPT, "for i in range(", PROMPT],
+            "seed": pa.array([42.0, None, 7.0, 42.0], pa.float64()),
+        },
+    )
+    job = write_job(
+        tmp_path / "job.yaml",
+        input={
+            "path": str(tmp_path / "in" / "*.parquet"),
+            "prompt_column": "prompt",
+            "id_column": "id",
+            "sampling_columns": {"seed": "seed"},
+        },
+        output={"path": str(tmp_path / "out")},
+        speculative=DRAFT,
+        sampling=SAMPLING,
+        execution={"dedupe_window": 0},
+    )
     run = shared_engines.run(load_spec(job))
     assert run.exit_code == 0, run.log
     rows = {r["id"]: r for r in read_output(tmp_path / "out").to_pylist()}
@@ -98,21 +117,44 @@ def test_openai_lines_of_the_wrong_type_are_error_lines_once_each(tmp_path, shar
     target = str(MODELS / "target")
 
     def line(custom_id, **body):
-        return json.dumps({"custom_id": custom_id, "method": "POST", "url": "/v1/completions",
-                           "body": {"model": target, "prompt": PROMPT, **body}})
+        return json.dumps(
+            {
+                "custom_id": custom_id,
+                "method": "POST",
+                "url": "/v1/completions",
+                "body": {"model": target, "prompt": PROMPT, **body},
+            }
+        )
 
     path = tmp_path / "in" / "batch.jsonl"
     path.parent.mkdir(parents=True)
-    path.write_text("\n".join([
-        line("ok", seed=3), line("bad-seed", seed="7"), line("bad-stop", stop=[["x"]]),
-        line("ok", seed=4),  # a repeated custom_id: answered once, the repeat's line has none
-        json.dumps({"custom_id": "model-list", "method": "POST", "url": "/v1/completions",
-                    "body": {"model": [target], "prompt": PROMPT}}),
-        line("ok-2"),
-    ]) + "\n")
-    job = write_job(tmp_path / "job.yaml", input={"path": str(path), "format": "openai"},
-                    output={"path": str(tmp_path / "out"), "format": "openai"},
-                    speculative=DRAFT, sampling=SAMPLING)
+    path.write_text(
+        "\n".join(
+            [
+                line("ok", seed=3),
+                line("bad-seed", seed="7"),
+                line("bad-stop", stop=[["x"]]),
+                line("ok", seed=4),  # a repeated custom_id: answered once, the repeat's line has none
+                json.dumps(
+                    {
+                        "custom_id": "model-list",
+                        "method": "POST",
+                        "url": "/v1/completions",
+                        "body": {"model": [target], "prompt": PROMPT},
+                    }
+                ),
+                line("ok-2"),
+            ]
+        )
+        + "\n"
+    )
+    job = write_job(
+        tmp_path / "job.yaml",
+        input={"path": str(path), "format": "openai"},
+        output={"path": str(tmp_path / "out"), "format": "openai"},
+        speculative=DRAFT,
+        sampling=SAMPLING,
+    )
     run = shared_engines.run(load_spec(job))
     assert run.exit_code == 0, run.log
     results, errors = read_openai_output(tmp_path / "out", "batch")

@@ -31,13 +31,33 @@ pytestmark = pytest.mark.engine
 
 #: docs/contract.md "Output columns" after request_id and the kept input columns, in its order.
 CONTRACT_RESULT_NAMES = [
-    "generated_text", "finish_reason", "num_prompt_tokens", "num_output_tokens", "spec_num_steps",
-    "spec_num_draft_tokens", "spec_num_accepted_tokens", "spec_acceptance_rate",
-    "spec_mean_acceptance_length", "spec_acceptance_histogram", "time_queued_s",
-    "time_to_first_token_s", "time_decode_s", "time_e2e_s", "output_tokens_per_s",
-    "sample_index", "lora_adapter", "structured_valid", "structured_error", "choice_probs",
-    "cumulative_logprob", "token_logprobs", "top_logprobs", "prompt_token_logprobs",
-    "prompt_top_logprobs", "twin_of", "error",
+    "generated_text",
+    "finish_reason",
+    "num_prompt_tokens",
+    "num_output_tokens",
+    "spec_num_steps",
+    "spec_num_draft_tokens",
+    "spec_num_accepted_tokens",
+    "spec_acceptance_rate",
+    "spec_mean_acceptance_length",
+    "spec_acceptance_histogram",
+    "time_queued_s",
+    "time_to_first_token_s",
+    "time_decode_s",
+    "time_e2e_s",
+    "output_tokens_per_s",
+    "sample_index",
+    "lora_adapter",
+    "structured_valid",
+    "structured_error",
+    "choice_probs",
+    "cumulative_logprob",
+    "token_logprobs",
+    "top_logprobs",
+    "prompt_token_logprobs",
+    "prompt_top_logprobs",
+    "twin_of",
+    "error",
 ]
 #: The features job keeps these input columns, in this order (not the input's order).
 KEEP = ["topic", "id"]
@@ -60,12 +80,14 @@ def _prompts(count: int, seed: int) -> list[str]:
 def _shard(path: Path, ids: list[str], seed: int, **kwargs) -> Path:
     """A shard with an id, a prompt, a topic and a column the job does not keep."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    table = pa.table({
-        "id": pa.array(ids, pa.string()),
-        "prompt": pa.array(_prompts(len(ids), seed) if ids else [], pa.string()),
-        "topic": pa.array([f"topic-{i % 3}" for i in range(len(ids))], pa.string()),
-        "extra": pa.array(list(range(len(ids))), pa.int64()),
-    })
+    table = pa.table(
+        {
+            "id": pa.array(ids, pa.string()),
+            "prompt": pa.array(_prompts(len(ids), seed) if ids else [], pa.string()),
+            "topic": pa.array([f"topic-{i % 3}" for i in range(len(ids))], pa.string()),
+            "extra": pa.array(list(range(len(ids))), pa.int64()),
+        }
+    )
     pq.write_table(table, path, **kwargs)
     return path
 
@@ -75,7 +97,7 @@ def _garble_row_group(path: Path, group: int) -> None:
     shard passes the up-front schema check and fails only when that row group is read."""
     data = bytearray(path.read_bytes())
     start = pq.ParquetFile(path).metadata.row_group(group).column(0).data_page_offset
-    data[start:start + 40] = b"\xff" * 40
+    data[start : start + 40] = b"\xff" * 40
     path.write_bytes(bytes(data))
 
 
@@ -100,10 +122,14 @@ def _collect(exit_code: int, log: str, out: Path, run_id: str | None = None) -> 
         newest = max(out.glob("*.parquet"), key=lambda p: p.stat().st_mtime_ns, default=None)
         run_id = newest and read_metadata(str(newest))["run_id"]
     summary_path = out / "_batchspec" / "runs" / f"{run_id}.json"
-    return Run(exit_code, log, records,
-               json.loads(summary_path.read_text()) if summary_path.exists() else None,
-               {p.stem: pq.read_table(p) for p in sorted(out.glob("*.parquet"))},
-               {p.stem: p.stat().st_mtime_ns for p in sorted(out.glob("*.parquet"))})
+    return Run(
+        exit_code,
+        log,
+        records,
+        json.loads(summary_path.read_text()) if summary_path.exists() else None,
+        {p.stem: pq.read_table(p) for p in sorted(out.glob("*.parquet"))},
+        {p.stem: p.stat().st_mtime_ns for p in sorted(out.glob("*.parquet"))},
+    )
 
 
 def _run(job: Path, out: Path, *args: str) -> Run:
@@ -132,15 +158,26 @@ def features(tmp_path_factory, models) -> Features:
     for seed, (name, ids) in enumerate(IDS.items()):
         _shard(inputs / f"{name}.parquet", ids, seed=300 + seed)
     (inputs / "garbage.parquet").write_bytes(b"this is not a Parquet file")
-    midbad = _shard(inputs / "midbad.parquet", [f"m{i}" for i in range(MIDBAD_ROWS)], seed=310,
-                    row_group_size=MIDBAD_GROUP_ROWS)
+    midbad = _shard(
+        inputs / "midbad.parquet",
+        [f"m{i}" for i in range(MIDBAD_ROWS)],
+        seed=310,
+        row_group_size=MIDBAD_GROUP_ROWS,
+    )
     _garble_row_group(midbad, 2)
-    job = write_job(root / "features.yaml",
-                    input={"path": str(inputs / "*.parquet"), "prompt_column": "prompt",
-                           "id_column": "id", "on_bad_shard": "skip"},
-                    output={"path": str(root / "out"), "keep_columns": KEEP},
-                    speculative=DRAFT, sampling={"temperature": 0.0, "max_tokens": 24},
-                    execution={"max_in_flight": 8, "read_batch_rows": 4})
+    job = write_job(
+        root / "features.yaml",
+        input={
+            "path": str(inputs / "*.parquet"),
+            "prompt_column": "prompt",
+            "id_column": "id",
+            "on_bad_shard": "skip",
+        },
+        output={"path": str(root / "out"), "keep_columns": KEEP},
+        speculative=DRAFT,
+        sampling={"temperature": 0.0, "max_tokens": 24},
+        execution={"max_in_flight": 8, "read_batch_rows": 4},
+    )
     return Features(inputs, root / "out", job)
 
 
@@ -148,8 +185,7 @@ def features(tmp_path_factory, models) -> Features:
 def first_run(features, shared_engines) -> Run:
     """The features job: duplicate ids, a zero-row shard, two bad shards skipped, keep_columns,
     a progress event every 0.1 s."""
-    return _library_run(shared_engines, features.job, features.out,
-                        "execution.progress_interval_s=0.1")
+    return _library_run(shared_engines, features.job, features.out, "execution.progress_interval_s=0.1")
 
 
 @pytest.fixture(scope="module")
@@ -179,8 +215,8 @@ def test_bad_shards_are_skipped_and_the_rest_committed(features, first_run):
     assert bad["garbage"].startswith(f"{features.inputs / 'garbage.parquet'}: not a readable Parquet")
     # the corrupt row group is found mid-file, after two row groups went to the engine
     assert bad["midbad"].startswith(
-        f"{features.inputs / 'midbad.parquet'}: cannot read row group 2 (after row "
-        f"{2 * MIDBAD_GROUP_ROWS})"), bad["midbad"]
+        f"{features.inputs / 'midbad.parquet'}: cannot read row group 2 (after row {2 * MIDBAD_GROUP_ROWS})"
+    ), bad["midbad"]
     failed = {r["shard"]: r for r in first_run.records if r["event"] == "shard_failed"}
     assert sorted(failed) == ["garbage", "midbad"]
     assert all(r["level"] == "warning" for r in failed.values())
@@ -214,8 +250,9 @@ def test_explicit_keep_columns(features, first_run):
         assert table.schema.field("topic").type == pa.string()
         source = pq.read_table(features.inputs / f"{name}.parquet")
         # the kept values travel with their own row (matched here by id and topic together)
-        assert sorted(zip(table["id"].to_pylist(), table["topic"].to_pylist(), strict=True)) == \
-            sorted(zip(source["id"].to_pylist(), source["topic"].to_pylist(), strict=True)), name
+        assert sorted(zip(table["id"].to_pylist(), table["topic"].to_pylist(), strict=True)) == sorted(
+            zip(source["id"].to_pylist(), source["topic"].to_pylist(), strict=True)
+        ), name
         assert table["request_id"].to_pylist() == table["id"].to_pylist()
 
 
@@ -258,7 +295,8 @@ def test_corrupt_row_group_with_on_bad_shard_fail_exits_3(features, first_run, f
     assert error["exit_code"] == 3
     assert error["message"].startswith(
         f"bad input data: {features.inputs / 'midbad.parquet'}: cannot read row group 2 (after row "
-        f"{2 * MIDBAD_GROUP_ROWS})"), error["message"]
+        f"{2 * MIDBAD_GROUP_ROWS})"
+    ), error["message"]
     assert failing_run.summary["status"] == "failed"
     # the committed shards stay as they were; nothing of the failed one is visible or left over
     assert failing_run.mtimes == first_run.mtimes
@@ -270,17 +308,19 @@ def test_missing_column_exits_3_before_the_engine_starts(tmp_path, models):
     _shard(tmp_path / "in" / "good.parquet", ["g0"], seed=330)
     bad = tmp_path / "in" / "zz-bad.parquet"
     pq.write_table(pa.table({"id": ["x"], "text": ["def f():\n"]}), bad)
-    job = write_job(tmp_path / "bad.yaml",
-                    input={"path": str(tmp_path / "in" / "*.parquet"), "prompt_column": "prompt"},
-                    output={"path": str(tmp_path / "out")}, speculative=DRAFT,
-                    sampling={"temperature": 0.0, "max_tokens": 8})
+    job = write_job(
+        tmp_path / "bad.yaml",
+        input={"path": str(tmp_path / "in" / "*.parquet"), "prompt_column": "prompt"},
+        output={"path": str(tmp_path / "out")},
+        speculative=DRAFT,
+        sampling={"temperature": 0.0, "max_tokens": 8},
+    )
     result = run_cli("run", str(job), "--no-progress", "--log-format", "json", timeout=180)
     assert result.returncode == 3, result.stderr[-3000:]
     records = [json.loads(line) for line in result.stderr.splitlines() if line.startswith("{")]
     error = next(r for r in records if r["event"] == "error")
     assert error["exit_code"] == 3
-    assert error["message"] == \
-        f"bad input data: {bad}: missing prompt column 'prompt' (columns: id, text)"
+    assert error["message"] == f"bad input data: {bad}: missing prompt column 'prompt' (columns: id, text)"
     assert "engine_starting" not in [r["event"] for r in records]  # schemas are checked first
     assert not list((tmp_path / "out").glob("*.parquet"))
 
@@ -299,10 +339,20 @@ def test_overwrite_redoes_every_shard_after_input_changed(features, first_run, o
         assert overwrite_run.mtimes[name] > first_run.mtimes[name], name
     assert sorted(overwrite_run.tables["b"]["request_id"].to_pylist()) == ["b10", "b11", "b12", "b13"]
     # an unchanged shard redone gives the same greedy text
-    before = dict(zip(first_run.tables["z"]["request_id"].to_pylist(),
-                      first_run.tables["z"]["generated_text"].to_pylist(), strict=True))
-    after = dict(zip(overwrite_run.tables["z"]["request_id"].to_pylist(),
-                     overwrite_run.tables["z"]["generated_text"].to_pylist(), strict=True))
+    before = dict(
+        zip(
+            first_run.tables["z"]["request_id"].to_pylist(),
+            first_run.tables["z"]["generated_text"].to_pylist(),
+            strict=True,
+        )
+    )
+    after = dict(
+        zip(
+            overwrite_run.tables["z"]["request_id"].to_pylist(),
+            overwrite_run.tables["z"]["generated_text"].to_pylist(),
+            strict=True,
+        )
+    )
     assert after == before
 
 
@@ -311,10 +361,12 @@ def test_overwrite_flag_redoes_committed_shards(tmp_path):
     overwriting does on the real engine: the test above)."""
     _shard(tmp_path / "in" / "a.parquet", ["a0", "a1"], seed=340)
     out = tmp_path / "out"
-    job = write_job(tmp_path / "again.yaml",
-                    input={"path": str(tmp_path / "in" / "*.parquet"), "prompt_column": "prompt",
-                           "id_column": "id"},
-                    output={"path": str(out)}, sampling={"temperature": 0.0, "max_tokens": 8})
+    job = write_job(
+        tmp_path / "again.yaml",
+        input={"path": str(tmp_path / "in" / "*.parquet"), "prompt_column": "prompt", "id_column": "id"},
+        output={"path": str(out)},
+        sampling={"temperature": 0.0, "max_tokens": 8},
+    )
     first = run_fake_cli("run", str(job), "--no-progress")
     assert first.returncode == 0, first.stderr[-3000:]
     before = read_metadata(str(out / "a.parquet"))["run_id"]
@@ -357,11 +409,13 @@ def workers(tmp_path_factory, shared_engines) -> Workers:
     root = tmp_path_factory.mktemp("workers")
     for i, name in enumerate(WORKER_SHARDS):
         _shard(root / "in" / f"{name}.parquet", [f"{name}-{j}" for j in range(3)], seed=400 + i)
-    job = write_job(root / "workers.yaml",
-                    input={"path": str(root / "in" / "*.parquet"), "prompt_column": "prompt",
-                           "id_column": "id"},
-                    output={"path": str(root / "out")}, speculative=DRAFT,
-                    sampling={"temperature": 0.0, "max_tokens": 32})
+    job = write_job(
+        root / "workers.yaml",
+        input={"path": str(root / "in" / "*.parquet"), "prompt_column": "prompt", "id_column": "id"},
+        output={"path": str(root / "out")},
+        speculative=DRAFT,
+        sampling={"temperature": 0.0, "max_tokens": 32},
+    )
     out = root / "out"
     # status gets the same --set as the runs: a shard written with another spec is not committed
     same = ("--set", "sampling.max_tokens=5")
@@ -383,11 +437,11 @@ def test_two_workers_do_every_shard_exactly_once(workers):
     for i, run in enumerate(workers.runs):
         assert run.summary["worker"] == {"index": i, "count": 2}
     # worker 1 left worker 0's files alone
-    assert {k: v for k, v in workers.runs[1].mtimes.items() if k in done[0]} == \
-        workers.runs[0].mtimes
+    assert {k: v for k, v in workers.runs[1].mtimes.items() if k in done[0]} == workers.runs[0].mtimes
     table = read_output(workers.out)
-    assert sorted(table["request_id"].to_pylist()) == \
-        sorted(f"{name}-{j}" for name in WORKER_SHARDS for j in range(3))
+    assert sorted(table["request_id"].to_pylist()) == sorted(
+        f"{name}-{j}" for name in WORKER_SHARDS for j in range(3)
+    )
 
 
 def test_set_overrides_the_yaml(workers):
@@ -395,22 +449,26 @@ def test_set_overrides_the_yaml(workers):
     assert table["error"].null_count == table.num_rows
     counts = table["num_output_tokens"].to_pylist()
     assert max(counts) == 5, counts  # the YAML says 32
-    assert all(r == "length" for r, n in zip(table["finish_reason"].to_pylist(), counts,
-                                             strict=True) if n == 5)
+    assert all(
+        r == "length" for r, n in zip(table["finish_reason"].to_pylist(), counts, strict=True) if n == 5
+    )
     for path in workers.out.glob("*.parquet"):
         assert read_metadata(str(path))["spec"]["sampling"]["max_tokens"] == 5
 
 
 def test_status_json_rows(workers):
     def row(name, state):
-        return {"shard": name, "state": state, "input": str(workers.inputs / f"{name}.parquet"),
-                "output": str(workers.out / f"{name}.parquet") if state == "committed" else None}
+        return {
+            "shard": name,
+            "state": state,
+            "input": str(workers.inputs / f"{name}.parquet"),
+            "output": str(workers.out / f"{name}.parquet") if state == "committed" else None,
+        }
 
     done0 = set(workers.runs[0].summary["shards"])
     assert workers.status_before == [row(n, "pending") for n in WORKER_SHARDS]
     assert workers.status_worker0 == [row(n, "pending") for n in WORKER_SHARDS if n in done0]
-    assert workers.status_between == [row(n, "committed" if n in done0 else "pending")
-                                      for n in WORKER_SHARDS]
+    assert workers.status_between == [row(n, "committed" if n in done0 else "pending") for n in WORKER_SHARDS]
     assert workers.status_after == [row(n, "committed") for n in WORKER_SHARDS]
 
 

@@ -39,8 +39,9 @@ K = DRAFT["num_speculative_tokens"]
 
 #: One candidate token in ``top_logprobs``: struct<token_id int32, token string, logprob
 #: float64, rank int32>, as docs/contract.md has it.
-TOKEN_LOGPROB = pa.struct([("token_id", pa.int32()), ("token", pa.string()),
-                           ("logprob", pa.float64()), ("rank", pa.int32())])
+TOKEN_LOGPROB = pa.struct(
+    [("token_id", pa.int32()), ("token", pa.string()), ("logprob", pa.float64()), ("rank", pa.int32())]
+)
 #: docs/contract.md "Output columns", after request_id and the kept input columns, in its order.
 CONTRACT_RESULT_COLUMNS: list[tuple[str, pa.DataType]] = [
     ("generated_text", pa.string()),
@@ -93,13 +94,16 @@ def _bad_rows_shard(path):
         ("sampled-b", "for i in range(10):\n", 24, 0.9, 7),
         ("ok-1", "def main():\n", None, None, None),
     ]
-    write_parquet(path, {
-        "id": [r[0] for r in rows],
-        "prompt": pa.array([r[1] for r in rows], pa.string()),
-        "max_tokens": pa.array([r[2] for r in rows], pa.int64()),
-        "temperature": pa.array([r[3] for r in rows], pa.float64()),
-        "seed": pa.array([r[4] for r in rows], pa.int64()),
-    })
+    write_parquet(
+        path,
+        {
+            "id": [r[0] for r in rows],
+            "prompt": pa.array([r[1] for r in rows], pa.string()),
+            "max_tokens": pa.array([r[2] for r in rows], pa.int64()),
+            "temperature": pa.array([r[3] for r in rows], pa.float64()),
+            "seed": pa.array([r[4] for r in rows], pa.int64()),
+        },
+    )
     return [r[0] for r in rows]
 
 
@@ -114,8 +118,9 @@ def inputs(tmp_path_factory, models):
         table = prompt_table(ROWS, seed=100 + i, first_id=i * ROWS, max_tokens=(4, 48))
         table = table.append_column("temperature", pa.nulls(ROWS, pa.float64()))
         table = table.append_column("seed", pa.nulls(ROWS, pa.int64()))
-        table = table.set_column(table.schema.get_field_index("max_tokens"), "max_tokens",
-                                 table["max_tokens"].cast(pa.int64()))
+        table = table.set_column(
+            table.schema.get_field_index("max_tokens"), "max_tokens", table["max_tokens"].cast(pa.int64())
+        )
         pq.write_table(table, root / f"part-{i}.parquet", row_group_size=10)
         ids += table["id"].to_pylist()
     ids += _bad_rows_shard(root / "odd.parquet")
@@ -139,17 +144,21 @@ class JobRun:
         return [json.loads(line) for line in self.log.splitlines() if line.startswith("{")]
 
 
-def _write_job(tmp_path_factory, inputs, name, speculative, execution: dict | None = None,
-               **extra) -> tuple[Path, Path]:
+def _write_job(
+    tmp_path_factory, inputs, name, speculative, execution: dict | None = None, **extra
+) -> tuple[Path, Path]:
     """A job over every shard of ``inputs``: (job file, output folder)."""
     root, _ = inputs
     work = tmp_path_factory.mktemp(name)
     out = work / "out"
     job = write_job(
         work / f"{name}.yaml",
-        input={"path": str(root / "*.parquet"), "prompt_column": "prompt", "id_column": "id",
-               "sampling_columns": {"max_tokens": "max_tokens", "temperature": "temperature",
-                                    "seed": "seed"}},
+        input={
+            "path": str(root / "*.parquet"),
+            "prompt_column": "prompt",
+            "id_column": "id",
+            "sampling_columns": {"max_tokens": "max_tokens", "temperature": "temperature", "seed": "seed"},
+        },
         output={"path": str(out)},
         speculative=speculative,
         sampling={"temperature": 0.0, "max_tokens": JOB_MAX_TOKENS},
@@ -192,8 +201,9 @@ def refuses_sampling(job: Path) -> bool:
     return refuses_random_sampling(load_spec(job))
 
 
-def check_acceptance_against_engine_counters(rows: list[dict], summary: dict, k: int,
-                                             full_drafts: bool) -> None:
+def check_acceptance_against_engine_counters(
+    rows: list[dict], summary: dict, k: int, full_drafts: bool
+) -> None:
     """Per-request acceptance columns summed over rows against vLLM's run-wide counters
     (``LLM.get_metrics()``, kept in the summary's ``acceptance_per_position``): two sources that
     agree only if every request's metrics reached its own row."""
@@ -210,7 +220,8 @@ def check_acceptance_against_engine_counters(rows: list[dict], summary: dict, k:
     assert sum(per_pos["accepted"]) == accepted
     # draft position i was accepted in exactly the steps that accepted more than i tokens
     assert per_pos["accepted"] == [
-        sum(sum(r["spec_acceptance_histogram"][i + 1:]) for r in spec_rows) for i in range(k)]
+        sum(sum(r["spec_acceptance_histogram"][i + 1 :]) for r in spec_rows) for i in range(k)
+    ]
     if full_drafts:  # a draft model proposes k tokens at every step
         assert drafted == k * per_pos["num_drafts"]
     else:  # n-gram lookup proposes up to k
@@ -225,15 +236,15 @@ def check_acceptance_against_engine_counters(rows: list[dict], summary: dict, k:
 
 @pytest.fixture(scope="module")
 def spec_run(tmp_path_factory, inputs) -> JobRun:
-    return _job(tmp_path_factory, inputs, "spec", DRAFT, "--log-format", "json",
-                "--progress-interval", "0.2")
+    return _job(tmp_path_factory, inputs, "spec", DRAFT, "--log-format", "json", "--progress-interval", "0.2")
 
 
 @pytest.fixture(scope="module")
 def plain_run(tmp_path_factory, inputs, shared_engines) -> JobRun:
     # every row generated: the seeded pair shows vLLM's seed at work, not a twin's copy
-    return _library_job(tmp_path_factory, inputs, shared_engines, "plain", None,
-                        execution={"dedupe_window": 0})
+    return _library_job(
+        tmp_path_factory, inputs, shared_engines, "plain", None, execution={"dedupe_window": 0}
+    )
 
 
 # ---------------------------------------------------------------------------------- tests
@@ -243,18 +254,26 @@ def test_run_succeeds_and_commits_one_file_per_shard(spec_run, inputs):
     out = spec_run.out
     assert spec_run.exit_code == 0, spec_run.log[-3000:]
     assert sorted(p.name for p in out.glob("*.parquet")) == [
-        "odd.parquet", "part-0.parquet", "part-1.parquet", "part-2.parquet"]
+        "odd.parquet",
+        "part-0.parquet",
+        "part-1.parquet",
+        "part-2.parquet",
+    ]
     assert not list((out / "_batchspec" / "tmp").glob("*")), "temporary files left behind"
     # the last line carries the run's figures (as text: test_limits_e2e.py): check them against
     # the files
     table = read_output(out)
     last = spec_run.records[-1]
-    m = re.match(r"ok: (\d+) shards committed, (\d+) rows, (\d+) errors, (\d+) output tokens",
-                 last["message"])
+    m = re.match(
+        r"ok: (\d+) shards committed, (\d+) rows, (\d+) errors, (\d+) output tokens", last["message"]
+    )
     assert last["event"] == "run_finished" and m, last
     assert [int(g) for g in m.groups()] == [
-        4, table.num_rows, len(table) - table["error"].null_count,
-        sum(table["num_output_tokens"].to_pylist())]
+        4,
+        table.num_rows,
+        len(table) - table["error"].null_count,
+        sum(table["num_output_tokens"].to_pylist()),
+    ]
 
 
 def test_every_row_exactly_once(spec_run, inputs):
@@ -272,7 +291,10 @@ def test_columns_and_types_match_the_contract(spec_run, inputs):
         source = pq.read_schema(root / path.name)
         kept = [(f.name, f.type) for f in source if f.name != "prompt"]
         assert [(f.name, f.type) for f in schema] == [
-            ("request_id", pa.string()), *kept, *CONTRACT_RESULT_COLUMNS], path.name
+            ("request_id", pa.string()),
+            *kept,
+            *CONTRACT_RESULT_COLUMNS,
+        ], path.name
     # the kept columns differ by shard: the ordinary shards have a topic, the odd one has none
     assert "topic" in pq.read_schema(spec_run.out / "part-0.parquet").names
     assert "topic" not in pq.read_schema(spec_run.out / "odd.parquet").names
@@ -302,8 +324,7 @@ def test_timings_fit_the_measured_wall_clock(spec_run):
                 assert all(r[c] is None for c in TIMING_COLUMNS), r
                 continue
             queued, ttft, decode, e2e = (r[c] for c in TIMING_COLUMNS)
-            assert all(v is not None and math.isfinite(v) and v >= 0 for v in
-                       (queued, ttft, decode, e2e)), r
+            assert all(v is not None and math.isfinite(v) and v >= 0 for v in (queued, ttft, decode, e2e)), r
             # queued, then first token, then finish: each span contains the one before
             assert queued <= ttft <= e2e, r
             assert decode <= e2e, r
@@ -339,11 +360,12 @@ def test_bad_rows_get_errors_and_the_rest_go_on(spec_run):
     assert too_long["error"].endswith("max_model_len 512"), too_long
     assert too_long["num_prompt_tokens"] == long_tokens
     expected["too-long"] = too_long["error"]
-    for rid, named in (("bad-max-tokens", "'max_tokens' (max_tokens) = -5"),
-                       ("bad-temperature", "'temperature' (temperature) = -1.0")):
+    for rid, named in (
+        ("bad-max-tokens", "'max_tokens' (max_tokens) = -5"),
+        ("bad-temperature", "'temperature' (temperature) = -1.0"),
+    ):
         message = rows[rid]["error"]
-        assert message.startswith("invalid per-row sampling override: ") and named in message, \
-            message
+        assert message.startswith("invalid per-row sampling override: ") and named in message, message
     for rid in (*expected, "bad-max-tokens", "bad-temperature"):
         r = rows[rid]
         assert r["finish_reason"] == "error" and r["generated_text"] is None, r
@@ -468,10 +490,13 @@ def test_speculation_with_sampling_temperature(tmp_path, inputs, monkeypatch):
     run: test_cpu_sampling.py::test_job_with_sampling_and_speculation_runs."""
     monkeypatch.setenv("BATCHSPEC_DISABLE_VLLM_PLUGIN", "1")  # here and in the CLI it starts
     out = tmp_path / "out"
-    job = write_job(tmp_path / "hot.yaml",
-                    input={"path": str(inputs[0] / "part-0.parquet"), "prompt_column": "prompt"},
-                    output={"path": str(out)}, speculative=DRAFT,
-                    sampling={"max_tokens": 8})
+    job = write_job(
+        tmp_path / "hot.yaml",
+        input={"path": str(inputs[0] / "part-0.parquet"), "prompt_column": "prompt"},
+        output={"path": str(out)},
+        speculative=DRAFT,
+        sampling={"max_tokens": 8},
+    )
     result = run_cli("run", str(job), "--no-progress")
     if refuses_sampling(job):
         assert "starting vLLM engine" not in result.stderr
@@ -501,10 +526,18 @@ def test_validate_predicts_the_refusals_of_the_real_run(spec_run):
     result = run_cli("validate", str(spec_run.job), timeout=180)
     assert result.returncode == 0, result.stderr
     shards = run_summary(spec_run.out)["shards"]
-    lines = {m["shard"]: m for m in (re.match(
-        r"  (?P<shard>\S+): committed, (?P<rows>\d+) rows, longest prompt (?P<longest>\d+) tokens"
-        r"(; rows to be refused: (?P<refused>.*))?$", line) for line in result.stdout.splitlines())
-        if m}
+    lines = {
+        m["shard"]: m
+        for m in (
+            re.match(
+                r"  (?P<shard>\S+): committed, (?P<rows>\d+) rows, longest prompt (?P<longest>\d+) tokens"
+                r"(; rows to be refused: (?P<refused>.*))?$",
+                line,
+            )
+            for line in result.stdout.splitlines()
+        )
+        if m
+    }
     assert sorted(lines) == sorted(shards), result.stdout
     for name, m in lines.items():
         table = pq.read_table(spec_run.out / f"{name}.parquet")
@@ -531,25 +564,34 @@ def test_rerun_skips_committed_shards(spec_run, inputs):
     events = [r["event"] for r in records]
     started = next(r for r in records if r["event"] == "run_started")
     assert (started["shards"], started["pending"]) == (4, 0)
-    assert sorted(r["shard"] for r in records if r["event"] == "shard_skipped") == \
-        ["odd", "part-0", "part-1", "part-2"]
+    assert sorted(r["shard"] for r in records if r["event"] == "shard_skipped") == [
+        "odd",
+        "part-0",
+        "part-1",
+        "part-2",
+    ]
     assert "engine_starting" not in events and "shard_started" not in events
     assert {p.name: p.stat().st_mtime_ns for p in out.glob("*.parquet")} == before
     status = run_cli("status", str(spec_run.job), "--format", "json", timeout=60)
     assert status.returncode == 0, status.stderr
-    assert [{k: r[k] for k in ("shard", "state", "input", "output")}
-            for r in json.loads(status.stdout)] == [
-        {"shard": name, "state": "committed", "input": str(root / f"{name}.parquet"),
-         "output": str(out / f"{name}.parquet")}
-        for name in ("odd", "part-0", "part-1", "part-2")]
+    assert [{k: r[k] for k in ("shard", "state", "input", "output")} for r in json.loads(status.stdout)] == [
+        {
+            "shard": name,
+            "state": "committed",
+            "input": str(root / f"{name}.parquet"),
+            "output": str(out / f"{name}.parquet"),
+        }
+        for name in ("odd", "part-0", "part-1", "part-2")
+    ]
 
 
 def test_ngram_method(tmp_path_factory, inputs, plain_run, shared_engines):
     run = _library_job(tmp_path_factory, inputs, shared_engines, "ngram", NGRAM)
     assert run.exit_code == 0, run.log[-3000:]
     rows = read_output(run.out).to_pylist()
-    check_acceptance_against_engine_counters(rows, run_summary(run.out),
-                                             NGRAM["num_speculative_tokens"], full_drafts=False)
+    check_acceptance_against_engine_counters(
+        rows, run_summary(run.out), NGRAM["num_speculative_tokens"], full_drafts=False
+    )
     plain = {r["request_id"]: r for r in read_output(plain_run.out).to_pylist()}
     compared = 0
     for r in rows:
@@ -563,25 +605,32 @@ def test_ngram_method(tmp_path_factory, inputs, plain_run, shared_engines):
 def test_chat_messages(tmp_path, shared_engines):
     messages_type = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
     conversations = [
-        [{"role": "system", "content": "You write Python."},
-         {"role": "user", "content": "def add(a, b):"}],
+        [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "def add(a, b):"}],
         [{"role": "user", "content": "import os\nimport sys\n"}],
         [],
         [{"role": "user", "content": "  "}],
     ]
-    write_parquet(tmp_path / "in" / "chat.parquet",
-                  {"messages": pa.array(conversations, messages_type), "n": [1, 2, 3, 4]})
-    job = write_job(tmp_path / "chat.yaml",
-                    input={"path": str(tmp_path / "in"), "messages_column": "messages"},
-                    output={"path": str(tmp_path / "out")},
-                    speculative={"model": DRAFT["model"], "num_speculative_tokens": K},
-                    sampling={"temperature": 0.0, "max_tokens": 16})
+    write_parquet(
+        tmp_path / "in" / "chat.parquet",
+        {"messages": pa.array(conversations, messages_type), "n": [1, 2, 3, 4]},
+    )
+    job = write_job(
+        tmp_path / "chat.yaml",
+        input={"path": str(tmp_path / "in"), "messages_column": "messages"},
+        output={"path": str(tmp_path / "out")},
+        speculative={"model": DRAFT["model"], "num_speculative_tokens": K},
+        sampling={"temperature": 0.0, "max_tokens": 16},
+    )
     run = shared_engines.run(load_spec(job))
     assert run.exit_code == 0, run.log[-3000:]
     rows = pq.read_table(tmp_path / "out" / "chat.parquet").to_pylist()
     by_n = {r["n"]: r for r in rows}
-    assert [r["request_id"] for r in sorted(rows, key=lambda r: r["n"])] == \
-        ["chat/0", "chat/1", "chat/2", "chat/3"]
+    assert [r["request_id"] for r in sorted(rows, key=lambda r: r["n"])] == [
+        "chat/0",
+        "chat/1",
+        "chat/2",
+        "chat/3",
+    ]
     assert "messages" not in rows[0]
     from transformers import AutoTokenizer
 
@@ -589,16 +638,14 @@ def test_chat_messages(tmp_path, shared_engines):
     for n in (1, 2):
         r = by_n[n]
         assert r["error"] is None and r["num_output_tokens"] > 0
-        expected = tok.apply_chat_template(conversations[n - 1], tokenize=True,
-                                           add_generation_prompt=True)
+        expected = tok.apply_chat_template(conversations[n - 1], tokenize=True, add_generation_prompt=True)
         expected = expected["input_ids"] if hasattr(expected, "keys") else expected
         assert r["num_prompt_tokens"] == len(expected)
         assert len(r["spec_acceptance_histogram"]) == K + 1  # shorthand -> draft_model
     assert by_n[3]["error"] == "empty messages" and by_n[4]["error"] == "empty messages"
     # the summary's counters are this run's engine's, on an engine shared in one process with
     # others (vLLM keeps its metrics process-wide)
-    check_acceptance_against_engine_counters(rows, run_summary(tmp_path / "out"), K,
-                                             full_drafts=True)
+    check_acceptance_against_engine_counters(rows, run_summary(tmp_path / "out"), K, full_drafts=True)
 
 
 def test_json_logs_one_object_per_line(spec_run, inputs):
@@ -642,8 +689,9 @@ def test_progress_events_at_the_requested_interval(spec_run, inputs):
 
 
 def test_report_on_real_output(spec_run, plain_run, tmp_path):
-    result = run_cli("report", str(spec_run.out), "--format", "json", "--html",
-                     str(tmp_path / "r.html"), timeout=120)
+    result = run_cli(
+        "report", str(spec_run.out), "--format", "json", "--html", str(tmp_path / "r.html"), timeout=120
+    )
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     table = read_output(spec_run.out)
@@ -659,18 +707,17 @@ def test_report_on_real_output(spec_run, plain_run, tmp_path):
     drafted = sum(r["spec_num_draft_tokens"] or 0 for r in rows)
     assert overall["acceptance_rate"] == pytest.approx(accepted / drafted)
     assert overall["acceptance_histogram"] == [
-        sum(r["spec_acceptance_histogram"][j] for r in generated) for j in range(K + 1)]
+        sum(r["spec_acceptance_histogram"][j] for r in generated) for j in range(K + 1)
+    ]
     assert overall["rows_from_twin"] == len(ok) - len(generated) == 1  # the seeded pair
     e2e = [r["time_e2e_s"] for r in generated]
     assert overall["e2e_s"]["count"] == len(generated)
     assert (overall["e2e_s"]["min"], overall["e2e_s"]["max"]) == (min(e2e), max(e2e))
     summary = run_summary(spec_run.out)
-    assert report["acceptance_per_position"]["accepted"] == \
-        summary["acceptance_per_position"]["accepted"]
+    assert report["acceptance_per_position"]["accepted"] == summary["acceptance_per_position"]["accepted"]
     assert report["lineage"]["run_id"] == [summary["run_id"]]
     assert (tmp_path / "r.html").read_text().count("<svg") >= 4
-    compare = run_cli("report", str(plain_run.out), str(spec_run.out), "--format", "json",
-                      timeout=120)
+    compare = run_cli("report", str(plain_run.out), str(spec_run.out), "--format", "json", timeout=120)
     assert compare.returncode == 0, compare.stderr
     matching = json.loads(compare.stdout)["matching"]
     plain = {r["request_id"]: r for r in read_output(plain_run.out).to_pylist()}
@@ -678,4 +725,5 @@ def test_report_on_real_output(spec_run, plain_run, tmp_path):
     assert (matching["matched"], matching["only_in_a"], matching["only_in_b"]) == (len(rows), 0, 0)
     assert matching["both_ok"] == len(both_ok)
     assert matching["identical_text"] == sum(
-        r["generated_text"] == plain[r["request_id"]]["generated_text"] for r in both_ok)
+        r["generated_text"] == plain[r["request_id"]]["generated_text"] for r in both_ok
+    )

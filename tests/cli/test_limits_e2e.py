@@ -41,18 +41,23 @@ def limits(tmp_path_factory, models):
 
     root = tmp_path_factory.mktemp("limits")
     tok = AutoTokenizer.from_pretrained(str(MODELS / "target"))
-    lengths = {"fits": 40, "short_room": MAX_LEN - 10, "one_left": MAX_LEN - 1, "full": MAX_LEN,
-               "over": MAX_LEN + 5}
+    lengths = {
+        "fits": 40,
+        "short_room": MAX_LEN - 10,
+        "one_left": MAX_LEN - 1,
+        "full": MAX_LEN,
+        "over": MAX_LEN + 5,
+    }
     prompts = {k: _prompt_of(tok, n) for k, n in lengths.items()}
     write_parquet(root / "in" / "a.parquet", {"id": list(prompts), "prompt": list(prompts.values())})
-    engine = {"enforce_eager": True, "dtype": "float32",
-              "hf_overrides": {"max_position_embeddings": MAX_LEN}}
-    job = write_job(root / "limits.yaml",
-                    input={"path": str(root / "in" / "*.parquet"), "prompt_column": "prompt",
-                           "id_column": "id"},
-                    output={"path": str(root / "out")},
-                    model={"target": str(MODELS / "target"), "engine": engine},
-                    sampling={"temperature": 0.0, "max_tokens": 32, "ignore_eos": True})
+    engine = {"enforce_eager": True, "dtype": "float32", "hf_overrides": {"max_position_embeddings": MAX_LEN}}
+    job = write_job(
+        root / "limits.yaml",
+        input={"path": str(root / "in" / "*.parquet"), "prompt_column": "prompt", "id_column": "id"},
+        output={"path": str(root / "out")},
+        model={"target": str(MODELS / "target"), "engine": engine},
+        sampling={"temperature": 0.0, "max_tokens": 32, "ignore_eos": True},
+    )
     validate = run_cli("validate", str(job), timeout=300)
     run = run_cli("run", str(job), "--no-progress", timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
@@ -106,12 +111,14 @@ def test_text_mode_terminal_shows_only_batchspec_lines(limits):
     assert stdout == "", stdout[-2000:]  # vLLM logs to stdout: that goes to the engine log too
     lines = stderr.splitlines()
     assert lines and all(re.match(r"^\d\d:\d\d:\d\d \[batchspec\] ", line) for line in lines), stderr
-    m = re.search(r"\] ok: (\d+) shards committed, (\d+) rows, (\d+) errors, (\d+) output tokens",
-                  lines[-1])
+    m = re.search(r"\] ok: (\d+) shards committed, (\d+) rows, (\d+) errors, (\d+) output tokens", lines[-1])
     assert m, lines[-1]
     assert [int(g) for g in m.groups()] == [
-        1, len(rows), sum(r["error"] is not None for r in rows.values()),
-        sum(r["num_output_tokens"] for r in rows.values())]
+        1,
+        len(rows),
+        sum(r["error"] is not None for r in rows.values()),
+        sum(r["num_output_tokens"] for r in rows.values()),
+    ]
     log_path = re.search(r"vLLM's own output goes to (\S+)", lines[0]).group(1)
     import os
     import stat

@@ -58,16 +58,25 @@ def _job(tmp: Path, models: Path, rows: int = 60, lora: bool = False) -> Path:
         turn = [None, *LORA["adapters"]]
         for path in paths:
             table = pq.read_table(path)
-            pq.write_table(table.append_column("adapter", pa.array(
-                [turn[i % len(turn)] for i in range(table.num_rows)], pa.string())), path)
-    return write_job(tmp / "job.yaml",
-                     input={"path": str(tmp / "prompts" / "*.parquet"), "prompt_column": "prompt",
-                            "id_column": "id", **({"lora_column": "adapter"} if lora else {})},
-                     output={"path": str(tmp / "run-out")},
-                     model={"target": str(MODELS / "target"), "engine": dict(ENGINE),
-                            **({"lora": LORA} if lora else {})},
-                     speculative={**DRAFT, "num_speculative_tokens": K},
-                     sampling={"temperature": 0.0, "max_tokens": 24, "ignore_eos": True})
+            pq.write_table(
+                table.append_column(
+                    "adapter", pa.array([turn[i % len(turn)] for i in range(table.num_rows)], pa.string())
+                ),
+                path,
+            )
+    return write_job(
+        tmp / "job.yaml",
+        input={
+            "path": str(tmp / "prompts" / "*.parquet"),
+            "prompt_column": "prompt",
+            "id_column": "id",
+            **({"lora_column": "adapter"} if lora else {}),
+        },
+        output={"path": str(tmp / "run-out")},
+        model={"target": str(MODELS / "target"), "engine": dict(ENGINE), **({"lora": LORA} if lora else {})},
+        speculative={**DRAFT, "num_speculative_tokens": K},
+        sampling={"temperature": 0.0, "max_tokens": 24, "ignore_eos": True},
+    )
 
 
 def _bad_draft(tmp: Path, models: Path, what: str) -> Path:
@@ -91,8 +100,15 @@ def _bad_draft(tmp: Path, models: Path, what: str) -> Path:
 def test_a_draft_with_another_vocabulary_exits_2_before_any_engine(tmp_path, models, what):
     job = _job(tmp_path, models, rows=8)
     out = tmp_path / "new-draft"
-    done = run_cli("distill", str(job), "--draft", str(_bad_draft(tmp_path, models, what)),
-                   "--out", str(out), timeout=120)
+    done = run_cli(
+        "distill",
+        str(job),
+        "--draft",
+        str(_bad_draft(tmp_path, models, what)),
+        "--out",
+        str(out),
+        timeout=120,
+    )
     assert done.returncode == 2, done.stderr
     assert "bad job spec" in done.stderr and "--draft" in done.stderr
     assert ("different tokenizers" if what == "tokenizer" else "vocabulary sizes") in done.stderr
@@ -104,10 +120,20 @@ def test_a_draft_with_another_vocabulary_exits_2_before_any_engine(tmp_path, mod
 
 @pytest.mark.vllm
 def test_training_batch_predicts_the_continuation_only():
-    examples = [{"prompt_token_ids": [5, 6, 7], "output_token_ids": [8, 9],
-                 "topk_token_ids": [[8, 3], [9, 4]], "topk_logprobs": [[-0.1, -2.5], [-0.2, -1.9]]},
-                {"prompt_token_ids": [5], "output_token_ids": [10, 11, 12],
-                 "topk_token_ids": None, "topk_logprobs": None}]
+    examples = [
+        {
+            "prompt_token_ids": [5, 6, 7],
+            "output_token_ids": [8, 9],
+            "topk_token_ids": [[8, 3], [9, 4]],
+            "topk_logprobs": [[-0.1, -2.5], [-0.2, -1.9]],
+        },
+        {
+            "prompt_token_ids": [5],
+            "output_token_ids": [10, 11, 12],
+            "topk_token_ids": None,
+            "topk_logprobs": None,
+        },
+    ]
     ids, mask, labels, teacher = _batch(prepare_examples(examples), [0, 1], pad_id=0, topk=True)
     # inputs are prompt + continuation less its last token; labels are the next tokens, where
     # the next token is the target's
@@ -135,20 +161,24 @@ def test_topk_lists_most_likely_first():
 def _spec_job(tmp: Path, **extra) -> Path:
     """A job whose input does not exist: a distill that got past its refusals exits 3 at once
     (never starts an engine), so a refusal that is missing shows as a wrong exit code."""
-    sections = {"input": {"path": str(tmp / "data" / "prompts" / "*.parquet"),
-                          "prompt_column": "prompt"},
-                "output": {"path": str(tmp / "run-out")},
-                "model": {"target": str(tmp / "models" / "target"), "engine": {}}}
+    sections = {
+        "input": {"path": str(tmp / "data" / "prompts" / "*.parquet"), "prompt_column": "prompt"},
+        "output": {"path": str(tmp / "run-out")},
+        "model": {"target": str(tmp / "models" / "target"), "engine": {}},
+    }
     sections.update(extra)
     return write_job(tmp / "job.yaml", **sections)
 
 
 def _holder_process(out: Path) -> subprocess.Popen:
     """Another process holding --out's lock until it is killed."""
-    code = ("import sys, time\nfrom batchspec.distill.outdir import OutLock\n"
-            "OutLock.take(sys.argv[1])\nprint('held', flush=True)\ntime.sleep(120)\n")
-    proc = subprocess.Popen([sys.executable, "-c", code, str(out)], stdout=subprocess.PIPE,
-                            text=True, cwd=ROOT)
+    code = (
+        "import sys, time\nfrom batchspec.distill.outdir import OutLock\n"
+        "OutLock.take(sys.argv[1])\nprint('held', flush=True)\ntime.sleep(120)\n"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, str(out)], stdout=subprocess.PIPE, text=True, cwd=ROOT
+    )
     assert proc.stdout.readline().strip() == "held"
     return proc
 
@@ -182,8 +212,7 @@ def test_the_out_lock_never_follows_a_planted_link(tmp_path):
     (victim / "lock").write_text("precious\n")
     out = tmp_path / "new-draft"
     work_dir(out).symlink_to(victim)  # the work directory is a link to someone else's
-    done = run_cli("distill", str(_spec_job(tmp_path)), "--init", "target", "--out", str(out),
-                   timeout=120)
+    done = run_cli("distill", str(_spec_job(tmp_path)), "--init", "target", "--out", str(out), timeout=120)
     assert done.returncode == 2, done.stderr
     assert "--out" in done.stderr and "symbolic link" in done.stderr
     assert (victim / "lock").read_text() == "precious\n"
@@ -196,9 +225,17 @@ def test_the_out_lock_never_follows_a_planted_link(tmp_path):
 
 
 def _rows(prefix: str, n: int) -> list[dict]:
-    return [{"request_id": f"{prefix}-{i}", "prompt_token_ids": [1, 2], "output_token_ids": [3, i],
-             "topk_token_ids": None, "topk_logprobs": None, "finish_reason": "length"}
-            for i in range(n)]
+    return [
+        {
+            "request_id": f"{prefix}-{i}",
+            "prompt_token_ids": [1, 2],
+            "output_token_ids": [3, i],
+            "topk_token_ids": None,
+            "topk_logprobs": None,
+            "finish_reason": "length",
+        }
+        for i in range(n)
+    ]
 
 
 def test_concurrent_chunk_writers_never_share_or_lose_a_chunk(tmp_path):
@@ -260,12 +297,9 @@ def test_a_chunk_is_fsynced_before_its_rename(tmp_path, monkeypatch):
 def test_a_torn_chunk_is_deleted_and_its_rows_generated_again(tmp_path, monkeypatch):
     directory = tmp_path / "generated-x"
     rows = [SimpleNamespace(request_id=f"r-{i}") for i in range(9)]
-    good = _write_chunk(directory, [dict(r, request_id=f"r-{i}") for i, r in
-                                    enumerate(_rows("x", 3))])
-    torn = _write_chunk(directory, [dict(r, request_id=f"r-{i + 3}") for i, r in
-                                    enumerate(_rows("x", 3))])
-    cut = _write_chunk(directory, [dict(r, request_id=f"r-{i + 6}") for i, r in
-                                   enumerate(_rows("x", 3))])
+    good = _write_chunk(directory, [dict(r, request_id=f"r-{i}") for i, r in enumerate(_rows("x", 3))])
+    torn = _write_chunk(directory, [dict(r, request_id=f"r-{i + 3}") for i, r in enumerate(_rows("x", 3))])
+    cut = _write_chunk(directory, [dict(r, request_id=f"r-{i + 6}") for i, r in enumerate(_rows("x", 3))])
     torn.write_bytes(b"PAR1 not a parquet file at all")
     cut.write_bytes(cut.read_bytes()[:-40])  # a chunk cut short
     (directory / ".part-00009-1-abc.parquet.tmp").write_bytes(b"half")  # a killed writer's
@@ -273,8 +307,10 @@ def test_a_torn_chunk_is_deleted_and_its_rows_generated_again(tmp_path, monkeypa
 
     def fake_generate_missing(spec, todo, directory, logprobs, say, interval_s, chunk_rows):
         asked.append([r.request_id for r in todo])
-        _write_chunk(directory, [dict(x, request_id=r.request_id) for x, r in
-                                 zip(_rows("y", len(todo)), todo, strict=True)])
+        _write_chunk(
+            directory,
+            [dict(x, request_id=r.request_id) for x, r in zip(_rows("y", len(todo)), todo, strict=True)],
+        )
         return 0
 
     monkeypatch.setattr(distill_data, "_generate_missing", fake_generate_missing)
@@ -296,29 +332,38 @@ def overlap_job(tmp_path):
     for d in ("data/prompts", "run-out", "models/target", "models/draft", "models/spec-draft"):
         (tmp_path / d).mkdir(parents=True)
     (tmp_path / "link-to-out").symlink_to(tmp_path / "run-out")
-    job = _spec_job(tmp_path, speculative={"method": "draft_model",
-                                           "model": str(tmp_path / "models" / "spec-draft"),
-                                           "num_speculative_tokens": 2})
+    job = _spec_job(
+        tmp_path,
+        speculative={
+            "method": "draft_model",
+            "model": str(tmp_path / "models" / "spec-draft"),
+            "num_speculative_tokens": 2,
+        },
+    )
     return tmp_path, load_spec(job)
 
 
-@pytest.mark.parametrize("out,draft,what", [
-    ("data/prompts", None, "is the same location as the job's input location"),
-    ("data/prompts/draft", None, "lies inside the job's input location"),
-    ("data", None, "contains the job's input location"),
-    ("models/../data/prompts/", None, "is the same location as the job's input location"),
-    ("run-out", None, "is the same location as the job's output.path"),
-    ("link-to-out/new", None, "lies inside the job's output.path"),
-    ("models/target", None, "is the same location as the job's target"),
-    ("models/target/sub", None, "lies inside the job's target"),
-    ("models", None, "contains the job's target"),  # the parent of the target (and the drafts)
-    ("models/draft", "models/draft", "is the same location as the current draft (--draft)"),
-    ("models/spec-draft", None, "is the same location as the job's draft (speculative.model)"),
-])
+@pytest.mark.parametrize(
+    "out,draft,what",
+    [
+        ("data/prompts", None, "is the same location as the job's input location"),
+        ("data/prompts/draft", None, "lies inside the job's input location"),
+        ("data", None, "contains the job's input location"),
+        ("models/../data/prompts/", None, "is the same location as the job's input location"),
+        ("run-out", None, "is the same location as the job's output.path"),
+        ("link-to-out/new", None, "lies inside the job's output.path"),
+        ("models/target", None, "is the same location as the job's target"),
+        ("models/target/sub", None, "lies inside the job's target"),
+        ("models", None, "contains the job's target"),  # the parent of the target (and the drafts)
+        ("models/draft", "models/draft", "is the same location as the current draft (--draft)"),
+        ("models/spec-draft", None, "is the same location as the job's draft (speculative.model)"),
+    ],
+)
 def test_an_out_overlapping_the_job_is_refused(overlap_job, out, draft, what):
     tmp, spec = overlap_job
-    opts = DistillOptions(out=tmp / out, draft=str(tmp / draft) if draft else None,
-                          init="draft" if draft else "target")
+    opts = DistillOptions(
+        out=tmp / out, draft=str(tmp / draft) if draft else None, init="draft" if draft else "target"
+    )
     with pytest.raises(SpecError) as info:
         check_options(spec, opts)
     assert info.value.key == "--out" and what in str(info.value), str(info.value)
@@ -326,8 +371,7 @@ def test_an_out_overlapping_the_job_is_refused(overlap_job, out, draft, what):
 
 def test_an_out_beside_the_job_s_models_is_accepted(overlap_job):
     tmp, spec = overlap_job
-    check_out(spec, DistillOptions(out=tmp / "models" / "draft-my-job",
-                                   draft=str(tmp / "models" / "draft")))
+    check_out(spec, DistillOptions(out=tmp / "models" / "draft-my-job", draft=str(tmp / "models" / "draft")))
     (tmp / "models" / "draft-my-job").mkdir()
     (tmp / "models" / "draft-my-job" / "notes.txt").write_text("mine")  # not a draft: kept
     with pytest.raises(SpecError, match="holds no batchspec-model.json"):
@@ -350,23 +394,39 @@ def fake_pipeline(monkeypatch):
     small model directory (``on_save`` runs first, with the directory being written)."""
     state = SimpleNamespace(on_save=None, saved=[])
     rows = [SimpleNamespace(request_id=f"r{i}") for i in range(4)]
-    monkeypatch.setattr(distill_data, "sample_rows", lambda spec, size, heldout, seed:
-                        distill_data.Sample(train=rows, heldout=[], population=4))
+    monkeypatch.setattr(
+        distill_data,
+        "sample_rows",
+        lambda spec, size, heldout, seed: distill_data.Sample(train=rows, heldout=[], population=4),
+    )
 
     def generate(spec, train, directory, logprobs, say, chunk_rows):
-        table = pa.Table.from_pylist([dict(r, request_id=t.request_id) for r, t in
-                                      zip(_rows("g", len(train)), train, strict=True)],
-                                     schema=GENERATED_SCHEMA)
-        return distill_data.Generated(table=table, generated_rows=len(train), reused_rows=0,
-                                      failed_rows=0, wall_s=0.0, directory=directory)
+        table = pa.Table.from_pylist(
+            [dict(r, request_id=t.request_id) for r, t in zip(_rows("g", len(train)), train, strict=True)],
+            schema=GENERATED_SCHEMA,
+        )
+        return distill_data.Generated(
+            table=table,
+            generated_rows=len(train),
+            reused_rows=0,
+            failed_rows=0,
+            wall_s=0.0,
+            directory=directory,
+        )
 
     monkeypatch.setattr(distill_data, "generate", generate)
-    draft = SimpleNamespace(config=SimpleNamespace(num_hidden_layers=1),
-                            parameters=lambda: [SimpleNamespace(numel=lambda: 7)])
+    draft = SimpleNamespace(
+        config=SimpleNamespace(num_hidden_layers=1), parameters=lambda: [SimpleNamespace(numel=lambda: 7)]
+    )
     monkeypatch.setattr(distill_train, "draft_from_target", lambda target, layers: draft)
     monkeypatch.setattr(distill_train, "tokenizer_vocab", lambda path: ({}, {"pad": 0, "eos": 0}))
-    monkeypatch.setattr(distill_train, "train_draft", lambda *a, **k: distill_train.TrainResult(
-        steps=1, loss=0.5, top1_agreement=0.5, wall_s=0.0, device="cpu"))
+    monkeypatch.setattr(
+        distill_train,
+        "train_draft",
+        lambda *a, **k: distill_train.TrainResult(
+            steps=1, loss=0.5, top1_agreement=0.5, wall_s=0.0, device="cpu"
+        ),
+    )
 
     def save_draft(d, tokenizer_dir, out):
         if state.on_save:
@@ -405,7 +465,8 @@ def test_a_distill_that_dies_while_saving_leaves_the_previous_draft_whole(tmp_pa
 
 @pytest.mark.parametrize("exchange", [True, False], ids=["exchange", "move-aside"])
 def test_the_new_draft_is_built_aside_and_renamed_in_with_its_card_last(
-        tmp_path, fake_pipeline, monkeypatch, exchange):
+    tmp_path, fake_pipeline, monkeypatch, exchange
+):
     spec = load_spec(_spec_job(tmp_path))
     out = tmp_path / "new-draft"
     before = _old_draft(out)
@@ -456,8 +517,9 @@ sampling: {{temperature: 0.0, max_tokens: 8}}
     overrides = ("model.engine.hf_token=hf_literal_secret_0815", "sampling.max_tokens=16")
     spec = load_spec(job, overrides)
     out = tmp_path / "new-draft"
-    distill_mod.distill(spec, DistillOptions(out=out, init="target", evaluate=False,
-                                             job_path=str(job), overrides=overrides))
+    distill_mod.distill(
+        spec, DistillOptions(out=out, init="target", evaluate=False, job_path=str(job), overrides=overrides)
+    )
     text = (out / CARD_NAME).read_text()
     card = json.loads(text)
     assert card["target"] == "${BS_MODELS}/target"  # as written
@@ -465,8 +527,14 @@ sampling: {{temperature: 0.0, max_tokens: 8}}
     assert card["sampling"] == {"temperature": 0.0, "max_tokens": 16}  # --set applied
     assert card["job"]["spec"]["model"]["engine"]["hf_token"] == "***"
     assert card["job"]["spec"]["output"]["path"] == "s3://bucket/out"
-    for secret in ("hf_env_secret_4711", "hf_literal_secret_0815", "pw-secret-99", "AKIAUSERX",
-                   "sig-secret-77", str(tmp_path / "models")):
+    for secret in (
+        "hf_env_secret_4711",
+        "hf_literal_secret_0815",
+        "pw-secret-99",
+        "AKIAUSERX",
+        "sig-secret-77",
+        str(tmp_path / "models"),
+    ):
         assert secret not in text, secret
 
 
@@ -490,9 +558,27 @@ def distilled(tmp_path_factory, models) -> Distilled:
     tmp = tmp_path_factory.mktemp("distill")
     job = _job(tmp, models, lora=True)
     out = tmp / "new-draft"
-    done = run_cli("distill", str(job), "--draft", str(models / "draft"), "--out", str(out),
-                   "--sample", "48", "--holdout", "12", "--steps", "30", "--batch-size", "8",
-                   "--logprobs", "4", "--chunk-rows", "16", "--json")
+    done = run_cli(
+        "distill",
+        str(job),
+        "--draft",
+        str(models / "draft"),
+        "--out",
+        str(out),
+        "--sample",
+        "48",
+        "--holdout",
+        "12",
+        "--steps",
+        "30",
+        "--batch-size",
+        "8",
+        "--logprobs",
+        "4",
+        "--chunk-rows",
+        "16",
+        "--json",
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     card = json.loads((out / "batchspec-model.json").read_text())
     return Distilled(tmp, job, out, done, json.loads(done.stdout), card)
@@ -512,8 +598,7 @@ def test_distill_measures_acceptance_before_and_after(distilled, models):
     assert result["after"]["draft"] == str(distilled.out)
     # the new weights are other weights, and vLLM loaded them as the draft (it measured them)
     assert result["before"]["acceptance_rate"] != result["after"]["acceptance_rate"]
-    assert "train step 30/30: loss" in distilled.first.stderr and "top-1 agreement" in \
-        distilled.first.stderr
+    assert "train step 30/30: loss" in distilled.first.stderr and "top-1 agreement" in distilled.first.stderr
 
 
 @pytest.mark.engine
@@ -532,8 +617,7 @@ def test_card_and_model_directory(distilled, models):
     assert (out / "tokenizer.json").read_bytes() == (models / "target" / "tokenizer.json").read_bytes()
     # the card went in last, and nothing of the build is left behind
     assert (out / CARD_NAME).stat().st_mtime_ns >= max(p.stat().st_mtime_ns for p in out.iterdir())
-    assert sorted(p.name for p in work_dir(out).iterdir() if not p.name.startswith("generated-")) \
-        == ["lock"]
+    assert sorted(p.name for p in work_dir(out).iterdir() if not p.name.startswith("generated-")) == ["lock"]
     assert (work_dir(out) / "lock").read_text() == ""  # released
     assert card["job"]["spec"]["model"]["target"] == str(models / "target")
     assert card["lora"] == LORA  # the adapters whose outputs the draft learned
@@ -551,14 +635,56 @@ def test_a_restart_reuses_the_generated_data(distilled):
     kept = {p: p.stat().st_mtime_ns for p in chunks[:-1]}
     lost = pq.read_metadata(chunks[-1]).num_rows
     chunks[-1].unlink()  # as if the run had been killed before committing its last chunk
-    done = run_cli("distill", str(distilled.job), "--draft", str(distilled.out.parent / "x"),
-                   "--init", "target", "--layers", "1", "--out", str(distilled.out),
-                   "--sample", "48", "--holdout", "12", "--steps", "2", "--batch-size", "8",
-                   "--logprobs", "4", "--chunk-rows", "16", "--no-eval")
+    done = run_cli(
+        "distill",
+        str(distilled.job),
+        "--draft",
+        str(distilled.out.parent / "x"),
+        "--init",
+        "target",
+        "--layers",
+        "1",
+        "--out",
+        str(distilled.out),
+        "--sample",
+        "48",
+        "--holdout",
+        "12",
+        "--steps",
+        "2",
+        "--batch-size",
+        "8",
+        "--logprobs",
+        "4",
+        "--chunk-rows",
+        "16",
+        "--no-eval",
+    )
     assert done.returncode == 2, done.stderr  # a --draft that does not exist: refused first
-    done = run_cli("distill", str(distilled.job), "--init", "target", "--layers", "1",
-                   "--out", str(distilled.out), "--sample", "48", "--holdout", "12", "--steps", "2",
-                   "--batch-size", "8", "--logprobs", "4", "--chunk-rows", "16", "--no-eval", "--json")
+    done = run_cli(
+        "distill",
+        str(distilled.job),
+        "--init",
+        "target",
+        "--layers",
+        "1",
+        "--out",
+        str(distilled.out),
+        "--sample",
+        "48",
+        "--holdout",
+        "12",
+        "--steps",
+        "2",
+        "--batch-size",
+        "8",
+        "--logprobs",
+        "4",
+        "--chunk-rows",
+        "16",
+        "--no-eval",
+        "--json",
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     card = json.loads((distilled.out / "batchspec-model.json").read_text())
     assert card["generation"]["generated_rows"] == lost
@@ -570,33 +696,42 @@ def test_a_restart_reuses_the_generated_data(distilled):
     assert json.loads(done.stdout) == {"before": None, "after": None, "out": str(distilled.out)}
 
 
-def test_distill_generates_one_sample_with_its_own_logprobs_and_keeps_the_jobs_constraint(
-        tmp_path):
+def test_distill_generates_one_sample_with_its_own_logprobs_and_keeps_the_jobs_constraint(tmp_path):
     """A job with n samples, logprobs and a structured-outputs constraint (job-wide and per row):
     distill's generation asks for one sample per prompt (the target's distribution), distill's
     own top-K (or none), no prompt logprobs, and keeps the constraint a draft should learn."""
     from batchspec.distill.data import generation_request
     from batchspec.io.reader import Row
 
-    job = write_job(tmp_path / "job.yaml",
-                    input={"path": str(tmp_path / "in" / "*.parquet"), "prompt_column": "prompt",
-                           "sampling_columns": {"n": "n", "logprobs": "lp",
-                                                "structured_outputs.choice": "labels"}},
-                    output={"path": str(tmp_path / "out")},
-                    sampling={"temperature": 0.0, "max_tokens": 8, "n": 3, "logprobs": 5,
-                              "prompt_logprobs": 2,
-                              "structured_outputs": {"choice": ["yes", "no"]}})
+    job = write_job(
+        tmp_path / "job.yaml",
+        input={
+            "path": str(tmp_path / "in" / "*.parquet"),
+            "prompt_column": "prompt",
+            "sampling_columns": {"n": "n", "logprobs": "lp", "structured_outputs.choice": "labels"},
+        },
+        output={"path": str(tmp_path / "out")},
+        sampling={
+            "temperature": 0.0,
+            "max_tokens": 8,
+            "n": 3,
+            "logprobs": 5,
+            "prompt_logprobs": 2,
+            "structured_outputs": {"choice": ["yes", "no"]},
+        },
+    )
     spec = load_spec(job)
-    rows = [Row("s", 0, "s/0", {}, prompt="a", overrides={"n": 4, "logprobs": 1, "seed": 7}),
-            Row("s", 1, "s/1", {}, prompt="b", overrides={"structured_outputs.choice": ["x"]})]
+    rows = [
+        Row("s", 0, "s/0", {}, prompt="a", overrides={"n": 4, "logprobs": 1, "seed": 7}),
+        Row("s", 1, "s/1", {}, prompt="b", overrides={"structured_outputs.choice": ["x"]}),
+    ]
     for asked, want in ((0, None), (3, 3)):
         gen, gen_rows = generation_request(spec, rows, asked)
         assert gen.sampling.get("logprobs") == want and gen.sampling["n"] == 1
         assert "prompt_logprobs" not in gen.sampling and gen.speculative is None
         assert gen.sampling["structured_outputs"] == {"choice": ["yes", "no"]}
         assert gen.input.sampling_columns == {"structured_outputs.choice": "labels"}
-        assert [r.overrides for r in gen_rows] == [{"seed": 7},
-                                                   {"structured_outputs.choice": ["x"]}]
+        assert [r.overrides for r in gen_rows] == [{"seed": 7}, {"structured_outputs.choice": ["x"]}]
     assert rows[0].overrides == {"n": 4, "logprobs": 1, "seed": 7}  # the caller's rows as given
 
 
@@ -605,18 +740,36 @@ def test_distill_trains_on_an_openai_batch_jobs_lines_with_their_own_sampling(tm
     one), and generates each with its body's sampling, one sample, distill's own logprobs."""
     from batchspec.distill.data import generation_request
 
-    lines = [json.dumps({"custom_id": f"c{i}", "method": "POST", "url": "/v1/chat/completions",
-                         "body": {"model": "t", "n": 3, "logprobs": True, "top_logprobs": 2,
-                                  "max_tokens": 10 + i, "temperature": 0.5, "seed": i,
-                                  "messages": [{"role": "user", "content": f"question {i}"}]}})
-             for i in range(8)]
+    lines = [
+        json.dumps(
+            {
+                "custom_id": f"c{i}",
+                "method": "POST",
+                "url": "/v1/chat/completions",
+                "body": {
+                    "model": "t",
+                    "n": 3,
+                    "logprobs": True,
+                    "top_logprobs": 2,
+                    "max_tokens": 10 + i,
+                    "temperature": 0.5,
+                    "seed": i,
+                    "messages": [{"role": "user", "content": f"question {i}"}],
+                },
+            }
+        )
+        for i in range(8)
+    ]
     lines.insert(3, "{not json")
     (tmp_path / "batches").mkdir()
     (tmp_path / "batches" / "requests.jsonl").write_text("\n".join(lines) + "\n")
-    job = write_job(tmp_path / "job.yaml",
-                    input={"path": str(tmp_path / "batches" / "*.jsonl"), "format": "openai"},
-                    output={"path": str(tmp_path / "results"), "format": "openai"},
-                    model={"target": "t"}, sampling={"temperature": 0.0, "max_tokens": 8})
+    job = write_job(
+        tmp_path / "job.yaml",
+        input={"path": str(tmp_path / "batches" / "*.jsonl"), "format": "openai"},
+        output={"path": str(tmp_path / "results"), "format": "openai"},
+        model={"target": "t"},
+        sampling={"temperature": 0.0, "max_tokens": 8},
+    )
     spec = load_spec(job)
     sample = distill_data.sample_rows(spec, size=20, heldout=2, seed=5)
     rows = sample.train + sample.heldout

@@ -53,11 +53,14 @@ def _reference_expand(values, ends, replace_from, replace_to):
 
 
 @pytest.mark.vllm
-@pytest.mark.parametrize("dtype, values, replace", [
-    ("float32", [0.8, 0.0, 1.3, 0.0], (0, 1)),      # temperature: greedy rows divide by 1
-    ("int32", [50, 0, 7, 1000], (0, 0)),            # top_k
-    ("float32", [0.95, 1.0, 0.5, 0.9], (0, 0)),     # top_p
-])
+@pytest.mark.parametrize(
+    "dtype, values, replace",
+    [
+        ("float32", [0.8, 0.0, 1.3, 0.0], (0, 1)),  # temperature: greedy rows divide by 1
+        ("int32", [50, 0, 7, 1000], (0, 0)),  # top_k
+        ("float32", [0.95, 1.0, 0.5, 0.9], (0, 0)),  # top_p
+    ],
+)
 def test_expand_kernel_matches_the_triton_kernel(dtype, values, replace):
     torch = pytest.importorskip("torch")
     ends = [2, 2, 7, 12]  # the second request has no draft tokens
@@ -193,9 +196,13 @@ def test_refusal_follows_the_plugin(monkeypatch, tmp_path):
     from batchspec.engine.checks import refuses_random_sampling
     from batchspec.spec.load import load_spec
 
-    job = write_job(tmp_path / "j.yaml",
-                    input={"path": str(tmp_path / "*.parquet"), "prompt_column": "prompt"},
-                    output={"path": str(tmp_path / "out")}, speculative=DRAFT, sampling=SAMPLED)
+    job = write_job(
+        tmp_path / "j.yaml",
+        input={"path": str(tmp_path / "*.parquet"), "prompt_column": "prompt"},
+        output={"path": str(tmp_path / "out")},
+        speculative=DRAFT,
+        sampling=SAMPLED,
+    )
     spec = load_spec(job)
     monkeypatch.delenv("VLLM_PLUGINS", raising=False)
     monkeypatch.delenv(vllm_plugin.DISABLE_ENV, raising=False)
@@ -204,8 +211,9 @@ def test_refusal_follows_the_plugin(monkeypatch, tmp_path):
     assert refuses_random_sampling(spec) == current_platform.is_cpu()
 
 
-def permutation_p_value(a: list[list[int]], b: list[list[int]], positions, permutations: int = 1999,
-                        seed: int = 0) -> float:
+def permutation_p_value(
+    a: list[list[int]], b: list[list[int]], positions, permutations: int = 1999, seed: int = 0
+) -> float:
     """p-value of "samples a and b come from one distribution": chi-square statistic of the
     token counts at each position, summed over positions, against random relabellings of the
     pooled samples (whole sequences move, so positions may depend on each other)."""
@@ -258,14 +266,14 @@ def probe(llm, config: dict) -> dict:
 
     from batchspec.engine import cpu_plugin as vllm_plugin
 
-    result: dict = {"plugin_active": vllm_plugin.active(),
-                    "max_num_batched_tokens":
-                        llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens}
+    result: dict = {
+        "plugin_active": vllm_plugin.active(),
+        "max_num_batched_tokens": llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens,
+    }
 
     def generate(prompts: list[list[int]], params: list) -> tuple[list, int]:
         """The completions, in prompt order, and the draft tokens proposed for them."""
-        outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
-                               use_tqdm=False)
+        outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
         drafted = 0
         for o in outputs:
             metrics = getattr(o.outputs[0], "spec_decode_metrics", None)
@@ -290,22 +298,27 @@ def probe(llm, config: dict) -> dict:
     wave = result["max_num_batched_tokens"] // len(config["dist_prompt"])
     for start in range(0, DIST_SAMPLES, wave):
         seeds = range(start, min(start + wave, DIST_SAMPLES))
-        got, drafted = generate([config["dist_prompt"]] * len(seeds),
-                                [SamplingParams(**SAMPLED, seed=config["dist_seed"] + s,
-                                                max_tokens=max(DIST_POSITIONS) + 1)
-                                 for s in seeds])
+        got, drafted = generate(
+            [config["dist_prompt"]] * len(seeds),
+            [
+                SamplingParams(**SAMPLED, seed=config["dist_seed"] + s, max_tokens=max(DIST_POSITIONS) + 1)
+                for s in seeds
+            ],
+        )
         samples += token_ids(got)
         result["dist_drafted"] += drafted
     result["dist_samples"] = samples
 
     # (c) seeded long prompts: a few at a time (no prompt split), then all at once (split)
     seeded = config["seeded_prompts"]
-    seeded_params = [SamplingParams(**SAMPLED, seed=1000 + i, max_tokens=SEEDED_TOKENS)
-                     for i in range(len(seeded))]
+    seeded_params = [
+        SamplingParams(**SAMPLED, seed=1000 + i, max_tokens=SEEDED_TOKENS) for i in range(len(seeded))
+    ]
     alone = []
     for start in range(0, len(seeded), SEEDED_WAVE):
-        alone += token_ids(generate(seeded[start:start + SEEDED_WAVE],
-                                    seeded_params[start:start + SEEDED_WAVE])[0])
+        alone += token_ids(
+            generate(seeded[start : start + SEEDED_WAVE], seeded_params[start : start + SEEDED_WAVE])[0]
+        )
     result["seeded_alone"] = alone
     try:
         result["seeded_together"] = token_ids(generate(seeded, seeded_params)[0])
@@ -322,13 +335,17 @@ def _prompts() -> dict:
     tokenizer = AutoTokenizer.from_pretrained(str(MODELS / "target"))
     snippets = prompt_table(2 * BATCH_ROWS + 160, seed=11)["prompt"].to_pylist()
     batch = [tokenizer.encode(s) for s in snippets[: 2 * BATCH_ROWS]]
-    stream = [t for s in snippets[2 * BATCH_ROWS:] for t in tokenizer.encode(s, add_special_tokens=False)]
+    stream = [t for s in snippets[2 * BATCH_ROWS :] for t in tokenizer.encode(s, add_special_tokens=False)]
     n = SEEDED_PROMPT_TOKENS
     bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
-    seeded = [bos + stream[i * n: (i + 1) * n - len(bos)] for i in range(SEEDED_ROWS)]
+    seeded = [bos + stream[i * n : (i + 1) * n - len(bos)] for i in range(SEEDED_ROWS)]
     assert all(len(p) == n for p in seeded), "not enough prompt text for the seeded rows"
-    return {"batch_text": snippets[: 2 * BATCH_ROWS], "batch_prompts": batch, "seeded_prompts": seeded,
-            "dist_prompt": tokenizer.encode(DIST_PROMPT)}
+    return {
+        "batch_text": snippets[: 2 * BATCH_ROWS],
+        "batch_prompts": batch,
+        "seeded_prompts": seeded,
+        "dist_prompt": tokenizer.encode(DIST_PROMPT),
+    }
 
 
 def run_probe(shared_engines, speculative: dict | None, dist_seed: int) -> dict:
@@ -365,8 +382,10 @@ def test_greedy_rows_batched_with_sampled_rows_equal_speculation_off(spec_off, s
     method, on = spec_on
     assert on["batch_drafted"] > 0, f"{method} proposed nothing: the rejection sampler never ran"
     equal = [a == b for a, b in zip(on["batch_greedy"], spec_off["batch_greedy"], strict=True)]
-    assert all(equal), (f"{method}: {sum(equal)}/{len(equal)} greedy rows equal speculation off "
-                        f"(plugin active: {on['plugin_active']})")
+    assert all(equal), (
+        f"{method}: {sum(equal)}/{len(equal)} greedy rows equal speculation off "
+        f"(plugin active: {on['plugin_active']})"
+    )
 
 
 @pytest.mark.engine
@@ -376,8 +395,10 @@ def test_sampled_distribution_equals_speculation_off(spec_off, spec_on):
     assert on["dist_drafted"] >= DIST_SAMPLES * len(DIST_POSITIONS) // 2, on["dist_drafted"]
     p = permutation_p_value(on["dist_samples"], spec_off["dist_samples"], DIST_POSITIONS)
     print(f"{method}: permutation p-value {p:.4f} (plugin active: {on['plugin_active']})")
-    assert p >= MIN_P_VALUE, (f"{method}: seeded samples with speculation differ from speculation "
-                              f"off (p={p:.4f}; plugin active: {on['plugin_active']})")
+    assert p >= MIN_P_VALUE, (
+        f"{method}: seeded samples with speculation differ from speculation "
+        f"off (p={p:.4f}; plugin active: {on['plugin_active']})"
+    )
 
 
 @pytest.mark.engine
@@ -407,24 +428,35 @@ def test_job_with_sampling_and_speculation_runs(tmp_path, spec_off, shared_engin
     prompts = _prompts()
     greedy = prompts["batch_text"][0::2]
     # rows s2k and s2k+1 share a prompt and a seed: reproducibility shows within one run
-    long_rows = [tokenizer.decode(prompts["seeded_prompts"][i - i % 2], skip_special_tokens=True)
-                 for i in range(SEEDED_ROWS)]
+    long_rows = [
+        tokenizer.decode(prompts["seeded_prompts"][i - i % 2], skip_special_tokens=True)
+        for i in range(SEEDED_ROWS)
+    ]
     ids = [f"g{i}" for i in range(len(greedy))] + [f"s{i}" for i in range(SEEDED_ROWS)]
-    write_parquet(tmp_path / "in" / "part-0.parquet", {
-        "id": ids, "prompt": greedy + long_rows,
-        "temperature": pa.array([0.0] * len(greedy) + [None] * SEEDED_ROWS, pa.float64()),
-        "max_tokens": pa.array([BATCH_TOKENS] * len(greedy) + [None] * SEEDED_ROWS, pa.int64()),
-        "seed": pa.array([None] * len(greedy) + [i // 2 for i in range(SEEDED_ROWS)], pa.int64()),
-    })
-    job = write_job(tmp_path / "hot.yaml",
-                    input={"path": str(tmp_path / "in" / "*.parquet"), "prompt_column": "prompt",
-                           "id_column": "id",
-                           "sampling_columns": {"temperature": "temperature",
-                                                "max_tokens": "max_tokens", "seed": "seed"}},
-                    output={"path": str(tmp_path / "out")}, speculative=DRAFT,
-                    sampling={**SAMPLED, "max_tokens": SEEDED_TOKENS},
-                    # each seeded pair generated twice, not once for both (batchspec/run/twins.py)
-                    execution={"dedupe_window": 0})
+    write_parquet(
+        tmp_path / "in" / "part-0.parquet",
+        {
+            "id": ids,
+            "prompt": greedy + long_rows,
+            "temperature": pa.array([0.0] * len(greedy) + [None] * SEEDED_ROWS, pa.float64()),
+            "max_tokens": pa.array([BATCH_TOKENS] * len(greedy) + [None] * SEEDED_ROWS, pa.int64()),
+            "seed": pa.array([None] * len(greedy) + [i // 2 for i in range(SEEDED_ROWS)], pa.int64()),
+        },
+    )
+    job = write_job(
+        tmp_path / "hot.yaml",
+        input={
+            "path": str(tmp_path / "in" / "*.parquet"),
+            "prompt_column": "prompt",
+            "id_column": "id",
+            "sampling_columns": {"temperature": "temperature", "max_tokens": "max_tokens", "seed": "seed"},
+        },
+        output={"path": str(tmp_path / "out")},
+        speculative=DRAFT,
+        sampling={**SAMPLED, "max_tokens": SEEDED_TOKENS},
+        # each seeded pair generated twice, not once for both (batchspec/run/twins.py)
+        execution={"dedupe_window": 0},
+    )
     run = shared_engines.run(load_spec(job))
     assert run.exit_code == 0, run.log[-3000:]
     rows = {r["request_id"]: r for r in read_output(tmp_path / "out").to_pylist()}
@@ -436,8 +468,8 @@ def test_job_with_sampling_and_speculation_runs(tmp_path, spec_off, shared_engin
     for i in range(0, SEEDED_ROWS, 2):
         assert rows[f"s{i}"]["generated_text"] == rows[f"s{i + 1}"]["generated_text"], i
     # greedy rows batched with the sampled ones: what bare vLLM gives without speculation
-    for i, (tokens, text) in enumerate(zip(spec_off["batch_greedy"], spec_off["batch_greedy_text"],
-                                           strict=True)):
+    for i, (tokens, text) in enumerate(
+        zip(spec_off["batch_greedy"], spec_off["batch_greedy_text"], strict=True)
+    ):
         assert rows[f"g{i}"]["num_output_tokens"] == len(tokens), i
         assert rows[f"g{i}"]["generated_text"] == text, i
-

@@ -30,30 +30,37 @@ UPPER, COMMENT = MODELS / "lora-upper", MODELS / "lora-comment"
 
 def make_adapter(path, r=8, peft_type="LORA", weights=True):
     path.mkdir(parents=True, exist_ok=True)
-    (path / "adapter_config.json").write_text(json.dumps({"peft_type": peft_type, "r": r,
-                                                          "lora_alpha": 16}))
+    (path / "adapter_config.json").write_text(json.dumps({"peft_type": peft_type, "r": r, "lora_alpha": 16}))
     if weights:
         (path / "adapter_model.safetensors").write_bytes(b"\0" * 64)
     return path
 
 
 def lora_spec(tmp_path, lora: dict, **input_keys):
-    return build_spec({
-        "input": {"path": "in/*.parquet", "prompt_column": "prompt", **input_keys},
-        "output": {"path": str(tmp_path / "out")},
-        "model": {"target": "some/model", "lora": lora},
-    })
+    return build_spec(
+        {
+            "input": {"path": "in/*.parquet", "prompt_column": "prompt", **input_keys},
+            "output": {"path": str(tmp_path / "out")},
+            "model": {"target": "some/model", "lora": lora},
+        }
+    )
 
 
-@pytest.mark.parametrize("setup, key, words", [
-    (lambda d: None, "model.lora.adapters.a", "no adapter directory"),
-    (lambda d: d.mkdir(), "model.lora.adapters.a", "no adapter_config.json"),
-    (lambda d: make_adapter(d, peft_type="IA3"), "model.lora.adapters.a", "LoRA adapters only"),
-    (lambda d: make_adapter(d, r="eight"), "model.lora.adapters.a", "no rank r"),
-    (lambda d: make_adapter(d, weights=False), "model.lora.adapters.a", "no weights"),
-    (lambda d: (d.mkdir(), (d / "adapter_config.json").write_text("{not json")),
-     "model.lora.adapters.a", "cannot read"),
-])
+@pytest.mark.parametrize(
+    "setup, key, words",
+    [
+        (lambda d: None, "model.lora.adapters.a", "no adapter directory"),
+        (lambda d: d.mkdir(), "model.lora.adapters.a", "no adapter_config.json"),
+        (lambda d: make_adapter(d, peft_type="IA3"), "model.lora.adapters.a", "LoRA adapters only"),
+        (lambda d: make_adapter(d, r="eight"), "model.lora.adapters.a", "no rank r"),
+        (lambda d: make_adapter(d, weights=False), "model.lora.adapters.a", "no weights"),
+        (
+            lambda d: (d.mkdir(), (d / "adapter_config.json").write_text("{not json")),
+            "model.lora.adapters.a",
+            "cannot read",
+        ),
+    ],
+)
 def test_a_bad_adapter_directory_is_refused_naming_its_key(tmp_path, setup, key, words):
     setup(tmp_path / "a")
     spec = lora_spec(tmp_path, {"adapters": {"a": str(tmp_path / "a")}})
@@ -79,9 +86,9 @@ def test_the_rank_vllm_is_given_fits_the_largest_adapter(tmp_path):
     # an id is vLLM's to resolve: no rank known, vLLM's default room for one
     ids = read_adapters(lora_spec(tmp_path, {"adapters": {"x": "org/adapter"}}).model.lora)
     assert ids[0].path == "org/adapter" and ids[0].rank is None
-    assert engine_args(lora_spec(tmp_path, {"adapters": {"x": "org/adapter"},
-                                            "max_loras": 1}).model.lora, ids) == \
-        {"enable_lora": True, "max_loras": 1, "max_lora_rank": 16}
+    assert engine_args(
+        lora_spec(tmp_path, {"adapters": {"x": "org/adapter"}, "max_loras": 1}).model.lora, ids
+    ) == {"enable_lora": True, "max_loras": 1, "max_lora_rank": 16}
 
 
 @pytest.mark.vllm
@@ -96,23 +103,30 @@ def test_a_row_picks_its_adapter_or_the_jobs(tmp_path):
     assert request.lora_path == str((tmp_path / "a").resolve())
     with pytest.raises(ValueError) as info:
         picked.pick("c")
-    assert str(info.value) == ("unknown LoRA adapter: 'c' in column 'adapter' is not one of "
-                               "model.lora.adapters (a, b)")
+    assert str(info.value) == (
+        "unknown LoRA adapter: 'c' in column 'adapter' is not one of model.lora.adapters (a, b)"
+    )
     assert Adapters(lora_spec(tmp_path, lora, lora_column="adapter")).pick(None) == (None, None)
 
 
-def test_validate_counts_rows_naming_no_adapter_and_refuses_a_bad_one_before_reading(tmp_path,
-                                                                                       models):
+def test_validate_counts_rows_naming_no_adapter_and_refuses_a_bad_one_before_reading(tmp_path, models):
     from batchspec.run.validate import validate_job as validate
 
     make_adapter(tmp_path / "a")
-    write_parquet(tmp_path / "in" / "s.parquet", {"prompt": ["x", "y", "z"],
-                                                  "adapter": ["a", None, "nope"]})
-    raw = {"input": {"path": str(tmp_path / "in" / "*.parquet"), "prompt_column": "prompt",
-                     "lora_column": "adapter"},
-           "output": {"path": str(tmp_path / "out")},
-           "model": {"target": str(MODELS / "target"), "engine": ENGINE,
-                     "lora": {"adapters": {"a": str(tmp_path / "a")}}}}
+    write_parquet(tmp_path / "in" / "s.parquet", {"prompt": ["x", "y", "z"], "adapter": ["a", None, "nope"]})
+    raw = {
+        "input": {
+            "path": str(tmp_path / "in" / "*.parquet"),
+            "prompt_column": "prompt",
+            "lora_column": "adapter",
+        },
+        "output": {"path": str(tmp_path / "out")},
+        "model": {
+            "target": str(MODELS / "target"),
+            "engine": ENGINE,
+            "lora": {"adapters": {"a": str(tmp_path / "a")}},
+        },
+    }
     report = validate(build_spec(raw))
     assert report.shards[0].rows == 3
     assert report.shards[0].bad_rows == {"unknown LoRA adapter": 1}
@@ -154,8 +168,20 @@ PROMPTS = [
     "def read_config(path):\n    with open(path) as fh:\n",
     "if __name__ == '__main__':\n",
 ]
-ADAPTER_OF_ROW = ["upper", None, "comment", "upper", None, "comment",
-                  "comment", "upper", None, None, "upper", "comment"]
+ADAPTER_OF_ROW = [
+    "upper",
+    None,
+    "comment",
+    "upper",
+    None,
+    "comment",
+    "comment",
+    "upper",
+    None,
+    None,
+    "upper",
+    "comment",
+]
 MODES = {"off": None, "draft": DRAFT, "ngram": NGRAM}
 #: as examples/requests/lora.yaml has it, so that its test runs on these engines
 LORA = {"adapters": {"upper": str(UPPER), "comment": str(COMMENT)}, "max_loras": 2}
@@ -163,20 +189,30 @@ LORA = {"adapters": {"upper": str(UPPER), "comment": str(COMMENT)}, "max_loras":
 
 def _write_rows(root):
     rows = [(f"r{i}", PROMPTS[i % len(PROMPTS)], a) for i, a in enumerate(ADAPTER_OF_ROW)]
-    write_parquet(root / "in" / "rows.parquet", {
-        "id": [r[0] for r in rows], "prompt": [r[1] for r in rows],
-        "adapter": pa.array([r[2] for r in rows], pa.string())})
+    write_parquet(
+        root / "in" / "rows.parquet",
+        {
+            "id": [r[0] for r in rows],
+            "prompt": [r[1] for r in rows],
+            "adapter": pa.array([r[2] for r in rows], pa.string()),
+        },
+    )
 
 
 def _run(shared_engines, root, name, speculative, lora, **input_keys):
     job = write_job(
         root / f"{name}.yaml",
-        input={"path": str(root / "in" / "*.parquet"), "prompt_column": "prompt",
-               "id_column": "id", **input_keys},
+        input={
+            "path": str(root / "in" / "*.parquet"),
+            "prompt_column": "prompt",
+            "id_column": "id",
+            **input_keys,
+        },
         output={"path": str(root / f"out-{name}")},
         model={"target": str(MODELS / "target"), "engine": ENGINE, **({"lora": lora} if lora else {})},
         speculative=speculative,
-        sampling={"temperature": 0.0, "max_tokens": 24})
+        sampling={"temperature": 0.0, "max_tokens": 24},
+    )
     run = shared_engines.run(load_spec(job))
     assert run.exit_code == 0, run.log
     return {r["id"]: r for r in read_output(root / f"out-{name}").to_pylist()}
@@ -190,10 +226,11 @@ def lora_runs(tmp_path_factory, shared_engines):
     runs = {"root": root, "base": _run(shared_engines, root, "base", None, None)}
     for mode, speculative in MODES.items():
         runs[mode] = {
-            "mixed": _run(shared_engines, root, f"{mode}-mixed", speculative, LORA,
-                          lora_column="adapter"),
-            **{name: _run(shared_engines, root, f"{mode}-{name}", speculative,
-                          {**LORA, "adapter": name}) for name in LORA["adapters"]},
+            "mixed": _run(shared_engines, root, f"{mode}-mixed", speculative, LORA, lora_column="adapter"),
+            **{
+                name: _run(shared_engines, root, f"{mode}-{name}", speculative, {**LORA, "adapter": name})
+                for name in LORA["adapters"]
+            },
         }
     return runs
 
@@ -213,8 +250,10 @@ def test_interleaved_adapters_equal_each_adapter_alone(lora_runs, mode):
             assert mixed[row["twin_of"]]["lora_adapter"] == adapter
         elif mode != "off":
             assert row["spec_num_draft_tokens"] > 0  # speculation ran on adapter rows too
-    texts = {a: [mixed[f"r{i}"]["generated_text"] for i, x in enumerate(ADAPTER_OF_ROW) if x == a]
-             for a in ("upper", "comment", None)}
+    texts = {
+        a: [mixed[f"r{i}"]["generated_text"] for i, x in enumerate(ADAPTER_OF_ROW) if x == a]
+        for a in ("upper", "comment", None)
+    }
     # each adapter does what it was trained to, and the base model does not (tools/tiny_lora.py
     # holds a build to the same kind of figures on other prompts)
     mean = lambda score, xs: sum(map(score, xs)) / len(xs)  # noqa: E731
@@ -234,8 +273,10 @@ def test_report_gives_rows_and_acceptance_per_adapter_and_the_lineage_names_them
     for name, count in (("comment", 4), ("upper", 4), (BASE_MODEL, 4)):
         assert adapters[name]["rows"] == count and adapters[name]["errors"] == 0
         assert 0 <= adapters[name]["acceptance_rate"] <= 1
-    assert sum(a["spec_num_draft_tokens"] for a in adapters.values()) == \
-        report["overall"]["spec_num_draft_tokens"]
+    assert (
+        sum(a["spec_num_draft_tokens"] for a in adapters.values())
+        == report["overall"]["spec_num_draft_tokens"]
+    )
     assert report["lineage"]["lora_adapters"] == [f"upper={UPPER}, comment={COMMENT}"]
     text = render_text(report)
     assert "Per LoRA adapter" in text and BASE_MODEL in text
@@ -245,9 +286,10 @@ def test_report_gives_rows_and_acceptance_per_adapter_and_the_lineage_names_them
 
 @pytest.mark.engine
 def test_a_row_naming_no_adapter_is_an_error_row_and_the_rest_run(tmp_path, shared_engines):
-    write_parquet(tmp_path / "in" / "rows.parquet", {
-        "id": ["ok", "bad"], "prompt": PROMPTS[:2],
-        "adapter": pa.array(["upper", "upperr"], pa.string())})
+    write_parquet(
+        tmp_path / "in" / "rows.parquet",
+        {"id": ["ok", "bad"], "prompt": PROMPTS[:2], "adapter": pa.array(["upper", "upperr"], pa.string())},
+    )
     rows = _run(shared_engines, tmp_path, "bad", None, LORA, lora_column="adapter")
     assert rows["ok"]["error"] is None and rows["ok"]["lora_adapter"] == "upper"
     assert rows["bad"]["finish_reason"] == "error" and rows["bad"]["generated_text"] is None

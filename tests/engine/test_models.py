@@ -30,18 +30,33 @@ CHECK_PROMPTS = 8
 CHECK_TOKENS = 32
 
 
-def random_llama(layers: int = 2, hidden: int = 64, heads: int = 2, kv_heads: int = 2,
-                 intermediate: int = 128, eps: float = 0.5, seed: int = 0):
+def random_llama(
+    layers: int = 2,
+    hidden: int = 64,
+    heads: int = 2,
+    kv_heads: int = 2,
+    intermediate: int = 128,
+    eps: float = 0.5,
+    seed: int = 0,
+):
     """A small random Llama whose norms have random weights and a large eps, so that growth
     arithmetic that is off in either shows in the logits."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=97, hidden_size=hidden, intermediate_size=intermediate,
-                         num_hidden_layers=layers, num_attention_heads=heads,
-                         num_key_value_heads=kv_heads, max_position_embeddings=128, rms_norm_eps=eps,
-                         tie_word_embeddings=False, initializer_range=0.3)  # logits of order 1
+    config = LlamaConfig(
+        vocab_size=97,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=128,
+        rms_norm_eps=eps,
+        tie_word_embeddings=False,
+        initializer_range=0.3,
+    )  # logits of order 1
     model = LlamaForCausalLM(config).eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -55,8 +70,9 @@ def grown_copy(model, hidden: int, intermediate: int, layers: int):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    new_state, new_config = grow_model.grow_state_dict(state, model.config.to_dict(), hidden,
-                                                       intermediate, layers)
+    new_state, new_config = grow_model.grow_state_dict(
+        state, model.config.to_dict(), hidden, intermediate, layers
+    )
     grown = LlamaForCausalLM(LlamaConfig(**new_config)).eval()
     missing, unexpected = grown.load_state_dict(new_state, strict=False)
     assert not unexpected and all("rotary" in k for k in missing), (missing, unexpected)
@@ -74,8 +90,10 @@ def test_growth_keeps_the_function_of_a_random_llama(heads, kv_heads):
         want, got = small(input_ids=ids).logits, big(input_ids=ids).logits
     assert want.std() > 0.5  # a model that says something, so agreement means something
     assert (want - got).abs().max().item() < 1e-4
-    assert torch.equal(small.generate(ids[:, :8], max_new_tokens=16, do_sample=False),
-                       big.generate(ids[:, :8], max_new_tokens=16, do_sample=False))
+    assert torch.equal(
+        small.generate(ids[:, :8], max_new_tokens=16, do_sample=False),
+        big.generate(ids[:, :8], max_new_tokens=16, do_sample=False),
+    )
     # the cost is real: 4x the heads, 3 more layers, whose projections are not all zero
     assert big.config.num_attention_heads == 4 * heads and big.config.num_key_value_heads == 4 * kv_heads
     new_layer = big.model.layers[4]
@@ -93,16 +111,20 @@ def test_grown_weights_are_deterministic():
     assert all(first[k].equal(second[k]) for k in first)
 
 
-@pytest.mark.parametrize("hidden,intermediate,layers,message", [
-    (100, 256, 4, "not a multiple of head_dim 32"),
-    (32, 256, 4, "must be at least"),
-    (128, 256, 1, "must be at least"),
-])
+@pytest.mark.parametrize(
+    "hidden,intermediate,layers,message",
+    [
+        (100, 256, 4, "not a multiple of head_dim 32"),
+        (32, 256, 4, "must be at least"),
+        (128, 256, 1, "must be at least"),
+    ],
+)
 def test_growth_refuses_settings_it_cannot_honour(hidden, intermediate, layers, message):
     small = random_llama()
     with pytest.raises(ValueError, match=message):
-        grow_model.grow_state_dict(dict(small.state_dict()), small.config.to_dict(), hidden,
-                                   intermediate, layers)
+        grow_model.grow_state_dict(
+            dict(small.state_dict()), small.config.to_dict(), hidden, intermediate, layers
+        )
 
 
 def save_source(model, path: Path) -> Path:
@@ -229,8 +251,13 @@ def test_draft_large_agrees_with_the_target_more_than_the_draft(tiers):
     # the target's greedy continuations, generated as one left-padded batch, then unpadded
     batch = tokenizer(tiny_models.held_out_snippets(32, seed=99), return_tensors="pt", padding=True)
     with torch.no_grad():
-        out = target.generate(**batch, max_new_tokens=48, min_new_tokens=48, do_sample=False,
-                              pad_token_id=tokenizer.pad_token_id)
+        out = target.generate(
+            **batch,
+            max_new_tokens=48,
+            min_new_tokens=48,
+            do_sample=False,
+            pad_token_id=tokenizer.pad_token_id,
+        )
     width = batch["input_ids"].shape[1]
     sequences = []
     for row, mask in zip(out, batch["attention_mask"], strict=True):
@@ -251,28 +278,34 @@ def probe(llm, prompts: list[str]) -> dict:
     """Generate greedily on one engine (a ``vllm.LLM``): token ids and draft totals."""
     from vllm import SamplingParams
 
-    outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=CHECK_TOKENS),
-                           use_tqdm=False)
+    outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=CHECK_TOKENS), use_tqdm=False)
     drafted = accepted = 0
     for out in outputs:
         metrics = getattr(out.outputs[0], "spec_decode_metrics", None)
         if metrics is not None:
             drafted += metrics.to_dict()["num_draft_tokens"]
             accepted += metrics.to_dict()["num_accepted_draft_tokens"]
-    return {"token_ids": [list(o.outputs[0].token_ids) for o in outputs],
-            "drafted": drafted, "accepted": accepted}
+    return {
+        "token_ids": [list(o.outputs[0].token_ids) for o in outputs],
+        "drafted": drafted,
+        "accepted": accepted,
+    }
 
 
 @pytest.mark.engine
 def test_vllm_target_large_with_draft_large_gives_the_tiny_targets_greedy_tokens(
-        tiers, held_out_prompts, shared_engines):
+    tiers, held_out_prompts, shared_engines
+):
     from helpers.jobs import ENGINE
 
-    tiny = probe(shared_engines.engine(shared_engines.probe_spec(tiers / "target", ENGINE)).llm,
-                 held_out_prompts)
-    grown = shared_engines.probe_spec(tiers / "target-large", ENGINE,
-                                      {"method": "draft_model", "model": str(tiers / "draft-large"),
-                                       "num_speculative_tokens": 4})
+    tiny = probe(
+        shared_engines.engine(shared_engines.probe_spec(tiers / "target", ENGINE)).llm, held_out_prompts
+    )
+    grown = shared_engines.probe_spec(
+        tiers / "target-large",
+        ENGINE,
+        {"method": "draft_model", "model": str(tiers / "draft-large"), "num_speculative_tokens": 4},
+    )
     try:
         large = probe(shared_engines.engine(grown).llm, held_out_prompts)
     finally:
@@ -283,4 +316,3 @@ def test_vllm_target_large_with_draft_large_gives_the_tiny_targets_greedy_tokens
     # draft-large really speculated, and well: the tokens above went through its proposals
     assert large["drafted"] > 0
     assert large["accepted"] / large["drafted"] > 0.4, large
-

@@ -21,10 +21,18 @@ from batchspec.spec.load import load_spec
 
 pytestmark = pytest.mark.engine
 
-LABEL = {"type": "object", "properties": {"label": {"enum": ["cat", "dog", "bird"]}},
-         "required": ["label"], "additionalProperties": False}
-DIGIT = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
-         "required": ["n"], "additionalProperties": False}
+LABEL = {
+    "type": "object",
+    "properties": {"label": {"enum": ["cat", "dog", "bird"]}},
+    "required": ["label"],
+    "additionalProperties": False,
+}
+DIGIT = {
+    "type": "object",
+    "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+    "required": ["n"],
+    "additionalProperties": False,
+}
 COLOURS = ["red", "green", "blue"]
 
 
@@ -34,8 +42,10 @@ def _json(schema: dict) -> str:
 
 #: vLLM reads its whitespace option from the engine only (a request's own is ignored, and
 #: batchspec refuses it there): without it the tiny model pads JSON with newlines until cut.
-COMPACT_ENGINE = {**ENGINE, "structured_outputs_config": {"backend": "xgrammar",
-                                                                  "disable_any_whitespace": True}}
+COMPACT_ENGINE = {
+    **ENGINE,
+    "structured_outputs_config": {"backend": "xgrammar", "disable_any_whitespace": True},
+}
 
 
 #: (prompt, whole constraint as JSON text, choice list, max_tokens): one row each
@@ -48,8 +58,20 @@ ROWS = [
     ("Explain a speculative draft model in one line:", None, None, 12),
     ("import numpy as np\nx =", json.dumps({"regex": "[0-9]{2}-[a-z]{3}"}), None, 16),
     # cut by max_tokens before its JSON can close: marked invalid, never parsed as valid
-    ("Write the record:", json.dumps({"json": {"type": "object", "properties": {
-        "text": {"type": "string", "minLength": 40}}, "required": ["text"]}}), None, 6),
+    (
+        "Write the record:",
+        json.dumps(
+            {
+                "json": {
+                    "type": "object",
+                    "properties": {"text": {"type": "string", "minLength": 40}},
+                    "required": ["text"],
+                }
+            }
+        ),
+        None,
+        6,
+    ),
     # a schema that is not one: an error row naming the column, the rest of the shard runs
     ("A bad schema row", '{"json": {"type": 12}}', None, 8),
 ]
@@ -59,26 +81,35 @@ MODES = {"off": None, "draft": DRAFT, "ngram": NGRAM}
 @pytest.fixture(scope="module")
 def request_runs(tmp_path_factory, shared_engines):
     root = tmp_path_factory.mktemp("requests")
-    write_parquet(root / "in" / "rows.parquet", {
-        "id": [f"r{i}" for i in range(len(ROWS))],
-        "prompt": [r[0] for r in ROWS],
-        "constraint": pa.array([r[1] for r in ROWS], pa.string()),
-        "choices": pa.array([r[2] for r in ROWS], pa.list_(pa.string())),
-        "max_tokens": [r[3] for r in ROWS],
-    })
+    write_parquet(
+        root / "in" / "rows.parquet",
+        {
+            "id": [f"r{i}" for i in range(len(ROWS))],
+            "prompt": [r[0] for r in ROWS],
+            "constraint": pa.array([r[1] for r in ROWS], pa.string()),
+            "choices": pa.array([r[2] for r in ROWS], pa.list_(pa.string())),
+            "max_tokens": [r[3] for r in ROWS],
+        },
+    )
     runs = {}
     for mode, speculative in MODES.items():
         job = write_job(
             root / f"{mode}.yaml",
-            input={"path": str(root / "in" / "*.parquet"), "prompt_column": "prompt",
-                   "id_column": "id",
-                   "sampling_columns": {"structured_outputs": "constraint",
-                                        "structured_outputs.choice": "choices",
-                                        "max_tokens": "max_tokens"}},
+            input={
+                "path": str(root / "in" / "*.parquet"),
+                "prompt_column": "prompt",
+                "id_column": "id",
+                "sampling_columns": {
+                    "structured_outputs": "constraint",
+                    "structured_outputs.choice": "choices",
+                    "max_tokens": "max_tokens",
+                },
+            },
             output={"path": str(root / f"out-{mode}")},
             model={"target": str(MODELS / "target"), "engine": COMPACT_ENGINE},
             speculative=speculative,
-            sampling={"temperature": 0.0, "max_tokens": 24, "logprobs": 2, "prompt_logprobs": 1})
+            sampling={"temperature": 0.0, "max_tokens": 24, "logprobs": 2, "prompt_logprobs": 1},
+        )
         run = shared_engines.run(load_spec(job))
         assert run.exit_code == 0, run.log
         table = read_output(root / f"out-{mode}").to_pylist()
@@ -132,8 +163,10 @@ def test_every_finished_constrained_row_satisfies_its_own_constraint(request_run
             assert row["structured_valid"] is False and "cut" in row["structured_error"]
     assert finished_valid >= 6  # the grammar made the tiny model finish these
     # compact JSON: the engine-wide option reached the grammar
-    assert all(" " not in rows[f"r{i}"]["generated_text"] and "\n" not in rows[f"r{i}"][
-        "generated_text"] for i in (0, 1, 2))
+    assert all(
+        " " not in rows[f"r{i}"]["generated_text"] and "\n" not in rows[f"r{i}"]["generated_text"]
+        for i in (0, 1, 2)
+    )
     cut = rows[f"r{len(ROWS) - 2}"]
     assert cut["finish_reason"] == "length" and cut["structured_valid"] is False
 
@@ -193,33 +226,39 @@ def test_several_seeded_samples_one_row_each(tmp_path, shared_engines):
     """``n`` samples per row, each a row with its ``sample_index``; seeded: a second run gives
     the same samples; a row's own ``n`` column overrides the job's; a rerun of a finished job
     adds no sample."""
-    write_parquet(tmp_path / "in" / "s.parquet", {
-        "id": ["a", "b", "c"],
-        "prompt": ["Once upon a time", "The draft model", "for i in range("],
-        "n": pa.array([None, 3, 1], pa.int64()),
-        "seed": [11, 12, 13],
-    })
+    write_parquet(
+        tmp_path / "in" / "s.parquet",
+        {
+            "id": ["a", "b", "c"],
+            "prompt": ["Once upon a time", "The draft model", "for i in range("],
+            "n": pa.array([None, 3, 1], pa.int64()),
+            "seed": [11, 12, 13],
+        },
+    )
     tables = []
     for attempt in ("first", "second"):
-        job = write_job(tmp_path / f"{attempt}.yaml",
-                        input={"path": str(tmp_path / "in" / "*.parquet"),
-                               "prompt_column": "prompt", "id_column": "id",
-                               "sampling_columns": {"n": "n", "seed": "seed"}},
-                        output={"path": str(tmp_path / f"out-{attempt}")},
-                        speculative=DRAFT,
-                        sampling={"temperature": 0.9, "top_p": 0.95, "max_tokens": 12, "n": 2})
+        job = write_job(
+            tmp_path / f"{attempt}.yaml",
+            input={
+                "path": str(tmp_path / "in" / "*.parquet"),
+                "prompt_column": "prompt",
+                "id_column": "id",
+                "sampling_columns": {"n": "n", "seed": "seed"},
+            },
+            output={"path": str(tmp_path / f"out-{attempt}")},
+            speculative=DRAFT,
+            sampling={"temperature": 0.9, "top_p": 0.95, "max_tokens": 12, "n": 2},
+        )
         run = shared_engines.run(load_spec(job))
         assert run.exit_code == 0, run.log
         table = read_output(tmp_path / f"out-{attempt}")
-        tables.append(sorted((r["id"], r["sample_index"], r["generated_text"])
-                             for r in table.to_pylist()))
+        tables.append(sorted((r["id"], r["sample_index"], r["generated_text"]) for r in table.to_pylist()))
     rerun = shared_engines.run(load_spec(tmp_path / "first.yaml"))
     assert rerun.exit_code == 0, rerun.log
     again = read_output(tmp_path / "out-first").to_pylist()
     assert sorted((r["id"], r["sample_index"], r["generated_text"]) for r in again) == tables[0]
     first, second = tables
-    assert [(i, s) for i, s, _ in first] == [("a", 0), ("a", 1), ("b", 0), ("b", 1), ("b", 2),
-                                             ("c", 0)]
+    assert [(i, s) for i, s, _ in first] == [("a", 0), ("a", 1), ("b", 0), ("b", 1), ("b", 2), ("c", 0)]
     assert first == second  # seeded: the same samples again
     texts_b = [t for i, _, t in first if i == "b"]
     assert len(set(texts_b)) > 1  # samples of one row differ

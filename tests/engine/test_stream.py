@@ -42,8 +42,7 @@ class StubVllm:
 
         assert isinstance(params, SamplingParams)
         self.requests[request_id] = (prompt["prompt_token_ids"], params)
-        self.max_sequences = max(self.max_sequences,
-                                 sum(p.n for _, p in self.requests.values()))
+        self.max_sequences = max(self.max_sequences, sum(p.n for _, p in self.requests.values()))
 
     def step(self):
         if not self.requests:
@@ -53,14 +52,31 @@ class StubVllm:
         text = "".join(chr(i - 1) for i in ids[:4])
         if self.die_on is not None and text.startswith(self.die_on):
             raise RuntimeError("manual_seed expected a long")
-        completions = [SimpleNamespace(index=i, text=text, token_ids=[1, 2], finish_reason="stop",
-                                       stop_reason=None, spec_decode_metrics=None, logprobs=None,
-                                       cumulative_logprob=None)
-                       for i in range(params.n)]
+        completions = [
+            SimpleNamespace(
+                index=i,
+                text=text,
+                token_ids=[1, 2],
+                finish_reason="stop",
+                stop_reason=None,
+                spec_decode_metrics=None,
+                logprobs=None,
+                cumulative_logprob=None,
+            )
+            for i in range(params.n)
+        ]
         if self.unreadable is not None and text.startswith(self.unreadable):
             completions = None  # an output batchspec cannot read
-        return [SimpleNamespace(request_id=rid, finished=True, outputs=completions,
-                                prompt_token_ids=ids, metrics=None, prompt_logprobs=None)]
+        return [
+            SimpleNamespace(
+                request_id=rid,
+                finished=True,
+                outputs=completions,
+                prompt_token_ids=ids,
+                metrics=None,
+                prompt_logprobs=None,
+            )
+        ]
 
     def abort_request(self, ids):
         self.aborted.extend(ids)
@@ -76,11 +92,16 @@ def stub_engine(vllm_engine: StubVllm, **sampling) -> Engine:
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
-    spec = build_spec({"name": "stub", "input": {"path": "memory://in/*.parquet",
-                                                 "prompt_column": "p"},
-                       "output": {"path": "memory://out"}, "model": {"target": "stub"},
-                       "sampling": {"temperature": 0.0, "max_tokens": 4, **sampling},
-                       "execution": {"prefix_window": 0}})
+    spec = build_spec(
+        {
+            "name": "stub",
+            "input": {"path": "memory://in/*.parquet", "prompt_column": "p"},
+            "output": {"path": "memory://out"},
+            "model": {"target": "stub"},
+            "sampling": {"temperature": 0.0, "max_tokens": 4, **sampling},
+            "execution": {"prefix_window": 0},
+        }
+    )
     engine = Engine.__new__(Engine)
     engine._SamplingParams = SamplingParams
     engine._final_only = RequestOutputKind.FINAL_ONLY
@@ -105,10 +126,15 @@ def row(i: int, prompt: str, **overrides) -> Row:
 
 def test_a_value_vllm_asserts_on_is_that_rows_error_and_the_rest_run():
     stub = StubVllm()
-    rows = [row(0, "AAAA"), row(1, "BBBB", stop={"a": 1}), row(2, "CCCC", seed="7"),
-            row(3, "DDDD", seed=1.5), row(4, "EEEE", stop=[["x"]]), row(5, "FFFF", seed=42.0)]
-    out = {r.request_id: results for r, results in
-           stub_engine(stub).stream(iter(rows), max_in_flight=4)}
+    rows = [
+        row(0, "AAAA"),
+        row(1, "BBBB", stop={"a": 1}),
+        row(2, "CCCC", seed="7"),
+        row(3, "DDDD", seed=1.5),
+        row(4, "EEEE", stop=[["x"]]),
+        row(5, "FFFF", seed=42.0),
+    ]
+    out = {r.request_id: results for r, results in stub_engine(stub).stream(iter(rows), max_in_flight=4)}
     assert sorted(out) == [f"r{i}" for i in range(6)]
     assert out["r0"][0]["error"] is None and out["r5"][0]["error"] is None  # 42.0 is 42
     assert "stop: expected a string or a list of strings" in out["r1"][0]["error"]
@@ -132,16 +158,20 @@ def test_max_in_flight_counts_sequences_not_rows():
 
 def test_n_above_the_jobs_cap_is_an_error_row():
     rows = [row(0, "AAAA", n=129), row(1, "BBBB", n=2)]
-    out = dict((r.request_id, res) for r, res in
-               stub_engine(StubVllm(), seed=3, temperature=0.8).stream(iter(rows), max_in_flight=8))
+    out = dict(
+        (r.request_id, res)
+        for r, res in stub_engine(StubVllm(), seed=3, temperature=0.8).stream(iter(rows), max_in_flight=8)
+    )
     assert "more than execution.max_n (128)" in out["r0"][0]["error"]
     assert len(out["r1"]) == 2 and out["r1"][0]["error"] is None
 
 
 def test_an_output_that_cannot_be_read_is_that_rows_error():
     rows = [row(0, "AAAA"), row(1, "BBBB"), row(2, "CCCC")]
-    out = dict((r.request_id, res) for r, res in
-               stub_engine(StubVllm(unreadable="BBBB")).stream(iter(rows), max_in_flight=2))
+    out = dict(
+        (r.request_id, res)
+        for r, res in stub_engine(StubVllm(unreadable="BBBB")).stream(iter(rows), max_in_flight=2)
+    )
     assert out["r1"][0]["error"].startswith("cannot read the engine's output")
     assert out["r0"][0]["error"] is None and out["r2"][0]["error"] is None
 

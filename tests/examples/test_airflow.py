@@ -36,13 +36,16 @@ BATCHSPEC = str(Path(sys.executable).with_name("batchspec"))
 ALLOWED_ENV = re.compile(
     r"(PATH|HOME|USER|LOGNAME|LANG|LANGUAGE|LC_\w+|TZ|TMPDIR|XDG_CACHE_HOME|LD_LIBRARY_PATH|"
     r"OMP_NUM_THREADS|(HTTPS?|NO)_PROXY|(https?|no)_proxy|SSL_CERT_(FILE|DIR)|REQUESTS_CA_BUNDLE|"
-    r"CURL_CA_BUNDLE|DS|S3_ENDPOINT_URL|(BATCHSPEC|VLLM|HF|CUDA|NVIDIA|NCCL|AWS)_\w+)")
+    r"CURL_CA_BUNDLE|DS|S3_ENDPOINT_URL|(BATCHSPEC|VLLM|HF|CUDA|NVIDIA|NCCL|AWS)_\w+)"
+)
 #: In the worker's environment, never batchspec's: Airflow's own, a connection's password, a
 #: secret of something else, another cloud's settings (the job is on S3 only).
-NOT_FOR_BATCHSPEC = {"AIRFLOW_CONN_WAREHOUSE": "postgres://etl:warehouse-pw@db:5432/prod",
-                     "WAREHOUSE_PASSWORD": "not-for-batchspec",
-                     "GOOGLE_CLOUD_PROJECT": "not-this-job",
-                     "AZURE_STORAGE_CONNECTION_STRING": "AccountKey=not-this-job"}
+NOT_FOR_BATCHSPEC = {
+    "AIRFLOW_CONN_WAREHOUSE": "postgres://etl:warehouse-pw@db:5432/prod",
+    "WAREHOUSE_PASSWORD": "not-for-batchspec",
+    "GOOGLE_CLOUD_PROJECT": "not-this-job",
+    "AZURE_STORAGE_CONNECTION_STRING": "AccountKey=not-this-job",
+}
 
 
 @pytest.fixture(scope="module")
@@ -57,14 +60,25 @@ def airflow(tmp_path_factory):
     home = tmp_path_factory.mktemp("airflow")
     dags = home / "dags"
     shutil.copytree(EXAMPLE, dags, ignore=shutil.ignore_patterns("__pycache__"))
-    base = {**os.environ, "AIRFLOW_HOME": str(home), "AIRFLOW__CORE__DAGS_FOLDER": str(dags),
-            "AIRFLOW__CORE__LOAD_EXAMPLES": "false",
-            # where an unexpected exit 1 is retried, retry at once and only once: no long waits
-            "BATCHSPEC_RETRIES": "1", "BATCHSPEC_RETRY_DELAY_S": "1"}
+    base = {
+        **os.environ,
+        "AIRFLOW_HOME": str(home),
+        "AIRFLOW__CORE__DAGS_FOLDER": str(dags),
+        "AIRFLOW__CORE__LOAD_EXAMPLES": "false",
+        # where an unexpected exit 1 is retried, retry at once and only once: no long waits
+        "BATCHSPEC_RETRIES": "1",
+        "BATCHSPEC_RETRY_DELAY_S": "1",
+    }
 
     def cli(*args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
-        return subprocess.run([str(AIRFLOW), *args], env={**base, **(env or {})}, capture_output=True,
-                              text=True, timeout=timeout, cwd=home)
+        return subprocess.run(
+            [str(AIRFLOW), *args],
+            env={**base, **(env or {})},
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            cwd=home,
+        )
 
     for step in (["db", "migrate"], ["dags", "reserialize"]):
         done = cli(*step)
@@ -90,8 +104,10 @@ def _task_instances(airflow, logical_date: str) -> dict[tuple[str, int], tuple[s
     runs = _json(airflow("dags", "list-runs", DAG_ID, "-o", "json").stdout)
     run_id = next(r["run_id"] for r in runs if r["logical_date"].startswith(logical_date))
     with sqlite3.connect(airflow.home / "airflow.db") as db:
-        rows = db.execute("SELECT task_id, map_index, state, try_number FROM task_instance "
-                          "WHERE dag_id = ? AND run_id = ?", (DAG_ID, run_id)).fetchall()
+        rows = db.execute(
+            "SELECT task_id, map_index, state, try_number FROM task_instance WHERE dag_id = ? AND run_id = ?",
+            (DAG_ID, run_id),
+        ).fetchall()
     return {(task, index): (state, tries) for task, index, state, tries in rows}
 
 
@@ -100,11 +116,13 @@ def _env_recorder(directory: Path) -> Path:
     it was started with to DIRECTORY/<subcommand>-<pid>.txt, then runs batchspec itself."""
     directory.mkdir()
     script = directory / "batchspec"
-    script.write_text(f"#!{sys.executable}\n"
-                      "import os, sys\n"
-                      f"with open(f'{directory}/{{sys.argv[1]}}-{{os.getpid()}}.txt', 'w') as f:\n"
-                      "    f.write('\\n'.join(os.environ))\n"
-                      f"os.execv({BATCHSPEC!r}, [{BATCHSPEC!r}, *sys.argv[1:]])\n")
+    script.write_text(
+        f"#!{sys.executable}\n"
+        "import os, sys\n"
+        f"with open(f'{directory}/{{sys.argv[1]}}-{{os.getpid()}}.txt', 'w') as f:\n"
+        "    f.write('\\n'.join(os.environ))\n"
+        f"os.execv({BATCHSPEC!r}, [{BATCHSPEC!r}, *sys.argv[1:]])\n"
+    )
     script.chmod(script.stat().st_mode | stat.S_IXUSR)
     return script
 
@@ -129,18 +147,32 @@ def test_nightly_dag_maps_two_workers_and_covers_every_row_once(airflow, models,
 
     # the example's own nightly.yaml (the DAG's default job), pointed at the test's store and models
     recorder = _env_recorder(tmp_path / "seen")
-    env = {"AIRFLOW_VAR_BATCHSPEC_BIN": str(recorder), "AIRFLOW_VAR_BATCHSPEC_NUM_WORKERS": "2",
-           "BATCHSPEC_BUCKET": bucket, "S3_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": S3_KEY,
-           "AWS_SECRET_ACCESS_KEY": S3_SECRET, "BATCHSPEC_TARGET": str(MODELS / "target"),
-           "BATCHSPEC_DRAFT": DRAFT["model"], "BATCHSPEC_MAX_MODEL_LEN": str(ENGINE["max_model_len"]),
-           "BATCHSPEC_ENFORCE_EAGER": "true", "BATCHSPEC_DTYPE": ENGINE["dtype"],
-           "BATCHSPEC_MAX_TOKENS": "8", "VLLM_CPU_KVCACHE_SPACE": "1", **NOT_FOR_BATCHSPEC}
+    env = {
+        "AIRFLOW_VAR_BATCHSPEC_BIN": str(recorder),
+        "AIRFLOW_VAR_BATCHSPEC_NUM_WORKERS": "2",
+        "BATCHSPEC_BUCKET": bucket,
+        "S3_ENDPOINT_URL": endpoint,
+        "AWS_ACCESS_KEY_ID": S3_KEY,
+        "AWS_SECRET_ACCESS_KEY": S3_SECRET,
+        "BATCHSPEC_TARGET": str(MODELS / "target"),
+        "BATCHSPEC_DRAFT": DRAFT["model"],
+        "BATCHSPEC_MAX_MODEL_LEN": str(ENGINE["max_model_len"]),
+        "BATCHSPEC_ENFORCE_EAGER": "true",
+        "BATCHSPEC_DTYPE": ENGINE["dtype"],
+        "BATCHSPEC_MAX_TOKENS": "8",
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        **NOT_FOR_BATCHSPEC,
+    }
     done = airflow("dags", "test", DAG_ID, ds, env=env, timeout=900)
     log = done.stdout + done.stderr
     assert done.returncode == 0, log[-6000:]
     states = _task_instances(airflow, ds)
-    assert states == {("plan_workers", -1): ("success", 1), ("run_worker", 0): ("success", 1),
-                      ("run_worker", 1): ("success", 1), ("check_status", -1): ("success", 1)}, states
+    assert states == {
+        ("plan_workers", -1): ("success", 1),
+        ("run_worker", 0): ("success", 1),
+        ("run_worker", 1): ("success", 1),
+        ("check_status", -1): ("success", 1),
+    }, states
     for index in range(2):  # each mapped task ran batchspec as its own worker
         assert f'"worker": "{index}/2"' in log, log[-6000:]
     assert "4 shards: {'committed': 4}" in log, log[-6000:]
@@ -156,12 +188,25 @@ def test_nightly_dag_maps_two_workers_and_covers_every_row_once(airflow, models,
     seen = {f.name: set(f.read_text().split()) for f in (tmp_path / "seen").glob("*.txt")}
     assert sorted(name.split("-")[0] for name in seen) == ["run", "run", "status"], sorted(seen)
     for name, names in seen.items():
-        needed = {"PATH", "HOME", "DS", "BATCHSPEC_BUCKET", "S3_ENDPOINT_URL", "AWS_ACCESS_KEY_ID",
-                  "AWS_SECRET_ACCESS_KEY", "BATCHSPEC_TARGET", "BATCHSPEC_DRAFT",
-                  "VLLM_CPU_KVCACHE_SPACE"}
+        needed = {
+            "PATH",
+            "HOME",
+            "DS",
+            "BATCHSPEC_BUCKET",
+            "S3_ENDPOINT_URL",
+            "AWS_ACCESS_KEY_ID",
+            "AWS_SECRET_ACCESS_KEY",
+            "BATCHSPEC_TARGET",
+            "BATCHSPEC_DRAFT",
+            "VLLM_CPU_KVCACHE_SPACE",
+        }
         assert needed <= names, (name, sorted(needed - names))
-        assert not names & {*NOT_FOR_BATCHSPEC, "AIRFLOW_HOME", "AIRFLOW__CORE__DAGS_FOLDER",
-                            "AIRFLOW_VAR_BATCHSPEC_BIN"}, (name, sorted(names))
+        assert not names & {
+            *NOT_FOR_BATCHSPEC,
+            "AIRFLOW_HOME",
+            "AIRFLOW__CORE__DAGS_FOLDER",
+            "AIRFLOW_VAR_BATCHSPEC_BIN",
+        }, (name, sorted(names))
         extra = sorted(n for n in names if not ALLOWED_ENV.fullmatch(n))
         assert not extra, f"{name}: batchspec was given {extra}"
     # the task log names what it passed (Airflow appends " [logger] loc=FILE:LINE")
@@ -173,12 +218,17 @@ def test_nightly_dag_maps_two_workers_and_covers_every_row_once(airflow, models,
 def test_bad_spec_fails_the_mapped_tasks_at_once_without_retry(airflow, tmp_path):
     ds = "2026-11-21"
     write_parquet(tmp_path / "in" / "part-0.parquet", {"prompt": ["a", "b"]})
-    bad = write_job(tmp_path / "bad.yaml", input={"path": str(tmp_path / "in" / "*.parquet"),
-                                                  "prompt_column": "prompt"},
-                    output={"path": str(tmp_path / "out")},
-                    sampling={"temprature": 0.0})  # a misspelt SamplingParams key: exit 2
-    env = {"AIRFLOW_VAR_BATCHSPEC_BIN": BATCHSPEC, "AIRFLOW_VAR_BATCHSPEC_JOB": str(bad),
-           "AIRFLOW_VAR_BATCHSPEC_NUM_WORKERS": "2"}
+    bad = write_job(
+        tmp_path / "bad.yaml",
+        input={"path": str(tmp_path / "in" / "*.parquet"), "prompt_column": "prompt"},
+        output={"path": str(tmp_path / "out")},
+        sampling={"temprature": 0.0},
+    )  # a misspelt SamplingParams key: exit 2
+    env = {
+        "AIRFLOW_VAR_BATCHSPEC_BIN": BATCHSPEC,
+        "AIRFLOW_VAR_BATCHSPEC_JOB": str(bad),
+        "AIRFLOW_VAR_BATCHSPEC_NUM_WORKERS": "2",
+    }
     done = airflow("dags", "test", DAG_ID, ds, env=env, timeout=300)
     log = done.stdout + done.stderr
     assert done.returncode != 0, "a DAG run whose workers hit a bad spec must fail"

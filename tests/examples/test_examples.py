@@ -48,17 +48,28 @@ def _inputs(directory: Path, shards: int = 3, rows: int = 10) -> dict[str, list[
 @pytest.mark.engine
 def test_cron_wrapper_never_overlaps_and_passes_the_exit_code(tmp_path, models):
     expected = _inputs(tmp_path / "in")
-    job = write_job(tmp_path / "nightly.yaml",
-                    input={"path": str(tmp_path / "in" / "*.parquet"), "prompt_column": "prompt",
-                           "id_column": "id", "sampling_columns": {"max_tokens": "max_tokens"}},
-                    output={"path": str(tmp_path / "out")}, speculative=DRAFT,
-                    sampling={"temperature": 0.0, "max_tokens": 16})
+    job = write_job(
+        tmp_path / "nightly.yaml",
+        input={
+            "path": str(tmp_path / "in" / "*.parquet"),
+            "prompt_column": "prompt",
+            "id_column": "id",
+            "sampling_columns": {"max_tokens": "max_tokens"},
+        },
+        output={"path": str(tmp_path / "out")},
+        speculative=DRAFT,
+        sampling={"temperature": 0.0, "max_tokens": 16},
+    )
     # as cron starts it: no XDG_RUNTIME_DIR, so the lock is in the state directory (here in tmp_path)
     env = {**_cron_env(tmp_path / "state"), "BATCHSPEC": BATCHSPEC, "VLLM_CPU_KVCACHE_SPACE": "1"}
     wrapper = str(CRON)
     started = time.monotonic()
-    procs = [subprocess.Popen([wrapper, str(job)], env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    procs = [
+        subprocess.Popen(
+            [wrapper, str(job)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for _ in range(2)
+    ]
     ended: dict[int, float] = {}
     while len(ended) < 2 and time.monotonic() - started < 600:
         for i, p in enumerate(procs):
@@ -75,12 +86,20 @@ def test_cron_wrapper_never_overlaps_and_passes_the_exit_code(tmp_path, models):
     assert '"event": "run_finished"' in logs[0].read_text()
     kept = logs[0].with_name(logs[0].name.replace(".log", ".summary.json"))
     assert kept.exists() and '"status": "ok"' in kept.read_text()
-    ids = [i for f in sorted((tmp_path / "out").glob("*.parquet"))
-           for i in pq.read_table(f)["request_id"].to_pylist()]
+    ids = [
+        i
+        for f in sorted((tmp_path / "out").glob("*.parquet"))
+        for i in pq.read_table(f)["request_id"].to_pylist()
+    ]
     assert sorted(ids) == sorted(i for v in expected.values() for i in v)
     # a bad spec's exit code comes through the wrapper unchanged
-    bad = subprocess.run([wrapper, str(job), "--set", "sampling.temprature=1"], env=env,
-                         capture_output=True, text=True, timeout=300)
+    bad = subprocess.run(
+        [wrapper, str(job), "--set", "sampling.temprature=1"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert bad.returncode == 2, bad.stderr
 
 
@@ -90,8 +109,11 @@ def test_cron_wrapper_never_overlaps_and_passes_the_exit_code(tmp_path, models):
 def _cron_env(state: Path, **extra: str) -> dict[str, str]:
     """The environment cron gives the wrapper: no XDG_RUNTIME_DIR; the state directory (where the
     private lock directory and the logs go) in the test's own tmp_path."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("XDG_RUNTIME_DIR", "BATCHSPEC_LOCK", "BATCHSPEC_LOG_DIR")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("XDG_RUNTIME_DIR", "BATCHSPEC_LOCK", "BATCHSPEC_LOG_DIR")
+    }
     return {**env, "XDG_STATE_HOME": str(state), **extra}
 
 
@@ -117,16 +139,16 @@ echo '{{"event": "run_finished", "message": "ok: stand-in"}}' >&2
         full = {**_cron_env(tmp_path / "state"), "BATCHSPEC": str(stand_in), **env}
         if wait:
             return subprocess.run(args, env=full, capture_output=True, text=True, timeout=60)
-        return subprocess.Popen(args, env=full, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True)
+        return subprocess.Popen(args, env=full, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
     return job, start, ran
 
 
 def _lock_name(job: Path) -> str:
     """The wrapper's lock file name for ``job``: computable by anyone who knows the job's path."""
-    key = subprocess.run(["cksum"], input=str(job.resolve()), capture_output=True, text=True,
-                         check=True).stdout.split()[0]
+    key = subprocess.run(
+        ["cksum"], input=str(job.resolve()), capture_output=True, text=True, check=True
+    ).stdout.split()[0]
     return f"batchspec-{job.stem}-{key}.lock"
 
 
@@ -220,10 +242,17 @@ def _unsafe(kind: str, tmp_path: Path) -> dict[str, str]:
     return {}
 
 
-@pytest.mark.parametrize("kind", ["locks dir is a symlink", "locks dir is group/other-writable",
-                                  "locks dir owned by another user", "lock file is a symlink",
-                                  "BATCHSPEC_LOCK in a world-writable directory",
-                                  "BATCHSPEC_LOCK is a symlink"])
+@pytest.mark.parametrize(
+    "kind",
+    [
+        "locks dir is a symlink",
+        "locks dir is group/other-writable",
+        "locks dir owned by another user",
+        "lock file is a symlink",
+        "BATCHSPEC_LOCK in a world-writable directory",
+        "BATCHSPEC_LOCK is a symlink",
+    ],
+)
 def test_cron_refuses_an_unsafe_lock(cron, tmp_path, kind):
     if kind == "locks dir owned by another user" and os.geteuid() != 0:
         pytest.skip("making a directory another user owns needs root")
@@ -251,8 +280,9 @@ def _kustomize(docs: list[dict], kustomization: dict) -> list[dict]:
     docs = copy.deepcopy(docs)
 
     def pick(select: dict) -> dict:
-        return next(d for d in docs if d["kind"] == select["kind"]
-                    and d["metadata"]["name"] == select["name"])
+        return next(
+            d for d in docs if d["kind"] == select["kind"] and d["metadata"]["name"] == select["name"]
+        )
 
     def walk(node, path: str):
         parts = path.split(".")
@@ -275,8 +305,7 @@ def _k8s_docs(completions: int | None = None) -> tuple[list[dict], list[dict]]:
     """(the worker manifests as `kubectl apply -k examples/kubernetes/` renders them, with the
     Job's completions set to ``completions`` if given; the status check's manifests)."""
     kustomization = yaml.safe_load((K8S / "kustomization.yaml").read_text())
-    docs = [d for r in kustomization["resources"]
-            for d in yaml.safe_load_all((K8S / r).read_text())]
+    docs = [d for r in kustomization["resources"] for d in yaml.safe_load_all((K8S / r).read_text())]
     if completions is not None:
         next(d for d in docs if d["kind"] == "Job")["spec"]["completions"] = completions
     status = list(yaml.safe_load_all((K8S / "batchspec-status.yaml").read_text()))
@@ -303,8 +332,7 @@ def test_kubernetes_manifests_pass_a_security_review():
     workers, status = _k8s_docs()
     docs = workers + status
     jobs = [d for d in docs if d["kind"] == "Job"]
-    assert sorted(j["metadata"]["name"] for j in jobs) == ["batchspec-nightly",
-                                                          "batchspec-nightly-status"]
+    assert sorted(j["metadata"]["name"] for j in jobs) == ["batchspec-nightly", "batchspec-nightly-status"]
     for job in jobs:
         pod = job["spec"]["template"]["spec"]
         name = job["metadata"]["name"]
@@ -335,9 +363,12 @@ def test_kubernetes_manifests_pass_a_security_review():
                 if "persistentVolumeClaim" in volume:
                     assert volume["persistentVolumeClaim"]["readOnly"] is True, (name, m)
             # ephemeral storage requested and limited, the limit covering its disk emptyDirs
-            disk = sum(_quantity(volumes[m["name"]]["emptyDir"]["sizeLimit"]) for m in mounts.values()
-                       if "emptyDir" in volumes[m["name"]]
-                       and volumes[m["name"]]["emptyDir"].get("medium") != "Memory")
+            disk = sum(
+                _quantity(volumes[m["name"]]["emptyDir"]["sizeLimit"])
+                for m in mounts.values()
+                if "emptyDir" in volumes[m["name"]]
+                and volumes[m["name"]]["emptyDir"].get("medium") != "Memory"
+            )
             requests, limits = c["resources"]["requests"], c["resources"]["limits"]
             assert 0 < _quantity(requests["ephemeral-storage"]) <= _quantity(limits["ephemeral-storage"])
             assert _quantity(limits["ephemeral-storage"]) >= disk, name
@@ -350,10 +381,12 @@ def test_kubernetes_manifests_pass_a_security_review():
     # the status check sees what the workers see: the same spec, environment and models
     worker = next(j for j in workers if j["kind"] == "Job")["spec"]["template"]["spec"]
     check = next(j for j in status if j["kind"] == "Job")["spec"]["template"]["spec"]
-    assert [v for v in check["volumes"] if "emptyDir" not in v] == \
-        [v for v in worker["volumes"] if "emptyDir" not in v]
-    shared = {k: v for k, v in _container_env(worker["containers"][0], docs).items()
-              if k != "BATCHSPEC_NUM_WORKERS"}
+    assert [v for v in check["volumes"] if "emptyDir" not in v] == [
+        v for v in worker["volumes"] if "emptyDir" not in v
+    ]
+    shared = {
+        k: v for k, v in _container_env(worker["containers"][0], docs).items() if k != "BATCHSPEC_NUM_WORKERS"
+    }
     assert _container_env(check["containers"][0], docs) == shared
 
 
@@ -362,10 +395,18 @@ def test_kubernetes_spool_is_where_the_manifest_gives_room(tmp_path):
     manifest's size-limited emptyDir: checked against batchspec itself, not taken on trust."""
     spool = tmp_path / "tmp"
     spool.mkdir()
-    code = ("import tempfile; from batchspec.io.output_dir import spool_dir; "
-            "print(spool_dir()); print(tempfile.mkstemp(prefix='batchspec-')[1])")
-    done = subprocess.run([sys.executable, "-c", code], env={**os.environ, "TMPDIR": str(spool)},
-                          capture_output=True, text=True, timeout=60, check=True)
+    code = (
+        "import tempfile; from batchspec.io.output_dir import spool_dir; "
+        "print(spool_dir()); print(tempfile.mkstemp(prefix='batchspec-')[1])"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**os.environ, "TMPDIR": str(spool)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
     assert all(Path(p).parent == spool for p in done.stdout.split()), done.stdout
 
 
@@ -381,9 +422,13 @@ def test_kubernetes_worker_count_is_written_once(tmp_path):
     # exit 2 fails its index without retries), never a green Job that left shards out
     unrendered = {e["name"]: e.get("value") for e in container["env"]}["BATCHSPEC_NUM_WORKERS"]
     assert not unrendered.strip().isdigit()
-    bad = subprocess.run([BATCHSPEC, "run", str(tmp_path / "job.yaml")], capture_output=True,
-                         text=True, timeout=120,
-                         env={**os.environ, "BATCHSPEC_NUM_WORKERS": unrendered})
+    bad = subprocess.run(
+        [BATCHSPEC, "run", str(tmp_path / "job.yaml")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "BATCHSPEC_NUM_WORKERS": unrendered},
+    )
     assert bad.returncode == 2 and "--num-workers" in bad.stderr, bad.stderr
     # rendered, every count follows spec.completions: change it there and nowhere else
     for n in (count, 1, 3, 8):
@@ -395,8 +440,7 @@ def test_kubernetes_worker_count_is_written_once(tmp_path):
     # where kubectl is installed, its own kustomize renders what the test above assumes
     kubectl = shutil.which("kubectl")
     if kubectl:
-        out = subprocess.run([kubectl, "kustomize", str(K8S)], capture_output=True, text=True,
-                             timeout=60)
+        out = subprocess.run([kubectl, "kustomize", str(K8S)], capture_output=True, text=True, timeout=60)
         assert out.returncode == 0, out.stderr
         assert list(yaml.safe_load_all(out.stdout)) == _k8s_docs()[0]
 
@@ -406,24 +450,29 @@ def test_kubernetes_status_check_fails_while_shards_are_pending(tmp_path):
     every shard (the engine test below sees it name only the shards left, then pass)."""
     workers, _ = _k8s_docs()
     script = tmp_path / "check-status.py"
-    script.write_text(next(d for d in workers if d["metadata"]["name"] == "batchspec-nightly")
-                      ["data"]["check-status.py"])
+    script.write_text(
+        next(d for d in workers if d["metadata"]["name"] == "batchspec-nightly")["data"]["check-status.py"]
+    )
     for i in range(2):
         write_parquet(tmp_path / "in" / f"part-{i}.parquet", {"prompt": ["a", "b"]})
-    job = write_job(tmp_path / "job.yaml", input={"path": str(tmp_path / "in" / "*.parquet"),
-                                                   "prompt_column": "prompt"},
-                    output={"path": str(tmp_path / "out")})
+    job = write_job(
+        tmp_path / "job.yaml",
+        input={"path": str(tmp_path / "in" / "*.parquet"), "prompt_column": "prompt"},
+        output={"path": str(tmp_path / "out")},
+    )
     env = {**os.environ, "PATH": f"{Path(BATCHSPEC).parent}{os.pathsep}{os.environ['PATH']}"}
-    done = subprocess.run([sys.executable, str(script), str(job)], env=env, capture_output=True,
-                          text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, str(script), str(job)], env=env, capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 1, done.stdout + done.stderr
     assert "2 shards: {'pending': 2}" in done.stdout
     assert "2 of 2 shards not committed: part-0, part-1" in done.stderr
     # no input at all is batchspec's own exit 3, passed through (the Job does not retry it)
     for f in (tmp_path / "in").iterdir():
         f.unlink()
-    done = subprocess.run([sys.executable, str(script), str(job)], env=env, capture_output=True,
-                          text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, str(script), str(job)], env=env, capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 3 and "no input shards" in done.stderr, done.stdout + done.stderr
 
 
@@ -449,22 +498,43 @@ def test_kubernetes_indexed_job_covers_every_row_once(tmp_path, models, s3_serve
         (etc / name).write_text(text)
     # stand-ins for what the manifest gives, here: its emptyDir /tmp, the Secret, the store, the
     # models; HOME stays this machine's, whose caches spare vLLM a model inspection at start-up
-    local = {"TMPDIR": str(tmp_path / "tmp"), "HOME": os.environ["HOME"],
-             "S3_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": S3_KEY,
-             "AWS_SECRET_ACCESS_KEY": S3_SECRET, "BATCHSPEC_TARGET": str(MODELS / "target"),
-             "BATCHSPEC_DRAFT": DRAFT["model"], "BATCHSPEC_MAX_MODEL_LEN": str(ENGINE["max_model_len"]),
-             "BATCHSPEC_ENFORCE_EAGER": "true", "BATCHSPEC_DTYPE": ENGINE["dtype"],
-             "BATCHSPEC_MAX_TOKENS": "16", "VLLM_CPU_KVCACHE_SPACE": "1",
-             "PATH": f"{Path(BATCHSPEC).parent}{os.pathsep}{os.environ['PATH']}"}
+    local = {
+        "TMPDIR": str(tmp_path / "tmp"),
+        "HOME": os.environ["HOME"],
+        "S3_ENDPOINT_URL": endpoint,
+        "AWS_ACCESS_KEY_ID": S3_KEY,
+        "AWS_SECRET_ACCESS_KEY": S3_SECRET,
+        "BATCHSPEC_TARGET": str(MODELS / "target"),
+        "BATCHSPEC_DRAFT": DRAFT["model"],
+        "BATCHSPEC_MAX_MODEL_LEN": str(ENGINE["max_model_len"]),
+        "BATCHSPEC_ENFORCE_EAGER": "true",
+        "BATCHSPEC_DTYPE": ENGINE["dtype"],
+        "BATCHSPEC_MAX_TOKENS": "16",
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "PATH": f"{Path(BATCHSPEC).parent}{os.pathsep}{os.environ['PATH']}",
+    }
     Path(local["TMPDIR"]).mkdir()
 
     def pod(c: dict, **extra: str) -> subprocess.CompletedProcess:
         env = {k: v for k, v in _container_env(c, workers).items() if v is not None}
-        command = [sys.executable if a == "python3" else BATCHSPEC if a == "batchspec"
-                   else str(etc / a.removeprefix("/etc/batchspec/")) if a.startswith("/etc/batchspec/")
-                   else a for a in c["command"]]
-        return subprocess.run(command, env={**os.environ, **env, **local, **extra},
-                              capture_output=True, text=True, timeout=600, cwd=tmp_path)
+        command = [
+            sys.executable
+            if a == "python3"
+            else BATCHSPEC
+            if a == "batchspec"
+            else str(etc / a.removeprefix("/etc/batchspec/"))
+            if a.startswith("/etc/batchspec/")
+            else a
+            for a in c["command"]
+        ]
+        return subprocess.run(
+            command,
+            env={**os.environ, **env, **local, **extra},
+            capture_output=True,
+            text=True,
+            timeout=600,
+            cwd=tmp_path,
+        )
 
     env = _container_env(container, workers)
     fs = s3fs.S3FileSystem(**options)

@@ -25,10 +25,14 @@ def _run(name: str, tmp_path: Path, shared_engines, adapters: tuple[str, ...] = 
     from demo_data import prompt_table
 
     (tmp_path / "in").mkdir()
-    pq.write_table(prompt_table(ROWS, seed=4100, max_tokens=(4, 16), adapters=adapters),
-                   tmp_path / "in" / "part-0.parquet")
-    env = {"BATCHSPEC_DEMO_INPUT": str(tmp_path / "in" / "*.parquet"),
-           "BATCHSPEC_EXAMPLE_OUTPUT": str(tmp_path / "out")}
+    pq.write_table(
+        prompt_table(ROWS, seed=4100, max_tokens=(4, 16), adapters=adapters),
+        tmp_path / "in" / "part-0.parquet",
+    )
+    env = {
+        "BATCHSPEC_DEMO_INPUT": str(tmp_path / "in" / "*.parquet"),
+        "BATCHSPEC_EXAMPLE_OUTPUT": str(tmp_path / "out"),
+    }
     overrides = [f"model.target={MODELS / 'target'}"]
     job = yaml.safe_load((EXAMPLES / name).read_text())
     if job["speculative"].get("model"):  # the shared engine's spelling of the same draft
@@ -45,8 +49,7 @@ def _run(name: str, tmp_path: Path, shared_engines, adapters: tuple[str, ...] = 
 
 def test_label_example_gives_every_row_a_label_and_its_probability(tmp_path, shared_engines):
     rows = _run("label.yaml", tmp_path, shared_engines)
-    labels = yaml.safe_load((EXAMPLES / "label.yaml").read_text())["sampling"][
-        "structured_outputs"]["choice"]
+    labels = yaml.safe_load((EXAMPLES / "label.yaml").read_text())["sampling"]["structured_outputs"]["choice"]
     assert len(rows) == ROWS
     for row in rows:
         assert row["generated_text"] in labels and row["structured_valid"] is True, row
@@ -58,8 +61,7 @@ def test_label_example_gives_every_row_a_label_and_its_probability(tmp_path, sha
 
 def test_extract_example_writes_json_that_validates(tmp_path, shared_engines):
     rows = _run("extract.yaml", tmp_path, shared_engines)
-    schema = yaml.safe_load((EXAMPLES / "extract.yaml").read_text())["sampling"][
-        "structured_outputs"]["json"]
+    schema = yaml.safe_load((EXAMPLES / "extract.yaml").read_text())["sampling"]["structured_outputs"]["json"]
     finished = [r for r in rows if r["finish_reason"] == "stop"]
     assert len(finished) >= ROWS // 2, [r["generated_text"] for r in rows]
     for row in rows:
@@ -99,7 +101,8 @@ def test_lora_example_runs_each_row_with_the_adapter_it_names(tmp_path, shared_e
 
 
 def test_openai_batch_example_answers_a_request_file_on_object_storage_beside_it(
-        tmp_path, shared_engines, s3_server, monkeypatch):
+    tmp_path, shared_engines, s3_server, monkeypatch
+):
     """examples/openai-batch: its sample request file put on the S3 server, the example spec
     run as a user would (credentials from the environment): results and errors beside it, in
     OpenAI's format (tests/helpers/openai_format.py), each custom_id once, what each line asked
@@ -114,21 +117,28 @@ def test_openai_batch_example_answers_a_request_file_on_object_storage_beside_it
     requests = (ROOT / "examples" / "openai-batch" / "requests.jsonl").read_text()
     batch_dir = "s3://openai-example/batches/2026-11-25"
     fs.pipe(f"{batch_dir}/requests/requests.jsonl", requests.encode())
-    env = {"BATCH_DIR": batch_dir, "S3_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": S3_KEY,
-           "AWS_SECRET_ACCESS_KEY": S3_SECRET, "BATCHSPEC_TARGET": str(MODELS / "target"),
-           "BATCHSPEC_DRAFT": str(MODELS / "draft")}
+    env = {
+        "BATCH_DIR": batch_dir,
+        "S3_ENDPOINT_URL": endpoint,
+        "AWS_ACCESS_KEY_ID": S3_KEY,
+        "AWS_SECRET_ACCESS_KEY": S3_SECRET,
+        "BATCHSPEC_TARGET": str(MODELS / "target"),
+        "BATCHSPEC_DRAFT": str(MODELS / "draft"),
+    }
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     spec = load_spec(ROOT / "examples" / "openai-batch" / "batch.yaml", environ=env)
     run = shared_engines.run(spec)
     assert run.exit_code == 0, run.log[-3000:]
     assert sorted(fs.ls(f"{batch_dir}/results")) == sorted(
-        f"{batch_dir[5:]}/results/{name}" for name in
-        ("_batchspec", "requests.errors.jsonl", "requests.output.jsonl"))
+        f"{batch_dir[5:]}/results/{name}"
+        for name in ("_batchspec", "requests.errors.jsonl", "requests.output.jsonl")
+    )
     results, errors = read_openai_output(f"{batch_dir}/results", "requests", fs=fs)
     asked = [json.loads(line) for line in requests.splitlines()]
     assert sorted(line["custom_id"] for line in results + errors) == sorted(
-        line["custom_id"] for line in asked)
+        line["custom_id"] for line in asked
+    )
     assert [line["custom_id"] for line in errors] == ["embed-1"]
     body = {line["custom_id"]: line["response"]["body"] for line in results}
     assert all(b["model"] == "tiny-coder" for b in body.values())
@@ -137,7 +147,9 @@ def test_openai_batch_example_answers_a_request_file_on_object_storage_beside_it
     assert all(len(t["top_logprobs"]) == 2 for t in choice["logprobs"]["content"])
     [choice] = body["json-1"]["choices"]
     if choice["finish_reason"] == "stop":
-        jsonschema.validate(json.loads(choice["message"]["content"]),
-                            asked[5]["body"]["response_format"]["json_schema"]["schema"])
+        jsonschema.validate(
+            json.loads(choice["message"]["content"]),
+            asked[5]["body"]["response_format"]["json_schema"]["schema"],
+        )
     assert body["complete-1"]["object"] == "text_completion"
     assert body["explain-2"]["usage"]["completion_tokens"] <= 24

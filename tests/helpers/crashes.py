@@ -133,8 +133,7 @@ main()
 """
 
 
-def run_crashing_cli(*args: str, after, failing=(), timeout: float = 120
-                     ) -> subprocess.CompletedProcess:
+def run_crashing_cli(*args: str, after, failing=(), timeout: float = 120) -> subprocess.CompletedProcess:
     """``batchspec ARGS`` in a process that kills itself with SIGKILL after the ``after``-th step
     of a commit (None: never), its engine failing the ids in ``failing``."""
     env = {**os.environ, FAILING_ENV: ",".join(failing)}
@@ -142,6 +141,11 @@ def run_crashing_cli(*args: str, after, failing=(), timeout: float = 120
     if after is not None:
         env[CRASH_AFTER_ENV] = str(after)
     tests = Path(__file__).resolve().parents[1]
-    return subprocess.run([sys.executable, "-c", CRASHING_CLI, str(tests), *args],
-                          capture_output=True, text=True, timeout=timeout, env=env,
-                          cwd=tests.parent)
+    return subprocess.run(
+        [sys.executable, "-c", CRASHING_CLI, str(tests), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        cwd=tests.parent,
+    )

@@ -64,8 +64,7 @@ def _require(module: str) -> None:
         pytest.fail(f"{module} is not installed ({exc}): run `make setup`")
 
 
-def _wait_for_port(url: str, what: str, proc: subprocess.Popen | None = None, timeout_s: float = 60
-                   ) -> None:
+def _wait_for_port(url: str, what: str, proc: subprocess.Popen | None = None, timeout_s: float = 60) -> None:
     """Wait until ``url`` answers an HTTP request (any status)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -118,9 +117,15 @@ def _honour_preconditions() -> None:
             want = request.query.get("ifGenerationMatch")
             if want and current_generation(request, storage, object_id) != want[0]:
                 response.status = http.HTTPStatus.PRECONDITION_FAILED
-                response.json({"error": {"code": 412, "errors": [{"reason": "conditionNotMet"}],
-                                         "message": "At least one of the pre-conditions you "
-                                                    "specified did not hold."}})
+                response.json(
+                    {
+                        "error": {
+                            "code": 412,
+                            "errors": [{"reason": "conditionNotMet"}],
+                            "message": "At least one of the pre-conditions you specified did not hold.",
+                        }
+                    }
+                )
                 return None
             result = handler(request, response, storage, *args, **kwargs)
             if request.method == "GET" and response.status == http.HTTPStatus.OK:
@@ -132,8 +137,12 @@ def _honour_preconditions() -> None:
 
     for _, handlers in server.HANDLERS:
         for method, handler in list(handlers.items()):
-            if getattr(handler, "__module__", "").endswith("handlers.objects") and \
-                    handler.__name__ in ("insert", "get", "delete", "download"):
+            if getattr(handler, "__module__", "").endswith("handlers.objects") and handler.__name__ in (
+                "insert",
+                "get",
+                "delete",
+                "download",
+            ):
                 handlers[method] = guarded(handler)
 
 
@@ -152,8 +161,9 @@ def _gcs_emulator(honour_preconditions: bool):
     endpoint = f"http://127.0.0.1:{port}"
     _wait_for_port(endpoint + "/", "gcp-storage-emulator")
     try:
-        yield Emulator(endpoint, {"endpoint_url": endpoint, "token": "anon", "project": "test"},
-                       dict(GCSFS_ENV))
+        yield Emulator(
+            endpoint, {"endpoint_url": endpoint, "token": "anon", "project": "test"}, dict(GCSFS_ENV)
+        )
     finally:
         server.stop()
 
@@ -195,8 +205,10 @@ def azurite_command() -> list[str]:
 
 def azure_connection_string(endpoint: str) -> str:
     """The development account's connection string for an Azurite blob endpoint."""
-    return (f"DefaultEndpointsProtocol=http;AccountName={AZURE_ACCOUNT};AccountKey={AZURE_KEY};"
-            f"BlobEndpoint={endpoint}/{AZURE_ACCOUNT};")
+    return (
+        f"DefaultEndpointsProtocol=http;AccountName={AZURE_ACCOUNT};AccountKey={AZURE_KEY};"
+        f"BlobEndpoint={endpoint}/{AZURE_ACCOUNT};"
+    )
 
 
 def _azurite():
@@ -209,10 +221,23 @@ def _azurite():
     log_path = Path(workdir) / "azurite.log"
     with open(log_path, "wb") as log_file:
         proc = subprocess.Popen(
-            [*command, "--blobHost", "127.0.0.1", "--blobPort", str(port), "--inMemoryPersistence",
-             "--silent", "--disableTelemetry", "--skipApiVersionCheck"],
-            stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=workdir,
-            start_new_session=True)
+            [
+                *command,
+                "--blobHost",
+                "127.0.0.1",
+                "--blobPort",
+                str(port),
+                "--inMemoryPersistence",
+                "--silent",
+                "--disableTelemetry",
+                "--skipApiVersionCheck",
+            ],
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            cwd=workdir,
+            start_new_session=True,
+        )
     endpoint = f"http://127.0.0.1:{port}"
     try:
         try:

@@ -26,8 +26,10 @@ def make_spec(tmp_path, **input_extra):
 
 def shards(tmp_path, n=3, rows=10):
     for i in range(n):
-        write_parquet(tmp_path / "in" / f"s{i}.parquet",
-                      {"prompt": [f"prompt {i}-{j}" for j in range(rows)], "k": list(range(rows))})
+        write_parquet(
+            tmp_path / "in" / f"s{i}.parquet",
+            {"prompt": [f"prompt {i}-{j}" for j in range(rows)], "k": list(range(rows))},
+        )
 
 
 def run(spec, engine=None, **options):
@@ -36,8 +38,9 @@ def run(spec, engine=None, **options):
     events = []
     log = EventLog("test", "json")
     log.emit = lambda event, message="", level="info", **f: events.append((event, f))
-    result = run_job(spec, RunOptions(engine=engine or FakeEngine(), events=log,
-                                      progress_bars=False, **options))
+    result = run_job(
+        spec, RunOptions(engine=engine or FakeEngine(), events=log, progress_bars=False, **options)
+    )
     return result, events
 
 

@@ -62,8 +62,12 @@ class FakeEngine:
                 time.sleep(self.delay_s)
             result = empty_result()
             text = (row.prompt or str(row.messages)).upper()
-            result.update(generated_text=text, finish_reason="stop", num_prompt_tokens=len(text),
-                          num_output_tokens=len(text))
+            result.update(
+                generated_text=text,
+                finish_reason="stop",
+                num_prompt_tokens=len(text),
+                num_output_tokens=len(text),
+            )
             yield row, [result]
 
     def spec_counters(self):
@@ -95,25 +99,33 @@ class FakeTuneEngine:
             raise SpecError("speculative", f"vLLM cannot load the draft {model}")
         self.spec_enabled = spec.speculative is not None
         self.k = (spec.speculative or {}).get("num_speculative_tokens", 0)
-        self.counters = {"spec_decode_num_drafts": 0,
-                         "spec_decode_num_accepted_tokens_per_pos": [0] * self.k}
+        self.counters = {"spec_decode_num_drafts": 0, "spec_decode_num_accepted_tokens_per_pos": [0] * self.k}
 
     def stream(self, rows, max_in_flight):
         rates = [0.8, 0.6, 0.45, 0.3, 0.2, 0.1][: self.k]
         for row in rows:
             steps = 10
-            time.sleep(0.001 * steps * (1 + 0.1 * self.k) / max_in_flight
-                       / (self.speedup if self.k else 1.0))
+            time.sleep(0.001 * steps * (1 + 0.1 * self.k) / max_in_flight / (self.speedup if self.k else 1.0))
             self.counters["spec_decode_num_drafts"] += steps
             for i, r in enumerate(rates):
                 self.counters["spec_decode_num_accepted_tokens_per_pos"][i] += round(steps * r)
             text = f"text of {row.request_id}"
             if self.lossy and self.k:
                 text += "!"
-            yield row, [{"generated_text": text, "num_output_tokens": 24, "error": None,
-                         "time_e2e_s": 0.01, "spec_num_draft_tokens": steps * self.k or None,
-                         "spec_num_accepted_tokens": round(steps * sum(rates)) if self.k else None,
-                         "spec_num_steps": steps if self.k else None}]
+            yield (
+                row,
+                [
+                    {
+                        "generated_text": text,
+                        "num_output_tokens": 24,
+                        "error": None,
+                        "time_e2e_s": 0.01,
+                        "spec_num_draft_tokens": steps * self.k or None,
+                        "spec_num_accepted_tokens": round(steps * sum(rates)) if self.k else None,
+                        "spec_num_steps": steps if self.k else None,
+                    }
+                ],
+            )
 
     def reset_prefix_cache(self):
         FakeTuneEngine.resets += 1
@@ -151,9 +163,13 @@ def fake_cli_command(*args: str) -> list[str]:
     return [sys.executable, "-c", FAKE_ENGINE_CLI, str(Path(__file__).resolve().parents[1]), *args]
 
 
-def run_fake_cli(*args: str, env: dict | None = None, timeout: float = 300
-                 ) -> subprocess.CompletedProcess:
+def run_fake_cli(*args: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
     """Run ``batchspec ARGS`` with the fake engine, capturing its output."""
-    return subprocess.run(fake_cli_command(*args), capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, **(env or {})},
-                          cwd=Path(__file__).resolve().parents[2])
+    return subprocess.run(
+        fake_cli_command(*args),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+        cwd=Path(__file__).resolve().parents[2],
+    )

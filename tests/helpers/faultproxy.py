@@ -33,8 +33,7 @@ from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlsplit
 
-KINDS = ("drop", "drop_mid_body", "reset_mid_body", "error_500", "slowdown_503", "slow",
-         "lost_response")
+KINDS = ("drop", "drop_mid_body", "reset_mid_body", "error_500", "slowdown_503", "slow", "lost_response")
 _MID_BODY = ("drop_mid_body", "reset_mid_body")
 
 #: Headers about one hop of the connection, not about the request: the proxy manages its own.
@@ -42,8 +41,12 @@ _HOP_BY_HOP = {"connection", "keep-alive", "proxy-connection", "te", "trailer", 
 _CHUNK = 64 * 1024
 
 _ERRORS = {
-    "error_500": (500, "Internal Server Error", "InternalError",
-                  "We encountered an internal error. Please try again."),
+    "error_500": (
+        500,
+        "Internal Server Error",
+        "InternalError",
+        "We encountered an internal error. Please try again.",
+    ),
     "slowdown_503": (503, "Slow Down", "SlowDown", "Please reduce your request rate."),
 }
 
@@ -80,8 +83,16 @@ class FaultProxy:
     ``probabilities`` maps fault kinds (:data:`KINDS`) to the share of requests that get them;
     their sum must not exceed 1. Faults start off unless ``enabled``."""
 
-    def __init__(self, upstream: str, *, seed: int = 0, max_faults: int | None = None,
-                 slow_s: float = 0.3, enabled: bool = True, **probabilities: float):
+    def __init__(
+        self,
+        upstream: str,
+        *,
+        seed: int = 0,
+        max_faults: int | None = None,
+        slow_s: float = 0.3,
+        enabled: bool = True,
+        **probabilities: float,
+    ):
         target = urlsplit(upstream)
         self.upstream = (target.hostname, target.port)
         self.rng = random.Random(seed)
@@ -104,8 +115,7 @@ class FaultProxy:
             self.faults_on()
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), _handler_for(self))
         self._server.daemon_threads = True
-        self._thread = threading.Thread(target=self._server.serve_forever, name="fault-proxy",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._server.serve_forever, name="fault-proxy", daemon=True)
 
     # ------------------------------------------------------------------ control
 
@@ -118,8 +128,7 @@ class FaultProxy:
     def total_faults(self) -> int:
         return sum(self.counts.values())
 
-    def set_faults(self, only: Callable[[str, str], bool] | None = None,
-                   **probabilities: float) -> None:
+    def set_faults(self, only: Callable[[str, str], bool] | None = None, **probabilities: float) -> None:
         """Replace the fault mix (kinds not named get probability 0). With ``only``, a request
         may be faulted only if ``only(method, path)`` is true (it is asked for every request
         while faults are on, so it may keep state: "from the second upload on")."""
@@ -132,8 +141,7 @@ class FaultProxy:
             self._probabilities = {k: float(probabilities.get(k, 0.0)) for k in KINDS}
             self._only = only
 
-    def faults_on(self, only: Callable[[str, str], bool] | None = None,
-                  **probabilities: float) -> None:
+    def faults_on(self, only: Callable[[str, str], bool] | None = None, **probabilities: float) -> None:
         """Start injecting faults (with a new mix and ``only``, if a mix is given)."""
         if probabilities:
             self.set_faults(only, **probabilities)
@@ -284,8 +292,11 @@ class _ProxyHandler(BaseHTTPRequestHandler):
     # ------------------------------------------------------------------ response side
 
     def _relay(self, method: str, response: http.client.HTTPResponse, fault: str | None) -> None:
-        headers = [(k, v) for k, v in response.getheaders()
-                   if k.lower() not in _HOP_BY_HOP and k.lower() != "transfer-encoding"]
+        headers = [
+            (k, v)
+            for k, v in response.getheaders()
+            if k.lower() not in _HOP_BY_HOP and k.lower() != "transfer-encoding"
+        ]
         no_body = method == "HEAD" or response.status in (204, 304) or response.status < 200
         length = response.getheader("Content-Length")
         if no_body:
@@ -328,7 +339,7 @@ class _ProxyHandler(BaseHTTPRequestHandler):
         pieces = 8
         step = max(1, len(chunk) // pieces)
         for i in range(0, len(chunk), step):
-            self.wfile.write(chunk[i:i + step])
+            self.wfile.write(chunk[i : i + step])
             self.wfile.flush()
             time.sleep(self.proxy.slow_s / pieces)
 
@@ -339,14 +350,22 @@ class _ProxyHandler(BaseHTTPRequestHandler):
     def _send_error(self, status: int, reason: str, code: str, message: str) -> None:
         request_id = uuid.uuid4().hex[:16].upper()
         resource = urlsplit(self.path).path
-        body = (f'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>{code}</Code>'
-                f"<Message>{message}</Message><Resource>{resource}</Resource>"
-                f"<RequestId>{request_id}</RequestId></Error>").encode()
+        body = (
+            f'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>{code}</Code>'
+            f"<Message>{message}</Message><Resource>{resource}</Resource>"
+            f"<RequestId>{request_id}</RequestId></Error>"
+        ).encode()
         if self.command == "HEAD":
             body = b""
-        self._write_head(status, reason, [("Content-Type", "application/xml"),
-                                          ("Content-Length", str(len(body))),
-                                          ("x-amz-request-id", request_id)])
+        self._write_head(
+            status,
+            reason,
+            [
+                ("Content-Type", "application/xml"),
+                ("Content-Length", str(len(body))),
+                ("x-amz-request-id", request_id),
+            ],
+        )
         self.wfile.write(body)
         self.wfile.flush()
 
@@ -357,8 +376,7 @@ class _ProxyHandler(BaseHTTPRequestHandler):
         try:
             self.wfile.flush()
             if reset:
-                self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER,
-                                           struct.pack("ii", 1, 0))
+                self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
                 self.rfile.close()  # the file holds a reference: the fd closes with both gone
                 self.connection.close()
             else:

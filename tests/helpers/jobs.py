@@ -21,8 +21,7 @@ ENGINE = {"max_model_len": 512, "enforce_eager": True, "dtype": "float32"}
 DRAFT = {"method": "draft_model", "model": str(MODELS / "draft"), "num_speculative_tokens": 4}
 #: n-gram lookup from a single matching token on (so that it proposes at most steps): the jobs
 #: and probes with n-gram speculation share one engine (tests/helpers/shared_engines.py).
-NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
-         "prompt_lookup_max": 4}
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 4}
 
 
 def write_job(path: Path, **sections) -> Path:
@@ -49,15 +48,17 @@ INLINE_ENGINE = {MULTIPROCESSING_ENV: "0"}
 SEPARATE_ENGINE = {MULTIPROCESSING_ENV: "1"}
 
 
-def run_cli(*args: str, env: dict | None = None, timeout: float = 600, cwd: Path | None = None
-            ) -> subprocess.CompletedProcess:
+def run_cli(
+    *args: str, env: dict | None = None, timeout: float = 600, cwd: Path | None = None
+) -> subprocess.CompletedProcess:
     """Run the `batchspec` console script as a scheduler would, capturing its output. Its engine,
     if it starts one, runs in its own process (:data:`INLINE_ENGINE`) unless ``env`` says
     otherwise."""
     exe = Path(sys.executable).with_name("batchspec")
     full_env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", **INLINE_ENGINE, **(env or {})}
-    return subprocess.run([str(exe), *args], capture_output=True, text=True, timeout=timeout,
-                          env=full_env, cwd=cwd or ROOT)
+    return subprocess.run(
+        [str(exe), *args], capture_output=True, text=True, timeout=timeout, env=full_env, cwd=cwd or ROOT
+    )
 
 
 def read_output(out_dir: Path) -> pa.Table:

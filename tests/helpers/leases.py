@@ -18,14 +18,22 @@ SHARDS = ["a", "b", "c", "d"]
 
 
 def owner(run_id: str, **extra) -> dict:
-    return {"run_id": run_id, "host": this_host(), "pid": os.getpid(), "started_at": "2026-01-01T00:00:00",
-            **extra}
+    return {
+        "run_id": run_id,
+        "host": this_host(),
+        "pid": os.getpid(),
+        "started_at": "2026-01-01T00:00:00",
+        **extra,
+    }
 
 
 def racer(url, options, shards, rounds, lease_s, barrier, results, index):
     out = OutputDir(url, options)
-    leases = ShardLeases(out, {"run_id": f"racer-{index}", "host": this_host(), "pid": os.getpid(),
-                               "started_at": "now"}, lease_s=lease_s)
+    leases = ShardLeases(
+        out,
+        {"run_id": f"racer-{index}", "host": this_host(), "pid": os.getpid(), "started_at": "now"},
+        lease_s=lease_s,
+    )
     for r in range(rounds):
         barrier.wait(timeout=120)
         won = [s for s in shards if leases.acquire(s) is None]
@@ -37,8 +45,10 @@ def racer(url, options, shards, rounds, lease_s, barrier, results, index):
 
 def race(url, options, processes, rounds, lease_s=60.0):
     barrier, results = CTX.Barrier(processes), CTX.Queue()
-    procs = [CTX.Process(target=racer, args=(url, options, SHARDS, rounds, lease_s, barrier, results, i))
-             for i in range(processes)]
+    procs = [
+        CTX.Process(target=racer, args=(url, options, SHARDS, rounds, lease_s, barrier, results, i))
+        for i in range(processes)
+    ]
     for p in procs:
         p.start()
     winners: dict[tuple[int, str], list[int]] = {}

@@ -52,8 +52,7 @@ def parse_result_line(raw: str) -> dict:
             lp = choice["logprobs"]
             if lp is not None:
                 n = len(lp["tokens"])
-                assert len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == \
-                    len(lp["text_offset"]) == n
+                assert len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == len(lp["text_offset"]) == n
                 assert all(isinstance(t, str) for t in lp["tokens"])
                 assert lp["text_offset"] == sorted(lp["text_offset"])
     usage = body["usage"]
@@ -84,12 +83,11 @@ def parse_error_line(raw: str) -> dict:
 def read_openai_output(out: Path | str, stem: str, fs=None) -> tuple[list[dict], list[dict]]:
     """The result and error lines of one shard (in ``out``, on ``fs`` if given), each checked
     against the format."""
+
     def text(name: str) -> str:
         path = f"{out}/{name}"
         return fs.cat(path).decode() if fs is not None else Path(path).read_text()
 
-    results = [parse_result_line(raw) for raw in text(f"{stem}.output.jsonl").splitlines()
-               if raw.strip()]
-    errors = [parse_error_line(raw) for raw in text(f"{stem}.errors.jsonl").splitlines()
-              if raw.strip()]
+    results = [parse_result_line(raw) for raw in text(f"{stem}.output.jsonl").splitlines() if raw.strip()]
+    errors = [parse_error_line(raw) for raw in text(f"{stem}.errors.jsonl").splitlines() if raw.strip()]
     return results, errors

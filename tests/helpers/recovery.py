@@ -24,11 +24,20 @@ class Job:
 
     def __init__(self, job: Path, *extra: str, env: dict | None = None, fake_engine: bool = False):
         args = ["run", str(job), "--log-format", "json", "--no-progress", *extra]
-        command = fake_cli_command(*args) if fake_engine else \
-            [str(Path(sys.executable).with_name("batchspec")), *args]
+        command = (
+            fake_cli_command(*args)
+            if fake_engine
+            else [str(Path(sys.executable).with_name("batchspec")), *args]
+        )
         self.proc = subprocess.Popen(
-            command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            start_new_session=True, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", **(env or {})})
+            command,
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+            env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", **(env or {})},
+        )
         self.lines: list[str] = []
         self.events: queue.Queue = queue.Queue()
         self._reader = threading.Thread(target=self._read, daemon=True)
@@ -90,12 +99,14 @@ class Job:
 
 def input_ids(in_dir: Path) -> dict[str, list[str]]:
     """Shard name -> the request ids it holds."""
-    return {p.stem: pq.read_table(p, columns=["id"])["id"].to_pylist()
-            for p in sorted(in_dir.glob("*.parquet"))}
+    return {
+        p.stem: pq.read_table(p, columns=["id"])["id"].to_pylist() for p in sorted(in_dir.glob("*.parquet"))
+    }
 
 
-def check_output(out_dir: Path, expected: dict[str, list[str]], reference: dict | None = None
-                 ) -> dict[str, int]:
+def check_output(
+    out_dir: Path, expected: dict[str, list[str]], reference: dict | None = None
+) -> dict[str, int]:
     """Check what is visible in the output after a crash: only complete shards, each row once,
     no stray files. Returns {shard: rows} of what is committed."""
     visible = {}

@@ -66,13 +66,13 @@ class LibraryRun:
             return self.result.summary
         from batchspec.io.output_dir import OutputDir
 
-        out = OutputDir(self.spec.output.path, self.spec.output.storage_options,
-                        self.spec.output.format)
+        out = OutputDir(self.spec.output.path, self.spec.output.storage_options, self.spec.output.format)
         return out.read_json(out.run_summary_path(self.run_id))
 
 
-def run_library(spec: JobSpec, engine, *, fmt: str = "json", progress_bars: bool = False,
-                **options) -> LibraryRun:
+def run_library(
+    spec: JobSpec, engine, *, fmt: str = "json", progress_bars: bool = False, **options
+) -> LibraryRun:
     """``run_job(spec, RunOptions(engine=engine, ...))`` with its events captured (``options``:
     more :class:`RunOptions` fields); a failed run is returned, not raised (its ``error``
     carries the exit code the CLI would exit with)."""
@@ -83,8 +83,16 @@ def run_library(spec: JobSpec, engine, *, fmt: str = "json", progress_bars: bool
     started = time.monotonic()
     result = error = None
     try:
-        result = run_job(spec, RunOptions(engine=engine, events=EventLog(run_id, fmt, stream),
-                                          progress_bars=progress_bars, run_id=run_id, **options))
+        result = run_job(
+            spec,
+            RunOptions(
+                engine=engine,
+                events=EventLog(run_id, fmt, stream),
+                progress_bars=progress_bars,
+                run_id=run_id,
+                **options,
+            ),
+        )
     except BatchspecError as exc:
         error = exc
     return LibraryRun(spec, run_id, result, error, stream.getvalue(), time.monotonic() - started)
@@ -123,9 +131,16 @@ class SharedEngines:
         lora = spec.model.lora  # the adapters an engine serves; the job-wide one is per request
         # the names a job answers to are the job's, not the engine's (engine/llm.py _serves)
         engine = {k: v for k, v in spec.model.engine.items() if k != "served_model_name"}
-        return json.dumps([spec.model.target, engine, spec.speculative,
-                           lora and [lora.adapters, lora.max_loras, lora.max_lora_rank]],
-                          sort_keys=True, default=str)
+        return json.dumps(
+            [
+                spec.model.target,
+                engine,
+                spec.speculative,
+                lora and [lora.adapters, lora.max_loras, lora.max_lora_rank],
+            ],
+            sort_keys=True,
+            default=str,
+        )
 
     def engine(self, spec: JobSpec):
         """The started engine for ``spec``'s model, engine arguments and speculation, ready to
@@ -148,11 +163,16 @@ class SharedEngines:
         speculation, per-request acceptance)."""
         from batchspec.spec.build import build_spec
 
-        return build_spec({"name": "probe", "input": {"path": "unused/*.parquet",
-                                                      "prompt_column": "prompt"},
-                           "output": {"path": "unused-output"},
-                           "model": {"target": str(target), "engine": dict(engine_args)},
-                           "speculative": speculative, "sampling": {"temperature": 0.0}})
+        return build_spec(
+            {
+                "name": "probe",
+                "input": {"path": "unused/*.parquet", "prompt_column": "prompt"},
+                "output": {"path": "unused-output"},
+                "model": {"target": str(target), "engine": dict(engine_args)},
+                "speculative": speculative,
+                "sampling": {"temperature": 0.0},
+            }
+        )
 
     def run(self, spec: JobSpec, **kwargs) -> LibraryRun:
         """Run ``spec`` on its shared engine (see :func:`run_library`)."""
@@ -190,7 +210,8 @@ class SharedEngines:
         # show it only the engine's own, not a test's subprocesses that end before the engine
         children = psutil.Process.children
         psutil.Process.children = lambda proc, recursive=False: [
-            p for p in children(proc, recursive) if p.pid not in before]
+            p for p in children(proc, recursive) if p.pid not in before
+        ]
         try:
             engine = Engine(spec)
         except BaseException:
@@ -234,8 +255,7 @@ def _set_env(values: dict[str, str | None]) -> None:
 def _vllm_collectors() -> list:
     from prometheus_client import REGISTRY
 
-    return [c for c in list(REGISTRY._collector_to_names)
-            if getattr(c, "_name", "").startswith("vllm:")]
+    return [c for c in list(REGISTRY._collector_to_names) if getattr(c, "_name", "").startswith("vllm:")]
 
 
 def _own_metrics(engine) -> None:

@@ -41,23 +41,33 @@ POINTS = ["writing", 0, 1, 2, 3, 4]
 
 
 def _raw(inputs: dict, out: str, output_format: str = "openai") -> dict:
-    return {"name": "crashes", "input": inputs,
-            "output": {"path": out, "format": output_format},
-            "model": {"target": "unused", "engine": {"served_model_name": MODEL}},
-            "sampling": {"temperature": 0.0, "max_tokens": 8},
-            "execution": {"max_in_flight": 4, "read_batch_rows": 3}}
+    return {
+        "name": "crashes",
+        "input": inputs,
+        "output": {"path": out, "format": output_format},
+        "model": {"target": "unused", "engine": {"served_model_name": MODEL}},
+        "sampling": {"temperature": 0.0, "max_tokens": 8},
+        "execution": {"max_in_flight": 4, "read_batch_rows": 3},
+    }
 
 
-def _openai_job(tmp_path: Path, out: str | None = None, storage_options: dict | None = None
-                ) -> dict:
+def _openai_job(tmp_path: Path, out: str | None = None, storage_options: dict | None = None) -> dict:
     (tmp_path / "in").mkdir(exist_ok=True)
-    (tmp_path / "in" / "batch.jsonl").write_text("".join(
-        json.dumps({"custom_id": cid, "method": "POST", "url": CHAT,
-                    "body": {"model": MODEL, "messages": [{"role": "user",
-                                                           "content": f"question {cid}"}]}})
-        + "\n" for cid in IDS))
-    raw = _raw({"path": str(tmp_path / "in" / "*.jsonl"), "format": "openai"},
-               out or str(tmp_path / "out"))
+    (tmp_path / "in" / "batch.jsonl").write_text(
+        "".join(
+            json.dumps(
+                {
+                    "custom_id": cid,
+                    "method": "POST",
+                    "url": CHAT,
+                    "body": {"model": MODEL, "messages": [{"role": "user", "content": f"question {cid}"}]},
+                }
+            )
+            + "\n"
+            for cid in IDS
+        )
+    )
+    raw = _raw({"path": str(tmp_path / "in" / "*.jsonl"), "format": "openai"}, out or str(tmp_path / "out"))
     if storage_options is not None:
         raw["output"]["storage_options"] = storage_options
     return raw
@@ -101,7 +111,8 @@ def _check_after_crash(spec, failing: set[str], fs=None) -> None:
 @pytest.mark.parametrize("after", POINTS)
 @pytest.mark.parametrize("retry", [False, True], ids=["first-run", "overwrite-retry"])
 def test_a_commit_stopped_between_any_two_steps_never_commits_a_request_missing_or_twice(
-        tmp_path, monkeypatch, retry, after):
+    tmp_path, monkeypatch, retry, after
+):
     spec = build_spec(_openai_job(tmp_path))
     if retry:  # r1 answered, r2 failed; the retry fails r1: files of the same sizes
         run(spec, engine=SplitEngine({"r2"}))
@@ -110,14 +121,12 @@ def test_a_commit_stopped_between_any_two_steps_never_commits_a_request_missing_
     _check_after_crash(spec, {"r1"})
 
 
-def test_an_overwrite_stopped_after_the_errors_file_leaves_the_shard_partial(tmp_path,
-                                                                              monkeypatch):
+def test_an_overwrite_stopped_after_the_errors_file_leaves_the_shard_partial(tmp_path, monkeypatch):
     """The issue's case: the new errors file beside the old results file, the old manifest
     matching both by size. Not committed; a plain rerun redoes the shard."""
     spec = build_spec(_openai_job(tmp_path))
     run(spec, engine=SplitEngine({"r2"}))
-    _crash(monkeypatch, "publish batch.errors.jsonl", spec, engine=SplitEngine({"r1"}),
-           overwrite=True)
+    _crash(monkeypatch, "publish batch.errors.jsonl", spec, engine=SplitEngine({"r1"}), overwrite=True)
     assert _state(spec) == "partial"
     _, events = run(spec, engine=SplitEngine({"r1"}))
     assert [f["shard"] for e, f in events if e == "shard_committed"] == ["batch"]
@@ -131,8 +140,12 @@ def test_the_commit_invalidates_the_old_manifest_before_its_first_publish(tmp_pa
     spec = build_spec(_openai_job(tmp_path))
     run(spec, engine=SplitEngine({"r2"}))
     steps = _crash(monkeypatch, None, spec, engine=SplitEngine({"r1"}), overwrite=True)
-    assert steps == ["remove batch.json", "publish batch.errors.jsonl",
-                     "publish batch.output.jsonl", "write_json batch.json"]
+    assert steps == [
+        "remove batch.json",
+        "publish batch.errors.jsonl",
+        "publish batch.output.jsonl",
+        "write_json batch.json",
+    ]
     assert len(steps) == POINTS[-1]
 
 
@@ -170,7 +183,8 @@ def _object_store(request, name: str) -> tuple[str, dict, object]:
 @pytest.mark.parametrize("after", [0, "publish batch.errors.jsonl", "publish batch.output.jsonl"])
 @pytest.mark.parametrize("store", ["s3", "gcs", "azure"])
 def test_an_overwrite_stopped_on_an_object_store_leaves_the_shard_partial(
-        tmp_path, monkeypatch, request, store, after):
+    tmp_path, monkeypatch, request, store, after
+):
     """On S3, GCS and Azure (their emulators): the old manifest goes before the first put, and
     the new one binds each file by its ETag or generation."""
     import uuid
@@ -199,8 +213,11 @@ def test_a_parquet_shard_rewritten_by_a_stopped_overwrite_is_not_committed(tmp_p
     from helpers.fake_runs import shards
 
     shards(tmp_path, n=1)
-    raw = _raw({"path": str(tmp_path / "in" / "*.parquet"), "prompt_column": "prompt"},
-               str(tmp_path / "out"), "parquet")
+    raw = _raw(
+        {"path": str(tmp_path / "in" / "*.parquet"), "prompt_column": "prompt"},
+        str(tmp_path / "out"),
+        "parquet",
+    )
     old = build_spec(raw)
     new = build_spec({**raw, "sampling": {**raw["sampling"], "max_tokens": 9}})
     run(old)
@@ -212,13 +229,13 @@ def test_a_parquet_shard_rewritten_by_a_stopped_overwrite_is_not_committed(tmp_p
     written = read_metadata(str(path))["run_id"]
     for spec in (old, new):
         state = _state(spec)
-        assert state not in ("committed", "stale") or \
-            json.loads(manifest.read_text())["run_id"] == written, state
+        assert state not in ("committed", "stale") or json.loads(manifest.read_text())["run_id"] == written, (
+            state
+        )
     run(new)
     assert _state(new) == "committed"
     assert json.loads(manifest.read_text())["run_id"] == read_metadata(str(path))["run_id"]
-    assert sorted(pq.read_table(path)["request_id"].to_pylist()) == sorted(
-        f"s0/{i}" for i in range(10))
+    assert sorted(pq.read_table(path)["request_id"].to_pylist()) == sorted(f"s0/{i}" for i in range(10))
 
 
 def test_a_manifest_of_the_previous_version_is_judged_by_size_as_before(tmp_path):

@@ -50,25 +50,37 @@ class FiguresEngine(FakeEngine):
         tokens = 3 + h[0] % 6
         drafted, accepted = 4 * tokens, h[1] % (3 * tokens)
         if row.prompt is not None and "too long" in row.prompt:
-            return error_result("prompt too long: 9000 tokens, the model takes 512",
-                                num_prompt_tokens=9000)
+            return error_result("prompt too long: 9000 tokens, the model takes 512", num_prompt_tokens=9000)
         result = empty_result()
         result.update(
-            sample_index=index, generated_text=f"answer {row.request_id} {index}",
-            finish_reason="length" if h[2] % 3 == 0 else "stop", num_prompt_tokens=5 + h[3] % 9,
-            num_output_tokens=tokens, spec_num_steps=tokens, spec_num_draft_tokens=drafted,
-            spec_num_accepted_tokens=accepted, spec_acceptance_rate=accepted / drafted,
+            sample_index=index,
+            generated_text=f"answer {row.request_id} {index}",
+            finish_reason="length" if h[2] % 3 == 0 else "stop",
+            num_prompt_tokens=5 + h[3] % 9,
+            num_output_tokens=tokens,
+            spec_num_steps=tokens,
+            spec_num_draft_tokens=drafted,
+            spec_num_accepted_tokens=accepted,
+            spec_acceptance_rate=accepted / drafted,
             spec_mean_acceptance_length=1 + accepted / tokens,
             spec_acceptance_histogram=[tokens - 1, 1, 0, 0, 0],
-            time_queued_s=h[4] / 1000, time_to_first_token_s=h[5] / 100,
-            time_decode_s=h[6] / 50, time_e2e_s=h[5] / 100 + h[6] / 50 + 0.5,
-            output_tokens_per_s=(tokens - 1) / (h[6] / 50 + 0.01))
+            time_queued_s=h[4] / 1000,
+            time_to_first_token_s=h[5] / 100,
+            time_decode_s=h[6] / 50,
+            time_e2e_s=h[5] / 100 + h[6] / 50 + 0.5,
+            output_tokens_per_s=(tokens - 1) / (h[6] / 50 + 0.01),
+        )
         if logprobs is not None:
             result.update(
-                cumulative_logprob=-0.5 * tokens, token_logprobs=[-0.5] * tokens,
-                top_logprobs=[[{"token_id": 7, "token": "é", "logprob": -0.25, "rank": 1}]
-                              for _ in range(tokens)][:tokens] if logprobs else [[]] * tokens,
-                _token_texts=[f"t{i}" for i in range(tokens)])
+                cumulative_logprob=-0.5 * tokens,
+                token_logprobs=[-0.5] * tokens,
+                top_logprobs=[
+                    [{"token_id": 7, "token": "é", "logprob": -0.25, "rank": 1}] for _ in range(tokens)
+                ][:tokens]
+                if logprobs
+                else [[]] * tokens,
+                _token_texts=[f"t{i}" for i in range(tokens)],
+            )
         return result
 
 
@@ -99,19 +111,22 @@ REQUESTS = [
 
 
 def _job(tmp_path: Path, output_format: str = "openai", out: str = "out", **extra) -> dict:
-    return {"name": "openai-out",
-            "input": {"path": str(tmp_path / "in" / "*.jsonl"), "format": "openai"},
-            "output": {"path": str(tmp_path / out), "format": output_format, **extra},
-            "model": {"target": "unused", "engine": {"served_model_name": MODEL}},
-            "sampling": {"temperature": 0.0, "max_tokens": 8},
-            "execution": {"max_in_flight": 4, "read_batch_rows": 3}}
+    return {
+        "name": "openai-out",
+        "input": {"path": str(tmp_path / "in" / "*.jsonl"), "format": "openai"},
+        "output": {"path": str(tmp_path / out), "format": output_format, **extra},
+        "model": {"target": "unused", "engine": {"served_model_name": MODEL}},
+        "sampling": {"temperature": 0.0, "max_tokens": 8},
+        "execution": {"max_in_flight": 4, "read_batch_rows": 3},
+    }
 
 
 def _inputs(tmp_path: Path) -> None:
     (tmp_path / "in").mkdir()
     (tmp_path / "in" / "batch-a.jsonl").write_text("\n".join(REQUESTS) + "\n")
     (tmp_path / "in" / "batch-b.jsonl").write_text(
-        "\n".join(_line(f"b-{i}", url=COMPLETIONS if i % 2 else CHAT) for i in range(7)) + "\n")
+        "\n".join(_line(f"b-{i}", url=COMPLETIONS if i % 2 else CHAT) for i in range(7)) + "\n"
+    )
 
 
 @pytest.mark.vllm
@@ -121,8 +136,12 @@ def test_every_request_is_in_exactly_one_file_in_openais_format(tmp_path):
     run(spec, engine=FiguresEngine(seed=3))
     out = tmp_path / "out"
     assert sorted(p.name for p in out.iterdir()) == [
-        "_batchspec", "batch-a.errors.jsonl", "batch-a.output.jsonl", "batch-b.errors.jsonl",
-        "batch-b.output.jsonl"]
+        "_batchspec",
+        "batch-a.errors.jsonl",
+        "batch-a.output.jsonl",
+        "batch-b.errors.jsonl",
+        "batch-b.output.jsonl",
+    ]
     results, errors = read_openai_output(out, "batch-a")
     ok = {line["custom_id"]: line for line in results}
     assert sorted(ok) == ["chat-1", "chat-logprobs", "chat-n3", "text-1", "text-logprobs"]
@@ -130,8 +149,9 @@ def test_every_request_is_in_exactly_one_file_in_openais_format(tmp_path):
     bad = [line["custom_id"] for line in errors]
     # each input line once, each custom_id on one line: the repeated chat-1 is an error line
     # with a null custom_id, as is each line without a custom_id
-    assert sorted(map(str, bad)) == sorted(map(str, ["text-long", None, None, "emb", None,
-                                                     "tools", "other-model"]))
+    assert sorted(map(str, bad)) == sorted(
+        map(str, ["text-long", None, None, "emb", None, "tools", "other-model"])
+    )
     assert len(results) + len(errors) == len(REQUESTS)
 
     chat = ok["chat-1"]["response"]["body"]
@@ -140,28 +160,33 @@ def test_every_request_is_in_exactly_one_file_in_openais_format(tmp_path):
     text = ok["text-1"]["response"]["body"]
     assert text["object"] == "text_completion" and text["choices"][0]["text"] == "answer text-1 0"
     three = ok["chat-n3"]["response"]["body"]
-    assert [c["message"]["content"] for c in three["choices"]] == [
-        f"answer chat-n3 {i}" for i in range(3)]
+    assert [c["message"]["content"] for c in three["choices"]] == [f"answer chat-n3 {i}" for i in range(3)]
     samples = ok["chat-n3"]["batchspec"]["samples"]
     assert three["usage"]["completion_tokens"] == sum(s["num_output_tokens"] for s in samples)
     assert [s["sample_index"] for s in samples] == [0, 1, 2]
     assert all(s["spec_acceptance_rate"] is not None and s["time_e2e_s"] > 0 for s in samples)
     content = ok["chat-logprobs"]["response"]["body"]["choices"][0]["logprobs"]["content"]
     assert content[0]["token"] == "t0" and content[0]["top_logprobs"][0] == {
-        "token": "é", "logprob": -0.25, "bytes": list("é".encode())}
+        "token": "é",
+        "logprob": -0.25,
+        "bytes": list("é".encode()),
+    }
     legacy = ok["text-logprobs"]["response"]["body"]["choices"][0]["logprobs"]
     assert legacy["tokens"][:2] == ["t0", "t1"] and legacy["text_offset"][:3] == [0, 2, 4]
     assert legacy["top_logprobs"][0] == {"é": -0.25}
 
-    by_id = {(line["custom_id"], (line["error"] or {}).get("code")
-              or line["response"]["body"]["error"]["code"]): line for line in errors}
+    by_id = {
+        (
+            line["custom_id"],
+            (line["error"] or {}).get("code") or line["response"]["body"]["error"]["code"],
+        ): line
+        for line in errors
+    }
     long = by_id[("text-long", "prompt_too_long")]["response"]
     assert long["status_code"] == 400
     assert long["body"]["error"]["type"] == "invalid_request_error"
-    assert {code for cid, code in by_id if cid is None} == {"not_json", "no_custom_id",
-                                                            "duplicate_custom_id"}
-    assert by_id[("tools", "unsupported_field")]["response"]["body"]["error"]["param"] == \
-        "body.tools"
+    assert {code for cid, code in by_id if cid is None} == {"not_json", "no_custom_id", "duplicate_custom_id"}
+    assert by_id[("tools", "unsupported_field")]["response"]["body"]["error"]["param"] == "body.tools"
     assert "line 10" in by_id[(None, "duplicate_custom_id")]["error"]["message"]
     # every id unique in the output, the same on a rerun of the run
     ids = [line["id"] for line in results + errors]
@@ -194,8 +219,9 @@ def test_an_errors_file_lost_or_changed_makes_its_shard_partial_and_a_rerun_redo
     after = {p.name: p.read_bytes() for p in out.glob("*.jsonl")}
     assert sorted(after) == sorted(before)
     for name in before:  # the same requests in each file, in this run's completion order
-        assert sorted(json.loads(x)["custom_id"] or "" for x in after[name].splitlines()) == \
-            sorted(json.loads(x)["custom_id"] or "" for x in before[name].splitlines())
+        assert sorted(json.loads(x)["custom_id"] or "" for x in after[name].splitlines()) == sorted(
+            json.loads(x)["custom_id"] or "" for x in before[name].splitlines()
+        )
     # and a third run finds both committed
     _, events = run(spec, engine=FiguresEngine())
     assert sorted(f["shard"] for e, f in events if e == "shard_skipped") == ["batch-a", "batch-b"]
@@ -244,13 +270,16 @@ def test_report_names_a_line_it_cannot_read(tmp_path):
     assert "batch-b.output.jsonl" in str(err.value) and "line 8" in str(err.value)
 
 
-@pytest.mark.parametrize("change, key", [
-    ({"input": {"format": None}}, "output.format"),
-    ({"output": {"keep_columns": ["url"]}}, "output.keep_columns"),
-    ({"output": {"compression": "gzip"}}, "output.compression"),
-    ({"output": {"row_group_rows": 10}}, "output.row_group_rows"),
-    ({"output": {"format": "csv"}}, "output.format"),
-])
+@pytest.mark.parametrize(
+    "change, key",
+    [
+        ({"input": {"format": None}}, "output.format"),
+        ({"output": {"keep_columns": ["url"]}}, "output.keep_columns"),
+        ({"output": {"compression": "gzip"}}, "output.compression"),
+        ({"output": {"row_group_rows": 10}}, "output.row_group_rows"),
+        ({"output": {"format": "csv"}}, "output.format"),
+    ],
+)
 def test_keys_an_openai_output_cannot_honour_are_refused(tmp_path, change, key):
     job = _job(tmp_path)
     for section, values in change.items():
@@ -271,9 +300,17 @@ def test_each_custom_id_is_on_exactly_one_line_of_the_two_files(tmp_path):
 
     deep = "[" * 5000 + "]" * 5000
     (tmp_path / "in").mkdir()
-    lines = [deep, _line("r1"), _line("r2", url=COMPLETIONS), _line("r1"), _line("r3"),
-             _line("r2", url=COMPLETIONS), _line("r1", model=["not", "a", "string"]),
-             _line("long", metadata={"pad": "x" * 30_000}), _line("r4")]
+    lines = [
+        deep,
+        _line("r1"),
+        _line("r2", url=COMPLETIONS),
+        _line("r1"),
+        _line("r3"),
+        _line("r2", url=COMPLETIONS),
+        _line("r1", model=["not", "a", "string"]),
+        _line("long", metadata={"pad": "x" * 30_000}),
+        _line("r4"),
+    ]
     (tmp_path / "in" / "dup.jsonl").write_text("\n".join(lines) + "\n")
     job = _job(tmp_path)
     job["input"]["max_line_bytes"] = 20_000
@@ -289,6 +326,6 @@ def test_each_custom_id_is_on_exactly_one_line_of_the_two_files(tmp_path):
         "duplicate custom_id: line 6 repeats 'r2' of line 3",
         "duplicate custom_id: line 7 repeats 'r1' of line 2",
         f"line too long: line 8 has {len(lines[7])} bytes, more than input.max_line_bytes (20000)",
-        "too deep: line 1 nests more than 48 arrays and objects"]
-    assert {line["error"]["code"] for line in errors} == {"duplicate_custom_id", "line_too_long",
-                                                          "too_deep"}
+        "too deep: line 1 nests more than 48 arrays and objects",
+    ]
+    assert {line["error"]["code"] for line in errors} == {"duplicate_custom_id", "line_too_long", "too_deep"}

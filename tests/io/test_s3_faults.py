@@ -33,8 +33,14 @@ from batchspec.spec.load import load_spec
 from batchspec.spec.model import JobSpec
 
 #: 38% of requests faulted, every kind of fault.
-HEAVY = {"drop": 0.07, "drop_mid_body": 0.05, "reset_mid_body": 0.04, "error_500": 0.08,
-         "slowdown_503": 0.08, "slow": 0.06}
+HEAVY = {
+    "drop": 0.07,
+    "drop_mid_body": 0.05,
+    "reset_mid_body": 0.04,
+    "error_500": 0.08,
+    "slowdown_503": 0.08,
+    "slow": 0.06,
+}
 #: The parts of a multipart upload: small, so that every output shard is a multipart upload.
 PART_BYTES = 64 * 1024
 #: No retries inside botocore: every fault reaches s3fs's few retries and batchspec's policy.
@@ -83,9 +89,13 @@ def write_inputs(fs, bucket: str, shards: int, rows: int, blob_bytes: int) -> di
     ``blob_bytes`` a row: kept in the output, it makes both files bigger than a ranged read."""
     tables = {}
     for i in range(shards):
-        table = pa.table({"id": [f"s{i}-{j:03d}" for j in range(rows)],
-                          "prompt": [f"prompt {i} {j}" for j in range(rows)],
-                          "blob": [os.urandom(blob_bytes) for _ in range(rows)]})
+        table = pa.table(
+            {
+                "id": [f"s{i}-{j:03d}" for j in range(rows)],
+                "prompt": [f"prompt {i} {j}" for j in range(rows)],
+                "blob": [os.urandom(blob_bytes) for _ in range(rows)],
+            }
+        )
         buf = io.BytesIO()
         pq.write_table(table, buf, row_group_size=8)
         fs.pipe(f"{bucket}/day=1/part-{i}.parquet", buf.getvalue())
@@ -96,10 +106,13 @@ def write_inputs(fs, bucket: str, shards: int, rows: int, blob_bytes: int) -> di
 def job_raw(in_bucket: str, out_bucket: str, in_options: dict, out_options: dict) -> dict:
     return {
         "name": "faults",
-        "input": {"path": f"s3://{in_bucket}/day=1/*.parquet", "prompt_column": "prompt",
-                  "id_column": "id", "storage_options": in_options},
-        "output": {"path": f"s3://{out_bucket}/run", "storage_options": out_options,
-                   "row_group_rows": 8},
+        "input": {
+            "path": f"s3://{in_bucket}/day=1/*.parquet",
+            "prompt_column": "prompt",
+            "id_column": "id",
+            "storage_options": in_options,
+        },
+        "output": {"path": f"s3://{out_bucket}/run", "storage_options": out_options, "row_group_rows": 8},
         "model": {"target": "unused"},
         "sampling": {"temperature": 0.0},
         "execution": {"max_in_flight": 6, "read_batch_rows": 5},
@@ -140,16 +153,17 @@ def run(spec: JobSpec, on_event=None) -> RunResult:
     return run_job(spec, RunOptions(engine=FakeEngine(), events=log, progress_bars=False))
 
 
-def run_with_failing_reads(proxy, spec: JobSpec, bucket: str, file: str, kind: str,
-                           caplog) -> RunResult:
+def run_with_failing_reads(proxy, spec: JobSpec, bucket: str, file: str, kind: str, caplog) -> RunResult:
     """Run ``spec``: once shard part-1 has started, three GETs of ``file`` in ``bucket`` in a row
     fail with ``kind``. The run must still end ok, every fault spent."""
     proxy.max_faults = 3
 
     def fault_part_1(event: str, fields: dict) -> None:
         if event == "shard_started" and fields.get("shard") == "part-1":
-            proxy.faults_on(only=lambda method, path: method == "GET" and
-                            path.startswith(f"/{bucket}/") and file in path, **{kind: 1.0})
+            proxy.faults_on(
+                only=lambda method, path: method == "GET" and path.startswith(f"/{bucket}/") and file in path,
+                **{kind: 1.0},
+            )
 
     with caplog.at_level(logging.WARNING, logger="batchspec"):
         result = run(spec, on_event=fault_part_1)
@@ -159,14 +173,17 @@ def run_with_failing_reads(proxy, spec: JobSpec, bucket: str, file: str, kind: s
 
 
 def retries_logged(caplog, words: str) -> int:
-    return sum(1 for r in caplog.records
-               if r.name == "batchspec.io.retry" and "storage error on" in r.getMessage()
-               and words in r.getMessage())
+    return sum(
+        1
+        for r in caplog.records
+        if r.name == "batchspec.io.retry" and "storage error on" in r.getMessage() and words in r.getMessage()
+    )
 
 
 @pytest.mark.vllm
 def test_a_job_survives_a_store_that_faults_38_percent_of_requests(
-        buckets, proxy, fast_retries, small_parts, monkeypatch, caplog):
+    buckets, proxy, fast_retries, small_parts, monkeypatch, caplog
+):
     """botocore's own retries are off: s3fs's few retries and batchspec's policy carry the job.
     A multipart upload is retried whole (any part failing fails the attempt): a create, four parts
     and a complete, about six requests, so at this fault rate most attempts fail (seven in a row
@@ -177,8 +194,9 @@ def test_a_job_survives_a_store_that_faults_38_percent_of_requests(
     inputs = write_inputs(fs, in_bucket, shards=4, rows=40, blob_bytes=6000)
     through_proxy = {**proxy.storage_options(options), **NO_SDK_RETRIES}
     # small read blocks: each shard is read in several ranged GETs, each of which may fail
-    spec = build_spec(job_raw(in_bucket, out_bucket, {**through_proxy, "default_block_size": 65536},
-                              through_proxy))
+    spec = build_spec(
+        job_raw(in_bucket, out_bucket, {**through_proxy, "default_block_size": 65536}, through_proxy)
+    )
     proxy.faults_on(**HEAVY)
     with caplog.at_level(logging.WARNING, logger="batchspec"):
         result = run(spec)
@@ -190,8 +208,16 @@ def test_a_job_survives_a_store_that_faults_38_percent_of_requests(
     # the faults really happened, of every kind, on every kind of request
     assert all(proxy.counts[kind] > 0 for kind in HEAVY), proxy.counts
     assert proxy.total_faults >= 0.25 * sum(proxy.requests.values()), (proxy.counts, proxy.requests)
-    assert {"list", "head", "get", "put", "create_multipart", "upload_part", "complete_multipart",
-            "delete"} <= set(proxy.requests), proxy.requests
+    assert {
+        "list",
+        "head",
+        "get",
+        "put",
+        "create_multipart",
+        "upload_part",
+        "complete_multipart",
+        "delete",
+    } <= set(proxy.requests), proxy.requests
     faulted = {op for (_, op), n in proxy.counts_by_operation.items() if n}
     assert {"list", "head", "get", "put", "upload_part"} <= faulted, proxy.counts_by_operation
     paths = " ".join(path for _, path in proxy.log)
@@ -202,7 +228,8 @@ def test_a_job_survives_a_store_that_faults_38_percent_of_requests(
 @pytest.mark.vllm
 @pytest.mark.parametrize("kind", ["drop", "drop_mid_body", "error_500"])
 def test_a_read_error_mid_shard_resumes_after_the_last_row_yielded(
-        buckets, proxy, fast_retries, monkeypatch, caplog, kind):
+    buckets, proxy, fast_retries, monkeypatch, caplog, kind
+):
     """While a shard's rows are being read, three GETs of it in a row fail, and neither botocore
     nor s3fs retries: the error (a botocore or aiohttp error, or an OSError) reaches the reader,
     which must re-open the file and resume after the last row it yielded."""
@@ -213,8 +240,9 @@ def test_a_read_error_mid_shard_resumes_after_the_last_row_yielded(
     fs, options, in_bucket, out_bucket = buckets
     inputs = write_inputs(fs, in_bucket, shards=2, rows=40, blob_bytes=6000)
     through_proxy = {**proxy.storage_options(options), **NO_SDK_RETRIES}
-    spec = build_spec(job_raw(in_bucket, out_bucket, {**through_proxy, "default_block_size": 65536},
-                              through_proxy))
+    spec = build_spec(
+        job_raw(in_bucket, out_bucket, {**through_proxy, "default_block_size": 65536}, through_proxy)
+    )
     run_with_failing_reads(proxy, spec, in_bucket, "part-1.parquet", kind, caplog)
     check_exactly_once(fs, out_bucket, inputs)
     assert retries_logged(caplog, "reading row group") >= 1, [r.getMessage() for r in caplog.records]
@@ -223,7 +251,8 @@ def test_a_read_error_mid_shard_resumes_after_the_last_row_yielded(
 @pytest.mark.vllm
 @pytest.mark.parametrize("kind", ["drop_mid_body", "error_500"])
 def test_a_read_error_mid_jsonl_shard_resumes_after_the_last_line_yielded(
-        buckets, proxy, fast_retries, monkeypatch, caplog, kind):
+    buckets, proxy, fast_retries, monkeypatch, caplog, kind
+):
     """The same for JSON lines (zstd): while part-1.jsonl.zst streams, three GETs of it in a row
     fail; the reader re-opens it and resumes after the last line it yielded: every line once."""
     import s3fs
@@ -233,28 +262,33 @@ def test_a_read_error_mid_jsonl_shard_resumes_after_the_last_line_yielded(
     fs, options, in_bucket, out_bucket = buckets
     inputs = {}
     for i in range(2):
-        table = pa.table({"id": [f"s{i}-{j:03d}" for j in range(40)],
-                          "prompt": [f"prompt {i} {j}" for j in range(40)],
-                          "blob": [os.urandom(3000).hex() for _ in range(40)]})
+        table = pa.table(
+            {
+                "id": [f"s{i}-{j:03d}" for j in range(40)],
+                "prompt": [f"prompt {i} {j}" for j in range(40)],
+                "blob": [os.urandom(3000).hex() for _ in range(40)],
+            }
+        )
         sink = pa.BufferOutputStream()
         with pa.CompressedOutputStream(sink, "zstd") as out:
             out.write("".join(json.dumps(r) + "\n" for r in table.to_pylist()).encode())
         fs.pipe(f"{in_bucket}/day=1/part-{i}.jsonl.zst", sink.getvalue().to_pybytes())
         inputs[f"part-{i}"] = table
     through_proxy = {**proxy.storage_options(options), **NO_SDK_RETRIES}
-    raw = job_raw(in_bucket, out_bucket, {**through_proxy, "default_block_size": 65536},
-                  through_proxy)
+    raw = job_raw(in_bucket, out_bucket, {**through_proxy, "default_block_size": 65536}, through_proxy)
     raw["input"]["path"] = f"s3://{in_bucket}/day=1/*.jsonl.zst"
     spec = build_spec(raw)
     run_with_failing_reads(proxy, spec, in_bucket, "part-1.jsonl.zst", kind, caplog)
     check_exactly_once(fs, out_bucket, inputs)
-    assert retries_logged(caplog, "part-1.jsonl.zst (after line") >= 1, \
-        [r.getMessage() for r in caplog.records]
+    assert retries_logged(caplog, "part-1.jsonl.zst (after line") >= 1, [
+        r.getMessage() for r in caplog.records
+    ]
 
 
 @pytest.mark.vllm
 def test_corrupt_data_on_a_store_exits_3_at_once_without_retries(
-        buckets, proxy, fast_retries, monkeypatch, caplog):
+    buckets, proxy, fast_retries, monkeypatch, caplog
+):
     """A garbled page is bad input (exit 3, naming the shard), not a storage fault to retry:
     pyarrow reports it as a bare OSError, which must not be taken for a flaky store."""
     from batchspec.io.reader import ParquetReader
@@ -268,12 +302,14 @@ def test_corrupt_data_on_a_store_exits_3_at_once_without_retries(
     pq.write_table(table, buf, row_group_size=10)
     data = bytearray(buf.getvalue())
     start = pq.ParquetFile(io.BytesIO(bytes(data))).metadata.row_group(2).column(1).data_page_offset
-    data[start:start + 40] = b"\xff" * 40
+    data[start : start + 40] = b"\xff" * 40
     fs.pipe(f"{in_bucket}/day=1/part-0.parquet", bytes(data))
     opts = proxy.storage_options(options)
     spec = build_spec(job_raw(in_bucket, out_bucket, opts, opts))
-    with caplog.at_level(logging.WARNING, logger="batchspec"), \
-            pytest.raises(InputDataError, match=r"part-0\.parquet: cannot read row group 2") as info:
+    with (
+        caplog.at_level(logging.WARNING, logger="batchspec"),
+        pytest.raises(InputDataError, match=r"part-0\.parquet: cannot read row group 2") as info,
+    ):
         run(spec)
     assert info.value.exit_code == 3
     assert retries_logged(caplog, "") == 0, [r.getMessage() for r in caplog.records]
@@ -290,9 +326,12 @@ def test_a_refused_precondition_is_not_retried(buckets, proxy, fast_retries):
     through = s3fs.S3FileSystem(**proxy.storage_options(options), skip_instance_cache=True)
     before = proxy.requests["put"]
     with pytest.raises(OSError, match="pre-conditions you specified did not hold") as info:
-        storage.retry(lambda: through.call_s3("put_object", Bucket=in_bucket, Key="lease.json",
-                                              Body=b"{}", IfMatch='"not-the-etag"'),
-                      f"writing {in_bucket}/lease.json")
+        storage.retry(
+            lambda: through.call_s3(
+                "put_object", Bucket=in_bucket, Key="lease.json", Body=b"{}", IfMatch='"not-the-etag"'
+            ),
+            f"writing {in_bucket}/lease.json",
+        )
     assert not storage.is_transient(info.value)
     assert proxy.requests["put"] - before == 1
 
@@ -301,8 +340,11 @@ def test_a_refused_precondition_is_not_retried(buckets, proxy, fast_retries):
 ERRORS = [
     ("botocore-connection-closed", lambda: _botocore("ConnectionClosedError", endpoint_url="u"), True),
     ("botocore-response-streaming", lambda: _botocore("ResponseStreamingError", error="x"), True),
-    ("botocore-incomplete-read",
-     lambda: _botocore("IncompleteReadError", actual_bytes=1, expected_bytes=2), True),
+    (
+        "botocore-incomplete-read",
+        lambda: _botocore("IncompleteReadError", actual_bytes=1, expected_bytes=2),
+        True,
+    ),
     ("botocore-read-timeout", lambda: _botocore("ReadTimeoutError", endpoint_url="u"), True),
     ("botocore-endpoint", lambda: _botocore("EndpointConnectionError", endpoint_url="u"), True),
     ("botocore-unparseable-reply", lambda: _parser_error(), True),
@@ -356,13 +398,16 @@ def _aiohttp(name: str, *args):
 def _client_error(status: int, code: str):
     from botocore.exceptions import ClientError
 
-    return ClientError({"Error": {"Code": code, "Message": code},
-                        "ResponseMetadata": {"HTTPStatusCode": status}}, "PutObject")
+    return ClientError(
+        {"Error": {"Code": code, "Message": code}, "ResponseMetadata": {"HTTPStatusCode": status}},
+        "PutObject",
+    )
 
 
 @pytest.mark.parametrize("where", ["upload", "read"])
 def test_a_store_that_keeps_failing_exits_1_naming_the_object_and_a_rerun_finishes(
-        buckets, proxy, tmp_path, where):
+    buckets, proxy, tmp_path, where
+):
     """The store goes down for good once the first shard is committed: as the second shard's
     output is uploaded, or while input is still being read (in small ranged GETs). The run
     exits 1 naming the object whose retries ran out; the first shard stays committed, nothing
@@ -371,8 +416,7 @@ def test_a_store_that_keeps_failing_exits_1_naming_the_object_and_a_rerun_finish
     inputs = write_inputs(fs, in_bucket, shards=3, rows=30, blob_bytes=2000)
     opts = {**proxy.storage_options(options), **NO_SDK_RETRIES}
     job = tmp_path / "failing.yaml"
-    job.write_text(yaml.safe_dump(job_raw(in_bucket, out_bucket, {**opts, "default_block_size": 8192},
-                                          opts)))
+    job.write_text(yaml.safe_dump(job_raw(in_bucket, out_bucket, {**opts, "default_block_size": 8192}, opts)))
     outputs_put, manifests_put = [], []
 
     def down(method: str, path: str) -> bool:
@@ -397,8 +441,10 @@ def test_a_store_that_keeps_failing_exits_1_naming_the_object_and_a_rerun_finish
         named = re.escape(outputs_put[1].lstrip("/"))
         pattern = rf"storage failed after 3 attempts: writing {named}"
     else:
-        pattern = (rf"storage failed after 3 attempts: (opening|reading row group \d+ of) "
-                   rf"s3://{in_bucket}/day=1/part-\d\.parquet")
+        pattern = (
+            rf"storage failed after 3 attempts: (opening|reading row group \d+ of) "
+            rf"s3://{in_bucket}/day=1/part-\d\.parquet"
+        )
     assert re.search(pattern, failed.stderr), failed.stderr[-3000:]
     assert proxy.total_faults >= 3
     # the first shard stays committed, whole; nothing of the others is visible
@@ -421,8 +467,7 @@ def test_a_store_that_keeps_failing_exits_1_naming_the_object_and_a_rerun_finish
 
 
 @pytest.mark.engine
-def test_real_engine_run_survives_storage_faults(buckets, proxy, tmp_path, shared_engines,
-                                                 monkeypatch):
+def test_real_engine_run_survives_storage_faults(buckets, proxy, tmp_path, shared_engines, monkeypatch):
     """A run on the tiny model pair (the session's shared engine, through the library), input
     and output on s3:// through the proxy with botocore's default retries, 15% of requests
     faulted."""
@@ -439,12 +484,18 @@ def test_real_engine_run_survives_storage_faults(buckets, proxy, tmp_path, share
     opts = proxy.storage_options(options)
     job = write_job(
         tmp_path / "faults.yaml",
-        input={"path": f"s3://{in_bucket}/day=1/*.parquet", "prompt_column": "prompt",
-               "id_column": "id", "sampling_columns": {"max_tokens": "max_tokens"},
-               "storage_options": opts},
+        input={
+            "path": f"s3://{in_bucket}/day=1/*.parquet",
+            "prompt_column": "prompt",
+            "id_column": "id",
+            "sampling_columns": {"max_tokens": "max_tokens"},
+            "storage_options": opts,
+        },
         output={"path": f"s3://{out_bucket}/run", "storage_options": opts, "row_group_rows": 8},
-        speculative=DRAFT, sampling={"temperature": 0.0, "max_tokens": 16},
-        execution={"max_in_flight": 8})
+        speculative=DRAFT,
+        sampling={"temperature": 0.0, "max_tokens": 16},
+        execution={"max_in_flight": 8},
+    )
     monkeypatch.setattr(storage, "BACKOFF_S", 0.05)
     proxy.faults_on(drop=0.03, drop_mid_body=0.03, error_500=0.03, slowdown_503=0.03, slow=0.03)
     run = shared_engines.run(load_spec(job))
@@ -453,8 +504,9 @@ def test_real_engine_run_survives_storage_faults(buckets, proxy, tmp_path, share
     assert run.exit_code == 0, run.log[-3000:]
     fs.invalidate_cache()
     keys = fs.find(f"{out_bucket}/run")
-    assert sorted(k for k in keys if "/_batchspec/" not in k) == \
-        [f"{out_bucket}/run/part-{i}.parquet" for i in range(2)], keys
+    assert sorted(k for k in keys if "/_batchspec/" not in k) == [
+        f"{out_bucket}/run/part-{i}.parquet" for i in range(2)
+    ], keys
     seen = []
     for name, table in expected.items():
         out = pq.read_table(io.BytesIO(fs.cat(f"{out_bucket}/run/{name}.parquet")))

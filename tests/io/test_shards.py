@@ -20,7 +20,7 @@ def _shard(path):
 def _output_files(tmp_path, shards) -> list[str]:
     """Each shard's output file as a run writes it, relative to the output directory."""
     out = OutputDir(str(tmp_path / "out"), {})
-    return [out.output_path(s)[len(out.path) + 1:] for s in shards]
+    return [out.output_path(s)[len(out.path) + 1 :] for s in shards]
 
 
 def test_glob_lists_sorted_shards_named_after_files(tmp_path):
@@ -31,8 +31,9 @@ def test_glob_lists_sorted_shards_named_after_files(tmp_path):
     assert [s.name for s in shards] == ["a", "b", "c"]
     assert _output_files(tmp_path, shards) == ["a.parquet", "b.parquet", "c.parquet"]
     # the fingerprint's size is the file's own size, so a rewritten input is noticed
-    assert [s.fingerprint["size"] for s in shards] == \
-        [(tmp_path / f"{name}.parquet").stat().st_size for name in ("a", "b", "c")]
+    assert [s.fingerprint["size"] for s in shards] == [
+        (tmp_path / f"{name}.parquet").stat().st_size for name in ("a", "b", "c")
+    ]
 
 
 def test_directory_and_nested_glob_keep_subdirectories_in_names(tmp_path):
@@ -41,8 +42,10 @@ def test_directory_and_nested_glob_keep_subdirectories_in_names(tmp_path):
     for paths in ([str(tmp_path)], [str(tmp_path / "*" / "*.parquet")]):
         names = [s.name for s in discover_shards(paths, {})]
         assert names == ["day=1/part-0", "day=2/part-0"]
-        assert _output_files(tmp_path, discover_shards(paths, {})) == \
-            ["day=1/part-0.parquet", "day=2/part-0.parquet"]
+        assert _output_files(tmp_path, discover_shards(paths, {})) == [
+            "day=1/part-0.parquet",
+            "day=2/part-0.parquet",
+        ]
 
 
 def test_output_names_depend_only_on_a_files_own_path(tmp_path):
@@ -97,8 +100,9 @@ def test_worker_assignment_is_stable_and_complete():
         owners = {name: worker_of(name, n) for name in names}
         assert set(owners.values()) <= set(range(n))
         # the same shard goes to the same worker whatever the order or the other shards
-        assert {name: worker_of(name, n) for name in reversed(names[:50])} == \
-            {name: owners[name] for name in names[:50]}
+        assert {name: worker_of(name, n) for name in reversed(names[:50])} == {
+            name: owners[name] for name in names[:50]
+        }
     counts = [sum(worker_of(name, 4) == w for name in names) for w in range(4)]
     assert min(counts) > 25  # spread over the workers
 
@@ -152,8 +156,9 @@ def test_listing_skips_the_output_however_its_store_is_spelled(tmp_path, s3_serv
         names = [s.name for s in discover_shards(["s3://listing-skip/d"], in_opts, exclude=exclude)]
         assert names == ["outside/p1", "p0"], exclude
     # another server's output path says nothing about this one's files
-    elsewhere = OutputDir("s3://listing-skip/d/out",
-                          {**creds, "endpoint_url": endpoint.rsplit(":", 1)[0] + ":1"})
+    elsewhere = OutputDir(
+        "s3://listing-skip/d/out", {**creds, "endpoint_url": endpoint.rsplit(":", 1)[0] + ":1"}
+    )
     assert not same_store(["s3://listing-skip/d"], in_opts, elsewhere)
     # a local output path never hides a bucket's keys
     assert len(discover_shards(["s3://listing-skip/d"], in_opts, exclude="/listing-skip/d/out")) == 3

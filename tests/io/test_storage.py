@@ -51,7 +51,7 @@ class FlakyFileSystem(MemoryFileSystem):
     @classmethod
     def _strip_protocol(cls, path):
         if path.startswith("flaky://"):
-            path = path[len("flaky://"):]
+            path = path[len("flaky://") :]
         return MemoryFileSystem._strip_protocol(path)
 
     def _fail_once(self, op, path):
@@ -112,13 +112,15 @@ def test_a_job_survives_a_transient_failure_of_every_storage_call(tmp_path):
         pq.write_table(pa.table({"prompt": [f"p{i}-{j}" for j in range(30)]}), buf, row_group_size=7)
         with MemoryFileSystem().open(f"/in/s{i}.parquet", "wb") as f:
             f.write(buf.getvalue())
-    spec = build_spec({
-        "input": {"path": "flaky:///in/*.parquet", "prompt_column": "prompt"},
-        "output": {"path": "flaky:///out", "row_group_rows": 8},
-        "model": {"target": "unused"},
-        "sampling": {"temperature": 0.0},
-        "execution": {"max_in_flight": 4, "read_batch_rows": 5},
-    })
+    spec = build_spec(
+        {
+            "input": {"path": "flaky:///in/*.parquet", "prompt_column": "prompt"},
+            "output": {"path": "flaky:///out", "row_group_rows": 8},
+            "model": {"target": "unused"},
+            "sampling": {"temperature": 0.0},
+            "execution": {"max_in_flight": 4, "read_batch_rows": 5},
+        }
+    )
     result, _ = run(spec, FakeEngine())
     assert result.summary["totals"]["rows"] == 60
     for i in range(2):
@@ -138,11 +140,16 @@ def test_a_live_lease_keeps_a_second_process_off_the_shard(tmp_path):
 
     shards(tmp_path, n=3)
     out_url = str(tmp_path / "out")
-    holder = ShardLeases(OutputDir(out_url, {}), {"run_id": "other-run", "host": host_mod.this_host(),
-                                                  "pid": os.getpid(), "started_at": "now"})
+    holder = ShardLeases(
+        OutputDir(out_url, {}),
+        {"run_id": "other-run", "host": host_mod.this_host(), "pid": os.getpid(), "started_at": "now"},
+    )
     assert holder.acquire("s1") is None
-    with pytest.raises(RuntimeFailure, match=r"1 shards are being processed by another run.*s1 "
-                                             r"\(run other-run"):
+    with pytest.raises(
+        RuntimeFailure,
+        match=r"1 shards are being processed by another run.*s1 "
+        r"\(run other-run",
+    ):
         run(make_spec(tmp_path))
     assert sorted(outputs(tmp_path)) == ["s0", "s2"]
     holder.release("s1")
@@ -157,8 +164,18 @@ def test_a_live_lease_keeps_a_second_process_off_the_shard(tmp_path):
     write_parquet(tmp_path / "in" / "s1.parquet", {"prompt": ["changed"], "k": [1]})
     lock = tmp_path / "out" / "_batchspec" / "locks" / "s1.json"
     lock.parent.mkdir(parents=True, exist_ok=True)
-    lock.write_text(json.dumps({"run_id": "gone", "host": "elsewhere", "pid": 1, "token": "t",
-                                "heartbeat": time.time(), "lease_s": 120}))
+    lock.write_text(
+        json.dumps(
+            {
+                "run_id": "gone",
+                "host": "elsewhere",
+                "pid": 1,
+                "token": "t",
+                "heartbeat": time.time(),
+                "lease_s": 120,
+            }
+        )
+    )
     result, _ = run(make_spec(tmp_path))
     assert list(result.summary["shards"]) == ["s1"]
     assert not list((tmp_path / "out" / "_batchspec" / "locks").glob("*.json"))

@@ -102,19 +102,35 @@ def s3_store(s3_server) -> Store:
 
     _, options = s3_server
     spec_options = {**options, "secret": "${S3_SECRET}"}
-    return Store("s3", ("s3",), options,
-                 lambda: s3fs.S3FileSystem(**options, skip_instance_cache=True),
-                 spec_options, spec_options, {"S3_SECRET": S3_SECRET}, (S3_SECRET,),
-                 ("input", "secret"))
+    return Store(
+        "s3",
+        ("s3",),
+        options,
+        lambda: s3fs.S3FileSystem(**options, skip_instance_cache=True),
+        spec_options,
+        spec_options,
+        {"S3_SECRET": S3_SECRET},
+        (S3_SECRET,),
+        ("input", "secret"),
+    )
 
 
 @pytest.fixture(scope="session")
 def gcs_store(gcs_cas_server) -> Store:  # noqa: F811
     """gs:// with GCS's preconditions (emulators.gcs_cas_server): leases by compare-and-swap."""
     emulator = gcs_cas_server
-    return Store("gcs", ("gs", "gcs"), emulator.storage_options, lambda: gcs_fs(emulator),
-                 emulator.storage_options, emulator.storage_options, dict(emulator.env), (),
-                 ("input", "endpoint_url"), GcsStore)
+    return Store(
+        "gcs",
+        ("gs", "gcs"),
+        emulator.storage_options,
+        lambda: gcs_fs(emulator),
+        emulator.storage_options,
+        emulator.storage_options,
+        dict(emulator.env),
+        (),
+        ("input", "endpoint_url"),
+        GcsStore,
+    )
 
 
 @pytest.fixture(scope="session")
@@ -123,10 +139,18 @@ def azure_store(azure_server) -> Store:  # noqa: F811
     (AZURE_STORAGE_CONNECTION_STRING), the output through ``${VAR}`` in the spec."""
     emulator = azure_server
     conn = emulator.storage_options["connection_string"]
-    return Store("azure", ("az", "abfs"), emulator.storage_options, lambda: azure_fs(emulator),
-                 {}, {"connection_string": "${AZURE_CONN}"},
-                 {"AZURE_STORAGE_CONNECTION_STRING": conn, "AZURE_CONN": conn},
-                 (AZURE_KEY, AZURE_KEY[:20]), ("output", "connection_string"), AzureStore)
+    return Store(
+        "azure",
+        ("az", "abfs"),
+        emulator.storage_options,
+        lambda: azure_fs(emulator),
+        {},
+        {"connection_string": "${AZURE_CONN}"},
+        {"AZURE_STORAGE_CONNECTION_STRING": conn, "AZURE_CONN": conn},
+        (AZURE_KEY, AZURE_KEY[:20]),
+        ("output", "connection_string"),
+        AzureStore,
+    )
 
 
 @pytest.fixture(params=STORES)
@@ -172,7 +196,8 @@ def visible_outputs(fs, out_url: str, expected: dict[str, list[str]]) -> dict[st
 
 @pytest.mark.engine
 def test_a_job_killed_after_its_first_commit_then_rerun_has_every_row_once(
-        store_env, tmp_path, shared_engines, caplog):
+    store_env, tmp_path, shared_engines, caplog
+):
     """Three shards in, three out; the first run's whole process group is SIGKILLed after its
     first commit: only complete shards are ever visible, and the rerun (real engine) skips them,
     does the rest, and leaves no lease behind."""
@@ -189,12 +214,18 @@ def test_a_job_killed_after_its_first_commit_then_rerun_has_every_row_once(
     out_url = f"{store.scheme}://{bucket}/results/run1"
     job = write_job(
         tmp_path / f"{store.name}.yaml",
-        input={"path": f"{store.scheme}://{bucket}/prompts/day=1/*.parquet", "prompt_column": "prompt",
-               "id_column": "id", "sampling_columns": {"max_tokens": "max_tokens"},
-               "storage_options": store.input_options},
+        input={
+            "path": f"{store.scheme}://{bucket}/prompts/day=1/*.parquet",
+            "prompt_column": "prompt",
+            "id_column": "id",
+            "sampling_columns": {"max_tokens": "max_tokens"},
+            "storage_options": store.input_options,
+        },
         output={"path": out_url, "storage_options": store.output_options, "row_group_rows": 8},
-        speculative=DRAFT, sampling={"temperature": 0.0, "max_tokens": 32},
-        execution={"max_in_flight": 10})
+        speculative=DRAFT,
+        sampling={"temperature": 0.0, "max_tokens": 32},
+        execution={"max_in_flight": 10},
+    )
     assert not [s for s in store.secrets if s in job.read_text()]
 
     # 20 ms a request: the kill lands while the second shard is still generating
@@ -210,8 +241,7 @@ def test_a_job_killed_after_its_first_commit_then_rerun_has_every_row_once(
     assert second.exit_code == 0, second.log[-3000:]
     fs = store.fs()
     outputs = sorted(k for k in fs.ls(out_url) if k.endswith(".parquet"))
-    assert [k.rsplit("/", 1)[-1] for k in outputs] == ["part-0.parquet", "part-1.parquet",
-                                                       "part-2.parquet"]
+    assert [k.rsplit("/", 1)[-1] for k in outputs] == ["part-0.parquet", "part-1.parquet", "part-2.parquet"]
     rows, written = 0, ""
     for key in outputs:
         shard = key.rsplit("/", 1)[-1][:-8]
@@ -222,8 +252,9 @@ def test_a_job_killed_after_its_first_commit_then_rerun_has_every_row_once(
         assert table["error"].null_count == table.num_rows, key
         rows += table.num_rows
         meta = json.loads(table.schema.metadata[b"batchspec"])
-        assert re.match(rf"{store.url_re(bucket)}/prompts/day=1/part-{shard[-1]}\.parquet$",
-                        meta["input"]), meta["input"]
+        assert re.match(rf"{store.url_re(bucket)}/prompts/day=1/part-{shard[-1]}\.parquet$", meta["input"]), (
+            meta["input"]
+        )
         section, option = store.masked
         assert meta["spec"][section]["storage_options"][option] == "***"
         if shard not in visible:  # generated by the rerun, on the real engine
@@ -233,8 +264,9 @@ def test_a_job_killed_after_its_first_commit_then_rerun_has_every_row_once(
     assert rows == 90
     # the rerun skipped what the killed run had committed, and redid nothing twice
     assert {r["shard"] for r in second.events("shard_skipped")} == set(visible)
-    assert sorted(r["shard"] for r in second.events("shard_committed")) == \
-        sorted(set(expected) - set(visible))
+    assert sorted(r["shard"] for r in second.events("shard_committed")) == sorted(
+        set(expected) - set(visible)
+    )
     assert len(fs.ls(f"{out_url}/_batchspec/manifest")) == 3
     summaries = [fs.cat(k).decode() for k in fs.ls(f"{out_url}/_batchspec/runs")]
     assert len(summaries) == 1  # the SIGKILLed run wrote none
@@ -243,17 +275,21 @@ def test_a_job_killed_after_its_first_commit_then_rerun_has_every_row_once(
     assert "best-effort" not in first.stderr + caplog.text
 
     status = run_cli("status", str(job), env=store.env, timeout=120)
-    assert status.returncode == 0 and "3 committed, 0 partial, 0 pending" in status.stdout, \
+    assert status.returncode == 0 and "3 committed, 0 partial, 0 pending" in status.stdout, (
         status.stdout + status.stderr
-    everything = first.stderr + second.log + caplog.text + "".join(summaries) + written + \
-        status.stdout + status.stderr
-    assert not [s for s in store.secrets if s in everything], \
+    )
+    everything = (
+        first.stderr + second.log + caplog.text + "".join(summaries) + written + status.stdout + status.stderr
+    )
+    assert not [s for s in store.secrets if s in everything], (
         "a credential leaked into logs, summaries, metadata or status"
+    )
 
 
 @pytest.mark.engine
 def test_openai_batch_files_killed_then_rerun_on_s3_answer_each_custom_id_once(
-        s3_store, monkeypatch, tmp_path, shared_engines):
+    s3_store, monkeypatch, tmp_path, shared_engines
+):
     """OpenAI Batch request files in and OpenAI-format results out on the S3 server: the first
     run (fake engine) is SIGKILLed after its first commit, the rerun (real engine) does the
     rest. Every shard visible has both files, each line in OpenAI's format
@@ -279,28 +315,30 @@ def test_openai_batch_files_killed_then_rerun_on_s3_answer_each_custom_id_once(
                 body["messages"] = [{"role": "user", "content": f"def f{j}(x):"}]
             else:
                 body["prompt"] = f"import os\nx = {j}\n"
-            url = "/v1/embeddings" if j == 7 else \
-                "/v1/chat/completions" if chat else "/v1/completions"
-            lines.append(json.dumps({"custom_id": custom_id, "method": "POST", "url": url,
-                                     "body": body}))
+            url = "/v1/embeddings" if j == 7 else "/v1/chat/completions" if chat else "/v1/completions"
+            lines.append(json.dumps({"custom_id": custom_id, "method": "POST", "url": url, "body": body}))
         fs.pipe(f"{bucket}/batches/requests/req-{i}.jsonl", ("\n".join(lines) + "\n").encode())
         expected[f"req-{i}"] = [f"f{i}-{j}" for j in range(20)]
     out_url = f"s3://{bucket}/batches/results"
     job = write_job(
         tmp_path / "openai-s3.yaml",
-        input={"path": f"s3://{bucket}/batches/requests/*.jsonl", "format": "openai",
-               "storage_options": store.input_options},
+        input={
+            "path": f"s3://{bucket}/batches/requests/*.jsonl",
+            "format": "openai",
+            "storage_options": store.input_options,
+        },
         output={"path": out_url, "format": "openai", "storage_options": store.output_options},
-        speculative=DRAFT, sampling={"temperature": 0.0, "max_tokens": 16},
-        execution={"max_in_flight": 6})
+        speculative=DRAFT,
+        sampling={"temperature": 0.0, "max_tokens": 16},
+        execution={"max_in_flight": 6},
+    )
 
     first = Job(job, env={**store.env, "BATCHSPEC_FAKE_ENGINE_DELAY_S": "0.05"}, fake_engine=True)
     assert first.wait_for("shard_committed") is not None, first.stderr[-3000:]
     first.kill_group()
     first.wait()
     fs = store.fs()
-    visible = {k.rsplit("/", 1)[-1].split(".")[0] for k in fs.ls(out_url)
-               if k.endswith(".output.jsonl")}
+    visible = {k.rsplit("/", 1)[-1].split(".")[0] for k in fs.ls(out_url) if k.endswith(".output.jsonl")}
     assert 1 <= len(visible) < 3, f"the kill came too late to test anything: {sorted(visible)}"
 
     second = shared_engines.run(load_spec(job))
@@ -308,8 +346,10 @@ def test_openai_batch_files_killed_then_rerun_on_s3_answer_each_custom_id_once(
     assert {r["shard"] for r in second.events("shard_skipped")} == visible
     fs = store.fs()
     names = sorted(k.rsplit("/", 1)[-1] for k in fs.ls(out_url))
-    assert names == ["_batchspec", *sorted(f"req-{i}.{kind}.jsonl" for i in range(3)
-                                           for kind in ("errors", "output"))]
+    assert names == [
+        "_batchspec",
+        *sorted(f"req-{i}.{kind}.jsonl" for i in range(3) for kind in ("errors", "output")),
+    ]
     generated: list[dict] = []
     for shard, ids in expected.items():
         results, errors = read_openai_output(out_url, shard, fs=fs)
@@ -320,12 +360,12 @@ def test_openai_batch_files_killed_then_rerun_on_s3_answer_each_custom_id_once(
         if shard not in visible:  # the real engine's: speculative figures beside each line
             # generated (the files repeat each other's requests: a repeat is written from its
             # twin, with no figures of its own)
-            generated += [s for line in results for s in line["batchspec"]["samples"]
-                          if s["twin_of"] is None]
+            generated += [s for line in results for s in line["batchspec"]["samples"] if s["twin_of"] is None]
     assert generated and all(s["spec_num_draft_tokens"] is not None for s in generated)
     status = run_cli("status", str(job), env=store.env, timeout=120)
-    assert status.returncode == 0 and "3 committed, 0 partial, 0 pending" in status.stdout, \
+    assert status.returncode == 0 and "3 committed, 0 partial, 0 pending" in status.stdout, (
         status.stdout + status.stderr
+    )
     report = build_report(out_url, store.storage_options)
     assert report["files"] == 3 and report["overall"]["rows"] == 60
     assert report["overall"]["errors_by_reason"] == {"unsupported url": 3}
@@ -343,8 +383,7 @@ def _garble_footer(data: bytes) -> bytes:
 
 @pytest.mark.vllm
 @pytest.mark.parametrize("corruption", ["garbled footer", "not parquet"])
-def test_a_corrupt_shard_exits_3_naming_it_before_any_row_is_generated(
-        store_env, tmp_path, corruption):
+def test_a_corrupt_shard_exits_3_naming_it_before_any_row_is_generated(store_env, tmp_path, corruption):
     """Through the library with an engine that fails the test if a row reaches it; the CLI's
     exit 3 before the engine starts: test_cli_e2e.py::test_missing_column_exits_3_before_the_
     engine_starts."""
@@ -356,21 +395,25 @@ def test_a_corrupt_shard_exits_3_naming_it_before_any_row_is_generated(
     bad = parquet_bytes(good)
     bad = _garble_footer(bad) if corruption == "garbled footer" else b"PAR1 this is not parquet"
     fs.pipe(f"{bucket}/in/zz-bad.parquet", bad)
-    job = write_job(tmp_path / "bad.yaml",
-                    input={"path": f"{store.scheme}://{bucket}/in/*.parquet",
-                           "prompt_column": "prompt", "storage_options": store.input_options},
-                    output={"path": f"{store.scheme}://{bucket}/out",
-                            "storage_options": store.output_options},
-                    sampling={"temperature": 0.0, "max_tokens": 8})
+    job = write_job(
+        tmp_path / "bad.yaml",
+        input={
+            "path": f"{store.scheme}://{bucket}/in/*.parquet",
+            "prompt_column": "prompt",
+            "storage_options": store.input_options,
+        },
+        output={"path": f"{store.scheme}://{bucket}/out", "storage_options": store.output_options},
+        sampling={"temperature": 0.0, "max_tokens": 8},
+    )
     run = run_library(load_spec(job), NoEngine())
     assert isinstance(run.error, InputDataError) and run.exit_code == 3, run.log[-3000:]
     error = run.events("error")[0]
     assert error["exit_code"] == 3
-    assert re.match(rf"bad input data: {store.url_re(bucket)}/in/zz-bad\.parquet: ",
-                    error["message"]), error["message"]
+    assert re.match(rf"bad input data: {store.url_re(bucket)}/in/zz-bad\.parquet: ", error["message"]), error[
+        "message"
+    ]
     assert not run.events("shard_started")  # schemas are checked first
-    assert not [k for k in store.fs().find(f"{bucket}/out") if k.endswith(".parquet")], \
-        "a shard was written"
+    assert not [k for k in store.fs().find(f"{bucket}/out") if k.endswith(".parquet")], "a shard was written"
     assert not [s for s in store.secrets if s in run.log + str(run.error)]
 
 
@@ -412,8 +455,11 @@ def test_a_lease_taken_by_another_holder_is_noticed(store):
         assert holder.acquire("a") is None
         cas = store.cas(store.fs())
         _, version = cas.read(out.lock_path("a"))
-        assert cas.replace_if_match(out.lock_path("a"), {"run_id": "thief", "token": "stolen",
-                                                         "heartbeat": 0, "lease_s": lease_s}, version)
+        assert cas.replace_if_match(
+            out.lock_path("a"),
+            {"run_id": "thief", "token": "stolen", "heartbeat": 0, "lease_s": lease_s},
+            version,
+        )
         stolen = time.monotonic()
         while not holder.lost("a") and time.monotonic() - stolen < 5 * lease_s:
             time.sleep(0.02)
@@ -422,8 +468,7 @@ def test_a_lease_taken_by_another_holder_is_noticed(store):
     assert ShardLeases(out, owner("reader")).holder("a")["run_id"] == "thief"
 
 
-def test_gcs_emulator_without_preconditions_is_best_effort_and_says_so(
-        gcs_server, caplog, monkeypatch):  # noqa: F811
+def test_gcs_emulator_without_preconditions_is_best_effort_and_says_so(gcs_server, caplog, monkeypatch):  # noqa: F811
     """gcp-storage-emulator as shipped ignores ifGenerationMatch: the probe finds out, and leases
     fall back to write-wait-read-back with one warning instead of pretending to exclude."""
     monkeypatch.setattr(leases, "_warned_best_effort", set())
@@ -459,4 +504,3 @@ def test_gcs_lease_reads_without_a_generation_header(gcs_server, gcs_cas_server)
         version = store.create_if_absent(path, {"who": "me"})
         assert store.read(path) == ({"who": "me"}, version)
         assert store.read(f"{bucket}/locks/none.json") == (None, None)
-

@@ -44,6 +44,7 @@ def atomic_moto_writes():
                 time.sleep(WRITE_STALL["s"])
             with lock:
                 return fn(self, *args, **kwargs)
+
         return call
 
     for name, fn in originals.items():
@@ -123,8 +124,9 @@ def test_two_lease_sets_of_one_process_exclude_each_other(tmp_path):
     first.release("a")
     first.release("a")  # idempotent
     assert second.acquire("a") is None
-    assert json.loads((tmp_path / "out" / "_batchspec" / "locks" / "a.json").read_text())["run_id"] \
-        == "second"
+    assert (
+        json.loads((tmp_path / "out" / "_batchspec" / "locks" / "a.json").read_text())["run_id"] == "second"
+    )
 
 
 # ---------------------------------------------------------------------- dead and silent holders
@@ -145,8 +147,9 @@ def test_a_killed_holder_frees_a_local_lease_at_once(tmp_path, host):
 
 
 def _hold_then_fork(url, shard, ready, forked_pid):
-    leases = ShardLeases(OutputDir(url, {}), {"run_id": "forker", "host": this_host(), "pid": os.getpid(),
-                                               "started_at": "now"})
+    leases = ShardLeases(
+        OutputDir(url, {}), {"run_id": "forker", "host": this_host(), "pid": os.getpid(), "started_at": "now"}
+    )
     assert leases.acquire(shard) is None
     if os.fork() == 0:  # as multiprocessing or an engine may fork after leases are taken
         # ready only once the child runs: its after-fork handlers have run by then (on a busy
@@ -236,9 +239,16 @@ def test_a_silent_s3_holder_is_taken_over_after_lease_s_of_our_own_time(s3_out, 
     out = OutputDir(url, options)
     lease_s = 1.5
     bogus_wall = time.time() + skew_s
-    record = {"run_id": "silent", "host": "far-away.example", "pid": 4242, "started_at": "then",
-              "token": "their-token", "heartbeat": bogus_wall, "lease_s": lease_s,
-              "renewed_at": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(max(bogus_wall, 0)))}
+    record = {
+        "run_id": "silent",
+        "host": "far-away.example",
+        "pid": 4242,
+        "started_at": "then",
+        "token": "their-token",
+        "heartbeat": bogus_wall,
+        "lease_s": lease_s,
+        "renewed_at": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(max(bogus_wall, 0))),
+    }
     fs.call_s3("put_object", **_key(fs, out, "a"), Body=json.dumps(record).encode())
 
     taker = ShardLeases(out, owner("taker"), lease_s=lease_s)
@@ -272,8 +282,14 @@ def test_a_stolen_s3_lease_is_noticed_within_a_quarter_lease(s3_out):
         assert holder.acquire("a") is None and holder.acquire("b") is None
         assert not holder.lost("a") and holder.confirm("a")
         etag = fs.call_s3("head_object", **_key(fs, out, "a"))["ETag"]
-        thief = {"run_id": "thief", "host": "elsewhere", "pid": 1, "token": "stolen", "heartbeat": 0,
-                 "lease_s": lease_s}
+        thief = {
+            "run_id": "thief",
+            "host": "elsewhere",
+            "pid": 1,
+            "token": "stolen",
+            "heartbeat": 0,
+            "lease_s": lease_s,
+        }
         fs.call_s3("put_object", **_key(fs, out, "a"), Body=json.dumps(thief).encode(), IfMatch=etag)
         stolen = time.monotonic()
         while not holder.lost("a") and time.monotonic() - stolen < 5 * lease_s:
@@ -378,8 +394,7 @@ def test_the_s3_server_honours_conditional_writes(s3_out):
 
 
 @pytest.mark.parametrize("store", ["s3", "memory"])
-def test_a_dead_holder_is_taken_over_by_the_next_task_and_a_live_one_is_waited_for_once(
-        store, request):
+def test_a_dead_holder_is_taken_over_by_the_next_task_and_a_live_one_is_waited_for_once(store, request):
     """What a Ray driver does with a busy shard (every task on a replica has a fresh ShardLeases):
     the observation a task reports travels with the shard's retry, so the next task, whichever
     lease object makes it, takes a dead holder over once its heartbeat has been still for
@@ -455,8 +470,14 @@ def s3_without_conditional_delete(request, s3_out, monkeypatch):
     def delete_object(self):
         if self.headers.get("If-Match"):
             if request.param == "refuses If-Match":
-                return 501, {}, ("<?xml version='1.0' encoding='UTF-8'?><Error><Code>NotImplemented"
-                                 "</Code><Message>If-Match on DELETE</Message></Error>")
+                return (
+                    501,
+                    {},
+                    (
+                        "<?xml version='1.0' encoding='UTF-8'?><Error><Code>NotImplemented"
+                        "</Code><Message>If-Match on DELETE</Message></Error>"
+                    ),
+                )
             self.headers = {k: v for k, v in self.headers.items() if k.lower() != "if-match"}
         return honest(self)
 
@@ -465,7 +486,8 @@ def s3_without_conditional_delete(request, s3_out, monkeypatch):
 
 
 def test_a_release_never_deletes_a_lease_taken_over_since_without_conditional_delete(
-        s3_without_conditional_delete):
+    s3_without_conditional_delete,
+):
     """A holder that went silent, was taken over, then releases late: where DeleteObject does not
     honour If-Match, its release must not remove the new holder's lease (it used to delete
     unconditionally). A release on such a server frees the shard at once for the next taker."""

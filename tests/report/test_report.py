@@ -32,50 +32,93 @@ from batchspec.report.read import load_output, parse_storage_options
 from batchspec.report.text import markdown_text, render
 
 RUN_ID = "20260101T000000Z-aaaaaa"
-META = {"run_id": RUN_ID, "job": "t", "target_model": "tgt", "draft_model": "dft",
-        "speculative_method": "draft_model", "vllm_version": "0.32.0", "batchspec_version": "0.1.0",
-        "spec": {"speculative": {"method": "draft_model", "num_speculative_tokens": 3}}}
+META = {
+    "run_id": RUN_ID,
+    "job": "t",
+    "target_model": "tgt",
+    "draft_model": "dft",
+    "speculative_method": "draft_model",
+    "vllm_version": "0.32.0",
+    "batchspec_version": "0.1.0",
+    "spec": {"speculative": {"method": "draft_model", "num_speculative_tokens": 3}},
+}
 
 #: docs/contract.md's output columns, in order, with one kept input column (``topic``).
-SCHEMA = pa.schema([
-    ("request_id", pa.string()), ("topic", pa.string()),
-    ("generated_text", pa.string()), ("finish_reason", pa.string()),
-    ("num_prompt_tokens", pa.int32()), ("num_output_tokens", pa.int32()),
-    ("spec_num_steps", pa.int32()), ("spec_num_draft_tokens", pa.int32()),
-    ("spec_num_accepted_tokens", pa.int32()), ("spec_acceptance_rate", pa.float64()),
-    ("spec_mean_acceptance_length", pa.float64()),
-    ("spec_acceptance_histogram", pa.list_(pa.int32())),
-    ("time_queued_s", pa.float64()), ("time_to_first_token_s", pa.float64()),
-    ("time_decode_s", pa.float64()), ("time_e2e_s", pa.float64()),
-    ("output_tokens_per_s", pa.float64()), ("error", pa.string()),
-])
+SCHEMA = pa.schema(
+    [
+        ("request_id", pa.string()),
+        ("topic", pa.string()),
+        ("generated_text", pa.string()),
+        ("finish_reason", pa.string()),
+        ("num_prompt_tokens", pa.int32()),
+        ("num_output_tokens", pa.int32()),
+        ("spec_num_steps", pa.int32()),
+        ("spec_num_draft_tokens", pa.int32()),
+        ("spec_num_accepted_tokens", pa.int32()),
+        ("spec_acceptance_rate", pa.float64()),
+        ("spec_mean_acceptance_length", pa.float64()),
+        ("spec_acceptance_histogram", pa.list_(pa.int32())),
+        ("time_queued_s", pa.float64()),
+        ("time_to_first_token_s", pa.float64()),
+        ("time_decode_s", pa.float64()),
+        ("time_e2e_s", pa.float64()),
+        ("output_tokens_per_s", pa.float64()),
+        ("error", pa.string()),
+    ]
+)
 
 
-def ok(rid: str, text: str, out: int, ttft: float, e2e: float, tps: float,
-       spec: tuple[int, int, int, list[int]] | None = None) -> dict:
+def ok(
+    rid: str,
+    text: str,
+    out: int,
+    ttft: float,
+    e2e: float,
+    tps: float,
+    spec: tuple[int, int, int, list[int]] | None = None,
+) -> dict:
     """A successful row; ``spec`` = (steps, drafted, accepted, histogram) or None (spec off)."""
     row = dict.fromkeys(SCHEMA.names)
-    row.update(request_id=rid, topic="x", generated_text=text, finish_reason="length",
-               num_prompt_tokens=5, num_output_tokens=out, time_queued_s=0.0,
-               time_to_first_token_s=ttft, time_decode_s=e2e - ttft, time_e2e_s=e2e,
-               output_tokens_per_s=tps)
+    row.update(
+        request_id=rid,
+        topic="x",
+        generated_text=text,
+        finish_reason="length",
+        num_prompt_tokens=5,
+        num_output_tokens=out,
+        time_queued_s=0.0,
+        time_to_first_token_s=ttft,
+        time_decode_s=e2e - ttft,
+        time_e2e_s=e2e,
+        output_tokens_per_s=tps,
+    )
     if spec:
         steps, drafted, accepted, hist = spec
-        row.update(spec_num_steps=steps, spec_num_draft_tokens=drafted,
-                   spec_num_accepted_tokens=accepted, spec_acceptance_rate=accepted / drafted,
-                   spec_mean_acceptance_length=1 + accepted / steps, spec_acceptance_histogram=hist)
+        row.update(
+            spec_num_steps=steps,
+            spec_num_draft_tokens=drafted,
+            spec_num_accepted_tokens=accepted,
+            spec_acceptance_rate=accepted / drafted,
+            spec_mean_acceptance_length=1 + accepted / steps,
+            spec_acceptance_histogram=hist,
+        )
     return row
 
 
 def failed(rid: str, message: str) -> dict:
     row = dict.fromkeys(SCHEMA.names)
-    row.update(request_id=rid, topic="x", finish_reason="error", num_prompt_tokens=5,
-               num_output_tokens=0, error=message)
+    row.update(
+        request_id=rid,
+        topic="x",
+        finish_reason="error",
+        num_prompt_tokens=5,
+        num_output_tokens=0,
+        error=message,
+    )
     return row
 
 
-def write_output(root: Path, shards: dict[str, list[dict]], meta: dict = META,
-                 runs: list[dict] = ()) -> str:
+def write_output(root: Path, shards: dict[str, list[dict]], meta: dict = META, runs: list[dict] = ()) -> str:
     """An output directory as the runner leaves it: one file per shard, run summaries."""
     root.mkdir(parents=True, exist_ok=True)
     for name, rows in shards.items():
@@ -92,25 +135,32 @@ def write_output(root: Path, shards: dict[str, list[dict]], meta: dict = META,
 
 #: Shard s0 and s1 of run A. k = 3; each histogram has sum(h) = steps, sum(j * h[j]) = accepted.
 A_SHARDS = {
-    "s0": [ok("r1", "a", 10, 0.1, 1.0, 10.0, (4, 12, 6, [1, 1, 1, 1])),
-           ok("r2", "b", 20, 0.2, 2.0, 20.0, (5, 15, 12, [0, 1, 1, 3])),
-           failed("r3", "prompt too long: 600 tokens > 512")],
-    "s1": [ok("r4", "c", 30, 0.3, 3.0, 30.0, (10, 30, 15, [2, 3, 3, 2])),
-           ok("r5", "d", 40, 0.4, 4.0, 40.0, (8, 24, 24, [0, 0, 0, 8])),
-           failed("r6", "empty prompt"),
-           failed("r7", "prompt too long: 700 tokens > 512")],
+    "s0": [
+        ok("r1", "a", 10, 0.1, 1.0, 10.0, (4, 12, 6, [1, 1, 1, 1])),
+        ok("r2", "b", 20, 0.2, 2.0, 20.0, (5, 15, 12, [0, 1, 1, 3])),
+        failed("r3", "prompt too long: 600 tokens > 512"),
+    ],
+    "s1": [
+        ok("r4", "c", 30, 0.3, 3.0, 30.0, (10, 30, 15, [2, 3, 3, 2])),
+        ok("r5", "d", 40, 0.4, 4.0, 40.0, (8, 24, 24, [0, 0, 0, 8])),
+        failed("r6", "empty prompt"),
+        failed("r7", "prompt too long: 700 tokens > 512"),
+    ],
 }
-RUNS = [{"run_id": RUN_ID, "acceptance_per_position": {"num_drafts": 27, "accepted": [24, 19, 14]}},
-        # another output's run: its counters are not this output's
-        {"run_id": "20250101T000000Z-other", "acceptance_per_position": {"num_drafts": 5,
-                                                                         "accepted": [5, 5, 5]}}]
-B_ROWS = [ok("r1", "a", 10, 0.1, 0.5, 20.0, (4, 12, 7, [1, 1, 0, 2])),        # rate 0.5 -> 7/12
-          ok("r1", "dup", 10, 0.1, 0.5, 20.0, (4, 12, 12, [0, 0, 0, 4])),     # duplicate id
-          ok("r2", "changed", 20, 0.2, 1.0, 40.0, (5, 15, 12, [0, 1, 1, 3])),  # rate 0.8 -> 0.8
-          ok("r4", "c", 30, 0.3, 1.5, 60.0, (10, 30, 12, [2, 4, 4, 0])),      # rate 0.5 -> 0.4
-          ok("r5", "d", 40, 0.4, 2.0, 80.0, (8, 24, 24, [0, 0, 0, 8])),       # rate 1.0 -> 1.0
-          failed("r6", "empty prompt"),
-          ok("r8", "new", 5, 0.1, 0.2, 50.0, (2, 6, 3, [1, 0, 0, 1]))]
+RUNS = [
+    {"run_id": RUN_ID, "acceptance_per_position": {"num_drafts": 27, "accepted": [24, 19, 14]}},
+    # another output's run: its counters are not this output's
+    {"run_id": "20250101T000000Z-other", "acceptance_per_position": {"num_drafts": 5, "accepted": [5, 5, 5]}},
+]
+B_ROWS = [
+    ok("r1", "a", 10, 0.1, 0.5, 20.0, (4, 12, 7, [1, 1, 0, 2])),  # rate 0.5 -> 7/12
+    ok("r1", "dup", 10, 0.1, 0.5, 20.0, (4, 12, 12, [0, 0, 0, 4])),  # duplicate id
+    ok("r2", "changed", 20, 0.2, 1.0, 40.0, (5, 15, 12, [0, 1, 1, 3])),  # rate 0.8 -> 0.8
+    ok("r4", "c", 30, 0.3, 1.5, 60.0, (10, 30, 12, [2, 4, 4, 0])),  # rate 0.5 -> 0.4
+    ok("r5", "d", 40, 0.4, 2.0, 80.0, (8, 24, 24, [0, 0, 0, 8])),  # rate 1.0 -> 1.0
+    failed("r6", "empty prompt"),
+    ok("r8", "new", 5, 0.1, 0.2, 50.0, (2, 6, 3, [1, 0, 0, 1])),
+]
 
 
 @pytest.fixture
@@ -162,6 +212,7 @@ def section(text: str, start: str) -> str:
 
 # ---- figures ---------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("where", ["local", "memory"])
 def test_figures_match_hand_computation(out_a, to_memory, where):
     url = out_a if where == "local" else to_memory(out_a)
@@ -180,17 +231,22 @@ def test_figures_match_hand_computation(out_a, to_memory, where):
     # per-request rates 0.5, 0.8, 0.5, 1.0 -> sorted 0.5 0.5 0.8 1.0; linear interpolation at
     # h = (n - 1) * p: p50 at 1.5 -> 0.65, p90 at 2.7 -> 0.8 + 0.7 * 0.2, p99 at 2.97
     assert m["acceptance_rate_per_request"] == pytest.approx(
-        {"count": 4, "mean": 0.7, "min": 0.5, "p50": 0.65, "p90": 0.94, "p99": 0.994, "max": 1.0})
+        {"count": 4, "mean": 0.7, "min": 0.5, "p50": 0.65, "p90": 0.94, "p99": 0.994, "max": 1.0}
+    )
     # lengths 1 + 6/4, 1 + 12/5, 1 + 15/10, 1 + 24/8 -> 2.5 2.5 3.4 4.0
     assert m["acceptance_length_per_request"] == pytest.approx(
-        {"count": 4, "mean": 3.1, "min": 2.5, "p50": 2.95, "p90": 3.82, "p99": 3.982, "max": 4.0})
+        {"count": 4, "mean": 3.1, "min": 2.5, "p50": 2.95, "p90": 3.82, "p99": 3.982, "max": 4.0}
+    )
     # failed rows have no timings: e2e 1 2 3 4, TTFT .1 .2 .3 .4, tok/s 10 20 30 40
     assert m["e2e_s"] == pytest.approx(
-        {"count": 4, "mean": 2.5, "min": 1.0, "p50": 2.5, "p90": 3.7, "p99": 3.97, "max": 4.0})
+        {"count": 4, "mean": 2.5, "min": 1.0, "p50": 2.5, "p90": 3.7, "p99": 3.97, "max": 4.0}
+    )
     assert m["ttft_s"] == pytest.approx(
-        {"count": 4, "mean": 0.25, "min": 0.1, "p50": 0.25, "p90": 0.37, "p99": 0.397, "max": 0.4})
+        {"count": 4, "mean": 0.25, "min": 0.1, "p50": 0.25, "p90": 0.37, "p99": 0.397, "max": 0.4}
+    )
     assert m["decode_tokens_per_s"] == pytest.approx(
-        {"count": 4, "mean": 25.0, "min": 10.0, "p50": 25.0, "p90": 37.0, "p99": 39.7, "max": 40.0})
+        {"count": 4, "mean": 25.0, "min": 10.0, "p50": 25.0, "p90": 37.0, "p99": 39.7, "max": 40.0}
+    )
 
     s0, s1 = r["shards"]["s0"], r["shards"]["s1"]
     assert (s0["rows"], s0["errors"], s0["output_tokens"], s0["run_id"]) == (3, 1, 30, RUN_ID)
@@ -247,6 +303,7 @@ def test_speculation_off_is_null_not_zero(out_off):
 
 # ---- rendered formats ------------------------------------------------------------------------
 
+
 def test_markdown_cells(out_a):
     md = render(build_report(out_a), "markdown")
     summary = section(md, "| metric | value |")
@@ -296,6 +353,7 @@ def test_text_table_and_json(out_a):
 
 # ---- compare mode ----------------------------------------------------------------------------
 
+
 def check_matching(mt: dict) -> None:
     assert (mt["matched"], mt["only_in_a"], mt["only_in_b"]) == (5, 2, 1)  # r3, r7 | r8
     assert (mt["duplicate_ids_a"], mt["duplicate_ids_b"]) == (0, 1)
@@ -304,9 +362,20 @@ def check_matching(mt: dict) -> None:
     assert mt["identical_text_fraction"] == pytest.approx(0.75)
     d = mt["acceptance_rate_diff"]
     # B - A per request: r1 7/12 - 1/2, r2 0, r4 0.4 - 0.5, r5 0 -> sorted -0.1 0 0 1/12
-    assert d == pytest.approx({"count": 4, "mean": (1 / 12 - 0.1) / 4, "min": -0.1, "p50": 0.0,
-                               "p90": 0.7 / 12, "p99": 0.97 / 12, "max": 1 / 12,
-                               "b_higher": 1, "a_higher": 1, "equal": 2})
+    assert d == pytest.approx(
+        {
+            "count": 4,
+            "mean": (1 / 12 - 0.1) / 4,
+            "min": -0.1,
+            "p50": 0.0,
+            "p90": 0.7 / 12,
+            "p99": 0.97 / 12,
+            "max": 1 / 12,
+            "b_higher": 1,
+            "a_higher": 1,
+            "equal": 2,
+        }
+    )
 
 
 def test_compare_figures(out_a, out_b):
@@ -318,7 +387,8 @@ def test_compare_figures(out_a, out_b):
     # B: 10 + 10 + 20 + 30 + 40 + 0 + 5 output tokens; drafted 99, accepted 70, steps 33
     assert ch["output_tokens"] == {"a": 100, "b": 115, "delta": 15, "ratio": pytest.approx(1.15)}
     assert ch["acceptance_rate"] == pytest.approx(
-        {"a": 57 / 81, "b": 70 / 99, "delta": 70 / 99 - 57 / 81, "ratio": (70 / 99) / (57 / 81)})
+        {"a": 57 / 81, "b": 70 / 99, "delta": 70 / 99 - 57 / 81, "ratio": (70 / 99) / (57 / 81)}
+    )
     assert ch["mean_acceptance_length"]["b"] == pytest.approx(1 + 70 / 33)
     # B counts every row, its duplicate too: e2e .2 .5 .5 1 1.5 2 -> p50 at 2.5 = 0.75, p90 at
     # 4.5 = 1.75; tok/s 20 20 40 50 60 80 -> p50 45, mean 45
@@ -360,8 +430,12 @@ def test_compare_with_speculation_off(out_a, out_off):
     # r1 r2 in both (same texts), r3 failed in A and in B
     assert (mt["matched"], mt["both_ok"], mt["identical_text"]) == (3, 2, 2)
     assert mt["acceptance_rate_diff"] is None
-    assert c["changes"]["acceptance_rate"] == {"a": pytest.approx(57 / 81), "b": None, "delta": None,
-                                               "ratio": None}
+    assert c["changes"]["acceptance_rate"] == {
+        "a": pytest.approx(57 / 81),
+        "b": None,
+        "delta": None,
+        "ratio": None,
+    }
     md = render(c, "markdown")
     assert "| acceptance rate | 0.704 | - | - | - |" in md
     assert "| acceptance rate B - A | - (needs acceptance data in both runs) |" in md
@@ -371,6 +445,7 @@ def test_compare_with_speculation_off(out_a, out_off):
 
 # ---- projection: a single-run report never reads generated_text ------------------------------
 
+
 def corrupt_column(path: Path, column: str) -> None:
     """Overwrite every page of ``column`` (dictionary and data) with 0xFF bytes; the footer
     stays valid, so only a reader that decodes this column notices."""
@@ -378,10 +453,9 @@ def corrupt_column(path: Path, column: str) -> None:
     data = bytearray(path.read_bytes())
     for g in range(meta.num_row_groups):
         rg = meta.row_group(g)
-        chunk = next(rg.column(i) for i in range(rg.num_columns)
-                     if rg.column(i).path_in_schema == column)
+        chunk = next(rg.column(i) for i in range(rg.num_columns) if rg.column(i).path_in_schema == column)
         start = chunk.dictionary_page_offset if chunk.has_dictionary_page else chunk.data_page_offset
-        data[start:start + chunk.total_compressed_size] = b"\xff" * chunk.total_compressed_size
+        data[start : start + chunk.total_compressed_size] = b"\xff" * chunk.total_compressed_size
     path.write_bytes(bytes(data))
 
 
@@ -417,15 +491,21 @@ def test_damaged_statistics_column_names_the_file(tmp_path):
 # ---- hostile strings -------------------------------------------------------------------------
 
 EVIL_SHARD = "s|`<svg onload=alert(1)>`&"
-EVIL_META = {**META, "run_id": "r|<u>1</u>", "target_model": "/m/<script>alert(1)</script>|x",
-             "draft_model": "d`x`\n# heading"}
+EVIL_META = {
+    **META,
+    "run_id": "r|<u>1</u>",
+    "target_model": "/m/<script>alert(1)</script>|x",
+    "draft_model": "d`x`\n# heading",
+}
 EVIL_REASON = "<b>bad</b> | `x`\n<i>next"
 
 
 @pytest.fixture
 def out_evil(tmp_path) -> str:
-    rows = [ok("r1", "<script>t</script>", 10, 0.1, 1.0, 10.0, (4, 12, 6, [1, 1, 1, 1])),
-            failed("r2", EVIL_REASON + ": detail")]
+    rows = [
+        ok("r1", "<script>t</script>", 10, 0.1, 1.0, 10.0, (4, 12, 6, [1, 1, 1, 1])),
+        failed("r2", EVIL_REASON + ": detail"),
+    ]
     return write_output(tmp_path / "out<x>|y", {EVIL_SHARD: rows}, meta=EVIL_META)
 
 
@@ -470,9 +550,36 @@ class Tags(HTMLParser):
 
 
 #: Every tag the report page draws with; anything else came from data.
-PAGE_TAGS = {"html", "head", "meta", "title", "style", "body", "main", "header", "h1", "h2", "h3",
-             "div", "code", "section", "svg", "line", "text", "rect", "circle", "table", "thead",
-             "tbody", "tr", "th", "td", "i", "span", "footer"}
+PAGE_TAGS = {
+    "html",
+    "head",
+    "meta",
+    "title",
+    "style",
+    "body",
+    "main",
+    "header",
+    "h1",
+    "h2",
+    "h3",
+    "div",
+    "code",
+    "section",
+    "svg",
+    "line",
+    "text",
+    "rect",
+    "circle",
+    "table",
+    "thead",
+    "tbody",
+    "tr",
+    "th",
+    "td",
+    "i",
+    "span",
+    "footer",
+}
 
 
 def test_html_escapes_hostile_strings(out_evil):
@@ -492,11 +599,13 @@ def test_html_escapes_hostile_strings(out_evil):
     assert "&lt;b&gt;bad&lt;/b&gt; | `x`\n&lt;i&gt;next" in html
 
 
-
 def test_lineage_urls_lose_their_credentials(tmp_path):
     """Model names from file metadata are printed through sanitize_url: no login, no query."""
-    meta = {**META, "target_model": "s3://ann:pa55word@models/tgt?X-Amz-Signature=s1gn4ture",
-            "draft_model": "https://hub.example/dft?token=t0ken-value"}
+    meta = {
+        **META,
+        "target_model": "s3://ann:pa55word@models/tgt?X-Amz-Signature=s1gn4ture",
+        "draft_model": "https://hub.example/dft?token=t0ken-value",
+    }
     url = write_output(tmp_path / "a", {"s0": A_SHARDS["s0"]}, meta=meta)
     r = build_report(url)
     assert r["lineage"]["target_model"] == ["s3://models/tgt"]
@@ -509,15 +618,17 @@ def test_lineage_urls_lose_their_credentials(tmp_path):
 
 # ---- HTML ------------------------------------------------------------------------------------
 
+
 def cards(html: str) -> dict[str, str]:
     """Each card of the page by its heading."""
-    return {m.group(1): m.group(0) for m in
-            re.finditer(r'<section class="card[^"]*"><h3>([^<]*)</h3>.*?</section>', html, re.S)}
+    return {
+        m.group(1): m.group(0)
+        for m in re.finditer(r'<section class="card[^"]*"><h3>([^<]*)</h3>.*?</section>', html, re.S)
+    }
 
 
 def assert_self_contained(html: str) -> None:
-    for needle in ("<script", "<link", "<img", "<iframe", "<object", "src=", "href=", "url(",
-                   "@import"):
+    for needle in ("<script", "<link", "<img", "<iframe", "<object", "src=", "href=", "url(", "@import"):
         assert needle not in html.lower(), needle
     # the only URL is SVG's namespace name, which is never fetched
     assert set(re.findall(r"(?:https?:)?//[^\s\"'<>]+", html)) == {"http://www.w3.org/2000/svg"}
@@ -551,11 +662,18 @@ def test_html_charts_carry_the_figures(out_a):
     speed = c["Decode speed per shard"]
     assert "<title>run s0: 15.0</title>" in speed and "<title>run s1: 35.0</title>" in speed
     kpis = dict(re.findall(r'<div class="k">([^<]*)</div><div class="v">([^<]*)</div>', html))
-    assert kpis == {"rows": "7", "errors": "3", "output tokens": "100", "acceptance rate": "0.704",
-                    "accept. length": "3.11", "e2e latency p50": "2.50 s", "TTFT p50": "0.25 s",
-                    "decode tok/s p50": "25.0"}
+    assert kpis == {
+        "rows": "7",
+        "errors": "3",
+        "output tokens": "100",
+        "acceptance rate": "0.704",
+        "accept. length": "3.11",
+        "e2e latency p50": "2.50 s",
+        "TTFT p50": "0.25 s",
+        "decode tok/s p50": "25.0",
+    }
     shard_table = c["Per shard"]
-    assert "<td class=\"l\">s1</td><td class=\"r\">4</td><td class=\"r\">2</td>" in shard_table
+    assert '<td class="l">s1</td><td class="r">4</td><td class="r">2</td>' in shard_table
 
 
 def test_html_comparison_charts(out_a, out_b):
@@ -587,13 +705,25 @@ def test_nice_ticks():
 
 # ---- command line ----------------------------------------------------------------------------
 
+
 def test_cli(out_a, out_b, tmp_path):
     runner = CliRunner()
     res = runner.invoke(main, ["report", out_a])
     assert res.exit_code == 0, res.output
     shard_line = next(line for line in res.stdout.splitlines() if line.split()[:1] == ["s1"])
-    assert shard_line.split() == ["s1", "4", "2", "70", "0.722", "3.17", "0.350", "3.500", "3.900",
-                                  "35.0", "35.0"]
+    assert shard_line.split() == [
+        "s1",
+        "4",
+        "2",
+        "70",
+        "0.722",
+        "3.17",
+        "0.350",
+        "3.500",
+        "3.900",
+        "35.0",
+        "35.0",
+    ]
     html = tmp_path / "r.html"
     res = runner.invoke(main, ["report", out_a, out_b, "--format", "json", "--html", str(html)])
     assert res.exit_code == 0, res.output
@@ -607,16 +737,26 @@ def test_cli(out_a, out_b, tmp_path):
     assert "| s0 | 3 | 1 | 30 | 0.667 | 3.00 |" in res.stdout
 
 
-@pytest.mark.parametrize("args, message", [
-    ([], "give OUTPUT_PATH, or --job"),
-    (["a", "b", "--job", "JOB"], "at most one OUTPUT_PATH"),
-    (["a", "--storage-option", "novalue"], "--storage-option 'novalue': expected KEY=VALUE"),
-    (["a", "--storage-option", "x..y=1"], "expected KEY=VALUE"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        ([], "give OUTPUT_PATH, or --job"),
+        (["a", "b", "--job", "JOB"], "at most one OUTPUT_PATH"),
+        (["a", "--storage-option", "novalue"], "--storage-option 'novalue': expected KEY=VALUE"),
+        (["a", "--storage-option", "x..y=1"], "expected KEY=VALUE"),
+    ],
+)
 def test_cli_bad_arguments_exit_2(tmp_path, out_a, args, message):
     job = tmp_path / "job.yaml"
-    job.write_text(yaml.safe_dump({"input": {"path": "in/*.parquet", "prompt_column": "p"},
-                                   "output": {"path": out_a}, "model": {"target": "m"}}))
+    job.write_text(
+        yaml.safe_dump(
+            {
+                "input": {"path": "in/*.parquet", "prompt_column": "p"},
+                "output": {"path": out_a},
+                "model": {"target": "m"},
+            }
+        )
+    )
     args = [str(job) if a == "JOB" else out_a if a == "a" else a for a in args]
     res = CliRunner().invoke(main, ["report", *args])
     assert res.exit_code == 2, res.output
@@ -625,15 +765,22 @@ def test_cli_bad_arguments_exit_2(tmp_path, out_a, args, message):
 
 def test_cli_job_reads_its_output_path(tmp_path, out_a, out_b):
     job = tmp_path / "job.yaml"
-    job.write_text(yaml.safe_dump({"input": {"path": "in/*.parquet", "prompt_column": "p"},
-                                   "output": {"path": "${OUT}"}, "model": {"target": "m"}}))
-    res = CliRunner().invoke(main, ["report", "--job", str(job), "--format", "json"],
-                             env={"OUT": out_a})
+    job.write_text(
+        yaml.safe_dump(
+            {
+                "input": {"path": "in/*.parquet", "prompt_column": "p"},
+                "output": {"path": "${OUT}"},
+                "model": {"target": "m"},
+            }
+        )
+    )
+    res = CliRunner().invoke(main, ["report", "--job", str(job), "--format", "json"], env={"OUT": out_a})
     assert res.exit_code == 0, res.output
     assert json.loads(res.stdout)["overall"]["output_tokens"] == 100
     # an OUTPUT_PATH beside --job is B, compared against the job's output
-    res = CliRunner().invoke(main, ["report", "--job", str(job), out_b, "--format", "json"],
-                             env={"OUT": out_a})
+    res = CliRunner().invoke(
+        main, ["report", "--job", str(job), out_b, "--format", "json"], env={"OUT": out_a}
+    )
     assert res.exit_code == 0, res.output
     parsed = json.loads(res.stdout)
     assert (parsed["a"]["overall"]["output_tokens"], parsed["b"]["overall"]["output_tokens"]) == (100, 115)
@@ -641,11 +788,22 @@ def test_cli_job_reads_its_output_path(tmp_path, out_a, out_b):
 
 def test_parse_storage_options():
     base = {"key": "k", "client_kwargs": {"region_name": "eu-west-1"}}
-    got = parse_storage_options(["client_kwargs.endpoint_url=http://127.0.0.1:9000", "use_ssl=false",
-                                 "config_kwargs.retries={max_attempts: 3}", "secret=s:e=c"], base)
-    assert got == {"key": "k", "secret": "s:e=c", "use_ssl": False,
-                   "client_kwargs": {"region_name": "eu-west-1", "endpoint_url": "http://127.0.0.1:9000"},
-                   "config_kwargs": {"retries": {"max_attempts": 3}}}
+    got = parse_storage_options(
+        [
+            "client_kwargs.endpoint_url=http://127.0.0.1:9000",
+            "use_ssl=false",
+            "config_kwargs.retries={max_attempts: 3}",
+            "secret=s:e=c",
+        ],
+        base,
+    )
+    assert got == {
+        "key": "k",
+        "secret": "s:e=c",
+        "use_ssl": False,
+        "client_kwargs": {"region_name": "eu-west-1", "endpoint_url": "http://127.0.0.1:9000"},
+        "config_kwargs": {"retries": {"max_attempts": 3}},
+    }
     assert base == {"key": "k", "client_kwargs": {"region_name": "eu-west-1"}}  # not changed
     with pytest.raises(SpecError, match="key.sub: key holds str 'k', not a mapping"):
         parse_storage_options(["key.sub=1"], base)
@@ -698,20 +856,30 @@ def s3_output(s3_server, out_a, out_b):
 
 def test_cli_reads_s3_with_storage_options(s3_output):
     bucket, options = s3_output
-    args = ["--storage-option", f"key={options['key']}", "--storage-option",
-            f"secret={options['secret']}", "--storage-option",
-            f"client_kwargs.endpoint_url={options['client_kwargs']['endpoint_url']}"]
+    args = [
+        "--storage-option",
+        f"key={options['key']}",
+        "--storage-option",
+        f"secret={options['secret']}",
+        "--storage-option",
+        f"client_kwargs.endpoint_url={options['client_kwargs']['endpoint_url']}",
+    ]
     res = CliRunner().invoke(main, ["report", f"s3://{bucket}/a", *args, "--format", "json"])
     assert res.exit_code == 0, res.output
     r = json.loads(res.stdout)
     assert (r["path"], r["files"], r["overall"]["rows"], r["overall"]["errors"]) == (
-        f"s3://{bucket}/a", 2, 7, 3)
+        f"s3://{bucket}/a",
+        2,
+        7,
+        3,
+    )
     assert r["overall"]["acceptance_rate"] == pytest.approx(57 / 81)
     assert r["overall"]["e2e_s"]["p90"] == pytest.approx(3.7)
     assert r["shards"]["s1"]["output_tokens"] == 70
     assert r["acceptance_per_position"]["accepted"] == [24, 19, 14]  # _batchspec/runs/ on S3
-    res = CliRunner().invoke(main, ["report", f"s3://{bucket}/a", f"s3://{bucket}/b", *args,
-                                    "--format", "json"])
+    res = CliRunner().invoke(
+        main, ["report", f"s3://{bucket}/a", f"s3://{bucket}/b", *args, "--format", "json"]
+    )
     assert res.exit_code == 0, res.output
     check_matching(json.loads(res.stdout)["matching"])
 
@@ -719,10 +887,15 @@ def test_cli_reads_s3_with_storage_options(s3_output):
 def test_cli_reads_s3_with_job(s3_output, tmp_path):
     bucket, options = s3_output
     job = tmp_path / "job.yaml"
-    job.write_text(yaml.safe_dump({
-        "input": {"path": f"s3://{bucket}/in/*.parquet", "prompt_column": "p"},
-        "output": {"path": f"s3://{bucket}/a", "storage_options": options},
-        "model": {"target": "m"}}))
+    job.write_text(
+        yaml.safe_dump(
+            {
+                "input": {"path": f"s3://{bucket}/in/*.parquet", "prompt_column": "p"},
+                "output": {"path": f"s3://{bucket}/a", "storage_options": options},
+                "model": {"target": "m"},
+            }
+        )
+    )
     res = CliRunner().invoke(main, ["report", "--job", str(job), "--format", "markdown"])
     assert res.exit_code == 0, res.output
     assert f"# batchspec report: s3://{bucket}/a\n" in res.stdout
@@ -738,8 +911,18 @@ def test_s3_report_fetches_the_statistics_columns_only(s3_server, tmp_path, monk
 
     _, options = s3_server
     rnd = random.Random(0)
-    rows = [ok(f"r{i}", "".join(rnd.choices(string.ascii_letters, k=1000)), 10 + i % 7, 0.1,
-               1.0 + i % 5, 10.0, (4, 12, i % 13, [1, 1, 1, 1])) for i in range(4000)]
+    rows = [
+        ok(
+            f"r{i}",
+            "".join(rnd.choices(string.ascii_letters, k=1000)),
+            10 + i % 7,
+            0.1,
+            1.0 + i % 5,
+            10.0,
+            (4, 12, i % 13, [1, 1, 1, 1]),
+        )
+        for i in range(4000)
+    ]
     schema = SCHEMA.with_metadata({b"batchspec": json.dumps(META).encode()})
     local = tmp_path / "s0.parquet"
     pq.write_table(pa.Table.from_pylist(rows, schema=schema), local, row_group_size=500)
@@ -772,17 +955,19 @@ def test_structured_valid_share_per_shard_and_old_files_without_the_column(tmp_p
     """A shard written with the request-feature columns (structured_valid: 2 of 3 constrained
     rows valid, one row unconstrained) next to one written before they existed: the report
     gives 2/3 for the first, nothing for the second, and the old file still reads."""
-    new_schema = pa.schema([*SCHEMA, ("sample_index", pa.int32()),
-                            ("structured_valid", pa.bool_())])
+    new_schema = pa.schema([*SCHEMA, ("sample_index", pa.int32()), ("structured_valid", pa.bool_())])
     rows = [ok(f"n{i}", "{}", 3, 0.1, 0.2, 10.0) for i in range(4)]
     for row, valid in zip(rows, [True, False, True, None], strict=True):
         row.update(sample_index=0, structured_valid=valid)
     path = write_output(tmp_path / "out", {"old": [ok("o1", "x", 3, 0.1, 0.2, 10.0)]})
-    pq.write_table(pa.Table.from_pylist(rows, schema=new_schema).replace_schema_metadata(
-        {"batchspec": json.dumps(META)}), tmp_path / "out" / "new.parquet")
+    pq.write_table(
+        pa.Table.from_pylist(rows, schema=new_schema).replace_schema_metadata(
+            {"batchspec": json.dumps(META)}
+        ),
+        tmp_path / "out" / "new.parquet",
+    )
     report = build_report(path)
-    assert report["shards"]["new"]["structured_outputs"] == {"rows": 3, "valid": 2,
-                                                             "valid_share": 2 / 3}
+    assert report["shards"]["new"]["structured_outputs"] == {"rows": 3, "valid": 2, "valid_share": 2 / 3}
     assert report["shards"]["old"]["structured_outputs"] is None
     assert report["overall"]["structured_outputs"]["valid"] == 2
     text = render(report, "table")

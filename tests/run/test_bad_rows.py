@@ -25,12 +25,14 @@ from batchspec.spec.build import build_spec
 
 
 def _spec(tmp_path, **changes):
-    raw = {"name": "bad-rows",
-           "input": {"path": str(tmp_path / "in" / "*.parquet"), "prompt_column": "prompt"},
-           "output": {"path": str(tmp_path / "out")},
-           "model": {"target": "unused"},
-           "sampling": {"temperature": 0.0, "max_tokens": 8},
-           "execution": {"max_in_flight": 5, "prefix_window": 0}}
+    raw = {
+        "name": "bad-rows",
+        "input": {"path": str(tmp_path / "in" / "*.parquet"), "prompt_column": "prompt"},
+        "output": {"path": str(tmp_path / "out")},
+        "model": {"target": "unused"},
+        "sampling": {"temperature": 0.0, "max_tokens": 8},
+        "execution": {"max_in_flight": 5, "prefix_window": 0},
+    }
     for key, value in changes.items():
         section, _, name = key.partition("__")
         raw[section] = {**raw[section], name: value} if name else value
@@ -77,28 +79,40 @@ def test_sigterm_still_drops_a_shard_not_fully_handed_over(tmp_path):
 # ---------------------------------------------------------------- spec-level refusals
 
 
-@pytest.mark.parametrize("target, engine", [
-    ("tiny-target", {}),                                   # the target's own name
-    ("/models/x", {"served_model_name": "tiny-target"}),   # the served name
-    ("/models/x", {"served_model_name": ["a", "tiny-target"]}),
-])
+@pytest.mark.parametrize(
+    "target, engine",
+    [
+        ("tiny-target", {}),  # the target's own name
+        ("/models/x", {"served_model_name": "tiny-target"}),  # the served name
+        ("/models/x", {"served_model_name": ["a", "tiny-target"]}),
+    ],
+)
 def test_an_adapter_named_like_the_served_model_is_refused(tmp_path, target, engine):
     """An OpenAI Batch line naming the base model would have run with the adapter: the silent
     substitution the docs promise never happens."""
     with pytest.raises(SpecError) as err:
-        _spec(tmp_path, model={"target": target, "engine": engine,
-                               "lora": {"adapters": {"tiny-target": "org/adapter"}}})
+        _spec(
+            tmp_path,
+            model={"target": target, "engine": engine, "lora": {"adapters": {"tiny-target": "org/adapter"}}},
+        )
     assert err.value.key == "model.lora.adapters.tiny-target" and err.value.exit_code == 2
 
 
 @pytest.mark.vllm
-@pytest.mark.parametrize("sampling, key", [
-    ({"seed": "7"}, "sampling.seed"), ({"seed": 1.5}, "sampling.seed"),
-    ({"seed": True}, "sampling.seed"), ({"seed": 2 ** 64}, "sampling.seed"),
-    ({"stop": {"a": 1}}, "sampling.stop"), ({"stop": [["x"]]}, "sampling.stop"),
-    ({"temperature": "hot"}, "sampling.temperature"), ({"max_tokens": 2.5}, "sampling.max_tokens"),
-    ({"n": 129, "seed": 1, "temperature": 0.8}, "sampling.n"),
-])
+@pytest.mark.parametrize(
+    "sampling, key",
+    [
+        ({"seed": "7"}, "sampling.seed"),
+        ({"seed": 1.5}, "sampling.seed"),
+        ({"seed": True}, "sampling.seed"),
+        ({"seed": 2**64}, "sampling.seed"),
+        ({"stop": {"a": 1}}, "sampling.stop"),
+        ({"stop": [["x"]]}, "sampling.stop"),
+        ({"temperature": "hot"}, "sampling.temperature"),
+        ({"max_tokens": 2.5}, "sampling.max_tokens"),
+        ({"n": 129, "seed": 1, "temperature": 0.8}, "sampling.n"),
+    ],
+)
 def test_a_job_wide_value_of_the_wrong_type_exits_2_naming_the_key(tmp_path, sampling, key):
     from batchspec.engine.checks import check_vllm_keys
 
@@ -109,11 +123,18 @@ def test_a_job_wide_value_of_the_wrong_type_exits_2_naming_the_key(tmp_path, sam
 
 
 @pytest.mark.vllm
-@pytest.mark.parametrize("key, value, expected", [
-    ("seed", 42.0, 42),              # pandas' float64 for an integer column with a missing value
-    ("seed", 7, 7), ("max_tokens", 16.0, 16), ("stop", "x", "x"), ("stop", ["a", "b"], ["a", "b"]),
-    ("temperature", 1, 1), ("top_p", 0.5, 0.5),
-])
+@pytest.mark.parametrize(
+    "key, value, expected",
+    [
+        ("seed", 42.0, 42),  # pandas' float64 for an integer column with a missing value
+        ("seed", 7, 7),
+        ("max_tokens", 16.0, 16),
+        ("stop", "x", "x"),
+        ("stop", ["a", "b"], ["a", "b"]),
+        ("temperature", 1, 1),
+        ("top_p", 0.5, 0.5),
+    ],
+)
 def test_values_of_the_natural_types_pass(key, value, expected):
     from batchspec.engine.checks import sampling_value
 
@@ -130,14 +151,27 @@ def test_a_credential_in_the_target_never_reaches_the_errors_file(tmp_path):
     target = "s3://AKIAEXAMPLEKEY:wJalrSECRETkey@models/tiny?X-Amz-Signature=deadbeefcafe"
     path = tmp_path / "in" / "requests.jsonl"
     path.parent.mkdir(parents=True)
-    lines = [{"custom_id": "a", "method": "POST", "url": "/v1/completions",
-              "body": {"model": "other", "prompt": "hi"}},
-             {"custom_id": "b", "method": "POST", "url": "/v1/completions",
-              "body": {"model": target, "prompt": "hi"}}]
+    lines = [
+        {
+            "custom_id": "a",
+            "method": "POST",
+            "url": "/v1/completions",
+            "body": {"model": "other", "prompt": "hi"},
+        },
+        {
+            "custom_id": "b",
+            "method": "POST",
+            "url": "/v1/completions",
+            "body": {"model": target, "prompt": "hi"},
+        },
+    ]
     path.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
-    spec = _spec(tmp_path, input={"path": str(path), "format": "openai"},
-                 output={"path": str(tmp_path / "out"), "format": "openai"},
-                 model={"target": target})
+    spec = _spec(
+        tmp_path,
+        input={"path": str(path), "format": "openai"},
+        output={"path": str(tmp_path / "out"), "format": "openai"},
+        model={"target": target},
+    )
     run(spec)
     written = "".join(p.read_text() for p in (tmp_path / "out").rglob("*") if p.is_file())
     assert "unknown model" in written
@@ -155,24 +189,34 @@ def _nested(depth: int) -> dict:
     return schema
 
 
-@pytest.mark.parametrize("schema, why", [
-    ({"$ref": "#"}, "cycle"),
-    ({"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"items": {"$ref": "#/$defs/a"}}},
-      "$ref": "#/$defs/a"}, "cycle"),
-    ({"$ref": "#/$defs/missing"}, "points at nothing"),
-    ({"$ref": "https://example.com/schema.json"}, "only local references"),
-    (_nested(100), "nests deeper"),                       # 3 KB; its meta-schema check recursed
-    ({"type": "string", "pattern": "(a)\\1"}, "RE2"),
-])
+@pytest.mark.parametrize(
+    "schema, why",
+    [
+        ({"$ref": "#"}, "cycle"),
+        (
+            {
+                "$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"items": {"$ref": "#/$defs/a"}}},
+                "$ref": "#/$defs/a",
+            },
+            "cycle",
+        ),
+        ({"$ref": "#/$defs/missing"}, "points at nothing"),
+        ({"$ref": "https://example.com/schema.json"}, "only local references"),
+        (_nested(100), "nests deeper"),  # 3 KB; its meta-schema check recursed
+        ({"type": "string", "pattern": "(a)\\1"}, "RE2"),
+    ],
+)
 def test_schemas_that_would_fail_later_are_refused_when_checked(schema, why):
     with pytest.raises(structured.ConstraintError, match=why):
         structured.normalise({"json": schema})
 
 
 def test_local_acyclic_references_are_fine():
-    schema = {"$defs": {"label": {"enum": ["a", "b"]}},
-              "type": "object", "properties": {"x": {"$ref": "#/$defs/label"},
-                                               "y": {"$ref": "#/$defs/label"}}}
+    schema = {
+        "$defs": {"label": {"enum": ["a", "b"]}},
+        "type": "object",
+        "properties": {"x": {"$ref": "#/$defs/label"}, "y": {"$ref": "#/$defs/label"}},
+    }
     constraint = structured.normalise({"json": schema})
     assert structured.check_output(constraint, '{"x": "a", "y": "b"}', "stop") == (True, None)
     assert structured.check_output(constraint, '{"x": "c"}', "stop")[0] is False
@@ -203,14 +247,18 @@ def test_a_backtracking_regex_is_checked_in_linear_time_and_the_other_threads_ru
     thread.start()
     try:
         for text in ("a" * 40, "a" * 100_000):
-            assert structured.check_output({"regex": "(a+)+b"}, text, "stop") == \
-                (False, "does not match the regex")
-        schema = {"type": "object", "properties": {"p": {"type": "string", "pattern": "^(a+)+b$"}},
-                  "patternProperties": {"^(a+)+b$": {"type": "string"}},
-                  "additionalProperties": False}
+            assert structured.check_output({"regex": "(a+)+b"}, text, "stop") == (
+                False,
+                "does not match the regex",
+            )
+        schema = {
+            "type": "object",
+            "properties": {"p": {"type": "string", "pattern": "^(a+)+b$"}},
+            "patternProperties": {"^(a+)+b$": {"type": "string"}},
+            "additionalProperties": False,
+        }
         constraint = structured.normalise({"json": schema})
-        valid, why = structured.check_output(constraint, json.dumps({"p": "a" * 40, "a" * 40: 1}),
-                                             "stop")
+        valid, why = structured.check_output(constraint, json.dumps({"p": "a" * 40, "a" * 40: 1}), "stop")
         assert valid is False
     finally:
         done.set()

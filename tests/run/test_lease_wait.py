@@ -39,16 +39,16 @@ def _seen(lease_s: float, seen_s: float):
 
 def _wait(lease_s=10.0):
     outcome, events, progress = RunOutcome(), _Events(), _Progress()
-    return LeaseWait(lease_s, outcome, events, progress, {"s0": 5, "s1": 7}), outcome, events, \
-        progress
+    return LeaseWait(lease_s, outcome, events, progress, {"s0": 5, "s1": 7}), outcome, events, progress
 
 
 def test_a_holder_never_seen_stays_busy_and_a_silent_one_gets_one_retry():
     wait, outcome, events, progress = _wait(lease_s=10.0)
     key = HolderKey("token", 3, 10.0)
     observed = {"s1": LeaseObservation(key, 4.0)}  # s1's heartbeat seen still for 4 s; s0's: never
-    retry = wait.schedule_retries({"s0": "run a on h pid 1", "s1": "run b on g pid 2"},
-                                  observed.get, replica=3)
+    retry = wait.schedule_retries(
+        {"s0": "run a on h pid 1", "s1": "run b on g pid 2"}, observed.get, replica=3
+    )
     assert retry == ["s1"]
     assert outcome.busy == {"s0": "run a on h pid 1", "s1": "run b on g pid 2"}  # until retried
     assert wait.due_in("s0") == 0.0

@@ -17,9 +17,24 @@ from batchspec.run.executors.base import RunContext
 from batchspec.run.outcome import RunOutcome, ShardStats
 
 #: The run summary's keys for a local run that ends ok.
-SUMMARY_KEYS = {"run_id", "job", "spec", "versions", "worker", "started_at", "shards",
-                "bad_shards", "busy_shards", "lost_shards", "spec_fingerprint", "engine", "status",
-                "totals", "exit_code", "ended_at"}
+SUMMARY_KEYS = {
+    "run_id",
+    "job",
+    "spec",
+    "versions",
+    "worker",
+    "started_at",
+    "shards",
+    "bad_shards",
+    "busy_shards",
+    "lost_shards",
+    "spec_fingerprint",
+    "engine",
+    "status",
+    "totals",
+    "exit_code",
+    "ended_at",
+}
 
 
 def _stats(rows: int) -> dict:
@@ -30,8 +45,12 @@ def _stats(rows: int) -> dict:
 
 
 def test_a_replicas_outcome_crosses_as_data_and_merges_what_it_settled():
-    replica = RunOutcome(committed={"s0": _stats(3)}, bad={"s1": "s1: unreadable"},
-                         busy={"s2": "run r on h pid 1"}, lost={"s3": "lost its lease: run x"})
+    replica = RunOutcome(
+        committed={"s0": _stats(3)},
+        bad={"s1": "s1: unreadable"},
+        busy={"s2": "run r on h pid 1"},
+        lost={"s3": "lost its lease: run x"},
+    )
     replica = pickle.loads(pickle.dumps(replica))  # as Ray hands it back
     driver = RunOutcome(committed={"a": _stats(1)})
     driver.merge_settled(replica)
@@ -42,8 +61,7 @@ def test_a_replicas_outcome_crosses_as_data_and_merges_what_it_settled():
 
 def test_summary_sections_and_totals():
     outcome = RunOutcome(committed={"s0": _stats(3), "s1": _stats(2)})
-    assert list(outcome.summary_sections()) == ["shards", "bad_shards", "busy_shards",
-                                                "lost_shards"]
+    assert list(outcome.summary_sections()) == ["shards", "bad_shards", "busy_shards", "lost_shards"]
     outcome.failed["s2"] = "no Ray replica left to run it"
     outcome.executor = {"kind": "ray", "replica_deaths": []}
     sections = outcome.summary_sections()
@@ -59,8 +77,9 @@ def test_incomplete_names_busy_then_lost_then_failed_shards():
     assert "1 shards lost their lease" in str(outcome.incomplete())
     outcome.busy["s0"] = "run r on h pid 1"
     err = outcome.incomplete()
-    assert err.exit_code == 1 and str(err) == ("1 shards are being processed by another run and "
-                                               "were left alone: s0 (run r on h pid 1)")
+    assert err.exit_code == 1 and str(err) == (
+        "1 shards are being processed by another run and were left alone: s0 (run r on h pid 1)"
+    )
 
 
 @pytest.mark.vllm
@@ -80,14 +99,22 @@ def _context(tmp_path, on_bad_shard: str) -> tuple[RunContext, list]:
     events = EventLog("r", "json")
     events.emit = lambda event, message="", level="info", **f: seen.append((event, level, f))
     spec = make_spec(tmp_path, on_bad_shard=on_bad_shard)
-    ctx = RunContext(spec=spec, run_id="r", out=None, owner={}, events=events, stop=None,
-                     overwrite=False, grace_s=0.0, new_progress=None)
+    ctx = RunContext(
+        spec=spec,
+        run_id="r",
+        out=None,
+        owner={},
+        events=events,
+        stop=None,
+        overwrite=False,
+        grace_s=0.0,
+        new_progress=None,
+    )
     return ctx, seen
 
 
 def test_bad_shard_skips_into_the_outcome_or_raises(tmp_path):
-    shard = Shard(url="file:///in/s1.parquet", path="/in/s1.parquet", name="s1", fs=None,
-                  fingerprint={})
+    shard = Shard(url="file:///in/s1.parquet", path="/in/s1.parquet", name="s1", fs=None, fingerprint={})
     exc = InputDataError("s1.parquet", "not a readable Parquet file")
     ctx, seen = _context(tmp_path, "skip")
     ctx.bad_shard(shard, exc)

@@ -20,10 +20,19 @@ from batchspec.spec.load import load_spec
 sys.path.insert(0, str(ROOT / "tools"))
 
 
-def _row(i: int, prompt: str | None = None, lora: str | None = None, messages=None,
-         error: str | None = None) -> Row:
-    return Row(shard="s", index=i, request_id=f"r{i}", kept={}, prompt=prompt, messages=messages,
-               lora=lora, error=error)
+def _row(
+    i: int, prompt: str | None = None, lora: str | None = None, messages=None, error: str | None = None
+) -> Row:
+    return Row(
+        shard="s",
+        index=i,
+        request_id=f"r{i}",
+        kept={},
+        prompt=prompt,
+        messages=messages,
+        lora=lora,
+        error=error,
+    )
 
 
 def test_each_window_is_sorted_and_no_row_waits_beyond_it():
@@ -39,8 +48,7 @@ def test_each_window_is_sorted_and_no_row_waits_beyond_it():
     first = next(out)
     assert len(pulled) == 4, "a window is read, never more"
     order = [first.prompt] + [r.prompt for r in out]
-    assert order == ["doc A q1", "doc A q2", "doc B q1", "doc B q2", "doc A q3", "doc C q1",
-                     "doc C q2"]
+    assert order == ["doc A q1", "doc A q2", "doc B q1", "doc B q2", "doc A q3", "doc C q1", "doc C q2"]
 
 
 def test_window_0_keeps_file_order_and_refused_rows_pass_at_once():
@@ -55,10 +63,16 @@ def test_rows_group_by_adapter_then_text_and_chat_by_messages_in_order():
     c = _row(2, "same text", lora="comment")
     assert [r.index for r in sorted([a, b, c], key=sort_key)] == [1, 2, 0]
     system = {"role": "system", "content": "You label code."}
-    chat = [_row(i, messages=[system, {"role": "user", "content": u}])
-            for i, u in enumerate(["zeta", "alpha"])]
-    other = _row(9, messages=[{"role": "system", "content": "Another system prompt."},
-                              {"role": "user", "content": "alpha"}])
+    chat = [
+        _row(i, messages=[system, {"role": "user", "content": u}]) for i, u in enumerate(["zeta", "alpha"])
+    ]
+    other = _row(
+        9,
+        messages=[
+            {"role": "system", "content": "Another system prompt."},
+            {"role": "user", "content": "alpha"},
+        ],
+    )
     ordered = sorted([chat[0], other, chat[1]], key=sort_key)
     assert [r.index for r in ordered] in ([9, 1, 0], [1, 0, 9])  # one system prompt together
 
@@ -89,8 +103,12 @@ def test_the_pacer_forgets_the_oldest_blocks_first():
 def test_a_bad_window_names_its_key(tmp_path, value):
     from batchspec.errors import SpecError
 
-    job = write_job(tmp_path / "job.yaml", input={"path": "in/*.parquet", "prompt_column": "p"},
-                    output={"path": "out"}, execution={"prefix_window": value})
+    job = write_job(
+        tmp_path / "job.yaml",
+        input={"path": "in/*.parquet", "prompt_column": "p"},
+        output={"path": "out"},
+        execution={"prefix_window": value},
+    )
     with pytest.raises(SpecError) as err:
         load_spec(job)
     assert err.value.key == "execution.prefix_window"
@@ -107,8 +125,7 @@ DOCUMENTS = 40
 
 
 @pytest.mark.engine
-def test_documents_and_questions_share_the_prefix_cache_on_the_real_engine(tmp_path,
-                                                                           shared_engines):
+def test_documents_and_questions_share_the_prefix_cache_on_the_real_engine(tmp_path, shared_engines):
     """Forty documents, four questions each, scattered in the file; a KV cache of 40 blocks,
     far too small to keep every document (as a real cache is for a real dataset). In file order
     a document is mostly evicted before its next question comes; sorted and paced, each
@@ -119,20 +136,21 @@ def test_documents_and_questions_share_the_prefix_cache_on_the_real_engine(tmp_p
     pq.write_table(document_questions_table(DOCUMENTS, 4, seed=500), tmp_path / "in" / "docs.parquet")
     runs, texts = {}, {}
     for window in (0, 1024):
-        job = write_job(tmp_path / f"job-{window}.yaml",
-                        input={"path": str(tmp_path / "in" / "*.parquet"), "prompt_column": "prompt",
-                               "id_column": "id"},
-                        output={"path": str(tmp_path / f"out-{window}")},
-                        sampling={"temperature": 0.0, "max_tokens": 8},
-                        execution={"prefix_window": window, "dedupe_window": 0,
-                                   "max_in_flight": 8})
+        job = write_job(
+            tmp_path / f"job-{window}.yaml",
+            input={"path": str(tmp_path / "in" / "*.parquet"), "prompt_column": "prompt", "id_column": "id"},
+            output={"path": str(tmp_path / f"out-{window}")},
+            sampling={"temperature": 0.0, "max_tokens": 8},
+            execution={"prefix_window": window, "dedupe_window": 0, "max_in_flight": 8},
+        )
         spec = load_spec(job, [f"model.engine.num_gpu_blocks_override={BLOCKS}"])
         assert shared_engines.engine(spec).reset_prefix_cache()  # nothing from the other run
         run = shared_engines.run(spec)
         assert run.exit_code == 0, run.log
         rows = pq.read_table(tmp_path / f"out-{window}" / "docs.parquet").to_pylist()
         assert sorted(r["request_id"] for r in rows) == sorted(
-            f"d{d:04d}-q{q:02d}" for d in range(DOCUMENTS) for q in range(4))
+            f"d{d:04d}-q{q:02d}" for d in range(DOCUMENTS) for q in range(4)
+        )
         assert all(r["error"] is None for r in rows)
         runs[window] = run.summary["prefix_cache"]
         texts[window] = {r["request_id"]: r["generated_text"] for r in rows}

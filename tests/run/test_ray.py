@@ -47,16 +47,19 @@ LEASE_S = 4.0
 def _spec(inputs, out, storage_options=None, lease_s=None, on_bad_shard="fail", **executor):
     raw = {
         "name": "ray-test",
-        "input": {"path": str(inputs / "*.parquet"), "prompt_column": "prompt", "id_column": "id",
-                  "on_bad_shard": on_bad_shard},
+        "input": {
+            "path": str(inputs / "*.parquet"),
+            "prompt_column": "prompt",
+            "id_column": "id",
+            "on_bad_shard": on_bad_shard,
+        },
         "output": {"path": str(out), "storage_options": storage_options or {}},
         "model": {"target": str(MODELS / "target"), "engine": dict(ENGINE)},
         "speculative": dict(DRAFT),
         "sampling": {"temperature": 0.0, "max_tokens": MAX_TOKENS},
         # few in flight: a shard takes a few seconds, so a kill lands while one is on it
         "execution": {"max_in_flight": 4, **({"lease_s": lease_s} if lease_s else {})},
-        "executor": {"kind": "ray", "replicas": 2, "resources_per_replica": {"CPU": 1},
-                     **executor},
+        "executor": {"kind": "ray", "replicas": 2, "resources_per_replica": {"CPU": 1}, **executor},
     }
     return build_spec(raw)
 
@@ -74,6 +77,7 @@ def _s3_output(s3_server) -> tuple[str, dict]:
 @contextlib.contextmanager
 def _deadline(seconds: int, what: str):
     """Fail, rather than hang, a run that does not end (SIGALRM in the test's main thread)."""
+
     def expire(signum, frame):
         raise TimeoutError(f"{what} still running after {seconds}s")
 
@@ -110,14 +114,16 @@ def _as_if_on_another_host(url: str, options: dict, shard: str, pid: int) -> Non
     assert record["pid"] == pid, record
     record["pid_space"] = "another-machine:4026531836"
     bucket, key, _ = fs.split_path(path)
-    fs.call_s3("put_object", Bucket=bucket, Key=key, Body=json.dumps(record).encode(),
-               IfMatch=etag)
+    fs.call_s3("put_object", Bucket=bucket, Key=key, Body=json.dumps(record).encode(), IfMatch=etag)
 
 
 def _dead_holder(url: str, options: dict, shard: str, run_id: str) -> None:
     """A lease on ``shard`` as a worker that died on another host leaves it: never renewed."""
-    dead = ShardLeases(OutputDir(url, options), {"run_id": run_id, "host": "gone.example",
-                                                 "pid": 4242, "started_at": "then"}, LEASE_S)
+    dead = ShardLeases(
+        OutputDir(url, options),
+        {"run_id": run_id, "host": "gone.example", "pid": 4242, "started_at": "then"},
+        LEASE_S,
+    )
     assert dead.acquire(shard) is None  # its keeper never starts: the heartbeat stays still
 
 
@@ -139,15 +145,22 @@ class _Events(EventLog):
 
 
 def test_executor_section_is_checked():
-    base = {"input": {"path": "in/*.parquet", "prompt_column": "p"}, "output": {"path": "out"},
-            "model": {"target": "m"}}
+    base = {
+        "input": {"path": "in/*.parquet", "prompt_column": "p"},
+        "output": {"path": "out"},
+        "model": {"target": "m"},
+    }
     assert build_spec(base).executor.kind == "local"
-    spec = build_spec({**base, "executor": {"kind": "ray", "replicas": 3,
-                                            "resources_per_replica": {"GPU": 1}}})
+    spec = build_spec(
+        {**base, "executor": {"kind": "ray", "replicas": 3, "resources_per_replica": {"GPU": 1}}}
+    )
     assert (spec.executor.kind, spec.executor.replicas) == ("ray", 3)
-    for bad, key in (({"kind": "dask"}, "executor.kind"), ({"replicas": 0}, "executor.replicas"),
-                     ({"replica": 2}, "executor"),
-                     ({"resources_per_replica": {"GPU": "one"}}, "executor.resources_per_replica")):
+    for bad, key in (
+        ({"kind": "dask"}, "executor.kind"),
+        ({"replicas": 0}, "executor.replicas"),
+        ({"replica": 2}, "executor"),
+        ({"resources_per_replica": {"GPU": "one"}}, "executor.resources_per_replica"),
+    ):
         with pytest.raises(SpecError) as err:
             build_spec({**base, "executor": bad})
         assert key in str(err.value), (bad, str(err.value))
@@ -160,15 +173,32 @@ def test_actor_options_and_env():
 
     assert actor_options({"CPU": 1}) == {"num_cpus": 1}
     assert actor_options({"CPU": 4, "GPU": 1, "accelerator_type:H100": 0.01}) == {
-        "num_cpus": 4, "num_gpus": 1, "resources": {"accelerator_type:H100": 0.01}}
-    settings = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HOME": "h", "AWS_REGION": "eu-west-1",
-                "AWS_ENDPOINT_URL": "http://s3.example", "AZURE_STORAGE_ACCOUNT_NAME": "acct",
-                "OMP_NUM_THREADS": "2", "TOKENIZERS_PARALLELISM": "false"}
-    secrets = {"AWS_ACCESS_KEY_ID": "AKIA1", "AWS_SECRET_ACCESS_KEY": "s3cr3t",
-               "AWS_SESSION_TOKEN": "sess", "HF_TOKEN": "hf_x", "HUGGING_FACE_HUB_TOKEN": "hf_y",
-               "AZURE_STORAGE_KEY": "k", "AZURE_STORAGE_CONNECTION_STRING": "c",
-               "AZURE_STORAGE_SAS_TOKEN": "sv=1", "AZURE_CLIENT_SECRET": "cs",
-               "GOOGLE_APPLICATION_CREDENTIALS": "/keys/sa.json", "VLLM_API_KEY": "v"}
+        "num_cpus": 4,
+        "num_gpus": 1,
+        "resources": {"accelerator_type:H100": 0.01},
+    }
+    settings = {
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "HF_HOME": "h",
+        "AWS_REGION": "eu-west-1",
+        "AWS_ENDPOINT_URL": "http://s3.example",
+        "AZURE_STORAGE_ACCOUNT_NAME": "acct",
+        "OMP_NUM_THREADS": "2",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+    secrets = {
+        "AWS_ACCESS_KEY_ID": "AKIA1",
+        "AWS_SECRET_ACCESS_KEY": "s3cr3t",
+        "AWS_SESSION_TOKEN": "sess",
+        "HF_TOKEN": "hf_x",
+        "HUGGING_FACE_HUB_TOKEN": "hf_y",
+        "AZURE_STORAGE_KEY": "k",
+        "AZURE_STORAGE_CONNECTION_STRING": "c",
+        "AZURE_STORAGE_SAS_TOKEN": "sv=1",
+        "AZURE_CLIENT_SECRET": "cs",
+        "GOOGLE_APPLICATION_CREDENTIALS": "/keys/sa.json",
+        "VLLM_API_KEY": "v",
+    }
     environ = {**settings, **secrets, "PATH": "/bin", "HOME": "x"}
     assert replica_env(environ) == settings
     assert replica_secrets(environ) == secrets
@@ -180,8 +210,12 @@ def ray_cluster():
     ray = pytest.importorskip("ray")
     from ray import cloudpickle
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"VLLM_CPU_KVCACHE_SPACE": "1"}})
+    ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        log_to_driver=False,
+        runtime_env={"env_vars": {"VLLM_CPU_KVCACHE_SPACE": "1"}},
+    )
     cloudpickle.register_pickle_by_value(sys.modules[__name__])  # replicas get _SlowEcho by value
     yield ray
     ray.shutdown()
@@ -202,8 +236,12 @@ class _SlowEcho:
         for row in rows:
             time.sleep(0.1)
             result = empty_result()
-            result.update(generated_text=row.prompt.upper(), finish_reason="stop",
-                          num_prompt_tokens=1, num_output_tokens=1)
+            result.update(
+                generated_text=row.prompt.upper(),
+                finish_reason="stop",
+                num_prompt_tokens=1,
+                num_output_tokens=1,
+            )
             yield row, [result]
 
     def spec_counters(self):
@@ -217,9 +255,12 @@ def _echo_inputs(root, shards=SHARDS, rows=20):
     """Shards of ``rows`` prompts; what _SlowEcho answers to each."""
     root.mkdir(exist_ok=True)
     for i in range(shards):
-        pq.write_table(pa.table({"id": [f"r{i}-{j}" for j in range(rows)],
-                                 "prompt": [f"p {i} {j}" for j in range(rows)]}),
-                       root / f"s{i}.parquet")
+        pq.write_table(
+            pa.table(
+                {"id": [f"r{i}-{j}" for j in range(rows)], "prompt": [f"p {i} {j}" for j in range(rows)]}
+            ),
+            root / f"s{i}.parquet",
+        )
     return {f"r{i}-{j}": f"P {i} {j}" for i in range(shards) for j in range(rows)}
 
 
@@ -244,19 +285,19 @@ def test_scheduling_kill_and_poison_with_a_stand_in_engine(ray_cluster, tmp_path
         def kill(event, fields):
             if event == "shard_started" and not killed:
                 killed.append(fields)
-                ray_cluster.kill(next(h.actor for h in executor.handles
-                                      if h.index == fields["replica"]))
+                ray_cluster.kill(next(h.actor for h in executor.handles if h.index == fields["replica"]))
 
         result = run_job(_spec(inputs, tmp_path / "b"), RunOptions(executor=executor, events=_Events(kill)))
         deaths = result.summary["executor"]["replica_deaths"]
-        assert [(d["replica"], d["shard"]) for d in deaths] == [(killed[0]["replica"],
-                                                                killed[0]["shard"])]
+        assert [(d["replica"], d["shard"]) for d in deaths] == [(killed[0]["replica"], killed[0]["shard"])]
         assert _texts(tmp_path / "b") == expected
 
         monkeypatch.setenv(DIE_ON_SHARD_ENV, "s1")
         with pytest.raises(BatchspecError) as err:
-            run_job(_spec(inputs, tmp_path / "c", max_shard_attempts=2),
-                    RunOptions(executor=executor, events=_Events()))
+            run_job(
+                _spec(inputs, tmp_path / "c", max_shard_attempts=2),
+                RunOptions(executor=executor, events=_Events()),
+            )
         assert err.value.exit_code == 1 and "s1" in str(err.value)
         assert sorted(p.stem for p in (tmp_path / "c").glob("*.parquet")) == ["s0", "s2", "s3"]
         assert _texts(tmp_path / "c") == {k: v for k, v in expected.items() if "r1-" not in k}
@@ -270,7 +311,7 @@ def _garble_midway(path) -> None:
     pq.write_table(pq.read_table(path), path, row_group_size=3)
     data = bytearray(path.read_bytes())
     start = pq.ParquetFile(path).metadata.row_group(2).column(0).data_page_offset
-    data[start:start + 40] = b"\xff" * 40
+    data[start : start + 40] = b"\xff" * 40
     path.write_bytes(bytes(data))
 
 
@@ -284,12 +325,13 @@ def test_a_shard_a_replica_finds_unreadable_is_judged_by_the_run(ray_cluster, tm
     inputs = tmp_path / "in"
     expected = _echo_inputs(inputs, shards=3, rows=8)
     _garble_midway(inputs / "s1.parquet")
-    executor = RayExecutor(_spec(inputs, tmp_path / "unused", replicas=1),
-                           engine_factory=_SlowEcho)
+    executor = RayExecutor(_spec(inputs, tmp_path / "unused", replicas=1), engine_factory=_SlowEcho)
     try:
         events = _Events()
-        result = run_job(_spec(inputs, tmp_path / "skip", on_bad_shard="skip", replicas=1),
-                         RunOptions(executor=executor, events=events))
+        result = run_job(
+            _spec(inputs, tmp_path / "skip", on_bad_shard="skip", replicas=1),
+            RunOptions(executor=executor, events=events),
+        )
         assert result.summary["status"] == "ok" and list(result.summary["bad_shards"]) == ["s1"]
         assert "s1.parquet" in result.summary["bad_shards"]["s1"]
         assert sorted(result.summary["shards"]) == ["s0", "s2"]
@@ -297,8 +339,9 @@ def test_a_shard_a_replica_finds_unreadable_is_judged_by_the_run(ray_cluster, tm
         assert [f["shard"] for e, f in events.seen if e == "shard_failed"] == ["s1"]
 
         with pytest.raises(BatchspecError) as err:
-            run_job(_spec(inputs, tmp_path / "fail", replicas=1),
-                    RunOptions(executor=executor, events=_Events()))
+            run_job(
+                _spec(inputs, tmp_path / "fail", replicas=1), RunOptions(executor=executor, events=_Events())
+            )
         assert err.value.exit_code == 3 and "s1.parquet" in str(err.value)
         assert not (tmp_path / "fail" / "s1.parquet").exists()
     finally:
@@ -325,12 +368,23 @@ def test_a_replicas_successive_tasks_take_a_dead_replicas_lease_over(s3_server, 
 
     def task(name):
         seen = rule.observation(name)
-        return {"spec": spec, "shard": shards[name], "run_id": "this-run",
-                "spec_fingerprint": p.spec_fingerprint, "overwrite": False, "grace_s": 1.0,
-                "rows": 4, "die_on": None, "seen": {name: seen} if seen is not None else {}}
+        return {
+            "spec": spec,
+            "shard": shards[name],
+            "run_id": "this-run",
+            "spec_fingerprint": p.spec_fingerprint,
+            "overwrite": False,
+            "grace_s": 1.0,
+            "rows": 4,
+            "die_on": None,
+            "seen": {name: seen} if seen is not None else {},
+        }
 
-    live = ShardLeases(OutputDir(url, options), {"run_id": "live-run", "host": "elsewhere",
-                                                 "pid": 1, "started_at": "now"}, LEASE_S)
+    live = ShardLeases(
+        OutputDir(url, options),
+        {"run_id": "live-run", "host": "elsewhere", "pid": 1, "started_at": "now"},
+        LEASE_S,
+    )
     with live:
         assert live.acquire("s1") is None  # renewed every lease_s / 4 from here on
         waits = {}
@@ -356,13 +410,15 @@ def _replica_env(self):
     import ray
 
     recorded = ray.get_runtime_context().runtime_env.get("env_vars") or {}
-    return dict(recorded), {k: os.environ.get(k) for k in ("AWS_SECRET_ACCESS_KEY", "HF_TOKEN",
-                                                          "HF_HUB_DISABLE_TELEMETRY")}
+    return dict(recorded), {
+        k: os.environ.get(k) for k in ("AWS_SECRET_ACCESS_KEY", "HF_TOKEN", "HF_HUB_DISABLE_TELEMETRY")
+    }
 
 
 @pytest.mark.vllm
 def test_on_s3_dead_replicas_and_crashed_runs_are_taken_over_and_live_holders_end_the_run(
-        ray_cluster, s3_server, tmp_path, monkeypatch):
+    ray_cluster, s3_server, tmp_path, monkeypatch
+):
     """The driver on S3 with a stand-in engine (no vLLM), lease_s 4. A replica killed while on
     a shard leaves its lease behind: another replica takes it over once its heartbeat has been
     still for lease_s, and every row is written once. A rerun after an earlier run's worker died
@@ -393,25 +449,32 @@ def test_on_s3_dead_replicas_and_crashed_runs_are_taken_over_and_live_holders_en
 
         events = _Events(kill)
         with _deadline(120, "the run with a killed replica"):
-            result = run_job(_spec(tmp_path / "in", url, options, lease_s=LEASE_S),
-                             RunOptions(executor=executor, events=events))
+            result = run_job(
+                _spec(tmp_path / "in", url, options, lease_s=LEASE_S),
+                RunOptions(executor=executor, events=events),
+            )
         assert not problems, problems
         deaths = result.summary["executor"]["replica_deaths"]
-        assert [(d["replica"], d["shard"]) for d in deaths] == [(killed[0]["replica"],
-                                                                killed[0]["shard"])]
+        assert [(d["replica"], d["shard"]) for d in deaths] == [(killed[0]["replica"], killed[0]["shard"])]
         assert _texts(url, options) == expected
         assert not result.summary["busy_shards"]
         waited = [f for e, f in events.seen if e == "shards_waiting"]
         assert [f["shards"] for f in waited] == [[killed[0]["shard"]]], waited
-        redone_by = [f["replica"] for e, f in events.seen
-                     if e == "shard_committed" and f["shard"] == killed[0]["shard"]]
+        redone_by = [
+            f["replica"]
+            for e, f in events.seen
+            if e == "shard_committed" and f["shard"] == killed[0]["shard"]
+        ]
         assert len(redone_by) == 1 and redone_by[0] != killed[0]["replica"]
 
         # credentials: in every replica's environment, not in what Ray records and shows
         for h in executor.handles:
             recorded, environ = ray_cluster.get(h.actor.__ray_call__.remote(_replica_env))
-            assert environ == {"AWS_SECRET_ACCESS_KEY": "ray-secret-not-in-runtime-env",
-                               "HF_TOKEN": "hf_not_in_runtime_env", "HF_HUB_DISABLE_TELEMETRY": "1"}
+            assert environ == {
+                "AWS_SECRET_ACCESS_KEY": "ray-secret-not-in-runtime-env",
+                "HF_TOKEN": "hf_not_in_runtime_env",
+                "HF_HUB_DISABLE_TELEMETRY": "1",
+            }
             assert recorded.get("HF_HUB_DISABLE_TELEMETRY") == "1"
             assert "AWS_SECRET_ACCESS_KEY" not in recorded and "HF_TOKEN" not in recorded
             assert "not-in-runtime-env" not in json.dumps(recorded)
@@ -421,26 +484,31 @@ def test_on_s3_dead_replicas_and_crashed_runs_are_taken_over_and_live_holders_en
         url, options = _s3_output(s3_server)
         _dead_holder(url, options, "s2", "crashed-run")
         with _deadline(120, "the rerun after a crash"):
-            result = run_job(_spec(tmp_path / "short", url, options, lease_s=LEASE_S),
-                             RunOptions(executor=executor, events=_Events()))
+            result = run_job(
+                _spec(tmp_path / "short", url, options, lease_s=LEASE_S),
+                RunOptions(executor=executor, events=_Events()),
+            )
         assert result.summary["status"] == "ok" and not result.summary["busy_shards"]
         assert _texts(url, options) == expected
 
         # a live other run holds s0: one wait, then exit 1 naming it; the rest committed
         url, options = _s3_output(s3_server)
-        with ShardLeases(OutputDir(url, options), {"run_id": "live-run", "host": "elsewhere",
-                                                   "pid": 1, "started_at": "now"}, LEASE_S) as live:
+        with ShardLeases(
+            OutputDir(url, options),
+            {"run_id": "live-run", "host": "elsewhere", "pid": 1, "started_at": "now"},
+            LEASE_S,
+        ) as live:
             assert live.acquire("s0") is None
             started = time.monotonic()
-            with _deadline(120, "the run beside a live holder"), \
-                    pytest.raises(BatchspecError) as err:
-                run_job(_spec(tmp_path / "short", url, options, lease_s=LEASE_S),
-                        RunOptions(executor=executor, events=_Events()))
+            with _deadline(120, "the run beside a live holder"), pytest.raises(BatchspecError) as err:
+                run_job(
+                    _spec(tmp_path / "short", url, options, lease_s=LEASE_S),
+                    RunOptions(executor=executor, events=_Events()),
+                )
             assert time.monotonic() - started < 60
         assert err.value.exit_code == 1
         assert "s0" in str(err.value) and "live-run" in str(err.value), str(err.value)
-        assert _texts(url, options) == {k: v for k, v in expected.items()
-                                        if not k.startswith("r0-")}
+        assert _texts(url, options) == {k: v for k, v in expected.items() if not k.startswith("r0-")}
     finally:
         executor.shutdown()
 
@@ -469,8 +537,7 @@ def _texts(out, storage_options=None) -> dict[str, str]:
         fs = s3fs.S3FileSystem(**storage_options, skip_instance_cache=True)
         files = sorted(fs.glob(str(out).removeprefix("s3://") + "/*.parquet"))
         assert files, f"no output files in {out}"
-        table = pa.concat_tables([pq.read_table(f, filesystem=fs) for f in files],
-                                 promote_options="default")
+        table = pa.concat_tables([pq.read_table(f, filesystem=fs) for f in files], promote_options="default")
     ids = table["request_id"].to_pylist()
     assert len(ids) == len(set(ids)), "a row is in the output twice"
     return dict(zip(ids, table["generated_text"].to_pylist(), strict=True))
@@ -549,18 +616,22 @@ def test_killed_replica_loses_only_its_shard(replicas, inputs, local_texts, s3_s
 
     events = _Events(kill_first_replica_on_a_shard)
     with _deadline(400, "the run with a killed replica"):
-        result = run_job(_spec(inputs, url, options, lease_s=lease_s),
-                         RunOptions(executor=replicas, events=events, progress_bars=False))
+        result = run_job(
+            _spec(inputs, url, options, lease_s=lease_s),
+            RunOptions(executor=replicas, events=events, progress_bars=False),
+        )
     assert killed, "no shard started"
     assert not problems, problems
     deaths = result.summary["executor"]["replica_deaths"]
     # the kill landed while the replica was on that shard, which another replica then redid
-    assert [(d["replica"], d["shard"]) for d in deaths] == [(killed[0]["replica"],
-                                                            killed[0]["shard"])], deaths
+    assert [(d["replica"], d["shard"]) for d in deaths] == [(killed[0]["replica"], killed[0]["shard"])], (
+        deaths
+    )
     assert deaths[0]["rows_done"] < ROWS
     assert [f["shard"] for e, f in events.seen if e == "replica_died"] == [killed[0]["shard"]]
-    redone_by = [f["replica"] for e, f in events.seen
-                 if e == "shard_committed" and f["shard"] == killed[0]["shard"]]
+    redone_by = [
+        f["replica"] for e, f in events.seen if e == "shard_committed" and f["shard"] == killed[0]["shard"]
+    ]
     assert len(redone_by) == 1 and redone_by[0] != killed[0]["replica"]
     # it was found held by the dead replica, waited for once, then taken over
     assert [f["shards"] for e, f in events.seen if e == "shards_waiting"] == [[killed[0]["shard"]]]
@@ -570,11 +641,17 @@ def test_killed_replica_loses_only_its_shard(replicas, inputs, local_texts, s3_s
 
 def _cli_job(path, inputs, out, **sections):
     """The module's job as a YAML file for `batchspec run` (one replica of one CPU)."""
-    return write_job(path, **{
-        "input": {"path": str(inputs / "*.parquet"), "prompt_column": "prompt", "id_column": "id"},
-        "output": {"path": str(out)}, "speculative": dict(DRAFT),
-        "sampling": {"temperature": 0.0, "max_tokens": MAX_TOKENS},
-        "executor": {"replicas": 1, "resources_per_replica": {"CPU": 1}}, **sections})
+    return write_job(
+        path,
+        **{
+            "input": {"path": str(inputs / "*.parquet"), "prompt_column": "prompt", "id_column": "id"},
+            "output": {"path": str(out)},
+            "speculative": dict(DRAFT),
+            "sampling": {"temperature": 0.0, "max_tokens": MAX_TOKENS},
+            "executor": {"replicas": 1, "resources_per_replica": {"CPU": 1}},
+            **sections,
+        },
+    )
 
 
 def _json_events(stderr: str) -> list[dict]:
@@ -589,8 +666,9 @@ def poisoned_out(tmp_path_factory):
 
 
 @pytest.mark.engine
-def test_shard_that_kills_every_replica_fails_after_bounded_tries(replicas, inputs, local_texts,
-                                                                  poisoned_out, monkeypatch):
+def test_shard_that_kills_every_replica_fails_after_bounded_tries(
+    replicas, inputs, local_texts, poisoned_out, monkeypatch
+):
     """s3, the last shard handed out, kills whichever replica runs it (the test-only hook exits
     the actor's process on its first result): after 2 tries it is failed, the run exits 1."""
     from batchspec.run.executors.ray import DIE_ON_SHARD_ENV
@@ -598,8 +676,10 @@ def test_shard_that_kills_every_replica_fails_after_bounded_tries(replicas, inpu
     monkeypatch.setenv(DIE_ON_SHARD_ENV, "s3")
     out = poisoned_out
     with pytest.raises(BatchspecError) as err:
-        run_job(_spec(inputs, out, max_shard_attempts=2),
-                RunOptions(executor=replicas, events=_Events(), progress_bars=False))
+        run_job(
+            _spec(inputs, out, max_shard_attempts=2),
+            RunOptions(executor=replicas, events=_Events(), progress_bars=False),
+        )
     assert err.value.exit_code == 1
     assert "s3" in str(err.value) and "failed on every try" in str(err.value)
     runs = list((out / "_batchspec" / "runs").glob("*.json"))
@@ -610,8 +690,7 @@ def test_shard_that_kills_every_replica_fails_after_bounded_tries(replicas, inpu
     deaths = summary["executor"]["replica_deaths"]
     assert [(d["shard"], d["attempt"]) for d in deaths] == [("s3", 1), ("s3", 2)]
     # every other shard is whole and committed; s3 has no output and no manifest
-    assert sorted(p.name for p in out.glob("*.parquet")) == ["s0.parquet", "s1.parquet",
-                                                             "s2.parquet"]
+    assert sorted(p.name for p in out.glob("*.parquet")) == ["s0.parquet", "s1.parquet", "s2.parquet"]
     assert not (out / "_batchspec" / "manifest" / "s3.json").exists()
     texts = _texts(out)
     assert texts == {k: v for k, v in local_texts.items() if k in texts}
@@ -619,8 +698,9 @@ def test_shard_that_kills_every_replica_fails_after_bounded_tries(replicas, inpu
 
 
 @pytest.mark.engine
-def test_cli_executor_ray_finishes_the_failed_run(replicas, ray_cluster, inputs, local_texts,
-                                                  poisoned_out, tmp_path):
+def test_cli_executor_ray_finishes_the_failed_run(
+    replicas, ray_cluster, inputs, local_texts, poisoned_out, tmp_path
+):
     """`batchspec run JOB --executor ray --ray-address ADDR`, as a scheduler's retry would: it
     joins the running cluster (its CPUs freed first: the shared replicas stop), redoes only the
     shard the failed run left, and the output is then what the local run wrote, every row once.
@@ -630,8 +710,17 @@ def test_cli_executor_ray_finishes_the_failed_run(replicas, ray_cluster, inputs,
     job = _cli_job(tmp_path / "job.yaml", inputs, poisoned_out)
     bad = run_cli("run", str(job), "--ray-address", address, "--no-progress")
     assert bad.returncode == 2 and "--ray-address" in bad.stderr, bad.stderr
-    done = run_cli("run", str(job), "--executor", "ray", "--ray-address", address,
-                   "--no-progress", "--log-format", "json")
+    done = run_cli(
+        "run",
+        str(job),
+        "--executor",
+        "ray",
+        "--ray-address",
+        address,
+        "--no-progress",
+        "--log-format",
+        "json",
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     events = _json_events(done.stderr)
     assert any(e["event"] == "replicas_started" for e in events)
@@ -641,19 +730,30 @@ def test_cli_executor_ray_finishes_the_failed_run(replicas, ray_cluster, inputs,
 
 
 @pytest.mark.engine
-def test_replica_whose_engine_is_refused_ends_the_run_with_exit_2(replicas, ray_cluster, inputs,
-                                                                 tmp_path):
+def test_replica_whose_engine_is_refused_ends_the_run_with_exit_2(replicas, ray_cluster, inputs, tmp_path):
     """A replica whose vLLM engine refuses the job's engine args (a context longer than the
     model's) ends the run as the local executor does: exit 2 naming vLLM's reason, nothing
     written, no lease held, a failed run summary, and no replica left holding the cluster."""
     replicas.shutdown()  # frees the cluster's CPUs (a no-op after the CLI test)
     address = ray_cluster.get_runtime_context().gcs_address
     out = tmp_path / "out"
-    job = _cli_job(tmp_path / "job.yaml", inputs, out,
-                   model={"target": str(MODELS / "target"),
-                          "engine": {**ENGINE, "max_model_len": 100_000}})
-    run = run_cli("run", str(job), "--executor", "ray", "--ray-address", address,
-                  "--no-progress", "--log-format", "json")
+    job = _cli_job(
+        tmp_path / "job.yaml",
+        inputs,
+        out,
+        model={"target": str(MODELS / "target"), "engine": {**ENGINE, "max_model_len": 100_000}},
+    )
+    run = run_cli(
+        "run",
+        str(job),
+        "--executor",
+        "ray",
+        "--ray-address",
+        address,
+        "--no-progress",
+        "--log-format",
+        "json",
+    )
     assert run.returncode == 2, run.stderr[-3000:]
     assert "vLLM refused the engine configuration" in run.stderr, run.stderr[-3000:]
     assert "max_model_len" in run.stderr, run.stderr[-3000:]

@@ -37,9 +37,13 @@ def workload(tmp_path_factory, models):
 
     root = tmp_path_factory.mktemp("recovery")
     for i in range(4):
-        pq.write_table(prompt_table(40, seed=500 + i, first_id=40 * i, max_tokens=(4, 40)),
-                       root / "in" / f"shard-{i}.parquet" if (root / "in").exists() else
-                       _mk(root / "in") / f"shard-{i}.parquet", row_group_size=8)
+        pq.write_table(
+            prompt_table(40, seed=500 + i, first_id=40 * i, max_tokens=(4, 40)),
+            root / "in" / f"shard-{i}.parquet"
+            if (root / "in").exists()
+            else _mk(root / "in") / f"shard-{i}.parquet",
+            row_group_size=8,
+        )
     return root
 
 
@@ -49,12 +53,19 @@ def _mk(path):
 
 
 def make_job(root, name, out=None):
-    return write_job(root / f"{name}.yaml",
-                     input={"path": str(root / "in" / "*.parquet"), "prompt_column": "prompt",
-                            "id_column": "id", "sampling_columns": {"max_tokens": "max_tokens"}},
-                     output={"path": str(out or root / name), "row_group_rows": 8},
-                     speculative=DRAFT, sampling={"temperature": 0.0, "max_tokens": 32},
-                     execution={"max_in_flight": 12, "read_batch_rows": 8})
+    return write_job(
+        root / f"{name}.yaml",
+        input={
+            "path": str(root / "in" / "*.parquet"),
+            "prompt_column": "prompt",
+            "id_column": "id",
+            "sampling_columns": {"max_tokens": "max_tokens"},
+        },
+        output={"path": str(out or root / name), "row_group_rows": 8},
+        speculative=DRAFT,
+        sampling={"temperature": 0.0, "max_tokens": 32},
+        execution={"max_in_flight": 12, "read_batch_rows": 8},
+    )
 
 
 @pytest.fixture(scope="module")
@@ -99,8 +110,10 @@ def test_sigkill_at_random_moments_then_rerun(workload, reference, shared_engine
     all_ids = [i for v in expected.values() for i in v]
     lost = len(set(all_ids) - set(ids))
     duplicated = len(ids) - len(set(ids))
-    print(f"\nSIGKILL test: {kills} kills survived ({', '.join(moments)}), {rounds} full rounds, "
-          f"rows lost {lost}, rows duplicated {duplicated}")
+    print(
+        f"\nSIGKILL test: {kills} kills survived ({', '.join(moments)}), {rounds} full rounds, "
+        f"rows lost {lost}, rows duplicated {duplicated}"
+    )
     assert lost == 0 and duplicated == 0 and len(ids) == len(all_ids)
     assert not list((out / "_batchspec" / "tmp").glob("*")), "orphan temp files not cleaned"
     assert not list((out / "_batchspec" / "locks").glob("*.json")), "leases not released"
@@ -122,8 +135,7 @@ def check_stopped_cleanly(run: Job, out) -> None:
     assert not list((out / "_batchspec" / "locks").glob("*.json"))
 
 
-def test_sigint_to_the_group_stops_cleanly_and_a_rerun_finishes(workload, reference,
-                                                                  shared_engines):
+def test_sigint_to_the_group_stops_cleanly_and_a_rerun_finishes(workload, reference, shared_engines):
     """Ctrl-C at a terminal reaches the whole process group, the engine's processes too.
     (SIGTERM to the main process, as Kubernetes and Airflow send it: the grace-period tests.)"""
     expected = input_ids(workload / "in")
@@ -150,8 +162,11 @@ def test_engine_death_exits_1_and_gives_its_shards_back(workload, reference):
     run = Job(job)
     assert run.wait_for("shard_started") is not None
     time.sleep(0.5)
-    cores = [p for p in psutil.Process(run.proc.pid).children(recursive=True)
-             if "EngineCore" in " ".join(p.cmdline()) or "EngineCore" in p.name()]
+    cores = [
+        p
+        for p in psutil.Process(run.proc.pid).children(recursive=True)
+        if "EngineCore" in " ".join(p.cmdline()) or "EngineCore" in p.name()
+    ]
     assert cores, [p.name() for p in psutil.Process(run.proc.pid).children(recursive=True)]
     for p in cores:
         p.kill()
@@ -175,8 +190,7 @@ def test_two_runs_on_one_job_never_clobber(workload, reference, shared_engines):
     first = Job(job, env=INLINE_ENGINE)  # the engine in the run's process: 4 s to start, not 28
     assert first.wait_for("shard_started") is not None, first.stderr[-3000:]
     second = shared_engines.run(load_spec(job))
-    runs = [(first.wait(), first.records(), first.stderr), (second.exit_code, second.records,
-                                                            second.log)]
+    runs = [(first.wait(), first.records(), first.stderr), (second.exit_code, second.records, second.log)]
     committed = {}
     for _, records, _ in runs:
         for r in records:
@@ -237,12 +251,13 @@ def test_sigterm_drain_is_bounded_by_the_grace_period(long_requests, grace_s):
     period is kept. With enough grace, every shard in flight is committed before the run exits
     143. Either way the run stops cleanly (nothing partial, no process, lease or temp file)."""
     name = f"grace-{grace_s}"
-    job = write_job(long_requests / f"{name}.yaml",
-                    input={"path": str(long_requests / "in" / "*.parquet"), "prompt_column": "prompt",
-                           "id_column": "id"},
-                    output={"path": str(long_requests / name)},
-                    sampling={"temperature": 0.0, "max_tokens": 300, "ignore_eos": True},
-                    execution={"max_in_flight": 64})
+    job = write_job(
+        long_requests / f"{name}.yaml",
+        input={"path": str(long_requests / "in" / "*.parquet"), "prompt_column": "prompt", "id_column": "id"},
+        output={"path": str(long_requests / name)},
+        sampling={"temperature": 0.0, "max_tokens": 300, "ignore_eos": True},
+        execution={"max_in_flight": 64},
+    )
     run = Job(job, "--grace-seconds", str(grace_s), env=INLINE_ENGINE)  # engine in its process
     assert run.wait_for("shard_started") is not None, run.stderr[-3000:]
     time.sleep(1.0)

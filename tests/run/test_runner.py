@@ -82,13 +82,19 @@ def test_duplicate_ids_are_processed_and_counted(tmp_path):
 
 
 @pytest.mark.vllm
-@pytest.mark.parametrize("columns, extra, words", [
-    ({"text": ["a"]}, {}, "missing prompt column 'prompt'"),
-    ({"prompt": [1, 2]}, {}, "has type int64, expected text"),
-    ({"prompt": ["a"]}, {"id_column": "uid"}, "missing id column 'uid'"),
-    ({"prompt": ["a"]}, {"sampling_columns": {"max_tokens": "mt"}},
-     "missing sampling_columns.max_tokens column"),
-])
+@pytest.mark.parametrize(
+    "columns, extra, words",
+    [
+        ({"text": ["a"]}, {}, "missing prompt column 'prompt'"),
+        ({"prompt": [1, 2]}, {}, "has type int64, expected text"),
+        ({"prompt": ["a"]}, {"id_column": "uid"}, "missing id column 'uid'"),
+        (
+            {"prompt": ["a"]},
+            {"sampling_columns": {"max_tokens": "mt"}},
+            "missing sampling_columns.max_tokens column",
+        ),
+    ],
+)
 def test_bad_columns_exit_3_naming_shard_and_column(tmp_path, columns, extra, words):
     write_parquet(tmp_path / "in" / "good.parquet", {"prompt": ["a"], "uid": ["u"], "mt": [3]})
     write_parquet(tmp_path / "in" / "zz-bad.parquet", columns)
@@ -124,12 +130,13 @@ def test_corrupt_shard_skip_records_it_and_goes_on(tmp_path):
 def test_corrupt_row_group_midway_commits_nothing_partial(tmp_path):
     shards(tmp_path, n=1)
     path = tmp_path / "in" / "s5.parquet"
-    pq.write_table(pa.table({"prompt": [f"p{i}" for i in range(40)], "k": list(range(40))}), path,
-                   row_group_size=10)
+    pq.write_table(
+        pa.table({"prompt": [f"p{i}" for i in range(40)], "k": list(range(40))}), path, row_group_size=10
+    )
     data = bytearray(path.read_bytes())
     meta = pq.ParquetFile(path).metadata
     start = meta.row_group(2).column(0).data_page_offset
-    data[start:start + 40] = b"\xff" * 40  # garble the third row group's page
+    data[start : start + 40] = b"\xff" * 40  # garble the third row group's page
     path.write_bytes(bytes(data))
     with pytest.raises(InputDataError, match="s5.parquet"):
         run(make_spec(tmp_path))
@@ -155,8 +162,7 @@ def test_engine_failure_commits_nothing_partial_and_rerun_finishes(tmp_path):
 
 @pytest.mark.vllm
 def test_bad_rows_become_error_rows(tmp_path):
-    write_parquet(tmp_path / "in" / "b.parquet",
-                  {"prompt": pa.array(["ok", None, "", "  \n"], pa.string())})
+    write_parquet(tmp_path / "in" / "b.parquet", {"prompt": pa.array(["ok", None, "", "  \n"], pa.string())})
     run(make_spec(tmp_path))
     rows = {r["request_id"]: r for r in outputs(tmp_path)["b"].to_pylist()}
     assert rows["b/0"]["error"] is None and rows["b/0"]["generated_text"] == "OK"
@@ -167,12 +173,20 @@ def test_bad_rows_become_error_rows(tmp_path):
 
 @pytest.mark.vllm
 def test_keep_columns_and_metadata(tmp_path):
-    write_parquet(tmp_path / "in" / "m.parquet",
-                  {"prompt": ["a"], "keep": [1.5], "drop": ["x"],
-                   "when": pa.array([0], pa.timestamp("ms"))})
-    spec = build_spec({**make_spec(tmp_path).raw,
-                       "output": {"path": str(tmp_path / "out"), "keep_columns": ["keep", "when"],
-                                  "storage_options": {"secret": "hunter2"}}})
+    write_parquet(
+        tmp_path / "in" / "m.parquet",
+        {"prompt": ["a"], "keep": [1.5], "drop": ["x"], "when": pa.array([0], pa.timestamp("ms"))},
+    )
+    spec = build_spec(
+        {
+            **make_spec(tmp_path).raw,
+            "output": {
+                "path": str(tmp_path / "out"),
+                "keep_columns": ["keep", "when"],
+                "storage_options": {"secret": "hunter2"},
+            },
+        }
+    )
     run(spec)
     table = outputs(tmp_path)["m"]
     assert table.column_names[:3] == ["request_id", "keep", "when"]
@@ -187,8 +201,9 @@ def test_keep_columns_and_metadata(tmp_path):
 @pytest.mark.vllm
 def test_progress_bars_show_throughput(tmp_path, capsys):
     shards(tmp_path, n=2)
-    run_job(make_spec(tmp_path),
-            RunOptions(engine=FakeEngine(), events=EventLog("t", "text"), progress_bars=True))
+    run_job(
+        make_spec(tmp_path), RunOptions(engine=FakeEngine(), events=EventLog("t", "text"), progress_bars=True)
+    )
     err = capsys.readouterr().err
     assert "shards" in err and "rows" in err and "tok/s" in err
     assert "20/20" in err and "2/2" in err
@@ -201,8 +216,9 @@ def test_sample_rows_is_seeded_uniform_over_shards_and_skips_rows_a_run_would_re
     from batchspec.io.reader import sample_rows
 
     for i in range(3):
-        write_parquet(tmp_path / "in" / f"s{i}.parquet",
-                      {"prompt": ["", None] + [f"p{i}-{j}" for j in range(20)]})
+        write_parquet(
+            tmp_path / "in" / f"s{i}.parquet", {"prompt": ["", None] + [f"p{i}-{j}" for j in range(20)]}
+        )
     spec = make_spec(tmp_path)
     rows, seen = sample_rows(spec, 12, seed=7)
     again, _ = sample_rows(spec, 12, seed=7)
@@ -237,12 +253,12 @@ def test_a_reused_engine_generates_with_each_jobs_sampling_and_refuses_another_m
     warm = build_spec({**first.raw, "sampling": {"temperature": 0.7, "max_tokens": 9}})
     real.bind(warm)
     assert real.base_sampling == {"temperature": 0.7, "max_tokens": 9}
-    for key, change in [("model.target", {"model": {**first.raw["model"], "target": "other"}}),
-                        ("model.engine", {"model": {**first.raw["model"], "engine": {"dtype": "half"}}}),
-                        ("speculative", {"speculative": {"method": "ngram",
-                                                         "num_speculative_tokens": 2}}),
-                        ("model.lora", {"model": {**first.raw["model"],
-                                                  "lora": {"adapters": {"a": "org/a"}}}})]:
+    for key, change in [
+        ("model.target", {"model": {**first.raw["model"], "target": "other"}}),
+        ("model.engine", {"model": {**first.raw["model"], "engine": {"dtype": "half"}}}),
+        ("speculative", {"speculative": {"method": "ngram", "num_speculative_tokens": 2}}),
+        ("model.lora", {"model": {**first.raw["model"], "lora": {"adapters": {"a": "org/a"}}}}),
+    ]:
         with pytest.raises(SpecError, match=key.replace(".", r"\.")):
             real.bind(build_spec({**first.raw, **change}))
     assert real.base_sampling == {"temperature": 0.7, "max_tokens": 9}

@@ -51,14 +51,17 @@ def spec_with(tmp_path, **changes):
 # ---------------------------------------------------------------- 1. inputs are never outputs
 
 
-@pytest.mark.parametrize("inp, out", [
-    ("data/*.parquet", "data"),                 # output is the input directory
-    ("data/*.parquet", "data/"),
-    ("data/*.parquet", "data/out"),             # output nested under the input
-    ("data/day=1/*.parquet", "data"),           # output contains the input
-    ("data", "data/results"),                   # a directory input, output inside it
-    ("data/p0.parquet", "data"),                # a single file inside the output
-])
+@pytest.mark.parametrize(
+    "inp, out",
+    [
+        ("data/*.parquet", "data"),  # output is the input directory
+        ("data/*.parquet", "data/"),
+        ("data/*.parquet", "data/out"),  # output nested under the input
+        ("data/day=1/*.parquet", "data"),  # output contains the input
+        ("data", "data/results"),  # a directory input, output inside it
+        ("data/p0.parquet", "data"),  # a single file inside the output
+    ],
+)
 def test_output_overlapping_input_is_a_spec_error(tmp_path, inp, out):
     write_parquet(tmp_path / "data" / "p0.parquet", {"prompt": ["a"]})
     with pytest.raises(SpecError) as err:
@@ -94,48 +97,65 @@ def s3(endpoint=None, where="endpoint_url", **options):
 
 
 GS = {"token": "anon"}
-AZ_CONN = (f"DefaultEndpointsProtocol=https;AccountName=acct;AccountKey={AZ_KEY};"
-           "EndpointSuffix=core.windows.net")
+AZ_CONN = (
+    f"DefaultEndpointsProtocol=https;AccountName=acct;AccountKey={AZ_KEY};EndpointSuffix=core.windows.net"
+)
 
 
-@pytest.mark.parametrize("inp, in_opts, out, out_opts", [
-    # the attack: the same server spelled with and without a trailing slash
-    ("s3://b/data", s3(f"{EP}/"), "s3://b/data", s3(EP)),
-    ("s3://b/data/*.parquet", s3(f"{EP}/", "client_kwargs"), "s3://b/data", s3(EP)),
-    ("s3://b/data", s3("HTTP://127.0.0.1:9000"), "s3://b/data/out", s3(EP, "client_kwargs")),
-    ("s3://b/data", s3("http://Minio.Example.COM./"), "s3://b/data", s3("http://minio.example.com:80")),
-    ("s3://b/data", s3("https://minio.example.com:443/"), "s3://b/data", s3("https://minio.example.com")),
-    ("s3://b/data", s3(f"{EP}/some/path/"), "s3://b/data", s3(EP)),  # the endpoint's path
-    # an explicit default AWS endpoint on one side only; regional and global endpoints
-    ("s3://b/data", s3("https://s3.amazonaws.com"), "s3://b/data", s3()),
-    ("s3://b/data", s3(), "s3://b/data/out", s3("https://s3.eu-west-1.amazonaws.com/")),
-    ("s3://b/data", s3("https://s3.us-east-2.amazonaws.com"), "s3://b/data", s3("https://s3.amazonaws.com")),
-    # one name for one scheme family, and bucket and key paths normalised
-    ("s3://b/data", s3(EP), "s3a://b/data", s3(EP)),
-    ("s3://b/data/", s3(EP), "s3://b//data//", s3(EP)),
-    ("s3://b/data", s3(EP), "s3://B/data", s3(EP)),
-    ("s3://b/x/../data", s3(EP), "s3://b/data", s3(EP)),
-    ("s3://b/x/../data", s3(EP), "s3://b/x", s3(EP)),   # or, kept literally, a key under x/
-    ("gs://b/data", GS, "gcs://b/data", GS),
-    ("gs://b/data", GS, "gs://b/data/out", {**GS, "endpoint_url": "https://storage.googleapis.com/"}),
-    ("az://c/data", {"account_name": "acct"}, "abfs://c/data", {"account_name": "acct"}),
-    ("abfss://c@acct.dfs.core.windows.net/data", {}, "az://c/data", {"connection_string": AZ_CONN}),
-    ("az://c/data", {"account_name": "acct"}, "az://c/data",
-     {"account_name": "acct", "account_host": "ACCT.blob.core.windows.net."}),
-    # could be one: a named server against none, an IP against a host name on one port,
-    # two spellings of the endpoint that disagree
-    ("s3://b/data", s3(EP), "s3://b/data", s3()),
-    ("s3://b/data", s3("http://localhost:9000"), "s3://b/data", s3(EP)),
-    ("s3://b/data", {"endpoint_url": EP, "client_kwargs": {"endpoint_url": "http://127.0.0.1:9001"}},
-     "s3://b/data", s3("http://127.0.0.1:9001")),
-    ("s3://b/data", s3("https://s3.amazonaws.com"), "s3://b/data", s3("https://s3.example.com")),
-    # an https URL to an object of the output's bucket
-    ("https://b.s3.amazonaws.com/data/p0.parquet?X-Amz-Signature=SIG", {}, "s3://b/data", s3()),
-    (f"{EP}/b/data/p0.parquet", {}, "s3://b/data", s3(EP)),
-    # local paths: ./ and duplicate slashes
-    ("{tmp}/./data//*.parquet", {}, "{tmp}/data/", {}),
-    ("file://{tmp}/data", {}, "local://{tmp}/data/out", {}),
-])
+@pytest.mark.parametrize(
+    "inp, in_opts, out, out_opts",
+    [
+        # the attack: the same server spelled with and without a trailing slash
+        ("s3://b/data", s3(f"{EP}/"), "s3://b/data", s3(EP)),
+        ("s3://b/data/*.parquet", s3(f"{EP}/", "client_kwargs"), "s3://b/data", s3(EP)),
+        ("s3://b/data", s3("HTTP://127.0.0.1:9000"), "s3://b/data/out", s3(EP, "client_kwargs")),
+        ("s3://b/data", s3("http://Minio.Example.COM./"), "s3://b/data", s3("http://minio.example.com:80")),
+        ("s3://b/data", s3("https://minio.example.com:443/"), "s3://b/data", s3("https://minio.example.com")),
+        ("s3://b/data", s3(f"{EP}/some/path/"), "s3://b/data", s3(EP)),  # the endpoint's path
+        # an explicit default AWS endpoint on one side only; regional and global endpoints
+        ("s3://b/data", s3("https://s3.amazonaws.com"), "s3://b/data", s3()),
+        ("s3://b/data", s3(), "s3://b/data/out", s3("https://s3.eu-west-1.amazonaws.com/")),
+        (
+            "s3://b/data",
+            s3("https://s3.us-east-2.amazonaws.com"),
+            "s3://b/data",
+            s3("https://s3.amazonaws.com"),
+        ),
+        # one name for one scheme family, and bucket and key paths normalised
+        ("s3://b/data", s3(EP), "s3a://b/data", s3(EP)),
+        ("s3://b/data/", s3(EP), "s3://b//data//", s3(EP)),
+        ("s3://b/data", s3(EP), "s3://B/data", s3(EP)),
+        ("s3://b/x/../data", s3(EP), "s3://b/data", s3(EP)),
+        ("s3://b/x/../data", s3(EP), "s3://b/x", s3(EP)),  # or, kept literally, a key under x/
+        ("gs://b/data", GS, "gcs://b/data", GS),
+        ("gs://b/data", GS, "gs://b/data/out", {**GS, "endpoint_url": "https://storage.googleapis.com/"}),
+        ("az://c/data", {"account_name": "acct"}, "abfs://c/data", {"account_name": "acct"}),
+        ("abfss://c@acct.dfs.core.windows.net/data", {}, "az://c/data", {"connection_string": AZ_CONN}),
+        (
+            "az://c/data",
+            {"account_name": "acct"},
+            "az://c/data",
+            {"account_name": "acct", "account_host": "ACCT.blob.core.windows.net."},
+        ),
+        # could be one: a named server against none, an IP against a host name on one port,
+        # two spellings of the endpoint that disagree
+        ("s3://b/data", s3(EP), "s3://b/data", s3()),
+        ("s3://b/data", s3("http://localhost:9000"), "s3://b/data", s3(EP)),
+        (
+            "s3://b/data",
+            {"endpoint_url": EP, "client_kwargs": {"endpoint_url": "http://127.0.0.1:9001"}},
+            "s3://b/data",
+            s3("http://127.0.0.1:9001"),
+        ),
+        ("s3://b/data", s3("https://s3.amazonaws.com"), "s3://b/data", s3("https://s3.example.com")),
+        # an https URL to an object of the output's bucket
+        ("https://b.s3.amazonaws.com/data/p0.parquet?X-Amz-Signature=SIG", {}, "s3://b/data", s3()),
+        (f"{EP}/b/data/p0.parquet", {}, "s3://b/data", s3(EP)),
+        # local paths: ./ and duplicate slashes
+        ("{tmp}/./data//*.parquet", {}, "{tmp}/data/", {}),
+        ("file://{tmp}/data", {}, "local://{tmp}/data/out", {}),
+    ],
+)
 def test_one_store_spelled_two_ways_is_refused(tmp_path, inp, in_opts, out, out_opts):
     inp, out = inp.format(tmp=tmp_path), out.format(tmp=tmp_path)
     with pytest.raises(SpecError) as err:
@@ -148,27 +168,32 @@ def test_one_store_spelled_two_ways_is_refused(tmp_path, inp, in_opts, out, out_
     # listing agrees: the output's store is the input's, so its files are skipped
     from batchspec.io.locations import same_store
     from batchspec.io.output_dir import OutputDir
+
     assert same_store([inp], in_opts, OutputDir(out, out_opts))
 
 
-@pytest.mark.parametrize("inp, in_opts, out, out_opts", [
-    ("s3://b/data", s3(EP), "s3://c/data", s3(EP)),                        # another bucket
-    ("s3://b/data", s3(EP), "s3://b/data2", s3(EP)),                       # a sibling prefix
-    ("s3://b/data", s3(EP), "s3://b/data", s3("http://127.0.0.1:9001")),   # another server
-    ("s3://b/data", s3(EP), "s3://b/data", s3("https://s3.amazonaws.com")),
-    ("s3://b/data", s3(EP), "{tmp}/b/data", {}),                           # local against s3
-    ("{tmp}/b/data", {}, "s3://b/data/out", s3(EP)),
-    ("az://c/data", {"account_name": "acct"}, "az://c/data", {"account_name": "other"}),
-    ("gs://b/data", GS, "s3://b/data", s3("https://s3.amazonaws.com")),    # two clouds
-])
+@pytest.mark.parametrize(
+    "inp, in_opts, out, out_opts",
+    [
+        ("s3://b/data", s3(EP), "s3://c/data", s3(EP)),  # another bucket
+        ("s3://b/data", s3(EP), "s3://b/data2", s3(EP)),  # a sibling prefix
+        ("s3://b/data", s3(EP), "s3://b/data", s3("http://127.0.0.1:9001")),  # another server
+        ("s3://b/data", s3(EP), "s3://b/data", s3("https://s3.amazonaws.com")),
+        ("s3://b/data", s3(EP), "{tmp}/b/data", {}),  # local against s3
+        ("{tmp}/b/data", {}, "s3://b/data/out", s3(EP)),
+        ("az://c/data", {"account_name": "acct"}, "az://c/data", {"account_name": "other"}),
+        ("gs://b/data", GS, "s3://b/data", s3("https://s3.amazonaws.com")),  # two clouds
+    ],
+)
 def test_separate_stores_pass(tmp_path, inp, in_opts, out, out_opts):
     check_no_overlap([inp.format(tmp=tmp_path)], in_opts, out.format(tmp=tmp_path), out_opts)
 
 
 def test_an_unresolvable_store_is_refused_with_how_to_tell_them_apart():
     with pytest.raises(SpecError) as err:
-        check_no_overlap(["s3://b/data/*.parquet"], s3("http://user:PASSWORD@127.0.0.1:9000/"),
-                         "s3://b/data", s3())
+        check_no_overlap(
+            ["s3://b/data/*.parquet"], s3("http://user:PASSWORD@127.0.0.1:9000/"), "s3://b/data", s3()
+        )
     message = str(err.value)
     assert "PASSWORD" not in message and "cannot be told apart" in message
     assert "127.0.0.1:9000" in message and "endpoint_url" in message
@@ -178,11 +203,16 @@ def test_an_unresolvable_store_is_refused_with_how_to_tell_them_apart():
 def test_cli_refuses_overlap_before_writing_anything(tmp_path):
     write_parquet(tmp_path / "data" / "p0.parquet", {"prompt": ["a", "b"]})
     before = sorted(p.name for p in (tmp_path / "data").iterdir())
-    for out, commands in ((tmp_path / "data", ("run", "validate", "status")),
-                          (tmp_path / "data" / "out", ("run",))):
-        job = write_job(tmp_path / "job.yaml",
-                        input={"path": str(tmp_path / "data" / "*.parquet"), "prompt_column": "prompt"},
-                        output={"path": str(out)}, sampling={"temperature": 0.0, "max_tokens": 4})
+    for out, commands in (
+        (tmp_path / "data", ("run", "validate", "status")),
+        (tmp_path / "data" / "out", ("run",)),
+    ):
+        job = write_job(
+            tmp_path / "job.yaml",
+            input={"path": str(tmp_path / "data" / "*.parquet"), "prompt_column": "prompt"},
+            output={"path": str(out)},
+            sampling={"temperature": 0.0, "max_tokens": 4},
+        )
         for command in commands:
             result = run_cli(command, str(job), timeout=120)
             assert result.returncode == 2, (command, result.stderr)
@@ -205,8 +235,9 @@ def test_listing_never_picks_up_files_under_the_output_path(tmp_path):
 def test_rerun_with_a_different_spec_exits_2_naming_what_changed(tmp_path):
     shards(tmp_path, n=2, rows=4)
     run(spec_with(tmp_path))
-    changed = spec_with(tmp_path, sampling={"temperature": 0.0, "max_tokens": 9},
-                        model={"target": "other-model"})
+    changed = spec_with(
+        tmp_path, sampling={"temperature": 0.0, "max_tokens": 9}, model={"target": "other-model"}
+    )
     with pytest.raises(SpecError) as err:
         run(changed)
     message = str(err.value)
@@ -220,23 +251,28 @@ def test_rerun_with_a_different_spec_exits_2_naming_what_changed(tmp_path):
     assert set(result.summary["shards"]) == {"s0", "s1"}
     assert plan(changed).states == {"s0": "committed", "s1": "committed"}
     # a change that does not shape the output (throughput knobs) is not a different spec
-    faster = spec_with(tmp_path, sampling={"temperature": 0.0, "max_tokens": 9},
-                       model={"target": "other-model", "engine": {"max_num_seqs": 7}},
-                       execution={"max_in_flight": 2})
+    faster = spec_with(
+        tmp_path,
+        sampling={"temperature": 0.0, "max_tokens": 9},
+        model={"target": "other-model", "engine": {"max_num_seqs": 7}},
+        execution={"max_in_flight": 2},
+    )
     assert plan(faster).states == {"s0": "committed", "s1": "committed"}
 
 
 @pytest.mark.vllm
 def test_status_shows_stale_shards_and_orphan_outputs(tmp_path):
     shards(tmp_path, n=2, rows=4)
-    job = write_job(tmp_path / "job.yaml",
-                    input={"path": str(tmp_path / "in" / "*.parquet"), "prompt_column": "prompt"},
-                    output={"path": str(tmp_path / "out")}, model={"target": "unused"},
-                    sampling={"temperature": 0.0, "max_tokens": 8})
+    job = write_job(
+        tmp_path / "job.yaml",
+        input={"path": str(tmp_path / "in" / "*.parquet"), "prompt_column": "prompt"},
+        output={"path": str(tmp_path / "out")},
+        model={"target": "unused"},
+        sampling={"temperature": 0.0, "max_tokens": 8},
+    )
     run(spec_with(tmp_path))
     (tmp_path / "in" / "s1.parquet").rename(tmp_path / "in" / "s9.parquet")
-    result = run_cli("status", str(job), "--set", "sampling.max_tokens=3", "--format", "json",
-                     timeout=120)
+    result = run_cli("status", str(job), "--set", "sampling.max_tokens=3", "--format", "json", timeout=120)
     assert result.returncode == 0, result.stderr
     rows = {r["shard"]: r for r in json.loads(result.stdout)}
     assert rows["s0"]["state"] == "stale" and rows["s0"]["changed"] == ["sampling"]
@@ -269,13 +305,12 @@ def test_a_truncated_output_is_not_committed(tmp_path):
 def test_commit_fsyncs_file_and_directory(tmp_path, monkeypatch):
     synced = []
     real = os.fsync
-    monkeypatch.setattr(os, "fsync", lambda fd: synced.append(os.readlink(f"/proc/self/fd/{fd}"))
-                        or real(fd))
+    monkeypatch.setattr(os, "fsync", lambda fd: synced.append(os.readlink(f"/proc/self/fd/{fd}")) or real(fd))
     shards(tmp_path, n=1, rows=3)
     run(spec_with(tmp_path))
     out = str(tmp_path / "out")
-    assert any(p.endswith(".parquet.tmp") for p in synced)          # the shard's bytes
-    assert out in synced                                            # its rename
+    assert any(p.endswith(".parquet.tmp") for p in synced)  # the shard's bytes
+    assert out in synced  # its rename
     assert str(tmp_path / "out" / "_batchspec" / "manifest") in synced  # the manifest's rename
 
 
@@ -292,23 +327,33 @@ def test_spool_is_private_per_process_and_dead_spools_go(tmp_path, monkeypatch):
     assert os.path.dirname(mine) == str(tmp_path) and os.path.basename(mine) != "batchspec-spool"
     assert stat.S_IMODE(os.stat(mine).st_mode) == 0o700
     assert not dead.exists()
-    other = subprocess.run([sys.executable, "-c", "from batchspec.io.output_dir import spool_dir; "
-                            "import tempfile,sys; tempfile.tempdir=sys.argv[1]; print(spool_dir())",
-                            str(tmp_path)], capture_output=True, text=True, check=True).stdout.strip()
+    other = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "from batchspec.io.output_dir import spool_dir; "
+            "import tempfile,sys; tempfile.tempdir=sys.argv[1]; print(spool_dir())",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
     assert other != mine
 
 
 def test_engine_log_is_private_and_never_follows_a_planted_link(tmp_path):
-    code = ("import os, sys, tempfile; tempfile.tempdir = sys.argv[1]\n"
-            "from batchspec.cli.common import engine_log_file\n"
-            "stream, path = engine_log_file('r1')\n"
-            "stream.write(path + '\\n')\n")
+    code = (
+        "import os, sys, tempfile; tempfile.tempdir = sys.argv[1]\n"
+        "from batchspec.cli.common import engine_log_file\n"
+        "stream, path = engine_log_file('r1')\n"
+        "stream.write(path + '\\n')\n"
+    )
     planted = tmp_path / "victim.txt"
     planted.write_text("keep")
     for name in ("batchspec-r1.engine.log",):
         (tmp_path / name).symlink_to(planted)
-    result = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True,
-                            text=True)
+    result = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     path = result.stderr.strip().splitlines()[-1]
     assert os.path.dirname(path) == str(tmp_path) and not os.path.islink(path)
@@ -319,18 +364,28 @@ def test_engine_log_is_private_and_never_follows_a_planted_link(tmp_path):
 # ---------------------------------------------------------------- 9. every error has its code
 
 
-@pytest.mark.parametrize("path, code, words", [
-    ("sftp://host/in/*.parquet", 2, "input.path"),           # a backend that is not installed
-    ("nosuchproto://bucket/*.parquet", 2, "input.path"),     # not a protocol at all
-    # planned after the spec is checked against vLLM's classes
-    pytest.param("{tmp}/in/a**/*.parquet", 2, "input.path",  # a glob fsspec cannot compile
-                 marks=pytest.mark.vllm),
-    pytest.param("{tmp}/nothing/*.parquet", 3, "no input shards", marks=pytest.mark.vllm),
-])
+@pytest.mark.parametrize(
+    "path, code, words",
+    [
+        ("sftp://host/in/*.parquet", 2, "input.path"),  # a backend that is not installed
+        ("nosuchproto://bucket/*.parquet", 2, "input.path"),  # not a protocol at all
+        # planned after the spec is checked against vLLM's classes
+        pytest.param(
+            "{tmp}/in/a**/*.parquet",
+            2,
+            "input.path",  # a glob fsspec cannot compile
+            marks=pytest.mark.vllm,
+        ),
+        pytest.param("{tmp}/nothing/*.parquet", 3, "no input shards", marks=pytest.mark.vllm),
+    ],
+)
 def test_planning_errors_exit_with_their_code_and_a_json_error(tmp_path, path, code, words):
-    job = write_job(tmp_path / "job.yaml",
-                    input={"path": path.format(tmp=tmp_path), "prompt_column": "prompt"},
-                    output={"path": str(tmp_path / "out")}, sampling={"temperature": 0.0})
+    job = write_job(
+        tmp_path / "job.yaml",
+        input={"path": path.format(tmp=tmp_path), "prompt_column": "prompt"},
+        output={"path": str(tmp_path / "out")},
+        sampling={"temperature": 0.0},
+    )
     result = run_cli("run", str(job), "--log-format", "json", timeout=120)
     assert result.returncode == code, result.stderr
     events = [json.loads(line) for line in result.stderr.splitlines() if line.startswith("{")]
@@ -359,11 +414,13 @@ def test_an_unexpected_error_exits_1_with_summary(tmp_path):
 @pytest.mark.vllm
 def test_engine_that_fails_to_start_still_writes_summary_and_run_finished(tmp_path):
     shards(tmp_path, n=1, rows=3)
-    job = write_job(tmp_path / "job.yaml",
-                    input={"path": str(tmp_path / "in" / "*.parquet"), "prompt_column": "prompt"},
-                    output={"path": str(tmp_path / "out")},
-                    model={"target": str(tmp_path / "no-such-model")},
-                    sampling={"temperature": 0.0, "max_tokens": 4})
+    job = write_job(
+        tmp_path / "job.yaml",
+        input={"path": str(tmp_path / "in" / "*.parquet"), "prompt_column": "prompt"},
+        output={"path": str(tmp_path / "out")},
+        model={"target": str(tmp_path / "no-such-model")},
+        sampling={"temperature": 0.0, "max_tokens": 4},
+    )
     result = run_cli("run", str(job), "--log-format", "json", timeout=300)
     assert result.returncode in (1, 2), result.stderr
     events = [json.loads(line) for line in result.stderr.splitlines() if line.startswith("{")]
@@ -397,7 +454,7 @@ def test_a_shard_skipped_mid_read_gives_its_lease_back(tmp_path):
     data = bytearray(path.read_bytes())
     meta = pq.ParquetFile(path).metadata
     start = meta.row_group(2).column(0).data_page_offset
-    data[start:start + 40] = b"\xff" * 40  # the third row group is garbage, the footer fine
+    data[start : start + 40] = b"\xff" * 40  # the third row group is garbage, the footer fine
     path.write_bytes(bytes(data))
     result, _ = run(spec_with(tmp_path, input__on_bad_shard="skip"))
     assert set(result.summary["bad_shards"]) == {"s1"} and set(result.summary["shards"]) == {"s0"}
@@ -406,8 +463,11 @@ def test_a_shard_skipped_mid_read_gives_its_lease_back(tmp_path):
     from batchspec.io.output_dir import OutputDir
     from batchspec.leases.shard_leases import ShardLeases
 
-    other = ShardLeases(OutputDir(str(tmp_path / "out"), {}),
-                        {"run_id": "other", "host": "h", "pid": 1, "started_at": "x"}, 60)
+    other = ShardLeases(
+        OutputDir(str(tmp_path / "out"), {}),
+        {"run_id": "other", "host": "h", "pid": 1, "started_at": "x"},
+        60,
+    )
     assert other.acquire("s1") is None, f"s1's lease is still held: {held}"
     other.release_all()
 
@@ -421,9 +481,12 @@ def test_empty_input_is_fine_when_allowed(tmp_path):
     assert result.summary["status"] == "ok" and result.summary["totals"]["rows"] == 0
     assert result.summary_path and os.path.exists(result.summary_path)
     # as a nightly job sees it: no engine is needed when there is nothing to do
-    job = write_job(tmp_path / "job.yaml",
-                    input={"path": str(tmp_path / "in" / "*.parquet"), "prompt_column": "prompt"},
-                    output={"path": str(tmp_path / "cli-out")}, sampling={"temperature": 0.0})
+    job = write_job(
+        tmp_path / "job.yaml",
+        input={"path": str(tmp_path / "in" / "*.parquet"), "prompt_column": "prompt"},
+        output={"path": str(tmp_path / "cli-out")},
+        sampling={"temperature": 0.0},
+    )
     assert run_cli("run", str(job), timeout=120).returncode == 3
     cli = run_cli("run", str(job), "--set", "input.allow_empty=true", timeout=120)
     assert cli.returncode == 0, cli.stderr
@@ -437,8 +500,15 @@ def test_unknown_and_error_finish_reasons_are_kept(tmp_path):
     from batchspec.engine.rows import result_row
 
     def output(reason):
-        completion = SimpleNamespace(index=0, token_ids=[1, 2], text="ab", finish_reason=reason,
-                                     stop_reason=None, spec_decode_metrics=None, logprobs=None)
+        completion = SimpleNamespace(
+            index=0,
+            token_ids=[1, 2],
+            text="ab",
+            finish_reason=reason,
+            stop_reason=None,
+            spec_decode_metrics=None,
+            logprobs=None,
+        )
         return SimpleNamespace(outputs=[completion], prompt_token_ids=[5], metrics=None)
 
     row = result_row(output("error"))
@@ -503,11 +573,16 @@ def test_a_shard_held_by_a_silent_worker_on_object_storage_is_taken_over(tmp_pat
     fs = s3fs.S3FileSystem(**options)
     fs.mkdir("takeover")
     shards(tmp_path, n=2, rows=4)
-    spec = spec_with(tmp_path, output={"path": "s3://takeover/out", "storage_options": options},
-                     execution={"lease_s": 2.0, "max_in_flight": 5})
-    dead = ShardLeases(OutputDir("s3://takeover/out", options),
-                       {"run_id": "dead-run", "host": "another-host", "pid": 4242,
-                        "started_at": "x"}, 2.0)
+    spec = spec_with(
+        tmp_path,
+        output={"path": "s3://takeover/out", "storage_options": options},
+        execution={"lease_s": 2.0, "max_in_flight": 5},
+    )
+    dead = ShardLeases(
+        OutputDir("s3://takeover/out", options),
+        {"run_id": "dead-run", "host": "another-host", "pid": 4242, "started_at": "x"},
+        2.0,
+    )
     assert dead.acquire("s1") is None  # taken, and never renewed: its keeper never starts
     result, events = run(spec)
     assert set(result.summary["shards"]) == {"s0", "s1"} and not result.summary["busy_shards"]
@@ -531,13 +606,17 @@ def test_s3_overlap_spelled_with_another_endpoint_is_refused_before_any_work(tmp
     fs.put_file(str(tmp_path / "p0.parquet"), "overlap-attack/data/p0.parquet")
     before = fs.cat_file("overlap-attack/data/p0.parquet")
     keys_before = fs.find("overlap-attack")
-    job = write_job(tmp_path / "job.yaml",
-                    input={"path": "s3://overlap-attack/data", "prompt_column": "prompt",
-                           "storage_options": {**creds, "endpoint_url": f"{endpoint}/"}},
-                    output={"path": "s3://overlap-attack/data",
-                            "storage_options": {**creds, "endpoint_url": endpoint}},
-                    model={"target": str(tmp_path / "no-such-model")},
-                    sampling={"temperature": 0.0, "max_tokens": 4})
+    job = write_job(
+        tmp_path / "job.yaml",
+        input={
+            "path": "s3://overlap-attack/data",
+            "prompt_column": "prompt",
+            "storage_options": {**creds, "endpoint_url": f"{endpoint}/"},
+        },
+        output={"path": "s3://overlap-attack/data", "storage_options": {**creds, "endpoint_url": endpoint}},
+        model={"target": str(tmp_path / "no-such-model")},
+        sampling={"temperature": 0.0, "max_tokens": 4},
+    )
     checked = run_cli("validate", str(job), timeout=300)
     assert checked.returncode == 2, checked.stdout + checked.stderr
     assert "output.path" in checked.stderr and "input location" in checked.stderr

@@ -22,14 +22,16 @@ from batchspec.spec.build import build_spec
 
 
 def _spec(tmp_path):
-    return build_spec({
-        "name": "stages",
-        "input": {"path": str(tmp_path / "in" / "*.parquet"), "prompt_column": "prompt"},
-        "output": {"path": str(tmp_path / "out")},
-        "model": {"target": "unused"},
-        "sampling": {"temperature": 0.0, "max_tokens": 8},
-        "execution": {"max_in_flight": 3},
-    })
+    return build_spec(
+        {
+            "name": "stages",
+            "input": {"path": str(tmp_path / "in" / "*.parquet"), "prompt_column": "prompt"},
+            "output": {"path": str(tmp_path / "out")},
+            "model": {"target": "unused"},
+            "sampling": {"temperature": 0.0, "max_tokens": 8},
+            "execution": {"max_in_flight": 3},
+        }
+    )
 
 
 def _pipeline(spec, p, leases, counts, bad_shard) -> tuple[ShardPipeline, list]:
@@ -38,22 +40,37 @@ def _pipeline(spec, p, leases, counts, bad_shard) -> tuple[ShardPipeline, list]:
     seen: list[tuple[str, dict]] = []
     events.emit = lambda event, message="", level="info", **f: seen.append((event, f))
     progress = Progress(events, sum(counts.values()), len(counts), bars=False)
-    pipeline = ShardPipeline(spec, "r1", p.out, leases, events, progress, RunOutcome(),
-                             p.spec_fingerprint, None, overwrite=False, stop=lambda: False,
-                             grace_s=0.0, bad_shard=bad_shard)
+    pipeline = ShardPipeline(
+        spec,
+        "r1",
+        p.out,
+        leases,
+        events,
+        progress,
+        RunOutcome(),
+        p.spec_fingerprint,
+        None,
+        overwrite=False,
+        stop=lambda: False,
+        grace_s=0.0,
+        bad_shard=bad_shard,
+    )
     return pipeline, seen
 
 
 def test_stages_one_by_one(tmp_path):
     for i in range(3):
-        write_parquet(tmp_path / "in" / f"s{i}.parquet",
-                      {"prompt": [f"prompt {i}-{j}" for j in range(5)]})
+        write_parquet(tmp_path / "in" / f"s{i}.parquet", {"prompt": [f"prompt {i}-{j}" for j in range(5)]})
     write_parquet(tmp_path / "in" / "bad.parquet", {"text": ["no prompt column"]})
     spec = _spec(tmp_path)
 
     p = plan(spec)  # 1. plan shards
-    assert sorted(p.states.items()) == [("bad", "pending"), ("s0", "pending"),
-                                        ("s1", "pending"), ("s2", "pending")]
+    assert sorted(p.states.items()) == [
+        ("bad", "pending"),
+        ("s0", "pending"),
+        ("s1", "pending"),
+        ("s2", "pending"),
+    ]
     bad: list[str] = []
 
     def bad_shard(shard, exc: InputDataError) -> None:
@@ -75,23 +92,25 @@ def test_stages_one_by_one(tmp_path):
     assert sorted(outcome.committed) == ["s0", "s2"]
     assert list(outcome.busy) == ["s1"] and "other" in outcome.busy["s1"]
     assert {r.shard.name: r.state for r in pipeline.runs} == {
-        "s0": ShardState.COMMITTED, "s1": ShardState.BUSY, "s2": ShardState.COMMITTED}
+        "s0": ShardState.COMMITTED,
+        "s1": ShardState.BUSY,
+        "s2": ShardState.COMMITTED,
+    }
     assert sorted(f["shard"] for e, f in seen if e == "shard_committed") == ["s0", "s2"]
     for name in ("s0", "s2"):
         table = pq.read_table(tmp_path / "out" / f"{name}.parquet")
         assert table["generated_text"].to_pylist() and table.num_rows == 5
-        manifest = json.loads((tmp_path / "out" / "_batchspec" / "manifest" / f"{name}.json")
-                              .read_text())
+        manifest = json.loads((tmp_path / "out" / "_batchspec" / "manifest" / f"{name}.json").read_text())
         assert manifest["rows"] == 5 and manifest["run_id"] == "r1"
     assert not (tmp_path / "out" / "s1.parquet").exists()
     assert progress.rows == 10 and progress.total_rows == 10  # s1's rows dropped from the total
     assert plan(spec).states["s0"] == "committed" and plan(spec).states["s1"] == "pending"
 
-    summary = summarise({}, outcome, wall_s=2.0, generation_wall_s=1.0,
-                        per_position=None)  # 4. summarise
+    summary = summarise({}, outcome, wall_s=2.0, generation_wall_s=1.0, per_position=None)  # 4. summarise
     assert summary["totals"]["rows"] == 10 and summary["totals"]["shards_committed"] == 2
     assert summary["totals"]["generation_output_tokens_per_s"] == pytest.approx(
-        summary["totals"]["output_tokens"] / 1.0)
+        summary["totals"]["output_tokens"] / 1.0
+    )
 
 
 class _Leases(ShardLeases):
@@ -107,8 +126,7 @@ class _Leases(ShardLeases):
 
 def test_a_shard_whose_lease_goes_is_abandoned_never_committed(tmp_path):
     for i in range(3):
-        write_parquet(tmp_path / "in" / f"s{i}.parquet",
-                      {"prompt": [f"prompt {i}-{j}" for j in range(5)]})
+        write_parquet(tmp_path / "in" / f"s{i}.parquet", {"prompt": [f"prompt {i}-{j}" for j in range(5)]})
     spec = _spec(tmp_path)
     p = plan(spec)
     leases = _Leases(p.out, {"run_id": "r1", "host": "h", "pid": 2}, 60)
@@ -119,8 +137,7 @@ def test_a_shard_whose_lease_goes_is_abandoned_never_committed(tmp_path):
         pipeline.generate(FakeEngine(), p.shards, counts)
 
     states = {r.shard.name: r.state for r in pipeline.runs}
-    assert states == {"s0": ShardState.COMMITTED, "s1": ShardState.ABANDONED,
-                      "s2": ShardState.ABANDONED}
+    assert states == {"s0": ShardState.COMMITTED, "s1": ShardState.ABANDONED, "s2": ShardState.ABANDONED}
     assert list(outcome.committed) == ["s0"]
     assert outcome.lost["s1"].startswith("lost its lease")
     assert outcome.lost["s2"].startswith("taken over by another run before commit")
@@ -132,8 +149,7 @@ def test_a_shard_whose_lease_goes_is_abandoned_never_committed(tmp_path):
 
 
 def test_a_shard_moves_only_forward():
-    shard = Shard(url="file:///in/s.parquet", path="/in/s.parquet", name="s", fs=None,
-                  fingerprint={})
+    shard = Shard(url="file:///in/s.parquet", path="/in/s.parquet", name="s", fs=None, fingerprint={})
     run = ShardRun(shard)
     with pytest.raises(RuntimeError, match="no move from pending to committed"):
         run.move(ShardState.COMMITTED)

@@ -35,13 +35,18 @@ class CountingEngine(FakeEngine):
 
 def _shards(tmp_path, prompts_per_shard):
     for i, prompts in enumerate(prompts_per_shard):
-        write_parquet(tmp_path / "in" / f"s{i}.parquet",
-                      {"prompt": prompts, "id": [f"s{i}-{j}" for j in range(len(prompts))]})
+        write_parquet(
+            tmp_path / "in" / f"s{i}.parquet",
+            {"prompt": prompts, "id": [f"s{i}-{j}" for j in range(len(prompts))]},
+        )
 
 
 def _rows(tmp_path):
-    return {r["request_id"]: r for p in sorted((tmp_path / "out").glob("*.parquet"))
-            for r in pq.read_table(p).to_pylist()}
+    return {
+        r["request_id"]: r
+        for p in sorted((tmp_path / "out").glob("*.parquet"))
+        for r in pq.read_table(p).to_pylist()
+    }
 
 
 @pytest.mark.vllm
@@ -78,23 +83,32 @@ def test_sampled_rows_without_a_seed_and_a_window_of_0_are_all_generated(tmp_pat
     engine = CountingEngine()
     run(sampled, engine=engine)
     assert len(engine.sent) == 3 and all(r["twin_of"] is None for r in _rows(tmp_path).values())
-    seeded = build_spec({**_raw(tmp_path), "output": {"path": str(tmp_path / "out2")},
-                         "sampling": {"temperature": 0.8, "seed": 3, "max_tokens": 8}})
+    seeded = build_spec(
+        {
+            **_raw(tmp_path),
+            "output": {"path": str(tmp_path / "out2")},
+            "sampling": {"temperature": 0.8, "seed": 3, "max_tokens": 8},
+        }
+    )
     engine = CountingEngine()
     run(seeded, engine=engine)
     assert len(engine.sent) == 1
-    off = build_spec({**_raw(tmp_path), "output": {"path": str(tmp_path / "out3")},
-                      "execution": {"dedupe_window": 0}})
+    off = build_spec(
+        {**_raw(tmp_path), "output": {"path": str(tmp_path / "out3")}, "execution": {"dedupe_window": 0}}
+    )
     engine = CountingEngine()
     run(off, engine=engine)
     assert len(engine.sent) == 3
 
 
 def _raw(tmp_path):
-    return {"name": "twins", "input": {"path": str(tmp_path / "in" / "*.parquet"),
-                                       "prompt_column": "prompt", "id_column": "id"},
-            "output": {"path": str(tmp_path / "out")}, "model": {"target": "unused"},
-            "sampling": {"temperature": 0.0, "max_tokens": 8}}
+    return {
+        "name": "twins",
+        "input": {"path": str(tmp_path / "in" / "*.parquet"), "prompt_column": "prompt", "id_column": "id"},
+        "output": {"path": str(tmp_path / "out")},
+        "model": {"target": "unused"},
+        "sampling": {"temperature": 0.0, "max_tokens": 8},
+    }
 
 
 def test_per_row_sampling_and_adapters_are_part_of_what_is_identical():
@@ -132,16 +146,14 @@ def test_what_waits_is_bounded():
     assert twins.ready() == []
     # a result with logprobs is not kept: a later twin is generated
     lp = Twins({"temperature": 0.0}, window=100, hold=8)
-    first, later = (Row("s", i, f"l{i}", {}, prompt="q", overrides={"logprobs": 1})
-                    for i in range(2))
+    first, later = (Row("s", i, f"l{i}", {}, prompt="q", overrides={"logprobs": 1}) for i in range(2))
     assert list(lp.primaries(iter([first]))) == [first]
     lp.finished(first, [{"generated_text": "x", "error": None, "token_logprobs": [-0.1]}])
     assert list(lp.primaries(iter([later]))) == [later]
 
 
 @pytest.mark.engine
-def test_twins_on_the_real_engine_get_the_text_generating_them_would_give(tmp_path,
-                                                                          shared_engines):
+def test_twins_on_the_real_engine_get_the_text_generating_them_would_give(tmp_path, shared_engines):
     """Greedy rows repeating across two shards, on the real engine with a draft: the engine is
     sent each distinct request once, each twin's text is the generated row's, and a job with
     ``dedupe_window: 0`` (every row generated) writes the same texts."""
@@ -149,8 +161,12 @@ def test_twins_on_the_real_engine_get_the_text_generating_them_would_give(tmp_pa
 
     prompts = ["def mean(xs):", "import os\n", "class Point:", "def mean(xs):"]
     _shards(tmp_path, [prompts, ["import os\n", "for i in range(", "def mean(xs):"]])
-    raw = {**_raw(tmp_path), "model": {"target": str(MODELS / "target"), "engine": dict(ENGINE)},
-           "speculative": dict(DRAFT), "sampling": {"temperature": 0.0, "max_tokens": 12}}
+    raw = {
+        **_raw(tmp_path),
+        "model": {"target": str(MODELS / "target"), "engine": dict(ENGINE)},
+        "speculative": dict(DRAFT),
+        "sampling": {"temperature": 0.0, "max_tokens": 12},
+    }
     run_ = shared_engines.run(build_spec(raw))
     assert run_.exit_code == 0, run_.log[-3000:]
     rows = {r["request_id"]: r for r in read_output(tmp_path / "out").to_pylist()}
@@ -163,13 +179,15 @@ def test_twins_on_the_real_engine_get_the_text_generating_them_would_give(tmp_pa
         assert twin["generated_text"] == generated["generated_text"], rid
         assert twin["spec_num_draft_tokens"] is None and twin["time_e2e_s"] is None
     assert run_.summary["totals"]["rows_from_twin"] == 3
-    every = shared_engines.run(build_spec({**raw, "output": {"path": str(tmp_path / "every")},
-                                           "execution": {"dedupe_window": 0}}))
+    every = shared_engines.run(
+        build_spec({**raw, "output": {"path": str(tmp_path / "every")}, "execution": {"dedupe_window": 0}})
+    )
     assert every.exit_code == 0, every.log[-3000:]
     again = {r["request_id"]: r for r in read_output(tmp_path / "every").to_pylist()}
     assert all(r["twin_of"] is None for r in again.values())
-    assert {k: r["generated_text"] for k, r in again.items()} == \
-        {k: r["generated_text"] for k, r in rows.items()}
+    assert {k: r["generated_text"] for k, r in again.items()} == {
+        k: r["generated_text"] for k, r in rows.items()
+    }
 
 
 # --------------------------------------------------------------------------- the cache's bytes
@@ -182,15 +200,19 @@ class SamplingEngine(CountingEngine):
         n = self.bound[-1].sampling.get("n", 1)
         for row, results in super().stream(rows, *args, **kwargs):
             if results[0]["error"] is None:
-                results = [{**results[0], "sample_index": i,
-                            "generated_text": f"{results[0]['generated_text']} #{i}"}
-                           for i in range(n)]
+                results = [
+                    {
+                        **results[0],
+                        "sample_index": i,
+                        "generated_text": f"{results[0]['generated_text']} #{i}",
+                    }
+                    for i in range(n)
+                ]
             yield row, results
 
 
 @pytest.mark.vllm
-def test_the_cache_stays_within_dedupe_max_bytes_and_every_row_is_written_once(tmp_path,
-                                                                                monkeypatch):
+def test_the_cache_stays_within_dedupe_max_bytes_and_every_row_is_written_once(tmp_path, monkeypatch):
     """Seeded rows at n = 4 repeating in pairs over five prompts, with room in the cache for
     about two results: the estimated bytes kept never exceed ``dedupe_max_bytes``, a prompt
     whose result was evicted is generated again, and every row is written once with its n
@@ -215,20 +237,33 @@ def test_the_cache_stays_within_dedupe_max_bytes_and_every_row_is_written_once(t
     monkeypatch.setattr(batchspec.run.stages, "Twins", Watched)
     prompts = [f"p{(i // 2) % 5}" for i in range(60)]
     _shards(tmp_path, [prompts[:30], prompts[30:]])
-    one = result_bytes([{**empty_result(), "generated_text": f"P0 #{i}", "sample_index": i,
-                         "finish_reason": "stop", "num_prompt_tokens": 2, "num_output_tokens": 2}
-                        for i in range(4)])
+    one = result_bytes(
+        [
+            {
+                **empty_result(),
+                "generated_text": f"P0 #{i}",
+                "sample_index": i,
+                "finish_reason": "stop",
+                "num_prompt_tokens": 2,
+                "num_output_tokens": 2,
+            }
+            for i in range(4)
+        ]
+    )
     bound = 2 * one + one // 2  # room for two results of four samples
-    spec = build_spec({**_raw(tmp_path), "sampling": {"temperature": 0.8, "seed": 3, "n": 4},
-                       "execution": {"max_in_flight": 2, "prefix_window": 0,
-                                     "dedupe_max_bytes": bound}})
+    spec = build_spec(
+        {
+            **_raw(tmp_path),
+            "sampling": {"temperature": 0.8, "seed": 3, "n": 4},
+            "execution": {"max_in_flight": 2, "prefix_window": 0, "dedupe_max_bytes": bound},
+        }
+    )
     assert spec.execution.dedupe_max_bytes == bound
     engine = SamplingEngine()
     result, _ = run(spec, engine=engine)
     [twins] = made
     assert twins.max_bytes == bound and 0 < twins.peak <= bound
-    written = [r for p in sorted((tmp_path / "out").glob("*.parquet"))
-               for r in pq.read_table(p).to_pylist()]
+    written = [r for p in sorted((tmp_path / "out").glob("*.parquet")) for r in pq.read_table(p).to_pylist()]
     by_id: dict[str, list[dict]] = {}
     for r in written:
         by_id.setdefault(r["request_id"], []).append(r)
@@ -243,8 +278,7 @@ def test_the_cache_stays_within_dedupe_max_bytes_and_every_row_is_written_once(t
         assert all(r["twin_of"] == of for r in rs)
         if of is not None:
             assert of in generated and prompt_of[of] == prompt_of[rid]
-            assert sorted(r["generated_text"] for r in rs) == \
-                sorted(r["generated_text"] for r in by_id[of])
+            assert sorted(r["generated_text"] for r in rs) == sorted(r["generated_text"] for r in by_id[of])
     # evicted results were generated again; the rest came from a twin
     assert 5 < len(engine.sent) < 60
     assert result.summary["totals"]["rows_from_twin"] == 4 * (60 - len(engine.sent))
@@ -268,11 +302,12 @@ def test_eviction_drops_only_finished_results_never_what_a_waiting_twin_needs():
         assert twins.finished(row, [{**one[0], "generated_text": f"{i}" * 100}]) == []
         assert 0 < twins.cached_bytes <= bound
     served = twins.finished(slow[0], [{**one[0], "generated_text": "SLOW"}])
-    assert [(t.request_id, r[0]["generated_text"], r[0]["twin_of"]) for t, r in served] == \
-        [("slow1", "SLOW", "slow0"), ("slow2", "SLOW", "slow0")]
+    assert [(t.request_id, r[0]["generated_text"], r[0]["twin_of"]) for t, r in served] == [
+        ("slow1", "SLOW", "slow0"),
+        ("slow2", "SLOW", "slow0"),
+    ]
     # the oldest went first: r9 is still kept, r0 was generated again
-    late = [Row("s", 30, "late9", {}, prompt="other 9"),
-            Row("s", 31, "late0", {}, prompt="other 0")]
+    late = [Row("s", 30, "late9", {}, prompt="other 9"), Row("s", 31, "late0", {}, prompt="other 0")]
     assert list(twins.primaries(iter(late))) == late[1:]
     assert [t.request_id for t, _ in twins.ready()] == ["late9"]
     # a result larger than the bound is not kept: its later twin is generated
@@ -288,11 +323,13 @@ def test_dedupe_max_bytes_is_a_number_of_bytes():
     from batchspec.errors import SpecError
     from batchspec.spec.model import ExecutionSpec
 
-    raw = {"input": {"path": "in/*.parquet", "prompt_column": "prompt"},
-           "output": {"path": "out"}, "model": {"target": "t"}}
+    raw = {
+        "input": {"path": "in/*.parquet", "prompt_column": "prompt"},
+        "output": {"path": "out"},
+        "model": {"target": "t"},
+    }
     assert build_spec(raw).execution.dedupe_max_bytes == ExecutionSpec.dedupe_max_bytes > 0
-    assert build_spec({**raw, "execution": {"dedupe_max_bytes": 0}}).execution \
-        .dedupe_max_bytes == 0
+    assert build_spec({**raw, "execution": {"dedupe_max_bytes": 0}}).execution.dedupe_max_bytes == 0
     for bad in (-1, "64MiB", 1.5, True):
         with pytest.raises(SpecError) as err:
             build_spec({**raw, "execution": {"dedupe_max_bytes": bad}})
@@ -324,16 +361,20 @@ class FailingOnce(CountingEngine):
         for row, results in super().stream(rows, *args, **kwargs):
             if row.prompt == self.prompt and not self.failed:
                 self.failed = True
-                results = [{**empty_result(), "finish_reason": "error", "num_output_tokens": 0,
-                            "error": "engine error: vLLM failed this request after 0 output "
-                                     "tokens"}]
+                results = [
+                    {
+                        **empty_result(),
+                        "finish_reason": "error",
+                        "num_output_tokens": 0,
+                        "error": "engine error: vLLM failed this request after 0 output tokens",
+                    }
+                ]
             yield row, results
 
 
 def _engine_error_run(tmp_path, prompts, max_in_flight):
     _shards(tmp_path, [prompts])
-    spec = build_spec({**_raw(tmp_path), "execution": {"max_in_flight": max_in_flight,
-                                                       "prefix_window": 0}})
+    spec = build_spec({**_raw(tmp_path), "execution": {"max_in_flight": max_in_flight, "prefix_window": 0}})
     engine = FailingOnce("x")
     result, _ = run(spec, engine=engine)
     return engine, result, _rows(tmp_path)
@@ -345,7 +386,8 @@ def test_twins_of_a_request_the_engine_failed_are_generated_not_given_its_error(
     failed row keeps its error, one twin is sent to the engine, the other and a later ``x``
     get that twin's text; the error is never copied or kept."""
     engine, result, rows = _engine_error_run(
-        tmp_path, ["x", "x", "x", "a", "b", "c", "d", "e", "x", "f"], max_in_flight=2)
+        tmp_path, ["x", "x", "x", "a", "b", "c", "d", "e", "x", "f"], max_in_flight=2
+    )
     assert len(rows) == 10
     assert rows["s0-0"]["error"].startswith("engine error") and rows["s0-0"]["twin_of"] is None
     assert engine.sent.count("s0-0") == 1 and "s0-1" in engine.sent
@@ -353,8 +395,7 @@ def test_twins_of_a_request_the_engine_failed_are_generated_not_given_its_error(
     for rid in ("s0-2", "s0-8"):
         assert rows[rid]["error"] is None and rows[rid]["generated_text"] == "X"
         assert rows[rid]["twin_of"] == "s0-1"
-    assert sorted(engine.sent) == sorted(["s0-0", "s0-1", "s0-3", "s0-4", "s0-5", "s0-6", "s0-7",
-                                          "s0-9"])
+    assert sorted(engine.sent) == sorted(["s0-0", "s0-1", "s0-3", "s0-4", "s0-5", "s0-6", "s0-7", "s0-9"])
     assert [r for r in rows.values() if r["error"] is not None] == [rows["s0-0"]]
     assert result.summary["totals"]["rows_from_twin"] == 2
 
@@ -383,15 +424,15 @@ def test_an_error_is_never_a_twins_answer():
     assert twins.cached_bytes == 0
     # r1 goes next (before the rest of the input), r2 and r3 wait for it
     assert list(twins.primaries(iter(rows[3:]))) == [rows[1]]
-    failed = [{"generated_text": None, "error": "engine error: vLLM failed this request",
-               "finish_reason": "error"}]
+    failed = [
+        {"generated_text": None, "error": "engine error: vLLM failed this request", "finish_reason": "error"}
+    ]
     assert twins.finished(rows[1], failed) == []
     # the input ran out: what is left to send comes from retries()
     again = twins.retries()
     assert again is not None and list(again) == [rows[2]]
     assert twins.retries() is None
-    served = twins.finished(rows[2], [{"generated_text": "P", "error": None,
-                                       "finish_reason": "stop"}])
+    served = twins.finished(rows[2], [{"generated_text": "P", "error": None, "finish_reason": "stop"}])
     assert [(t.request_id, r[0]["twin_of"]) for t, r in served] == [("r3", "r2")]
     later = Row("s", 9, "r9", {}, prompt="p")
     assert list(twins.primaries(iter([later]))) == []

@@ -19,13 +19,16 @@ def _tokens(models, text: str) -> int:
 
 def test_validate_counts_rows_that_would_be_refused(tmp_path, models):
     too_long = "x = 1\n" * 400
-    write_parquet(tmp_path / "in" / "a.parquet",
-                  {"prompt": pa.array(["import os\n", None, " ", too_long], pa.string())})
+    write_parquet(
+        tmp_path / "in" / "a.parquet", {"prompt": pa.array(["import os\n", None, " ", too_long], pa.string())}
+    )
     write_parquet(tmp_path / "in" / "b.parquet", {"prompt": ["def f():\n"] * 3})
-    job = write_job(tmp_path / "v.yaml",
-                    input={"path": str(tmp_path / "in" / "*.parquet"), "prompt_column": "prompt"},
-                    output={"path": str(tmp_path / "out")},
-                    sampling={"temperature": 0.0, "max_tokens": 32})
+    job = write_job(
+        tmp_path / "v.yaml",
+        input={"path": str(tmp_path / "in" / "*.parquet"), "prompt_column": "prompt"},
+        output={"path": str(tmp_path / "out")},
+        sampling={"temperature": 0.0, "max_tokens": 32},
+    )
     result = run_cli("validate", str(job), timeout=180)
     assert result.returncode == 0, result.stderr
     longest_a, longest_b = _tokens(models, too_long), _tokens(models, "def f():\n")
@@ -43,9 +46,12 @@ def test_validate_counts_rows_that_would_be_refused(tmp_path, models):
 def test_validate_exits_3_naming_shard_and_column(tmp_path, models):
     write_parquet(tmp_path / "in" / "good.parquet", {"prompt": ["a"]})
     bad = write_parquet(tmp_path / "in" / "bad.parquet", {"text": ["a"]})
-    job = write_job(tmp_path / "v.yaml",
-                    input={"path": str(tmp_path / "in"), "prompt_column": "prompt"},
-                    output={"path": str(tmp_path / "out")}, sampling={"temperature": 0.0})
+    job = write_job(
+        tmp_path / "v.yaml",
+        input={"path": str(tmp_path / "in"), "prompt_column": "prompt"},
+        output={"path": str(tmp_path / "out")},
+        sampling={"temperature": 0.0},
+    )
     result = run_cli("validate", str(job), timeout=180)
     assert result.returncode == 3, result.stdout + result.stderr
     lines = result.stdout.splitlines()

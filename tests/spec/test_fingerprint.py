@@ -52,10 +52,15 @@ def raw_spec(tmp_path, **changes):
         "name": "fp",
         "input": {"path": "in/*.parquet", "prompt_column": "prompt", "id_column": "id"},
         "output": {"path": "out/", "keep_columns": ["id"]},
-        "model": {"target": str(tmp_path / "target"),
-                  "engine": {"max_model_len": 512, "dtype": "float32", "enforce_eager": True}},
-        "speculative": {"method": "draft_model", "model": str(tmp_path / "draft"),
-                        "num_speculative_tokens": 4},
+        "model": {
+            "target": str(tmp_path / "target"),
+            "engine": {"max_model_len": 512, "dtype": "float32", "enforce_eager": True},
+        },
+        "speculative": {
+            "method": "draft_model",
+            "model": str(tmp_path / "draft"),
+            "num_speculative_tokens": 4,
+        },
         "sampling": {"temperature": 0.0, "max_tokens": 32},
     }
     for dotted, value in changes.items():
@@ -92,25 +97,30 @@ def test_components_are_short_hex_and_stable(models):
     assert FINGERPRINT_VERSION == 2
 
 
-@pytest.mark.parametrize("changes, changed", [
-    ({"sampling__max_tokens": 64}, ["sampling"]),
-    ({"sampling__temperature": 0.7}, ["sampling"]),
-    ({"speculative__num_speculative_tokens": 2}, ["speculative"]),
-    ({"speculative": None}, ["speculative.model", "speculative"]),
-    ({"speculative": {"method": "ngram", "num_speculative_tokens": 4}},
-     ["speculative.model", "speculative"]),
-    ({"model__engine__dtype": "bfloat16"}, ["model.engine"]),
-    ({"model__engine__max_model_len": 1024}, ["model.engine"]),
-    ({"model__engine__kv_cache_dtype": "fp8"}, ["model.engine"]),
-    ({"model__engine__seed": 7}, ["model.engine"]),
-    ({"model__engine__hf_overrides": {"rope_theta": 1e6}}, ["model.engine"]),
-    ({"model__engine__some_future_vllm_arg": 3}, ["model.engine"]),  # unknown: counts
-    ({"input__prompt_column": _DELETE, "input__messages_column": "messages"}, ["columns"]),
-    ({"input__id_column": "uid"}, ["columns"]),
-    ({"input__sampling_columns": {"max_tokens": "mt"}}, ["columns"]),
-    ({"output__keep_columns": ["id", "topic"]}, ["columns"]),
-    ({"output__keep_columns": _DELETE}, ["columns"]),  # all columns differs from [id]
-])
+@pytest.mark.parametrize(
+    "changes, changed",
+    [
+        ({"sampling__max_tokens": 64}, ["sampling"]),
+        ({"sampling__temperature": 0.7}, ["sampling"]),
+        ({"speculative__num_speculative_tokens": 2}, ["speculative"]),
+        ({"speculative": None}, ["speculative.model", "speculative"]),
+        (
+            {"speculative": {"method": "ngram", "num_speculative_tokens": 4}},
+            ["speculative.model", "speculative"],
+        ),
+        ({"model__engine__dtype": "bfloat16"}, ["model.engine"]),
+        ({"model__engine__max_model_len": 1024}, ["model.engine"]),
+        ({"model__engine__kv_cache_dtype": "fp8"}, ["model.engine"]),
+        ({"model__engine__seed": 7}, ["model.engine"]),
+        ({"model__engine__hf_overrides": {"rope_theta": 1e6}}, ["model.engine"]),
+        ({"model__engine__some_future_vllm_arg": 3}, ["model.engine"]),  # unknown: counts
+        ({"input__prompt_column": _DELETE, "input__messages_column": "messages"}, ["columns"]),
+        ({"input__id_column": "uid"}, ["columns"]),
+        ({"input__sampling_columns": {"max_tokens": "mt"}}, ["columns"]),
+        ({"output__keep_columns": ["id", "topic"]}, ["columns"]),
+        ({"output__keep_columns": _DELETE}, ["columns"]),  # all columns differs from [id]
+    ],
+)
 def test_what_changes_the_output_is_seen(models, changes, changed):
     assert describe_changes(fp(models), fp(models, **changes)) == changed
 
@@ -118,8 +128,7 @@ def test_what_changes_the_output_is_seen(models, changes, changed):
 def make_adapter(path, weights=b"\1" * 300, r=8):
     """A directory shaped like a PEFT LoRA adapter (nothing loads it)."""
     path.mkdir(parents=True, exist_ok=True)
-    (path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": r,
-                                                          "lora_alpha": 16}))
+    (path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": r, "lora_alpha": 16}))
     (path / "adapter_model.safetensors").write_bytes(weights)
     return path
 
@@ -149,23 +158,26 @@ def test_lora_adapters_are_part_of_the_fingerprint_by_their_contents(models, no_
     assert fp(models, model__lora={**lora, "max_loras": 1}) == fp(models, model__lora=lora)
 
 
-@pytest.mark.parametrize("changes", [
-    {"model__engine__max_num_seqs": 8},
-    {"model__engine__gpu_memory_utilization": 0.5},
-    {"model__engine__enforce_eager": False},
-    {"model__engine__tensor_parallel_size": 2},
-    {"model__engine__enable_prefix_caching": True},
-    {"model__engine__max_num_batched_tokens": 4096},
-    {"model__engine__disable_log_stats": False},
-    {"model__engine__hf_token": "hf_secret_one"},
-    {"input__storage_options": {"key": "AKIA", "secret": "s3cr3t"}},
-    {"output__storage_options": {"token": "t0k3n"}},
-    {"input__path": "s3://bucket/other/*.parquet"},
-    {"output__path": "s3://bucket/elsewhere/"},
-    {"output__row_group_rows": 7, "output__compression": "snappy"},
-    {"execution": {"max_in_flight": 3, "grace_s": 1, "lease_s": 10}},
-    {"name": "renamed"},
-])
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"model__engine__max_num_seqs": 8},
+        {"model__engine__gpu_memory_utilization": 0.5},
+        {"model__engine__enforce_eager": False},
+        {"model__engine__tensor_parallel_size": 2},
+        {"model__engine__enable_prefix_caching": True},
+        {"model__engine__max_num_batched_tokens": 4096},
+        {"model__engine__disable_log_stats": False},
+        {"model__engine__hf_token": "hf_secret_one"},
+        {"input__storage_options": {"key": "AKIA", "secret": "s3cr3t"}},
+        {"output__storage_options": {"token": "t0k3n"}},
+        {"input__path": "s3://bucket/other/*.parquet"},
+        {"output__path": "s3://bucket/elsewhere/"},
+        {"output__row_group_rows": 7, "output__compression": "snappy"},
+        {"execution": {"max_in_flight": 3, "grace_s": 1, "lease_s": 10}},
+        {"name": "renamed"},
+    ],
+)
 def test_throughput_knobs_secrets_and_places_do_not_count(models, changes):
     assert describe_changes(fp(models), fp(models, **changes)) == []
 
@@ -196,8 +208,9 @@ def test_local_model_identity_is_its_contents(models, tmp_path):
 
 def test_draft_identity_and_absence(models, tmp_path):
     make_model(tmp_path / "draft2", hidden=48)
-    assert describe_changes(fp(models), fp(models, speculative__model=str(tmp_path / "draft2"))) \
-        == ["speculative.model"]
+    assert describe_changes(fp(models), fp(models, speculative__model=str(tmp_path / "draft2"))) == [
+        "speculative.model"
+    ]
     without = fp(models, speculative=None)
     assert "speculative.model" not in without
     ngram = fp(models, speculative={"method": "ngram", "num_speculative_tokens": 4})
@@ -207,16 +220,24 @@ def test_draft_identity_and_absence(models, tmp_path):
 def test_hub_model_identity_is_id_and_revisions(models):
     hub = fp(models, model__target="org/some-model")
     assert describe_changes(hub, fp(models, model__target="org/other-model")) == ["model.target"]
-    changed = describe_changes(hub, fp(models, model__target="org/some-model",
-                                       model__engine__revision="abc123"))
+    changed = describe_changes(
+        hub, fp(models, model__target="org/some-model", model__engine__revision="abc123")
+    )
     assert changed == ["model.target", "model.engine"]
-    changed = describe_changes(hub, fp(models, model__target="org/some-model",
-                                       model__engine__tokenizer_revision="v2"))
+    changed = describe_changes(
+        hub, fp(models, model__target="org/some-model", model__engine__tokenizer_revision="v2")
+    )
     assert changed == ["model.target", "model.engine"]
-    draft_rev = fp(models, model__target="org/some-model",
-                   speculative={"model": "org/draft", "num_speculative_tokens": 4})
-    draft_rev2 = fp(models, model__target="org/some-model",
-                    speculative={"model": "org/draft", "num_speculative_tokens": 4, "revision": "r2"})
+    draft_rev = fp(
+        models,
+        model__target="org/some-model",
+        speculative={"model": "org/draft", "num_speculative_tokens": 4},
+    )
+    draft_rev2 = fp(
+        models,
+        model__target="org/some-model",
+        speculative={"model": "org/draft", "num_speculative_tokens": 4, "revision": "r2"},
+    )
     assert describe_changes(draft_rev, draft_rev2) == ["speculative.model", "speculative"]
 
 
@@ -228,8 +249,7 @@ def test_a_new_url_signature_is_the_same_model(models):
 
 def test_describe_changes_order_and_missing_components():
     old = {"model.target": "1", "sampling": "2", "columns": "3", "zeta": "9"}
-    new = {"columns": "4", "model.target": "1", "speculative.model": "5", "alpha": "0",
-           "sampling": "2"}
+    new = {"columns": "4", "model.target": "1", "speculative.model": "5", "alpha": "0", "sampling": "2"}
     assert describe_changes(old, new) == ["speculative.model", "columns", "alpha", "zeta"]
     assert describe_changes(new, old) == ["speculative.model", "columns", "alpha", "zeta"]
     assert describe_changes({}, {}) == []
@@ -260,8 +280,7 @@ def no_racy_window(monkeypatch):
 
 
 @pytest.mark.parametrize("keep_mtime", [False, True])
-def test_weights_rewritten_with_the_same_size_are_a_new_model(models, no_racy_window,
-                                                              keep_mtime):
+def test_weights_rewritten_with_the_same_size_are_a_new_model(models, no_racy_window, keep_mtime):
     base = fp(models)  # cached now: the rewrite must get past the cache too
     rewrite_same_size(models / "draft" / "model.safetensors", keep_mtime)
     assert describe_changes(base, fp(models)) == ["speculative.model"]
@@ -276,8 +295,10 @@ def test_weights_rewritten_with_the_same_size_are_a_new_model(models, no_racy_wi
     assert model_identity(str(gguf)) != one
 
 
-@pytest.mark.parametrize("name", ["params.json", "model.safetensors.index.json",
-                                  "preprocessor_config.json", "tekken.json", "model.pt"])
+@pytest.mark.parametrize(
+    "name",
+    ["params.json", "model.safetensors.index.json", "preprocessor_config.json", "tekken.json", "model.pt"],
+)
 def test_other_files_vllm_reads_are_content_too(models, name):
     (models / "target" / name).write_text("{}")
     base = fp(models)
@@ -312,8 +333,7 @@ def test_status_and_rerun_name_a_model_retrained_in_place(tmp_path, models, no_r
         "input": {"path": str(tmp_path / "in" / "*.parquet"), "prompt_column": "prompt"},
         "output": {"path": str(tmp_path / "out")},
         "model": {"target": str(models / "target")},
-        "speculative": {"method": "draft_model", "model": str(models / "draft"),
-                        "num_speculative_tokens": 2},
+        "speculative": {"method": "draft_model", "model": str(models / "draft"), "num_speculative_tokens": 2},
         "sampling": {"temperature": 0.0, "max_tokens": 8},
     }
     spec = build_spec({"name": "retrained", **sections})
@@ -331,7 +351,9 @@ def test_status_and_rerun_name_a_model_retrained_in_place(tmp_path, models, no_r
     assert result.returncode == 0, result.stderr
     rows = {r["shard"]: r for r in json.loads(result.stdout)}
     assert {k: (r["state"], r["changed"]) for k, r in rows.items()} == {
-        "s0": ("stale", ["speculative.model"]), "s1": ("stale", ["speculative.model"])}
+        "s0": ("stale", ["speculative.model"]),
+        "s1": ("stale", ["speculative.model"]),
+    }
 
     run(spec, overwrite=True)  # the new draft's lineage, then the target retrained
     assert plan(spec).states == {"s0": "committed", "s1": "committed"}
@@ -358,8 +380,7 @@ def counted_opens(monkeypatch):
     return counts
 
 
-def test_a_cached_digest_is_not_read_again(models, no_racy_window, counted_opens,
-                                           private_cache):
+def test_a_cached_digest_is_not_read_again(models, no_racy_window, counted_opens, private_cache):
     weights = os.path.realpath(models / "target" / "model.safetensors")
     base = fp(models)
     assert counted_opens[weights] == 1
@@ -387,11 +408,20 @@ def poisoned_cache(private_cache, file, **change):
     """A cache entry for ``file`` whose stat matches but whose digest is wrong, with ``change``
     applied to its key: what the cache returns shows whether it trusted the entry."""
     st = os.stat(file)
-    entry = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns,
-             "ino": st.st_ino, "dev": st.st_dev, "sha256": "0" * 64, "used": 0, **change}
+    entry = {
+        "size": st.st_size,
+        "mtime_ns": st.st_mtime_ns,
+        "ctime_ns": st.st_ctime_ns,
+        "ino": st.st_ino,
+        "dev": st.st_dev,
+        "sha256": "0" * 64,
+        "used": 0,
+        **change,
+    }
     private_cache.mkdir(parents=True, exist_ok=True, mode=0o700)
-    (private_cache / "digests.json").write_text(json.dumps(
-        {"version": 1, "entries": {os.path.realpath(file): entry}}))
+    (private_cache / "digests.json").write_text(
+        json.dumps({"version": 1, "entries": {os.path.realpath(file): entry}})
+    )
 
 
 @pytest.mark.parametrize("key", [None, "size", "mtime_ns", "ctime_ns", "ino", "dev"])
@@ -400,19 +430,34 @@ def test_the_cache_is_keyed_by_size_mtime_ctime_inode_and_device(tmp_path, priva
     file.write_bytes(b"weights")
     real = hashlib.sha256(b"weights").hexdigest()
     st = os.stat(file)
-    moved = {"size": st.st_size + 1, "mtime_ns": st.st_mtime_ns + 1,
-             "ctime_ns": st.st_ctime_ns + 1, "ino": st.st_ino + 1, "dev": st.st_dev + 1}
+    moved = {
+        "size": st.st_size + 1,
+        "mtime_ns": st.st_mtime_ns + 1,
+        "ctime_ns": st.st_ctime_ns + 1,
+        "ino": st.st_ino + 1,
+        "dev": st.st_dev + 1,
+    }
     poisoned_cache(private_cache, file, **({} if key is None else {key: moved[key]}))
     # all five match: the entry is trusted; any one differs: the file is read
     assert DigestCache().digest(file) == ("0" * 64 if key is None else real)
 
 
-@pytest.mark.parametrize("content", [b"{not json", b"", b"\0\xff" * 50, b"[]", b'{"version": 1}',
-                                     b'{"version": 1, "entries": []}',
-                                     b'{"version": 9, "entries": {}}',
-                                     b'{"version": 1, "entries": {"/x": {"sha256": 5}}}'])
-def test_a_corrupt_cache_is_ignored_and_rebuilt(models, no_racy_window, private_cache,
-                                                counted_opens, content):
+@pytest.mark.parametrize(
+    "content",
+    [
+        b"{not json",
+        b"",
+        b"\0\xff" * 50,
+        b"[]",
+        b'{"version": 1}',
+        b'{"version": 1, "entries": []}',
+        b'{"version": 9, "entries": {}}',
+        b'{"version": 1, "entries": {"/x": {"sha256": 5}}}',
+    ],
+)
+def test_a_corrupt_cache_is_ignored_and_rebuilt(
+    models, no_racy_window, private_cache, counted_opens, content
+):
     base = fp(models)
     weights = os.path.realpath(models / "target" / "model.safetensors")
     (private_cache / "digests.json").write_bytes(content)
@@ -430,8 +475,11 @@ def test_a_file_written_a_moment_ago_is_not_cached(models, private_cache, monkey
     monkeypatch.setattr(fingerprint_mod, "RACY_NS", 3600 * 10**9)  # "a moment", however slow
     base = fp(models)
     assert fp(models) == base
-    entries = json.loads((private_cache / "digests.json").read_text())["entries"] \
-        if (private_cache / "digests.json").exists() else {}
+    entries = (
+        json.loads((private_cache / "digests.json").read_text())["entries"]
+        if (private_cache / "digests.json").exists()
+        else {}
+    )
     assert os.path.realpath(models / "target" / "model.safetensors") not in entries
 
 
@@ -449,8 +497,9 @@ def test_a_cache_directory_others_could_write_is_not_trusted(tmp_path, private_c
     assert DigestCache().digest(file) == real
 
 
-def test_no_writable_cache_directory_is_slower_never_wrong(models, monkeypatch, tmp_path,
-                                                           no_racy_window, counted_opens):
+def test_no_writable_cache_directory_is_slower_never_wrong(
+    models, monkeypatch, tmp_path, no_racy_window, counted_opens
+):
     (tmp_path / "a-file").write_text("")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "a-file"))  # cannot hold a directory
     base = fp(models)

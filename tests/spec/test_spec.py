@@ -61,26 +61,40 @@ def test_every_default_comes_from_the_dataclasses(tmp_path, monkeypatch):
     assert spec.output == OutputSpec(path="out/t")
     assert spec.model == ModelSpec(target="some/model", engine={"max_model_len": 256})
     assert spec.execution == ExecutionSpec() and spec.executor == ExecutorSpec()
-    for cls, key, value in ((OutputSpec, "row_group_rows", 7), (ExecutionSpec, "lease_s", 9.5),
-                            (ExecutorSpec, "kind", "ray"), (InputSpec, "on_bad_shard", "skip")):
+    for cls, key, value in (
+        (OutputSpec, "row_group_rows", 7),
+        (ExecutionSpec, "lease_s", 9.5),
+        (ExecutorSpec, "kind", "ray"),
+        (InputSpec, "on_bad_shard", "skip"),
+    ):
         monkeypatch.setattr(cls.__dataclass_fields__[key], "default", value)
     spec = load(tmp_path, raw)
-    assert (spec.output.row_group_rows, spec.execution.lease_s, spec.executor.kind,
-            spec.input.on_bad_shard) == (7, 9.5, "ray", "skip")
+    assert (
+        spec.output.row_group_rows,
+        spec.execution.lease_s,
+        spec.executor.kind,
+        spec.input.on_bad_shard,
+    ) == (7, 9.5, "ray", "skip")
 
 
 def test_set_overrides_parse_values_as_yaml(tmp_path):
-    spec = load(tmp_path, BASE, ["sampling.max_tokens=32", "speculative.method=ngram",
-                                 "speculative.num_speculative_tokens=3",
-                                 "output.keep_columns=[id, topic]"])
+    spec = load(
+        tmp_path,
+        BASE,
+        [
+            "sampling.max_tokens=32",
+            "speculative.method=ngram",
+            "speculative.num_speculative_tokens=3",
+            "output.keep_columns=[id, topic]",
+        ],
+    )
     assert spec.sampling["max_tokens"] == 32
     assert spec.speculative == {"method": "ngram", "num_speculative_tokens": 3}
     assert spec.output.keep_columns == ("id", "topic")
 
 
 def test_env_vars_expand_with_defaults(tmp_path):
-    raw = dict(BASE, input={"path": "s3://${BUCKET}/in/${DAY:-latest}/*.parquet",
-                            "prompt_column": "prompt"})
+    raw = dict(BASE, input={"path": "s3://${BUCKET}/in/${DAY:-latest}/*.parquet", "prompt_column": "prompt"})
     spec = load(tmp_path, raw, environ={"BUCKET": "prompts"})
     assert spec.input.paths == ("s3://prompts/in/latest/*.parquet",)
 
@@ -91,40 +105,74 @@ def test_missing_env_var_names_key_and_variable(tmp_path):
         load(tmp_path, raw)
 
 
-@pytest.mark.parametrize("mutate, key, words", [
-    (lambda s: s["input"].update(promt_column="x"), "input.promt_column", "did you mean 'prompt_column'"),
-    (lambda s: s.update(sampeling={}), "sampeling", "unknown key"),
-    (lambda s: s["output"].pop("path"), "output.path", "missing required key"),
-    (lambda s: s.pop("model"), "model", "missing required section"),
-    (lambda s: s["output"].update(row_group_rows="many"), "output.row_group_rows", "expected an integer"),
-    (lambda s: s["output"].update(row_group_rows=0), "output.row_group_rows", "positive"),
-    (lambda s: s["input"].update(messages_column="m"), "input.prompt_column", "exactly one"),
-    (lambda s: s["input"].update(on_bad_shard="ignore"), "input.on_bad_shard", "'fail' or 'skip'"),
-    (lambda s: s["input"].update(sampling_columns={"max_token": "m"}), "input.sampling_columns.max_token",
-     "did you mean 'max_tokens'"),
-    (lambda s: s.update(speculative={"num_speculative_tokens": 4}), "speculative.method", "give a method"),
-    (lambda s: s.update(speculative="draft"), "speculative", "expected a mapping"),
-    (lambda s: s["model"]["engine"].update(speculative_config={}), "model.engine.speculative_config",
-     "`speculative`"),
-    # LoRA: adapters are named under model.lora, rows pick one of them
-    (lambda s: s["model"]["engine"].update(enable_lora=True), "model.engine.enable_lora",
-     "`model.lora.adapters`"),
-    (lambda s: s["model"]["engine"].update(max_lora_rank=8), "model.engine.max_lora_rank",
-     "`model.lora.max_lora_rank`"),
-    (lambda s: s["input"].update(lora_column="adapter"), "input.lora_column", "model.lora is not set"),
-    (lambda s: s["model"].update(lora={"adapters": {}}), "model.lora.adapters", "at least one"),
-    (lambda s: s["model"].update(lora={"max_loras": 2}), "model.lora.adapters", "missing required"),
-    (lambda s: s["model"].update(lora={"adapters": {"a": "s3://b/a"}}), "model.lora.adapters.a",
-     "not from a URL"),
-    (lambda s: s["model"].update(lora={"adapters": {"a": 3}}), "model.lora.adapters.a",
-     "local directory or a model id"),
-    (lambda s: s["model"].update(lora={"adapters": {"upper": "x/y"}, "adapter": "uper"}),
-     "model.lora.adapter", "did you mean 'upper'"),
-    (lambda s: s["model"].update(lora={"adapters": {"a": "x/y"}, "max_loras": 0}),
-     "model.lora.max_loras", "positive"),
-    (lambda s: s["model"].update(lora={"adapters": {"a": "x/y"}, "rank": 8}), "model.lora.rank",
-     "unknown key"),
-])
+@pytest.mark.parametrize(
+    "mutate, key, words",
+    [
+        (lambda s: s["input"].update(promt_column="x"), "input.promt_column", "did you mean 'prompt_column'"),
+        (lambda s: s.update(sampeling={}), "sampeling", "unknown key"),
+        (lambda s: s["output"].pop("path"), "output.path", "missing required key"),
+        (lambda s: s.pop("model"), "model", "missing required section"),
+        (lambda s: s["output"].update(row_group_rows="many"), "output.row_group_rows", "expected an integer"),
+        (lambda s: s["output"].update(row_group_rows=0), "output.row_group_rows", "positive"),
+        (lambda s: s["input"].update(messages_column="m"), "input.prompt_column", "exactly one"),
+        (lambda s: s["input"].update(on_bad_shard="ignore"), "input.on_bad_shard", "'fail' or 'skip'"),
+        (
+            lambda s: s["input"].update(sampling_columns={"max_token": "m"}),
+            "input.sampling_columns.max_token",
+            "did you mean 'max_tokens'",
+        ),
+        (
+            lambda s: s.update(speculative={"num_speculative_tokens": 4}),
+            "speculative.method",
+            "give a method",
+        ),
+        (lambda s: s.update(speculative="draft"), "speculative", "expected a mapping"),
+        (
+            lambda s: s["model"]["engine"].update(speculative_config={}),
+            "model.engine.speculative_config",
+            "`speculative`",
+        ),
+        # LoRA: adapters are named under model.lora, rows pick one of them
+        (
+            lambda s: s["model"]["engine"].update(enable_lora=True),
+            "model.engine.enable_lora",
+            "`model.lora.adapters`",
+        ),
+        (
+            lambda s: s["model"]["engine"].update(max_lora_rank=8),
+            "model.engine.max_lora_rank",
+            "`model.lora.max_lora_rank`",
+        ),
+        (lambda s: s["input"].update(lora_column="adapter"), "input.lora_column", "model.lora is not set"),
+        (lambda s: s["model"].update(lora={"adapters": {}}), "model.lora.adapters", "at least one"),
+        (lambda s: s["model"].update(lora={"max_loras": 2}), "model.lora.adapters", "missing required"),
+        (
+            lambda s: s["model"].update(lora={"adapters": {"a": "s3://b/a"}}),
+            "model.lora.adapters.a",
+            "not from a URL",
+        ),
+        (
+            lambda s: s["model"].update(lora={"adapters": {"a": 3}}),
+            "model.lora.adapters.a",
+            "local directory or a model id",
+        ),
+        (
+            lambda s: s["model"].update(lora={"adapters": {"upper": "x/y"}, "adapter": "uper"}),
+            "model.lora.adapter",
+            "did you mean 'upper'",
+        ),
+        (
+            lambda s: s["model"].update(lora={"adapters": {"a": "x/y"}, "max_loras": 0}),
+            "model.lora.max_loras",
+            "positive",
+        ),
+        (
+            lambda s: s["model"].update(lora={"adapters": {"a": "x/y"}, "rank": 8}),
+            "model.lora.rank",
+            "unknown key",
+        ),
+    ],
+)
 def test_bad_specs_name_the_key(tmp_path, mutate, key, words):
     raw = yaml.safe_load(yaml.safe_dump(BASE))
     mutate(raw)
@@ -153,10 +201,17 @@ def test_set_into_scalar_names_key():
 
 
 def test_the_public_view_masks_every_storage_option_and_keeps_the_rest():
-    raw = {"input": {"storage_options": {"key": "AKIA", "secret": "s3cr3t", "token": "t",
-                                         "client_kwargs": {"endpoint_url": "http://u:pw@x",
-                                                           "aws_secret_access_key": "zz"}}},
-           "speculative": {"num_speculative_tokens": 4}}
+    raw = {
+        "input": {
+            "storage_options": {
+                "key": "AKIA",
+                "secret": "s3cr3t",
+                "token": "t",
+                "client_kwargs": {"endpoint_url": "http://u:pw@x", "aws_secret_access_key": "zz"},
+            }
+        },
+        "speculative": {"num_speculative_tokens": 4},
+    }
     out = public_spec(raw)
     so = out["input"]["storage_options"]
     assert so["key"] == so["secret"] == so["token"] == "***"
@@ -250,8 +305,11 @@ execution:
 
 def test_shared_anchor_spec_loads_and_stays_independent(tmp_path):
     spec = load(tmp_path, SHARED_ANCHOR, ["output.storage_options.key=OTHER"])
-    assert spec.input.storage_options == {"key": "AKIA", "secret": "s3cr3t",
-                                          "client_kwargs": {"endpoint_url": "http://127.0.0.1:9000"}}
+    assert spec.input.storage_options == {
+        "key": "AKIA",
+        "secret": "s3cr3t",
+        "client_kwargs": {"endpoint_url": "http://127.0.0.1:9000"},
+    }
     # the alias gave output its own copy: --set on it leaves input alone
     assert spec.output.storage_options["key"] == "OTHER"
     assert spec.output.storage_options["secret"] == "s3cr3t"
@@ -294,8 +352,7 @@ sampling:
 execution:
   grace_s: ${GRACE:-0}
 """
-TYPED_ENV = {"DS": "2026-01-02", "N": "32", "LEN": "512", "EAGER": "true", "STOP": "END",
-             "EMPTY": ""}
+TYPED_ENV = {"DS": "2026-01-02", "N": "32", "LEN": "512", "EAGER": "true", "STOP": "END", "EMPTY": ""}
 
 
 def test_plain_vars_are_typed_as_yaml_would_type_them(tmp_path):
@@ -325,17 +382,24 @@ def test_keys_are_not_expanded(tmp_path):
 
 
 def test_set_values_are_expanded_and_typed(tmp_path):
-    spec = load(tmp_path, BASE, ["sampling.max_tokens=${N}", "sampling.seed='${N}'",
-                                 "output.path=out/${N}"], environ={"N": "16"})
+    spec = load(
+        tmp_path,
+        BASE,
+        ["sampling.max_tokens=${N}", "sampling.seed='${N}'", "output.path=out/${N}"],
+        environ={"N": "16"},
+    )
     assert spec.sampling["max_tokens"] == 16 and spec.sampling["seed"] == "16"
     assert spec.output.path == "out/16"
 
 
-@pytest.mark.parametrize("text, overrides, key", [
-    (TYPED, [], "input.path"),
-    ("name: x\nlist:\n  - a\n  - ${NOPE}\n", [], "list[1]"),
-    (yaml.safe_dump(BASE), ["sampling.max_tokens=${NOPE}"], "sampling.max_tokens"),
-])
+@pytest.mark.parametrize(
+    "text, overrides, key",
+    [
+        (TYPED, [], "input.path"),
+        ("name: x\nlist:\n  - a\n  - ${NOPE}\n", [], "list[1]"),
+        (yaml.safe_dump(BASE), ["sampling.max_tokens=${NOPE}"], "sampling.max_tokens"),
+    ],
+)
 def test_unset_var_names_key_and_variable(tmp_path, text, overrides, key):
     env = {k: v for k, v in TYPED_ENV.items() if k != "DS"}
     with pytest.raises(SpecError) as info:
@@ -361,21 +425,23 @@ def test_new_keys_defaults(tmp_path):
 
 
 def test_new_keys_set(tmp_path):
-    spec = load(tmp_path, BASE, ["input.allow_empty=true", "execution.grace_s=0",
-                                 "execution.lease_s=2.5"])
+    spec = load(tmp_path, BASE, ["input.allow_empty=true", "execution.grace_s=0", "execution.lease_s=2.5"])
     assert spec.input.allow_empty is True
     assert spec.execution.grace_s == 0.0 and spec.execution.lease_s == 2.5
 
 
-@pytest.mark.parametrize("item, key, words", [
-    ("input.allow_empty=yes please", "input.allow_empty", "expected a boolean"),
-    ("input.allow_empty=1", "input.allow_empty", "expected a boolean"),
-    ("execution.grace_s=-1", "execution.grace_s", "zero or more"),
-    ("execution.grace_s=.inf", "execution.grace_s", "zero or more"),
-    ("execution.lease_s=0", "execution.lease_s", "more than zero"),
-    ("execution.lease_s=true", "execution.lease_s", "got a boolean"),
-    ("execution.lease_s=soon", "execution.lease_s", "expected an integer or a number"),
-])
+@pytest.mark.parametrize(
+    "item, key, words",
+    [
+        ("input.allow_empty=yes please", "input.allow_empty", "expected a boolean"),
+        ("input.allow_empty=1", "input.allow_empty", "expected a boolean"),
+        ("execution.grace_s=-1", "execution.grace_s", "zero or more"),
+        ("execution.grace_s=.inf", "execution.grace_s", "zero or more"),
+        ("execution.lease_s=0", "execution.lease_s", "more than zero"),
+        ("execution.lease_s=true", "execution.lease_s", "got a boolean"),
+        ("execution.lease_s=soon", "execution.lease_s", "expected an integer or a number"),
+    ],
+)
 def test_new_keys_bad_values(tmp_path, item, key, words):
     with pytest.raises(SpecError) as info:
         load(tmp_path, BASE, [item])
@@ -387,14 +453,22 @@ def test_new_keys_bad_values(tmp_path, item, key, words):
 def test_vllm_owned_keys_are_checked_against_vllm(tmp_path):
     from batchspec.engine.checks import check_vllm_keys
 
-    check_vllm_keys(load(tmp_path, dict(BASE, speculative={"method": "ngram", "num_speculative_tokens": 3,
-                                                           "prompt_lookup_max": 4})))
+    check_vllm_keys(
+        load(
+            tmp_path,
+            dict(BASE, speculative={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}),
+        )
+    )
     for raw, key in [
         (dict(BASE, sampling={"temprature": 0.5}), "sampling.temprature"),
-        (dict(BASE, speculative={"method": "ngram", "num_speculative_token": 3}),
-         "speculative.num_speculative_token"),
-        (dict(BASE, model={"target": "m", "engine": {"max_model_length": 3}}),
-         "model.engine.max_model_length"),
+        (
+            dict(BASE, speculative={"method": "ngram", "num_speculative_token": 3}),
+            "speculative.num_speculative_token",
+        ),
+        (
+            dict(BASE, model={"target": "m", "engine": {"max_model_length": 3}}),
+            "model.engine.max_model_length",
+        ),
         (dict(BASE, sampling={"temperature": -1}), "sampling"),
     ]:
         with pytest.raises(SpecError) as info:

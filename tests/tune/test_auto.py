@@ -26,9 +26,13 @@ from batchspec.spec.load import load_spec
 
 
 def _raw(speculative, **extra) -> dict:
-    return {"input": {"path": "in/*.parquet", "prompt_column": "prompt"},
-            "output": {"path": "out"}, "model": {"target": "t"}, "speculative": speculative,
-            **extra}
+    return {
+        "input": {"path": "in/*.parquet", "prompt_column": "prompt"},
+        "output": {"path": "out"},
+        "model": {"target": "t"},
+        "speculative": speculative,
+        **extra,
+    }
 
 
 def test_auto_alone_tries_the_methods_that_need_no_draft():
@@ -37,16 +41,19 @@ def test_auto_alone_tries_the_methods_that_need_no_draft():
     assert spec.speculative_auto.drafts == () and spec.speculative_auto.ngram
 
 
-@pytest.mark.parametrize("section, key", [
-    ({"method": "auto", "draft": ["d"]}, "speculative.draft"),
-    ({"method": "auto", "k": [0, 2]}, "speculative.k"),
-    ({"method": "auto", "k": []}, "speculative.k"),
-    ({"method": "auto", "drafts": "d"}, "speculative.drafts"),
-    ({"method": "auto", "ngram": False}, "speculative.drafts"),
-    ({"method": "auto", "max_minutes": 0}, "speculative.max_minutes"),
-    ({"method": "auto", "concurrency": [16, -1]}, "speculative.concurrency"),
-    ("fastest", "speculative"),
-])
+@pytest.mark.parametrize(
+    "section, key",
+    [
+        ({"method": "auto", "draft": ["d"]}, "speculative.draft"),
+        ({"method": "auto", "k": [0, 2]}, "speculative.k"),
+        ({"method": "auto", "k": []}, "speculative.k"),
+        ({"method": "auto", "drafts": "d"}, "speculative.drafts"),
+        ({"method": "auto", "ngram": False}, "speculative.drafts"),
+        ({"method": "auto", "max_minutes": 0}, "speculative.max_minutes"),
+        ({"method": "auto", "concurrency": [16, -1]}, "speculative.concurrency"),
+        ("fastest", "speculative"),
+    ],
+)
 def test_a_bad_auto_section_names_its_key(section, key):
     with pytest.raises(SpecError) as err:
         build_spec(_raw(section))
@@ -64,8 +71,9 @@ def test_the_output_fingerprint_holds_auto_never_its_drafts_or_choice(tmp_path):
     (tmp_path / "d1" / "config.json").write_text("{}")
     a = spec_fingerprint(build_spec(_raw({"method": "auto", "drafts": [str(tmp_path / "d1")]})))
     b = spec_fingerprint(build_spec(_raw({"method": "auto", "drafts": ["other"], "k": [2]})))
-    c = spec_fingerprint(build_spec(_raw({"method": "draft_model", "model": "other",
-                                          "num_speculative_tokens": 2})))
+    c = spec_fingerprint(
+        build_spec(_raw({"method": "draft_model", "model": "other", "num_speculative_tokens": 2}))
+    )
     assert a == b and "speculative.model" not in a
     assert a["speculative"] != c["speculative"]
 
@@ -88,20 +96,29 @@ def auto_job(tmp_path, monkeypatch):
     draft.mkdir()
     (draft / "config.json").write_text('{"layers": 2}')
     _shard(tmp_path, 0)
-    job = write_job(tmp_path / "job.yaml",
-                    input={"path": str(tmp_path / "in" / "*.parquet"), "prompt_column": "prompt",
-                           "id_column": "id"},
-                    output={"path": str(tmp_path / "out")}, model={"target": "t"},
-                    speculative={"method": "auto", "drafts": [str(draft)], "k": [1, 2, 4],
-                                 "ngram": False, "sample": 8, "concurrency": [4]},
-                    sampling={"temperature": 0.0, "max_tokens": 24})
+    job = write_job(
+        tmp_path / "job.yaml",
+        input={"path": str(tmp_path / "in" / "*.parquet"), "prompt_column": "prompt", "id_column": "id"},
+        output={"path": str(tmp_path / "out")},
+        model={"target": "t"},
+        speculative={
+            "method": "auto",
+            "drafts": [str(draft)],
+            "k": [1, 2, 4],
+            "ngram": False,
+            "sample": 8,
+            "concurrency": [4],
+        },
+        sampling={"temperature": 0.0, "max_tokens": 24},
+    )
     return job
 
 
 def _shard(tmp_path: Path, i: int, rows: int = 10) -> None:
-    write_parquet(tmp_path / "in" / f"part-{i}.parquet",
-                  {"id": [f"p{i}-{r}" for r in range(rows)],
-                   "prompt": [f"prompt {i} {r}" for r in range(rows)]})
+    write_parquet(
+        tmp_path / "in" / f"part-{i}.parquet",
+        {"id": [f"p{i}-{r}" for r in range(rows)], "prompt": [f"prompt {i} {r}" for r in range(rows)]},
+    )
 
 
 def _run(job: Path, **kwargs):
@@ -114,8 +131,9 @@ def _run(job: Path, **kwargs):
 
 
 def _records(tmp_path: Path) -> list[dict]:
-    return [json.loads(p.read_text())
-            for p in sorted((tmp_path / "out" / "_batchspec" / "auto").glob("*.json"))]
+    return [
+        json.loads(p.read_text()) for p in sorted((tmp_path / "out" / "_batchspec" / "auto").glob("*.json"))
+    ]
 
 
 @pytest.mark.vllm
@@ -129,16 +147,19 @@ def test_a_run_measures_once_then_reuses_its_choice(auto_job, tmp_path):
     assert engine.bound[-1].speculative == auto["speculative"]
     meta = json.loads(pq.read_schema(tmp_path / "out" / "part-0.parquet").metadata[b"batchspec"])
     assert meta["speculative_auto"] is True and meta["speculative_method"] == "draft_model"
-    assert meta["spec"]["speculative"]["num_speculative_tokens"] == \
-        auto["speculative"]["num_speculative_tokens"]
+    assert (
+        meta["spec"]["speculative"]["num_speculative_tokens"] == auto["speculative"]["num_speculative_tokens"]
+    )
     [record] = _records(tmp_path)
     assert record["chosen"] == auto["chosen"] and record["sample"]["rows"] == 8
-    chosen = next(c for c in record["measurements"]["candidates"]
-                  if c["label"] == auto["chosen"] and c["concurrency"] == 4)
+    chosen = next(
+        c
+        for c in record["measurements"]["candidates"]
+        if c["label"] == auto["chosen"] and c["concurrency"] == 4
+    )
     # the pending rows' tokens (the fake writes 24 a row) at the chosen candidate's tok/s
     assert record["predicted"]["rows"] == 10
-    assert record["predicted"]["wall_s"] == pytest.approx(10 * 24 / chosen["output_tokens_per_s"],
-                                                          abs=0.06)
+    assert record["predicted"]["wall_s"] == pytest.approx(10 * 24 / chosen["output_tokens_per_s"], abs=0.06)
     assert {c["label"] for c in record["measurements"]["candidates"]} >= {"off", "draft k=4"}
     assert first.events("speculative_auto_progress"), "measuring shows its progress"
 
@@ -153,17 +174,21 @@ def test_a_run_measures_once_then_reuses_its_choice(auto_job, tmp_path):
 
 
 @pytest.mark.vllm
-def test_a_changed_draft_sampling_machine_or_remeasure_measures_again(auto_job, tmp_path,
-                                                                      monkeypatch):
+def test_a_changed_draft_sampling_machine_or_remeasure_measures_again(auto_job, tmp_path, monkeypatch):
     _run(auto_job)
     keys = {r["key"] for r in _records(tmp_path)}
     changes = [  # a draft changed is not a stale output (greedy text is the same); sampling is
-        ("draft retrained in place", lambda: (tmp_path / "draft" / "config.json")
-         .write_text('{"layers": 3}'), False),
-        ("sampling", lambda: _edit(auto_job, "sampling", {"temperature": 0.0, "max_tokens": 12}),
-         True),
-        ("machine", lambda: monkeypatch.setattr("batchspec.tune.auto.hardware",
-                                                lambda: {"cpu": "another"}), False),
+        (
+            "draft retrained in place",
+            lambda: (tmp_path / "draft" / "config.json").write_text('{"layers": 3}'),
+            False,
+        ),
+        ("sampling", lambda: _edit(auto_job, "sampling", {"temperature": 0.0, "max_tokens": 12}), True),
+        (
+            "machine",
+            lambda: monkeypatch.setattr("batchspec.tune.auto.hardware", lambda: {"cpu": "another"}),
+            False,
+        ),
     ]
     for i, (what, change, overwrite) in enumerate(changes):
         change()
@@ -219,12 +244,24 @@ def test_the_record_holds_no_credential(tmp_path, monkeypatch):
     monkeypatch.setattr(FakeTuneEngine, "speedup", 4.0)
     monkeypatch.setenv("DRAFT_TOKEN", "tok-5ecret-99")
     _shard(tmp_path, 0)
-    (tmp_path / "job.yaml").write_text(yaml.safe_dump({
-        "input": {"path": str(tmp_path / "in" / "*.parquet"), "prompt_column": "prompt"},
-        "output": {"path": str(tmp_path / "out")}, "model": {"target": "t"},
-        "speculative": {"method": "auto", "ngram": False, "sample": 8, "concurrency": [2], "k": [2],
-                        "drafts": ["https://user:${DRAFT_TOKEN}@models.example/draft?sig=s1gnature"]},
-        "sampling": {"temperature": 0.0}}))
+    (tmp_path / "job.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "input": {"path": str(tmp_path / "in" / "*.parquet"), "prompt_column": "prompt"},
+                "output": {"path": str(tmp_path / "out")},
+                "model": {"target": "t"},
+                "speculative": {
+                    "method": "auto",
+                    "ngram": False,
+                    "sample": 8,
+                    "concurrency": [2],
+                    "k": [2],
+                    "drafts": ["https://user:${DRAFT_TOKEN}@models.example/draft?sig=s1gnature"],
+                },
+                "sampling": {"temperature": 0.0},
+            }
+        )
+    )
     run, _ = _run(tmp_path / "job.yaml")
     assert run.summary["speculative_auto"]["chosen"] == "draft k=2"
     written = "".join(p.read_text() for p in (tmp_path / "out" / "_batchspec").rglob("*.json"))
@@ -237,9 +274,11 @@ def test_remeasure_needs_an_auto_job(tmp_path):
     from helpers.fakes import run_fake_cli
 
     _shard(tmp_path, 0)
-    job = write_job(tmp_path / "job.yaml",
-                    input={"path": str(tmp_path / "in" / "*.parquet"), "prompt_column": "prompt"},
-                    output={"path": str(tmp_path / "out")})
+    job = write_job(
+        tmp_path / "job.yaml",
+        input={"path": str(tmp_path / "in" / "*.parquet"), "prompt_column": "prompt"},
+        output={"path": str(tmp_path / "out")},
+    )
     proc = run_fake_cli("run", str(job), "--remeasure")
     assert proc.returncode == 2 and "--remeasure" in proc.stderr
     assert not (tmp_path / "out").exists()
@@ -251,8 +290,7 @@ EXAMPLE = ROOT / "examples" / "auto-speculation" / "job.yaml"
 
 
 @pytest.mark.engine
-def test_the_auto_example_on_the_real_engine_reuses_its_choice_and_remeasures_a_new_draft(
-        tmp_path, models):
+def test_the_auto_example_on_the_real_engine_reuses_its_choice_and_remeasures_a_new_draft(tmp_path, models):
     """examples/auto-speculation/job.yaml as ``batchspec run`` runs it, with a copy of the tiny
     draft: the first run measures and writes its choice, the next day's run reuses it without
     an engine for measuring, and a draft retrained in place is measured again. Every measured
@@ -263,15 +301,28 @@ def test_the_auto_example_on_the_real_engine_reuses_its_choice_and_remeasures_a_
     draft = tmp_path / "draft"
     shutil.copytree(MODELS / "draft", draft)
     (tmp_path / "in").mkdir()
-    env = {"BATCHSPEC_DEMO_INPUT": str(tmp_path / "in" / "*.parquet"),
-           "BATCHSPEC_EXAMPLE_OUTPUT": str(tmp_path / "out")}
-    sets = ["--set", f"model.target={MODELS / 'target'}",
-            "--set", f"speculative.drafts=[{draft}]", "--set", "speculative.k=[2,4]",
-            "--set", "speculative.ngram=false", "--log-format", "json"]
+    env = {
+        "BATCHSPEC_DEMO_INPUT": str(tmp_path / "in" / "*.parquet"),
+        "BATCHSPEC_EXAMPLE_OUTPUT": str(tmp_path / "out"),
+    }
+    sets = [
+        "--set",
+        f"model.target={MODELS / 'target'}",
+        "--set",
+        f"speculative.drafts=[{draft}]",
+        "--set",
+        "speculative.k=[2,4]",
+        "--set",
+        "speculative.ngram=false",
+        "--log-format",
+        "json",
+    ]
 
     def day(i: int) -> tuple[dict, list[dict]]:
-        pq.write_table(prompt_table(8, seed=7300 + i, first_id=100 * i, max_tokens=(8, 24)),
-                       tmp_path / "in" / f"day-{i}.parquet")
+        pq.write_table(
+            prompt_table(8, seed=7300 + i, first_id=100 * i, max_tokens=(8, 24)),
+            tmp_path / "in" / f"day-{i}.parquet",
+        )
         proc = run_cli("run", str(EXAMPLE), *sets, env=env)
         assert proc.returncode == 0, proc.stderr[-3000:]
         events = [json.loads(line) for line in proc.stderr.splitlines() if line.startswith("{")]
@@ -285,8 +336,9 @@ def test_the_auto_example_on_the_real_engine_reuses_its_choice_and_remeasures_a_
     progress = [e["message"] for e in events if e["event"] == "speculative_auto_progress"]
     assert any("off" in m for m in progress) and any("k=4" in m for m in progress), progress
     record = json.loads(Path(auto["record"]).read_text())
-    labels = {c["label"] for c in record["measurements"]["candidates"]
-              if c["output_tokens_per_s"] is not None}
+    labels = {
+        c["label"] for c in record["measurements"]["candidates"] if c["output_tokens_per_s"] is not None
+    }
     assert {"off", "draft k=4", "draft k=2"} <= labels
     assert record["measurements"]["lossless"]["mismatches"] == []
     assert record["predicted"]["wall_s"] > 0 and record["sample"]["rows"] > 0
@@ -310,8 +362,7 @@ def test_the_auto_example_on_the_real_engine_reuses_its_choice_and_remeasures_a_
 
     # what ran is in every shard's metadata; greedy text does not depend on the choice
     for i, summary in enumerate((first, second, third)):
-        meta = json.loads(pq.read_schema(tmp_path / "out" / f"day-{i}.parquet")
-                          .metadata[b"batchspec"])
+        meta = json.loads(pq.read_schema(tmp_path / "out" / f"day-{i}.parquet").metadata[b"batchspec"])
         chosen = summary["speculative_auto"]["speculative"]
         assert meta["speculative_auto"] is True
         assert meta["speculative_method"] == (chosen or {}).get("method")
@@ -325,10 +376,13 @@ def test_a_missing_draft_is_refused_before_any_work(tmp_path, monkeypatch):
 
     monkeypatch.setattr(batchspec.engine.checks, "check_vllm_keys", lambda spec: None)
     _shard(tmp_path, 0)
-    job = write_job(tmp_path / "job.yaml",
-                    input={"path": str(tmp_path / "in" / "*.parquet"), "prompt_column": "prompt"},
-                    output={"path": str(tmp_path / "out")}, model={"target": "t"},
-                    speculative={"method": "auto", "drafts": [str(tmp_path / "no-such-draft")]})
+    job = write_job(
+        tmp_path / "job.yaml",
+        input={"path": str(tmp_path / "in" / "*.parquet"), "prompt_column": "prompt"},
+        output={"path": str(tmp_path / "out")},
+        model={"target": "t"},
+        speculative={"method": "auto", "drafts": [str(tmp_path / "no-such-draft")]},
+    )
     from helpers.shared_engines import NoEngine, run_library
 
     run = run_library(load_spec(job), NoEngine())
@@ -382,14 +436,20 @@ def _edited(record: dict, edit: str):
 
 
 @pytest.mark.vllm
-@pytest.mark.parametrize("edit, why", [
-    ("only chosen: null", "version"), ("chosen: null", "chosen"), ("a list", "not a JSON object"),
-    ("a label outside the job", "draft k=9"), ("recommended mistyped", "recommended"),
-    ("a label that is a list", "recommended"), ("chosen not what recommended gives", "chosen"),
-    ("no measured_at", "measured_at"),
-])
-def test_a_record_of_the_wrong_shape_is_measured_again_saying_why(auto_job, tmp_path, edit,
-                                                                  why):
+@pytest.mark.parametrize(
+    "edit, why",
+    [
+        ("only chosen: null", "version"),
+        ("chosen: null", "chosen"),
+        ("a list", "not a JSON object"),
+        ("a label outside the job", "draft k=9"),
+        ("recommended mistyped", "recommended"),
+        ("a label that is a list", "recommended"),
+        ("chosen not what recommended gives", "chosen"),
+        ("no measured_at", "measured_at"),
+    ],
+)
+def test_a_record_of_the_wrong_shape_is_measured_again_saying_why(auto_job, tmp_path, edit, why):
     """An edited ``_batchspec/auto/`` record is no record: the run measures again, a warning
     names the record and what was wrong with it, and the summary, the log and the shards'
     metadata say what ran (never a label the job cannot run)."""
@@ -410,8 +470,9 @@ def test_a_record_of_the_wrong_shape_is_measured_again_saying_why(auto_job, tmp_
     assert chose["chosen"] == auto["chosen"] and chose["reused"] is False
     meta = json.loads(pq.read_schema(tmp_path / "out" / "part-1.parquet").metadata[b"batchspec"])
     assert meta["speculative_method"] == auto["speculative"]["method"]
-    assert meta["spec"]["speculative"]["num_speculative_tokens"] == \
-        auto["speculative"]["num_speculative_tokens"]
+    assert (
+        meta["spec"]["speculative"]["num_speculative_tokens"] == auto["speculative"]["num_speculative_tokens"]
+    )
     # the record written again is whole: the next run reuses it, and says nothing more
     _shard(tmp_path, 2)
     FakeTuneEngine.started.clear()

@@ -111,21 +111,28 @@ def test_three_point_prediction_follows_a_step_cost_that_is_not_linear_in_k():
     for k in (2, 3, 4):
         assert predict_from_measured([measured(1), measured(6)], rates, k) < measured(k)[1] * 0.88
     # a step cost that is linear in k: the parabola through three is that line
-    linear = [(k, tokens_per_step(rates, k) / (0.02 + 0.005 * k), tokens_per_step(rates, k))
-              for k in (1, 3, 6)]
+    linear = [
+        (k, tokens_per_step(rates, k) / (0.02 + 0.005 * k), tokens_per_step(rates, k)) for k in (1, 3, 6)
+    ]
     for k in range(1, 7):
         assert predict_from_measured(linear, rates, k) == pytest.approx(
-            tokens_per_step(rates, k) / (0.02 + 0.005 * k))
+            tokens_per_step(rates, k) / (0.02 + 0.005 * k)
+        )
     # beyond the measured k: the line through the two nearest, never a parabola's extrapolation
     step7 = cost[6] + (cost[6] - cost[3]) / 3
     assert predict_from_measured(fitted, rates + [0.1], 7) == pytest.approx(
-        tokens_per_step(rates + [0.1], 7) / step7)
+        tokens_per_step(rates + [0.1], 7) / step7
+    )
 
 
 def test_calibration_is_the_largest_the_smallest_and_the_middle_of_four_or_more():
     def family(ks):
-        return [Candidate(f"d k={k}", {"method": "draft_model", "model": "d",
-                                        "num_speculative_tokens": k}, "d", k) for k in ks]
+        return [
+            Candidate(
+                f"d k={k}", {"method": "draft_model", "model": "d", "num_speculative_tokens": k}, "d", k
+            )
+            for k in ks
+        ]
 
     assert [c.k for c in calibration(family([4]))] == [4]
     assert [c.k for c in calibration(family([2, 4]))] == [4, 2]
@@ -152,19 +159,33 @@ def test_pick_ks_unites_the_best_of_each_level():
 def test_per_position_delta_is_the_interval_not_the_engine_lifetime():
     before = {"spec_decode_num_drafts": 10, "spec_decode_num_accepted_tokens_per_pos": [8, 4]}
     after = {"spec_decode_num_drafts": 30, "spec_decode_num_accepted_tokens_per_pos": [18, 9]}
-    assert acceptance_per_position(before, after) == {"num_drafts": 20, "accepted": [10, 5],
-                                                 "rate": [0.5, 0.25]}
+    assert acceptance_per_position(before, after) == {
+        "num_drafts": 20,
+        "accepted": [10, 5],
+        "rate": [0.5, 0.25],
+    }
     assert acceptance_per_position({}, {}) is None
 
 
 # --------------------------------------------------------------------------- recommendation
 
 
-def _entry(label: str, c: int, tps: list[float], p50: list[float] | None = None,
-           spec: dict | None = DRAFT_CFG, k: int | None = 3, lossless: bool | None = True) -> CandidateResult:
+def _entry(
+    label: str,
+    c: int,
+    tps: list[float],
+    p50: list[float] | None = None,
+    spec: dict | None = DRAFT_CFG,
+    k: int | None = 3,
+    lossless: bool | None = True,
+) -> CandidateResult:
     level = LevelMeasurement(concurrency=c, rows=8, tokens_per_s=tps, e2e_p50_s=p50 or [1.0])
-    cand = Candidate(label, None if label == "off" else spec, "off" if label == "off" else "d",
-                     None if label == "off" else k)
+    cand = Candidate(
+        label,
+        None if label == "off" else spec,
+        "off" if label == "off" else "d",
+        None if label == "off" else k,
+    )
     return CandidateResult(cand, c, 16, level=level, lossless=None if label == "off" else lossless)
 
 
@@ -190,16 +211,24 @@ def test_noise_never_below_the_floor():
 
 
 def test_recommend_picks_the_fastest_per_level_and_ignores_lossy_ones():
-    entries = [_entry("off", 1, [50.0, 50.5]), _entry("d k=3", 1, [80.0]),
-               _entry("d k=2", 1, [90.0], k=2), _entry("x k=6", 1, [200.0], lossless=False),
-               _entry("off", 16, [150.0, 151.0]), _entry("d k=3", 16, [140.0])]
+    entries = [
+        _entry("off", 1, [50.0, 50.5]),
+        _entry("d k=3", 1, [80.0]),
+        _entry("d k=2", 1, [90.0], k=2),
+        _entry("x k=6", 1, [200.0], lossless=False),
+        _entry("off", 16, [150.0, 151.0]),
+        _entry("d k=3", 16, [140.0]),
+    ]
     chosen, _ = recommend(entries)
     assert chosen == {1: "d k=2", 16: "off"}
 
 
 def test_latency_objective_prefers_lower_p50():
-    entries = [_entry("off", 1, [50.0, 50.0], p50=[2.0, 2.02]),
-               _entry("d k=3", 1, [49.0], p50=[1.5]), _entry("d k=2", 1, [60.0], p50=[1.9], k=2)]
+    entries = [
+        _entry("off", 1, [50.0, 50.0], p50=[2.0, 2.02]),
+        _entry("d k=3", 1, [49.0], p50=[1.5]),
+        _entry("d k=2", 1, [60.0], p50=[1.9], k=2),
+    ]
     assert recommend(entries, "latency")[0] == {1: "d k=3"}
     assert recommend(entries, "throughput")[0] == {1: "d k=2"}
 
@@ -231,19 +260,33 @@ def test_batch_size_schedule_from_per_level_recommendations():
 
 
 def test_candidates_cover_off_ngram_and_every_draft_with_each_k():
-    spec = build_spec({"name": "t", "input": {"path": "x/*.parquet", "prompt_column": "p"},
-                       "output": {"path": "out"}, "model": {"target": "t"},
-                       "speculative": {"method": "draft_model", "model": "m/draft",
-                                       "num_speculative_tokens": 4, "draft_tensor_parallel_size": 1},
-                       "sampling": {"temperature": 0}})
+    spec = build_spec(
+        {
+            "name": "t",
+            "input": {"path": "x/*.parquet", "prompt_column": "p"},
+            "output": {"path": "out"},
+            "model": {"target": "t"},
+            "speculative": {
+                "method": "draft_model",
+                "model": "m/draft",
+                "num_speculative_tokens": 4,
+                "draft_tensor_parallel_size": 1,
+            },
+            "sampling": {"temperature": 0},
+        }
+    )
     fixed, families = candidates(spec, ["other/draft", "m/draft"], [1, 3], ngram=True)
     assert [c.label for c in fixed] == ["off", "ngram k=2", "ngram k=4"]
     assert fixed[0].speculative is None
     assert list(families) == ["draft", "other/draft"]  # the job's first; same name: full path
     job_family = families["draft"]
     assert [c.k for c in job_family] == [1, 3]
-    assert job_family[1].speculative == {"method": "draft_model", "model": "m/draft",
-                                         "num_speculative_tokens": 3, "draft_tensor_parallel_size": 1}
+    assert job_family[1].speculative == {
+        "method": "draft_model",
+        "model": "m/draft",
+        "num_speculative_tokens": 3,
+        "draft_tensor_parallel_size": 1,
+    }
     fixed, _ = candidates(spec, [], [1], ngram=False)
     assert [c.label for c in fixed] == ["off"]
 
@@ -254,21 +297,30 @@ def test_lossless_check_names_row_and_candidate():
     mismatches: list = []
     assert check_lossless("d k=3", 1, off, lv, {"a", "b"}, mismatches) is False
     assert [(m["row"], m["candidate"], m["first_difference_at_char"]) for m in mismatches] == [
-        ("a", "d k=3", 6)]
+        ("a", "d k=3", 6)
+    ]
     assert check_lossless("d k=3", 1, off, LevelMeasurement(1, 1, texts={"b": "same"}), {"b"}, []) is True
 
 
 def _report(entries: list[CandidateResult], concurrency: list[int]) -> TuneReport:
     chosen, noise = recommend(entries)
-    return TuneReport("job.yaml", TuneOptions(repeats=2), concurrency, 8, 40, 8, entries, chosen,
-                      noise, [], 12.0)
+    return TuneReport(
+        "job.yaml", TuneOptions(repeats=2), concurrency, 8, 40, 8, entries, chosen, noise, [], 12.0
+    )
 
 
 def test_table_and_write_without_engine(tmp_path):
     entries = [_entry("off", 1, [50.0, 50.5]), _entry("d k=3", 1, [80.0])]
     entries[1].predicted = 76.0
-    entries.append(CandidateResult(Candidate("d k=1", {**DRAFT_CFG, "num_speculative_tokens": 1}, "d", 1),
-                         1, 16, predicted=60.0, skipped="not among the 2 best predicted k (--top)"))
+    entries.append(
+        CandidateResult(
+            Candidate("d k=1", {**DRAFT_CFG, "num_speculative_tokens": 1}, "d", 1),
+            1,
+            16,
+            predicted=60.0,
+            skipped="not among the 2 best predicted k (--top)",
+        )
+    )
     report = _report(entries, [1])
     table = render_table(report)
     assert "d k=3 *" in table and "1.59x" in table and "5%" in table
@@ -277,8 +329,7 @@ def test_table_and_write_without_engine(tmp_path):
     off_row = re.split(r"\s{2,}", table.splitlines()[1].strip())
     assert off_row[:2] == ["1", "off"] and len(off_row) == 9 and off_row[6:8] == ["-", "-"]
     job = tmp_path / "job.yaml"
-    job.write_text("name: j\nspeculative: null\nsampling: {temperature: 0}\n"
-                   "output: {path: '${OUT_DIR}/o'}\n")
+    job.write_text("name: j\nspeculative: null\nsampling: {temperature: 0}\noutput: {path: '${OUT_DIR}/o'}\n")
     text = written_spec(str(job), ("sampling.max_tokens=8",), report, None)
     assert text.startswith("# Written by batchspec tune")
     assert "concurrency 1 (the only concurrency measured)" in text
@@ -294,8 +345,10 @@ def test_table_and_write_without_engine(tmp_path):
 @pytest.mark.vllm
 def test_bad_spec_exits_2(tmp_path):
     job = tmp_path / "bad.yaml"
-    job.write_text("name: bad\ninput: {path: x.parquet, prompt_column: p}\noutput: {path: o}\n"
-                   "model: {target: t}\nsampling: {temprature: 0}\n")
+    job.write_text(
+        "name: bad\ninput: {path: x.parquet, prompt_column: p}\noutput: {path: o}\n"
+        "model: {target: t}\nsampling: {temprature: 0}\n"
+    )
     result = run_cli("tune", str(job), "--json")
     assert result.returncode == 2, result.stderr
     assert "temprature" in result.stderr and result.stdout == ""
@@ -304,9 +357,12 @@ def test_bad_spec_exits_2(tmp_path):
 
 
 def test_missing_input_exits_3(tmp_path, models):
-    job = write_job(tmp_path / "job.yaml",
-                    input={"path": str(tmp_path / "none" / "*.parquet"), "prompt_column": "prompt"},
-                    output={"path": str(tmp_path / "out")}, sampling={"temperature": 0.0})
+    job = write_job(
+        tmp_path / "job.yaml",
+        input={"path": str(tmp_path / "none" / "*.parquet"), "prompt_column": "prompt"},
+        output={"path": str(tmp_path / "out")},
+        sampling={"temperature": 0.0},
+    )
     result = run_cli("tune", str(job), "--json")
     assert result.returncode == 3, result.stderr
     assert "none" in result.stderr
@@ -329,15 +385,19 @@ def _tune_job(root: Path, target: str, n: int, max_tokens: int, lora: bool = Fal
         if lora:
             columns["adapter"] = pa.array([turn[i % 3] for i in range(n)], pa.string())
         write_parquet(root / "in" / f"{shard}.parquet", columns)
-    return write_job(root / "job.yaml",
-                     input={"path": str(root / "in" / "*.parquet"), "prompt_column": "prompt",
-                            "id_column": "id", **({"lora_column": "adapter"} if lora else {})},
-                     output={"path": str(root / "out")},
-                     model={"target": str(MODELS / target), "engine": dict(ENGINE),
-                            **({"lora": LORA} if lora else {})},
-                     speculative={"method": "draft_model", "model": str(MODELS / "draft"),
-                                  "num_speculative_tokens": 4},
-                     sampling={"temperature": 0.0, "max_tokens": max_tokens, "ignore_eos": True})
+    return write_job(
+        root / "job.yaml",
+        input={
+            "path": str(root / "in" / "*.parquet"),
+            "prompt_column": "prompt",
+            "id_column": "id",
+            **({"lora_column": "adapter"} if lora else {}),
+        },
+        output={"path": str(root / "out")},
+        model={"target": str(MODELS / target), "engine": dict(ENGINE), **({"lora": LORA} if lora else {})},
+        speculative={"method": "draft_model", "model": str(MODELS / "draft"), "num_speculative_tokens": 4},
+        sampling={"temperature": 0.0, "max_tokens": max_tokens, "ignore_eos": True},
+    )
 
 
 class Tuned:
@@ -358,9 +418,28 @@ def tuned(tmp_path_factory, models) -> Tuned:
     root = tmp_path_factory.mktemp("tune")
     job = _tune_job(root, "target", 8, 24, lora=True)
     started = time.monotonic()
-    result = run_cli("tune", str(job), "--sample", "12", "--seed", "3", "--concurrency", "1,4",
-                     "--k", "1,2,3", "--top", "1", "--no-ngram", "--draft", str(root / "no-draft"),
-                     "--json", "--html", str(root / "tune.html"), "--write", str(root / "tuned.yaml"))
+    result = run_cli(
+        "tune",
+        str(job),
+        "--sample",
+        "12",
+        "--seed",
+        "3",
+        "--concurrency",
+        "1,4",
+        "--k",
+        "1,2,3",
+        "--top",
+        "1",
+        "--no-ngram",
+        "--draft",
+        str(root / "no-draft"),
+        "--json",
+        "--html",
+        str(root / "tune.html"),
+        "--write",
+        str(root / "tuned.yaml"),
+    )
     return Tuned(root, job, result, time.monotonic() - started)
 
 
@@ -369,9 +448,19 @@ def test_tune_json_schema_and_values(tuned):
     assert tuned.result.returncode == 0, tuned.result.stderr[-3000:]
     data = tuned.data
     assert data["concurrency"] == [1, 4] and data["sample"]["rows"] == 12
-    keys = {"label", "speculative", "max_num_seqs", "concurrency", "output_tokens_per_s",
-            "acceptance_rate", "mean_acceptance_length", "acceptance_per_position",
-            "predicted_output_tokens_per_s", "e2e_p50_s", "skipped"}
+    keys = {
+        "label",
+        "speculative",
+        "max_num_seqs",
+        "concurrency",
+        "output_tokens_per_s",
+        "acceptance_rate",
+        "mean_acceptance_length",
+        "acceptance_per_position",
+        "predicted_output_tokens_per_s",
+        "e2e_p50_s",
+        "skipped",
+    }
     for c in data["candidates"]:
         assert keys <= set(c), c
         assert c["max_num_seqs"] == 4
@@ -384,8 +473,11 @@ def test_tune_json_schema_and_values(tuned):
         assert o["e2e_p50_s"] > 0
     big = tuned.entries("draft k=3")
     for d in big:
-        assert d["speculative"] == {"method": "draft_model", "model": str(MODELS / "draft"),
-                                    "num_speculative_tokens": 3}
+        assert d["speculative"] == {
+            "method": "draft_model",
+            "model": str(MODELS / "draft"),
+            "num_speculative_tokens": 3,
+        }
         assert 0 < d["acceptance_rate"] <= 1
         assert 1 < d["mean_acceptance_length"] <= 4
         rates = d["acceptance_per_position"]
@@ -402,8 +494,9 @@ def test_tune_json_schema_and_values(tuned):
     for c in small:
         assert c["output_tokens_per_s"] > 0 and c["predicted_output_tokens_per_s"] > 0
         assert c["prediction_error"] == pytest.approx(
-            abs(c["predicted_output_tokens_per_s"] - c["output_tokens_per_s"])
-            / c["output_tokens_per_s"], abs=0.01)
+            abs(c["predicted_output_tokens_per_s"] - c["output_tokens_per_s"]) / c["output_tokens_per_s"],
+            abs=0.01,
+        )
         assert c["lossless"] is True and len(c["acceptance_per_position"]) == 2
     assert set(data["recommended"]) == {"1", "4"}
     labels = {c["label"] for c in data["candidates"] if c["skipped"] is None}
@@ -461,20 +554,30 @@ def test_large_tier_tune_recommends_a_draft_at_concurrency_1(tmp_path):
     if not (MODELS / "target-large" / ".batchspec-complete").exists():
         pytest.fail("target-large is not built: run `make models`")
     job = _tune_job(tmp_path, "target-large", 4, 24)
-    result = run_cli("tune", str(job), "--sample", "6", "--concurrency", "1", "--k", "4",
-                     "--no-ngram")
+    result = run_cli("tune", str(job), "--sample", "6", "--concurrency", "1", "--k", "4", "--no-ngram")
     assert result.returncode == 0, result.stderr[-3000:]
     lines = result.stdout.splitlines()
     cells = [re.split(r"\s{2,}", line.strip()) for line in lines[:3]]  # columns: 2+ spaces apart
-    assert cells[0] == ["concurrency", "candidate", "tok/s", "vs off", "predicted", "error",
-                        "acceptance", "tokens/step", "e2e p50 s"], lines
+    assert cells[0] == [
+        "concurrency",
+        "candidate",
+        "tok/s",
+        "vs off",
+        "predicted",
+        "error",
+        "acceptance",
+        "tokens/step",
+        "e2e p50 s",
+    ], lines
     rows = {row[1].removesuffix(" *"): dict(zip(cells[0], row, strict=True)) for row in cells[1:]}
     assert set(rows) == {"off", "draft k=4"}, lines
     off, draft = rows["off"], rows["draft k=4"]
     assert off["concurrency"] == draft["concurrency"] == "1" and off["vs off"] == "1.00x"
-    recommended = re.fullmatch(r"concurrency 1: recommended (.+) \(\* above; by output tok/s, "
-                               r"noise ([\d.]+)%: off's spread over 2 repeats, at least 2%\)",
-                               lines[4])
+    recommended = re.fullmatch(
+        r"concurrency 1: recommended (.+) \(\* above; by output tok/s, "
+        r"noise ([\d.]+)%: off's spread over 2 repeats, at least 2%\)",
+        lines[4],
+    )
     assert recommended, lines
     assert recommended[1] == "draft k=4" and draft["candidate"].endswith(" *"), lines
     speedup = float(draft["vs off"].removesuffix("x"))
@@ -485,10 +588,13 @@ def test_large_tier_tune_recommends_a_draft_at_concurrency_1(tmp_path):
 
 
 def test_cli_registers_tune():
-    result = subprocess.run([str(Path(sys.executable).with_name("batchspec")), "tune", "--help"],
-                            capture_output=True, text=True, cwd=ROOT)
+    result = subprocess.run(
+        [str(Path(sys.executable).with_name("batchspec")), "tune", "--help"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
     assert result.returncode == 0 and "--max-minutes" in result.stdout
-
 
 
 # --------------------------------------------------------------------------- orchestration, faked
@@ -499,15 +605,18 @@ def fake_job(tmp_path, monkeypatch):
     import batchspec.engine.llm
 
     monkeypatch.setattr(batchspec.engine.llm, "Engine", FakeTuneEngine)
-    write_parquet(tmp_path / "in" / "a.parquet", {"id": [f"a{i}" for i in range(10)],
-                                                 "prompt": [f"prompt {i}" for i in range(10)]})
-    job = write_job(tmp_path / "job.yaml",
-                    input={"path": str(tmp_path / "in" / "*.parquet"), "prompt_column": "prompt",
-                           "id_column": "id"},
-                    output={"path": str(tmp_path / "out")}, model={"target": "t"},
-                    speculative={"method": "draft_model", "model": str(tmp_path / "draft"),
-                                 "num_speculative_tokens": 4},
-                    sampling={"temperature": 0.0, "max_tokens": 24})
+    write_parquet(
+        tmp_path / "in" / "a.parquet",
+        {"id": [f"a{i}" for i in range(10)], "prompt": [f"prompt {i}" for i in range(10)]},
+    )
+    job = write_job(
+        tmp_path / "job.yaml",
+        input={"path": str(tmp_path / "in" / "*.parquet"), "prompt_column": "prompt", "id_column": "id"},
+        output={"path": str(tmp_path / "out")},
+        model={"target": "t"},
+        speculative={"method": "draft_model", "model": str(tmp_path / "draft"), "num_speculative_tokens": 4},
+        sampling={"temperature": 0.0, "max_tokens": 24},
+    )
     (tmp_path / "draft").mkdir()
     return job
 
@@ -518,8 +627,10 @@ def test_tune_measures_the_calibration_k_and_the_best_predicted_ones(fake_job):
     from batchspec.tune.session import run_tune
 
     FakeTuneEngine.started.clear()
-    report = run_tune(load_spec(fake_job), TuneOptions(sample=8, concurrency=[1, 2], ks=[1, 2, 3, 4, 5, 6],
-                                                       top=1, ngram=False, repeats=2))
+    report = run_tune(
+        load_spec(fake_job),
+        TuneOptions(sample=8, concurrency=[1, 2], ks=[1, 2, 3, 4, 5, 6], top=1, ngram=False, repeats=2),
+    )
     data = report.as_dict()
     measured = {c["label"] for c in data["candidates"] if c["output_tokens_per_s"] is not None}
     fitted = {c["label"] for c in data["candidates"] if c.get("calibration")}
@@ -541,24 +652,26 @@ def test_time_budget_skips_what_it_has_no_time_for(fake_job):
     from batchspec.tune.model import TIME_BUDGET
     from batchspec.tune.session import run_tune
 
-    report = run_tune(load_spec(fake_job), TuneOptions(sample=4, concurrency=[1], ks=[2],
-                                                       ngram=True, max_minutes=0))
+    report = run_tune(
+        load_spec(fake_job), TuneOptions(sample=4, concurrency=[1], ks=[2], ngram=True, max_minutes=0)
+    )
     assert {e.candidate.label: e.skipped for e in report.entries} == {
-        "off": TIME_BUDGET, "ngram k=2": TIME_BUDGET, "ngram k=4": TIME_BUDGET,
-        "draft k=2": TIME_BUDGET}
+        "off": TIME_BUDGET,
+        "ngram k=2": TIME_BUDGET,
+        "ngram k=4": TIME_BUDGET,
+        "draft k=2": TIME_BUDGET,
+    }
     assert report.recommended == {}
     assert "time budget" in render_table(report)
 
 
 @pytest.mark.vllm
-def test_a_candidate_that_changes_greedy_text_is_reported_and_never_recommended(fake_job,
-                                                                              monkeypatch):
+def test_a_candidate_that_changes_greedy_text_is_reported_and_never_recommended(fake_job, monkeypatch):
     from batchspec.spec.load import load_spec
     from batchspec.tune.session import run_tune
 
     monkeypatch.setattr(FakeTuneEngine, "lossy", True)
-    report = run_tune(load_spec(fake_job), TuneOptions(sample=4, concurrency=[1], ks=[2], top=0,
-                                                       ngram=False))
+    report = run_tune(load_spec(fake_job), TuneOptions(sample=4, concurrency=[1], ks=[2], top=0, ngram=False))
     assert report.mismatches and report.mismatches[0]["candidate"] == "draft k=2"
     assert {m["row"] for m in report.mismatches} <= {f"a{i}" for i in range(10)}
     assert report.recommended == {1: "off"}
@@ -598,8 +711,9 @@ HF_VALUE = "hf_FROMtheENVIRONMENT_4242"
 
 
 @pytest.mark.vllm
-def test_tune_measures_an_openai_batch_jobs_lines_and_writes_its_formats_back(fake_job, tmp_path,
-                                                                             monkeypatch):
+def test_tune_measures_an_openai_batch_jobs_lines_and_writes_its_formats_back(
+    fake_job, tmp_path, monkeypatch
+):
     """An OpenAI Batch job (request file in, result files out): tune samples the lines that can
     run (not the refused one), each with its own body's sampling, and ``--write`` keeps
     ``input.format`` and ``output.format``; the written spec validates."""
@@ -608,11 +722,27 @@ def test_tune_measures_an_openai_batch_jobs_lines_and_writes_its_formats_back(fa
 
     monkeypatch.setattr(FakeTuneEngine, "speedup", 4.0)
     monkeypatch.setenv("VLLM_LOGGING_LEVEL", "WARNING")
-    lines = [json.dumps({"custom_id": f"c{i}", "method": "POST", "url": "/v1/completions",
-                         "body": {"model": "t", "prompt": f"prompt {i}", "max_tokens": 8 + i}})
-             for i in range(9)]
-    lines.append(json.dumps({"custom_id": "emb", "method": "POST", "url": "/v1/embeddings",
-                             "body": {"model": "t", "input": "x"}}))
+    lines = [
+        json.dumps(
+            {
+                "custom_id": f"c{i}",
+                "method": "POST",
+                "url": "/v1/completions",
+                "body": {"model": "t", "prompt": f"prompt {i}", "max_tokens": 8 + i},
+            }
+        )
+        for i in range(9)
+    ]
+    lines.append(
+        json.dumps(
+            {
+                "custom_id": "emb",
+                "method": "POST",
+                "url": "/v1/embeddings",
+                "body": {"model": "t", "input": "x"},
+            }
+        )
+    )
     (tmp_path / "batches").mkdir()
     (tmp_path / "batches" / "requests.jsonl").write_text("\n".join(lines) + "\n")
     raw = yaml.safe_load(fake_job.read_text())
@@ -623,9 +753,23 @@ def test_tune_measures_an_openai_batch_jobs_lines_and_writes_its_formats_back(fa
     rows, seen = sample_rows(load_spec(job), 20, seed=1)
     assert seen == 9 and sorted(r.request_id for r in rows) == [f"c{i}" for i in range(9)]
     assert {r.request_id: r.overrides["max_tokens"] for r in rows}["c4"] == 12
-    result = _tune_cli(str(job), "--concurrency", "1", "--k", "2", "--top", "0", "--no-ngram",
-                       "--repeats", "1", "--sample", "6", "--json",
-                       "--write", str(tmp_path / "tuned.yaml"))
+    result = _tune_cli(
+        str(job),
+        "--concurrency",
+        "1",
+        "--k",
+        "2",
+        "--top",
+        "0",
+        "--no-ngram",
+        "--repeats",
+        "1",
+        "--sample",
+        "6",
+        "--json",
+        "--write",
+        str(tmp_path / "tuned.yaml"),
+    )
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
     assert data["sample"]["rows"] == 6 and data["recommended"] == {"1": "draft k=2"}
@@ -641,8 +785,13 @@ def test_write_keeps_variables_as_written_and_never_their_values(fake_job, tmp_p
     own draft, ${DRAFT_DIR}), quoted ones stay strings; the file is no wider than the job's."""
     monkeypatch.setattr(FakeTuneEngine, "speedup", 4.0)  # the draft wins: its section is written
     monkeypatch.setenv("VLLM_LOGGING_LEVEL", "WARNING")
-    env = {"HF_TOKEN": HF_VALUE, "DRAFT_DIR": str(tmp_path / "draft"), "OUT_ROOT": str(tmp_path),
-           "MAX_TOKENS": "24", "RUN_NAME": "7"}
+    env = {
+        "HF_TOKEN": HF_VALUE,
+        "DRAFT_DIR": str(tmp_path / "draft"),
+        "OUT_ROOT": str(tmp_path),
+        "MAX_TOKENS": "24",
+        "RUN_NAME": "7",
+    }
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     job = tmp_path / "vars.yaml"
@@ -664,10 +813,27 @@ sampling:
   max_tokens: ${{MAX_TOKENS}}
 """)
     job.chmod(0o600)
-    result = _tune_cli(str(job), "--set", "model.engine.hf_token=${HF_TOKEN}", "--concurrency", "1",
-                       "--k", "2", "--top", "0", "--no-ngram", "--repeats", "1", "--sample", "8",
-                       "--json", "--html", str(tmp_path / "t.html"),
-                       "--write", str(tmp_path / "tuned.yaml"))
+    result = _tune_cli(
+        str(job),
+        "--set",
+        "model.engine.hf_token=${HF_TOKEN}",
+        "--concurrency",
+        "1",
+        "--k",
+        "2",
+        "--top",
+        "0",
+        "--no-ngram",
+        "--repeats",
+        "1",
+        "--sample",
+        "8",
+        "--json",
+        "--html",
+        str(tmp_path / "t.html"),
+        "--write",
+        str(tmp_path / "tuned.yaml"),
+    )
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["recommended"] == {"1": "draft k=2"}
     text = (tmp_path / "tuned.yaml").read_text()
@@ -676,8 +842,11 @@ sampling:
     assert str(tmp_path / "draft") not in text and str(tmp_path / "out") not in text
     written = yaml.safe_load(text)
     assert written["model"]["engine"] == {"hf_token": "${HF_TOKEN}"}
-    assert written["speculative"] == {"method": "draft_model", "model": "${DRAFT_DIR}",
-                                      "num_speculative_tokens": 2}
+    assert written["speculative"] == {
+        "method": "draft_model",
+        "model": "${DRAFT_DIR}",
+        "num_speculative_tokens": 2,
+    }
     assert written["output"]["path"] == "${OUT_ROOT}/out"
     assert "# --set applied: model.engine.hf_token\n" in text and text.count("HF_TOKEN") == 1
     # loaded as a job, it is the job the user meant: the token from the environment, a quoted
@@ -691,17 +860,23 @@ sampling:
     assert (tmp_path / "t.html").stat().st_mode & 0o077 == 0
 
 
-@pytest.mark.parametrize("args, named", [
-    (("--set", "model.engine.hf_token=hf_LITERALsecret99"), "model.engine.hf_token"),
-    (("--set", "input.storage_options={key: AKIALITERAL99, secret: LITERALsecret99}"),
-     "input.storage_options.key; input.storage_options.secret"),
-    (("--set", "output.path=s3://AKIALITERAL99:LITERALsecret99@bucket/out"), "output.path"),
-    (("--set", "speculative.model=https://host.example/d?sv=1&sig=LITERALsecret99"),
-     "speculative.model (the URL's query parameter sig=)"),
-    (("--draft", "https://host.example/d?sig=LITERALsecret99"), "--draft 'https://host.example/d'"),
-])
-def test_write_refuses_a_literal_secret_before_measuring(fake_job, tmp_path, tripwire, args,
-                                                         named):
+@pytest.mark.parametrize(
+    "args, named",
+    [
+        (("--set", "model.engine.hf_token=hf_LITERALsecret99"), "model.engine.hf_token"),
+        (
+            ("--set", "input.storage_options={key: AKIALITERAL99, secret: LITERALsecret99}"),
+            "input.storage_options.key; input.storage_options.secret",
+        ),
+        (("--set", "output.path=s3://AKIALITERAL99:LITERALsecret99@bucket/out"), "output.path"),
+        (
+            ("--set", "speculative.model=https://host.example/d?sv=1&sig=LITERALsecret99"),
+            "speculative.model (the URL's query parameter sig=)",
+        ),
+        (("--draft", "https://host.example/d?sig=LITERALsecret99"), "--draft 'https://host.example/d'"),
+    ],
+)
+def test_write_refuses_a_literal_secret_before_measuring(fake_job, tmp_path, tripwire, args, named):
     out = tmp_path / "tuned.yaml"
     result = _tune_cli(str(fake_job), *args, "--write", str(out))
     assert result.exit_code == 2, result.output
@@ -722,10 +897,10 @@ def test_a_literal_secret_in_the_job_file_is_refused_too(fake_job, tmp_path, tri
     with pytest.raises(SpecError, match="model.engine.hf_token"):
         written_spec(str(fake_job), (), report, None)
     with pytest.raises(SpecError, match="model.engine.hf_token"):
-        written_spec(str(fake_job), ("model.engine.hf_token=${HF_TOKEN:-hf_default}",), report,
-                     None)
+        written_spec(str(fake_job), ("model.engine.hf_token=${HF_TOKEN:-hf_default}",), report, None)
     assert "hf_token: ${HF_TOKEN}" in written_spec(
-        str(fake_job), ("model.engine.hf_token=${HF_TOKEN}",), report, None)
+        str(fake_job), ("model.engine.hf_token=${HF_TOKEN}",), report, None
+    )
 
 
 def _bad_output(tmp_path: Path, job: Path, case: str) -> tuple[list[str], str]:
@@ -740,8 +915,7 @@ def _bad_output(tmp_path: Path, job: Path, case: str) -> tuple[list[str], str]:
         (tmp_path / "out").mkdir()
         return ["--write", str(tmp_path / "out" / "tuned.yaml")], "--write"
     if case == "input pattern":
-        return ["--set", f"input.path={tmp_path}/in/*", "--html", str(tmp_path / "in" / "t.html")], \
-            "--html"
+        return ["--set", f"input.path={tmp_path}/in/*", "--html", str(tmp_path / "in" / "t.html")], "--html"
     if case == "not a file":
         import os
 
@@ -750,8 +924,9 @@ def _bad_output(tmp_path: Path, job: Path, case: str) -> tuple[list[str], str]:
     raise AssertionError(case)
 
 
-@pytest.mark.parametrize("case", ["no directory", "job file", "same file", "output path",
-                                  "input pattern", "not a file"])
+@pytest.mark.parametrize(
+    "case", ["no directory", "job file", "same file", "output path", "input pattern", "not a file"]
+)
 def test_output_files_are_checked_before_measuring(fake_job, tmp_path, tripwire, case):
     args, option = _bad_output(tmp_path, fake_job, case)
     before = fake_job.read_text()
@@ -766,11 +941,25 @@ def test_url_credentials_never_reach_tunes_table_json_or_html(fake_job, tmp_path
     """Draft URLs with user:password@ and ?sig=: labels, `speculative`, skip reasons and the
     page carry what run's sanitiser leaves (two drafts both named d keep distinct labels)."""
     monkeypatch.setenv("VLLM_LOGGING_LEVEL", "WARNING")
-    drafts = ["https://user:PWsecret77@host.example/a/d?sig=SIGsecret77",
-              "https://host.example/b/d?sv=1&sig=SIGsecret78",
-              "https://user:PWsecret79@host.example/refuse/e?sig=SIGsecret79"]
-    args = [str(fake_job), "--concurrency", "1", "--k", "2", "--top", "0", "--no-ngram",
-            "--repeats", "1", "--sample", "4"]
+    drafts = [
+        "https://user:PWsecret77@host.example/a/d?sig=SIGsecret77",
+        "https://host.example/b/d?sv=1&sig=SIGsecret78",
+        "https://user:PWsecret79@host.example/refuse/e?sig=SIGsecret79",
+    ]
+    args = [
+        str(fake_job),
+        "--concurrency",
+        "1",
+        "--k",
+        "2",
+        "--top",
+        "0",
+        "--no-ngram",
+        "--repeats",
+        "1",
+        "--sample",
+        "4",
+    ]
     for draft in drafts:
         args += ["--draft", draft]
     table = _tune_cli(*args)
@@ -778,8 +967,7 @@ def test_url_credentials_never_reach_tunes_table_json_or_html(fake_job, tmp_path
     as_json = _tune_cli(*args, "--json", "--html", str(page))
     assert table.exit_code == 0 and as_json.exit_code == 0, table.output + as_json.output
     shown = table.output + as_json.output + page.read_text()
-    for secret in ("PWsecret77", "SIGsecret77", "SIGsecret78", "PWsecret79", "SIGsecret79",
-                   "user:", "sig="):
+    for secret in ("PWsecret77", "SIGsecret77", "SIGsecret78", "PWsecret79", "SIGsecret79", "user:", "sig="):
         assert secret not in shown
     data = json.loads(as_json.stdout)
     by_label = {c["label"]: c for c in data["candidates"]}
@@ -789,8 +977,7 @@ def test_url_credentials_never_reach_tunes_table_json_or_html(fake_job, tmp_path
     assert "https://host.example/b/d k=2" in table.stdout and "d k=2" in page.read_text()
 
 
-def test_a_level_too_quick_to_time_is_timed_on_more_rows_and_every_candidate_uses_them(
-        fake_job, monkeypatch):
+def test_a_level_too_quick_to_time_is_timed_on_more_rows_and_every_candidate_uses_them(fake_job, monkeypatch):
     """The first candidate ran through its 8 rows at one request in flight in 0.08 s: it is timed
     again on enough rows to last the minimum, and the next candidate times the same rows, however
     fast it is. At 16 in flight the whole sample (40 rows) lasts 0.025 s: it is sent several
@@ -819,5 +1006,3 @@ def test_a_level_too_quick_to_time_is_timed_on_more_rows_and_every_candidate_use
     second, _ = measure.measure_candidate(spec, rows, [1, 16], 1, None, sizes)
     assert second[1].rows == sizes[1][0] and set(second[1].texts) == set(first[1].texts)
     assert second[16].passes == first[16].passes
-
-

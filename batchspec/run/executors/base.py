@@ -45,8 +45,7 @@ class RunContext:
             self.events.emit("shard_failed", str(exc), level="error", shard=shard.name)
             raise exc
         self.outcome.bad[shard.name] = str(exc)
-        self.events.emit("shard_failed", f"skipping bad shard: {exc}", level="warning",
-                         shard=shard.name)
+        self.events.emit("shard_failed", f"skipping bad shard: {exc}", level="warning", shard=shard.name)
 
 
 class Executor(Protocol):
@@ -58,8 +57,13 @@ class Executor(Protocol):
     def engine_info(self) -> tuple[str, int | None] | None:
         """(vLLM version, max_model_len) of the started engine(s); None when none started."""
 
-    def generate(self, ctx: RunContext, shards: list[Shard], row_counts: dict[str, int],
-                 spec_fingerprint: dict[str, str]) -> None:
+    def generate(
+        self,
+        ctx: RunContext,
+        shards: list[Shard],
+        row_counts: dict[str, int],
+        spec_fingerprint: dict[str, str],
+    ) -> None:
         """Claim, read, generate, write and commit every shard (the stages in run/stages.py)."""
 
     def acceptance_per_position(self) -> dict | None:

@@ -34,9 +34,11 @@ class LocalExecutor:
             return
         from batchspec.engine.llm import Engine, child_pids, kill_new_children
 
-        ctx.events.emit("engine_starting", f"starting vLLM engine for "
-                        f"{sanitize_url(ctx.spec.model.target)}",
-                        speculative=(ctx.spec.speculative or {}).get("method"))
+        ctx.events.emit(
+            "engine_starting",
+            f"starting vLLM engine for {sanitize_url(ctx.spec.model.target)}",
+            speculative=(ctx.spec.speculative or {}).get("method"),
+        )
         before = child_pids()
         ctx.stop.raise_now = True  # start-up cannot poll a flag: a signal ends it at once
         try:
@@ -56,8 +58,13 @@ class LocalExecutor:
         self.vllm_version = vllm_version()
         return self.vllm_version, getattr(self.engine, "max_model_len", None)
 
-    def generate(self, ctx: RunContext, shards: list[Shard], row_counts: dict[str, int],
-                 spec_fingerprint: dict[str, str]) -> None:
+    def generate(
+        self,
+        ctx: RunContext,
+        shards: list[Shard],
+        row_counts: dict[str, int],
+        spec_fingerprint: dict[str, str],
+    ) -> None:
         """Stages claim -> read prompts -> generate -> write and commit, in this process, holding
         each shard's lease. A shard whose holder went silent (it died on another host: object
         stores only) is retried once its lease has run out on this process's own clock, so a
@@ -66,18 +73,30 @@ class LocalExecutor:
         progress = ctx.new_progress(sum(row_counts.values()), len(shards))
         self.leases = ShardLeases(ctx.out, ctx.owner, spec.execution.lease_s)
         self.pipeline = ShardPipeline(
-            spec, ctx.run_id, ctx.out, self.leases, ctx.events, progress, ctx.outcome,
-            spec_fingerprint, self.vllm_version, ctx.overwrite, stop=lambda: bool(ctx.stop),
-            grace_s=ctx.grace_s, bad_shard=ctx.bad_shard)
-        lease_wait = LeaseWait(spec.execution.lease_s, ctx.outcome, ctx.events, progress,
-                               row_counts)
+            spec,
+            ctx.run_id,
+            ctx.out,
+            self.leases,
+            ctx.events,
+            progress,
+            ctx.outcome,
+            spec_fingerprint,
+            self.vllm_version,
+            ctx.overwrite,
+            stop=lambda: bool(ctx.stop),
+            grace_s=ctx.grace_s,
+            bad_shard=ctx.bad_shard,
+        )
+        lease_wait = LeaseWait(spec.execution.lease_s, ctx.outcome, ctx.events, progress, row_counts)
         by_name = {s.name: s for s in shards}
         try:
             with self.leases:
                 self.pipeline.generate(self.engine, shards, row_counts)
                 retry = lease_wait.schedule_retries(
-                    dict(ctx.outcome.busy), self.leases.observation,
-                    stopping=bool(ctx.stop or self.pipeline.fatal))
+                    dict(ctx.outcome.busy),
+                    self.leases.observation,
+                    stopping=bool(ctx.stop or self.pipeline.fatal),
+                )
                 if not retry or not lease_wait.sleep_until_due(retry, lambda: bool(ctx.stop)):
                     return
                 for name in retry:

@@ -54,12 +54,23 @@ from batchspec.stats import acceptance_per_position, prefix_cache, prefix_cache_
 log = logging.getLogger(__name__)
 
 
-
 #: Environment the engine and storage need, passed to every replica (the driver's values):
 #: vLLM and Hugging Face settings, thread counts, cloud settings and credentials read from the
 #: environment (credentials never through Ray's runtime_env: see :func:`replica_secrets`).
-ENV_PREFIXES = ("VLLM_", "BATCHSPEC_", "HF_", "HUGGING_FACE_", "TRANSFORMERS_", "TOKENIZERS_",
-                "OMP_", "MKL_", "AWS_", "GOOGLE_", "AZURE_", "FSSPEC_")
+ENV_PREFIXES = (
+    "VLLM_",
+    "BATCHSPEC_",
+    "HF_",
+    "HUGGING_FACE_",
+    "TRANSFORMERS_",
+    "TOKENIZERS_",
+    "OMP_",
+    "MKL_",
+    "AWS_",
+    "GOOGLE_",
+    "AZURE_",
+    "FSSPEC_",
+)
 
 
 #: Test-only: a replica given this shard name exits (like a crash) on the shard's first result.
@@ -70,24 +81,17 @@ DIE_ON_SHARD_ENV = "BATCHSPEC_TEST_RAY_DIE_ON_SHARD"
 POLL_S = 0.25
 
 
-
-
 def _import_ray():
     try:
         import ray
     except ImportError as exc:
-        raise SpecError("executor.kind", "ray is not installed: pip install 'batchspec[ray]'") \
-            from exc
+        raise SpecError("executor.kind", "ray is not installed: pip install 'batchspec[ray]'") from exc
     return ray
-
-
 
 
 def _wanted_env(environ: dict[str, str] | None) -> dict[str, str]:
     environ = os.environ if environ is None else environ
     return {k: v for k, v in environ.items() if k.startswith(ENV_PREFIXES)}
-
-
 
 
 def replica_env(environ: dict[str, str] | None = None) -> dict[str, str]:
@@ -96,14 +100,10 @@ def replica_env(environ: dict[str, str] | None = None) -> dict[str, str]:
     return {k: v for k, v in _wanted_env(environ).items() if not is_secret_key(k)}
 
 
-
-
 def replica_secrets(environ: dict[str, str] | None = None) -> dict[str, str]:
     """The credential variables among them (``AWS_SECRET_ACCESS_KEY``, ``HF_TOKEN``, ...): passed
     to each replica's constructor, kept in memory, never in a ``runtime_env``."""
     return {k: v for k, v in _wanted_env(environ).items() if is_secret_key(k)}
-
-
 
 
 def actor_options(resources: dict[str, float]) -> dict[str, Any]:
@@ -117,15 +117,15 @@ def actor_options(resources: dict[str, float]) -> dict[str, Any]:
     return options
 
 
-
-
 def _error_record(exc: BaseException) -> dict[str, Any]:
     """An exception as plain data (batchspec's errors do not all pickle by their arguments)."""
-    return {"type": type(exc).__name__, "message": str(exc),
-            "exit_code": getattr(exc, "exit_code", 1),
-            "shard": getattr(exc, "shard", None), "column": getattr(exc, "column", None)}
-
-
+    return {
+        "type": type(exc).__name__,
+        "message": str(exc),
+        "exit_code": getattr(exc, "exit_code", 1),
+        "shard": getattr(exc, "shard", None),
+        "column": getattr(exc, "column", None),
+    }
 
 
 def _rebuild(record: dict[str, Any]) -> BatchspecError:
@@ -140,8 +140,6 @@ def _rebuild(record: dict[str, Any]) -> BatchspecError:
     if record["type"] == "RuntimeFailure":
         return RuntimeFailure(record["message"])
     return RuntimeFailure(f"unexpected {record['type']} in a Ray replica: {record['message']}")
-
-
 
 
 # ---------------------------------------------------------------------------- the replica
@@ -166,8 +164,13 @@ class _ReplicaOutbox:
     def row_done(self, result: dict) -> None:
         if self._die_on:
             os._exit(1)  # the test-only crash: mid-shard, lease held, temporary file open
-        keep = ("error", "num_output_tokens", "spec_num_draft_tokens", "spec_num_accepted_tokens",
-                "spec_num_steps")
+        keep = (
+            "error",
+            "num_output_tokens",
+            "spec_num_draft_tokens",
+            "spec_num_accepted_tokens",
+            "spec_num_steps",
+        )
         with self.lock:
             self.results.append({k: result.get(k) for k in keep})
 
@@ -185,14 +188,11 @@ class _ReplicaOutbox:
         return out
 
 
-
-
 class Replica:
     """One Ray actor's work: one vLLM engine, and the per-shard stages for each shard the
     driver hands it (one at a time). Errors come back as data, never as a dead actor."""
 
-    def __init__(self, spec: JobSpec, index: int, engine_factory=None,
-                 secrets: dict[str, str] | None = None):
+    def __init__(self, spec: JobSpec, index: int, engine_factory=None, secrets: dict[str, str] | None = None):
         # the driver's credential variables, before anything reads the environment
         os.environ.update(secrets or {})
         self.index = index
@@ -218,9 +218,14 @@ class Replica:
 
         if self.error is not None:
             return {"error": self.error}
-        return {"error": None, "vllm_version": self.vllm_version, "host": this_host(),
-                "pid": os.getpid(), "max_model_len": getattr(self.engine, "max_model_len", None),
-                "counters": self.counters_before}
+        return {
+            "error": None,
+            "vllm_version": self.vllm_version,
+            "host": this_host(),
+            "pid": os.getpid(),
+            "max_model_len": getattr(self.engine, "max_model_len", None),
+            "counters": self.counters_before,
+        }
 
     def process(self, task: dict[str, Any]) -> dict[str, Any]:
         """Claim, read, generate, write and commit one shard; returns what happened to it. An
@@ -234,17 +239,33 @@ class Replica:
         self._stop.clear()
         buffer = self.buffer = _ReplicaOutbox(task.get("die_on"), shard.name)
         out = OutputDir(spec.output.path, spec.output.storage_options, spec.output.format)
-        owner = {"run_id": task["run_id"], "host": this_host(), "pid": os.getpid(),
-                 "started_at": dt.datetime.now(dt.UTC).isoformat(), "replica": self.index}
+        owner = {
+            "run_id": task["run_id"],
+            "host": this_host(),
+            "pid": os.getpid(),
+            "started_at": dt.datetime.now(dt.UTC).isoformat(),
+            "replica": self.index,
+        }
         outcome = RunOutcome()
         bad: list[tuple[str, dict]] = []
         leases = ShardLeases(out, owner, spec.execution.lease_s)
         for name, observation in (task.get("seen") or {}).items():
             leases.note_observation(name, observation)  # the driver's watch of a silent holder
-        pipeline = ShardPipeline(spec, task["run_id"], out, leases, buffer, buffer, outcome,
-                                 task["spec_fingerprint"], self.vllm_version, task["overwrite"],
-                                 stop=self._stop.is_set, grace_s=task["grace_s"],
-                                 bad_shard=lambda s, exc: bad.append((s.name, _error_record(exc))))
+        pipeline = ShardPipeline(
+            spec,
+            task["run_id"],
+            out,
+            leases,
+            buffer,
+            buffer,
+            outcome,
+            task["spec_fingerprint"],
+            self.vllm_version,
+            task["overwrite"],
+            stop=self._stop.is_set,
+            grace_s=task["grace_s"],
+            bad_shard=lambda s, exc: bad.append((s.name, _error_record(exc))),
+        )
         error = None
         with leases:
             try:
@@ -257,8 +278,9 @@ class Replica:
         result = buffer.drain()
         # what this replica saw of each busy shard's holder, for the driver's lease wait
         observed = {name: leases.observation(name) for name in outcome.busy}
-        result.update(outcome=outcome, error=error, observed=observed, bad=bad,
-                      counters=self.engine.spec_counters())
+        result.update(
+            outcome=outcome, error=error, observed=observed, bad=bad, counters=self.engine.spec_counters()
+        )
         return result
 
     def poll(self) -> dict[str, Any]:
@@ -275,8 +297,6 @@ class Replica:
             self.engine.shutdown()
 
 
-
-
 # ---------------------------------------------------------------------------- the driver
 
 
@@ -290,15 +310,14 @@ class _ReplicaHandle:
     rows_done: int = 0
 
 
-
-
 class RayExecutor:
     """Runs a job's shards on Ray replicas. :func:`batchspec.run.job.run_job` makes one for
     ``executor.kind: ray``; a caller may make one and pass it to several runs (of jobs with the
     same model and engine settings) to keep its replicas, and then shuts it down itself."""
 
-    def __init__(self, spec: JobSpec, ray_address: str | None = None, replicas: int | None = None,
-                 engine_factory=None):
+    def __init__(
+        self, spec: JobSpec, ray_address: str | None = None, replicas: int | None = None, engine_factory=None
+    ):
         self.spec = spec
         #: builds each replica's engine from the spec (default: batchspec.engine.llm.Engine); tests
         #: pass a fake one to check the scheduling without vLLM
@@ -324,17 +343,20 @@ class RayExecutor:
             # no address: ray.init() starts a local cluster, as `ray start --head` would
             # no credentials here: Ray records a job's runtime_env (replica_secrets go to each
             # replica's constructor instead)
-            ray.init(address=self.address, runtime_env={"env_vars": replica_env()},
-                     log_to_driver=True)
+            ray.init(address=self.address, runtime_env={"env_vars": replica_env()}, log_to_driver=True)
             self._started_ray = True
         self.handles = [h for h in self.handles if self._alive(h)]
         missing = self.replicas - len(self.handles)
         if missing <= 0:
             return
-        ctx.events.emit("replicas_starting", f"starting {missing} Ray replica(s), one vLLM engine "
-                        f"each, for {sanitize_url(self.spec.model.target)}", replicas=missing,
-                        resources=self.spec.executor.resources_per_replica,
-                        address=sanitize_url(self.address) if self.address else "local")
+        ctx.events.emit(
+            "replicas_starting",
+            f"starting {missing} Ray replica(s), one vLLM engine "
+            f"each, for {sanitize_url(self.spec.model.target)}",
+            replicas=missing,
+            resources=self.spec.executor.resources_per_replica,
+            address=sanitize_url(self.address) if self.address else "local",
+        )
         ctx.stop.raise_now = True  # start-up waits on Ray: a signal ends it at once
         try:
             new = [self._launch() for _ in range(missing)]
@@ -343,9 +365,12 @@ class RayExecutor:
         finally:
             ctx.stop.raise_now = False
         self.handles.extend(new)
-        ctx.events.emit("replicas_started", f"{len(self.handles)} Ray replica(s) ready",
-                        replicas=len(self.handles),
-                        hosts=sorted({h.info.get("host") for h in self.handles}))
+        ctx.events.emit(
+            "replicas_started",
+            f"{len(self.handles)} Ray replica(s) ready",
+            replicas=len(self.handles),
+            hosts=sorted({h.info.get("host") for h in self.handles}),
+        )
 
     def _launch(self) -> _ReplicaHandle:
         ray = self.ray
@@ -355,7 +380,8 @@ class RayExecutor:
         self._next_index += 1
         actor = self._actor_class.options(
             max_concurrency=2,  # process() and the driver's poll() at once
-            max_restarts=0, max_task_retries=0,  # the driver redoes lost shards itself
+            max_restarts=0,
+            max_task_retries=0,  # the driver redoes lost shards itself
             runtime_env={"env_vars": replica_env()},  # recorded and shown by Ray: no secrets
             name=f"batchspec-replica-{os.getpid()}-{index}",
             **actor_options(self.spec.executor.resources_per_replica),
@@ -366,8 +392,7 @@ class RayExecutor:
         try:
             info = self.ray.get(h.ready_ref)
         except self.ray.exceptions.RayError as exc:
-            raise RuntimeFailure(f"Ray replica {h.index} died while starting its engine: {exc}") \
-                from exc
+            raise RuntimeFailure(f"Ray replica {h.index} died while starting its engine: {exc}") from exc
         self._accept(h, info)
 
     def _accept(self, h: _ReplicaHandle, info: dict) -> None:
@@ -394,8 +419,13 @@ class RayExecutor:
 
     # --- generate
 
-    def generate(self, ctx: RunContext, shards: list[Shard], row_counts: dict[str, int],
-                 spec_fingerprint: dict[str, str]) -> None:
+    def generate(
+        self,
+        ctx: RunContext,
+        shards: list[Shard],
+        row_counts: dict[str, int],
+        spec_fingerprint: dict[str, str],
+    ) -> None:
         """Hand shards to replicas as they free up until every shard is committed, skipped or
         failed; merge what each replica did into the run's outcome."""
         _Dispatch(self, ctx, shards, row_counts, spec_fingerprint).run()
@@ -414,8 +444,9 @@ class RayExecutor:
 
     def prefix_cache(self) -> dict | None:
         """Prefix-cache lookups and hits over every replica's engine during this run."""
-        parts = [p for before, after in self._counters.values()
-                 if (p := prefix_cache(before, after)) is not None]
+        parts = [
+            p for before, after in self._counters.values() if (p := prefix_cache(before, after)) is not None
+        ]
         if not parts:
             return None
         return prefix_cache_figures(sum(p["queries"] for p in parts), sum(p["hits"] for p in parts))
@@ -454,25 +485,33 @@ class RayExecutor:
             self._started_ray = False
 
 
-
 class _Dispatch:
     """One run's shards handed out to a :class:`RayExecutor`'s replicas: a queue, the replicas
     idle, running a shard or starting, and what each replica's task returns merged into the
     run's outcome (:meth:`RayExecutor.generate`)."""
 
-    def __init__(self, executor: RayExecutor, ctx: RunContext, shards: list[Shard],
-                 row_counts: dict[str, int], spec_fingerprint: dict[str, str]):
+    def __init__(
+        self,
+        executor: RayExecutor,
+        ctx: RunContext,
+        shards: list[Shard],
+        row_counts: dict[str, int],
+        spec_fingerprint: dict[str, str],
+    ):
         self.executor, self.ray, self.ctx = executor, executor.ray, ctx
         self.row_counts, self.spec_fingerprint = row_counts, spec_fingerprint
         self.outcome, self.events = ctx.outcome, ctx.events
         self.progress = ctx.new_progress(sum(row_counts.values()), len(shards))
-        self.outcome.executor = {"kind": "ray", "replicas": executor.replicas,
-                                 "resources_per_replica":
-                                     ctx.spec.executor.resources_per_replica,
-                                 "replica_deaths": []}
+        self.outcome.executor = {
+            "kind": "ray",
+            "replicas": executor.replicas,
+            "resources_per_replica": ctx.spec.executor.resources_per_replica,
+            "replica_deaths": [],
+        }
         self.by_name = {s.name: s for s in shards}
-        self.lease_wait = LeaseWait(ctx.spec.execution.lease_s, self.outcome, self.events,
-                                    self.progress, row_counts)
+        self.lease_wait = LeaseWait(
+            ctx.spec.execution.lease_s, self.outcome, self.events, self.progress, row_counts
+        )
         self.queue = collections.deque(shards)
         self.attempts: collections.Counter = collections.Counter()
         self.idle = list(executor.handles)
@@ -493,8 +532,7 @@ class _Dispatch:
                     continue
                 self.fail_queue("no Ray replica left to run it")
                 break
-            done, _ = self.ray.wait(list(self.running) + list(self.starting), num_returns=1,
-                                    timeout=POLL_S)
+            done, _ = self.ray.wait(list(self.running) + list(self.starting), num_returns=1, timeout=POLL_S)
             for ref in done:
                 if ref in self.starting:
                     self.started(self.starting.pop(ref), ref)
@@ -520,12 +558,17 @@ class _Dispatch:
     def replace_dead(self) -> None:
         """Start a replacement for a replica that died, while there is work for it."""
         live = len(self.idle) + len(self.running) + len(self.starting)
-        if self.queue and not self.stopping and live < self.executor.replicas \
-                and self.start_failures < self.executor.replicas:
+        if (
+            self.queue
+            and not self.stopping
+            and live < self.executor.replicas
+            and self.start_failures < self.executor.replicas
+        ):
             h = self.executor._launch()
             self.starting[h.ready_ref] = h
-            self.events.emit("replica_starting", f"starting replacement Ray replica {h.index}",
-                             replica=h.index)
+            self.events.emit(
+                "replica_starting", f"starting replacement Ray replica {h.index}", replica=h.index
+            )
 
     def hand_out(self) -> None:
         """Give each idle replica the next shard whose retry (if it waits for one) is due."""
@@ -549,10 +592,17 @@ class _Dispatch:
     def task(self, shard: Shard) -> dict[str, Any]:
         """What a replica's :meth:`Replica.process` gets for one shard."""
         ctx, seen = self.ctx, self.lease_wait.observation(shard.name)
-        return {"spec": ctx.spec, "shard": shard, "run_id": ctx.run_id,
-                "spec_fingerprint": self.spec_fingerprint, "overwrite": ctx.overwrite,
-                "grace_s": ctx.grace_s, "rows": self.row_counts[shard.name],
-                "die_on": self.die_on, "seen": {shard.name: seen} if seen is not None else {}}
+        return {
+            "spec": ctx.spec,
+            "shard": shard,
+            "run_id": ctx.run_id,
+            "spec_fingerprint": self.spec_fingerprint,
+            "overwrite": ctx.overwrite,
+            "grace_s": ctx.grace_s,
+            "rows": self.row_counts[shard.name],
+            "die_on": self.die_on,
+            "seen": {shard.name: seen} if seen is not None else {},
+        }
 
     def fail_queue(self, why: str) -> None:
         """The shards still queued when nothing can run them any more."""
@@ -581,8 +631,12 @@ class _Dispatch:
         try:
             self.executor._accept(h, self.ray.get(ref))
         except Exception as exc:
-            self.events.emit("replica_failed", f"replacement Ray replica {h.index} could not "
-                             f"start: {exc}", level="warning", replica=h.index)
+            self.events.emit(
+                "replica_failed",
+                f"replacement Ray replica {h.index} could not start: {exc}",
+                level="warning",
+                replica=h.index,
+            )
             self.executor._kill(h)
             self.start_failures += 1
             return
@@ -603,8 +657,9 @@ class _Dispatch:
         self.outcome.merge_settled(outcome)
         for _ in outcome.committed:
             self.progress.shard_done()
-        for name in self.lease_wait.schedule_retries(outcome.busy, data["observed"].get,
-                                                     stopping=self.stopping, replica=h.index):
+        for name in self.lease_wait.schedule_retries(
+            outcome.busy, data["observed"].get, stopping=self.stopping, replica=h.index
+        ):
             self.attempts[name] -= 1  # not a try: nothing of it ran
             self.queue.append(self.by_name[name])
         for name, record in data["bad"]:
@@ -640,18 +695,30 @@ class _Dispatch:
             return
         name, attempt = h.shard.name, self.attempts[h.shard.name]
         self.outcome.executor["replica_deaths"].append(
-            {"replica": h.index, "shard": name, "attempt": attempt, "rows_done": h.rows_done,
-             "why": why})
+            {"replica": h.index, "shard": name, "attempt": attempt, "rows_done": h.rows_done, "why": why}
+        )
         self.progress.rows_restored(h.rows_done)  # they will be done again
         if attempt >= self.ctx.spec.executor.max_shard_attempts:
-            self.outcome.failed[name] = (f"its replica died on each of {attempt} tries "
-                                         f"(executor.max_shard_attempts); last: {why}")
+            self.outcome.failed[name] = (
+                f"its replica died on each of {attempt} tries (executor.max_shard_attempts); last: {why}"
+            )
             self.progress.rows_dropped(self.row_counts[name])
-            self.events.emit("shard_failed", f"shard {name} failed: {self.outcome.failed[name]}",
-                             level="error", shard=name, attempts=attempt)
+            self.events.emit(
+                "shard_failed",
+                f"shard {name} failed: {self.outcome.failed[name]}",
+                level="error",
+                shard=name,
+                attempts=attempt,
+            )
             return
         self.lease_wait.rearm(name)  # on object stores its lease stays: a new holder to wait for
         self.queue.appendleft(h.shard)
-        self.events.emit("replica_died", f"Ray replica {h.index} died while on shard {name} "
-                         f"({why}); the shard is handed to another replica", level="warning",
-                         replica=h.index, shard=name, attempt=attempt)
+        self.events.emit(
+            "replica_died",
+            f"Ray replica {h.index} died while on shard {name} "
+            f"({why}); the shard is handed to another replica",
+            level="warning",
+            replica=h.index,
+            shard=name,
+            attempt=attempt,
+        )

@@ -24,11 +24,17 @@ _MODULE = "vllm.entrypoints.llm"
 
 def _record(kwargs: dict, model) -> None:
     spec = kwargs.get("speculative_config") or {}
-    line = json.dumps({"test": os.environ.get("PYTEST_CURRENT_TEST", "?"), "pid": os.getpid(),
-                       "time": round(time.time(), 1), "model": str(model),
-                       "speculative": spec.get("method") if isinstance(spec, dict) else str(spec),
-                       # vLLM's engine (and, on the CPU build, worker) processes, or none
-                       "separate": os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") != "0"})
+    line = json.dumps(
+        {
+            "test": os.environ.get("PYTEST_CURRENT_TEST", "?"),
+            "pid": os.getpid(),
+            "time": round(time.time(), 1),
+            "model": str(model),
+            "speculative": spec.get("method") if isinstance(spec, dict) else str(spec),
+            # vLLM's engine (and, on the CPU build, worker) processes, or none
+            "separate": os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") != "0",
+        }
+    )
     fd = os.open(os.environ[ENV], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
         os.write(fd, (line + "\n").encode())
