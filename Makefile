@@ -129,11 +129,15 @@ bench: models
 docs: setup
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
 
+# the Python the project writes (the same folders for both)
+PY_SOURCES := batchspec tests tools benchmarks docs/hooks examples
+
 lint: setup
-	$(BIN)/ruff check batchspec tests tools benchmarks
+	$(BIN)/ruff check $(PY_SOURCES)
+	$(BIN)/ruff format --check $(PY_SOURCES)
 
 format: setup
-	$(BIN)/ruff format batchspec tests tools benchmarks
+	$(BIN)/ruff format $(PY_SOURCES)
 
 clean:
 	rm -rf out data site .pytest_cache
