@@ -4,7 +4,7 @@ The library, in one namespace::
 
     import batchspec
 
-    spec = batchspec.load_spec("jobs/demo.yaml", ["sampling.max_tokens=32"])
+    spec = batchspec.load_spec("jobs/demo.yaml", ["output.path=out/library"])
     result = batchspec.run_job(spec, batchspec.RunOptions(worker_index=0, num_workers=1))
     print(result.summary["status"], result.summary["totals"]["rows"], "rows")
     print(batchspec.build_report(spec.output.path)["overall"]["acceptance_rate"])
