@@ -2,6 +2,18 @@
 
 from __future__ import annotations
 
+import reprlib
+from typing import Any
+
+_REPR = reprlib.Repr()
+_REPR.maxstring = _REPR.maxother = 80
+
+
+def quoted(value: Any) -> str:
+    """A value as an error message quotes it: its repr, cut short without building it whole (a
+    row's value may be megabytes)."""
+    return _REPR.repr(value)
+
 
 class BatchspecError(Exception):
     """Base class: a failure that ends the job with ``exit_code``."""

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from batchspec.engine.lora import check_lora
-from batchspec.errors import SpecError
+from batchspec.errors import SpecError, quoted
 from batchspec.spec.build import check_known_keys
 from batchspec.spec.model import JobSpec
 
@@ -102,7 +102,7 @@ def sampling_value(key: str, value: Any) -> Any:
         return _coerce(value, hint)
     except _Mismatch:
         raise ValueTypeError(
-            f"{key}: expected {_describe(hint)}, got {_short(value)} ({type(value).__name__})"
+            f"{key}: expected {_describe(hint)}, got {quoted(value)} ({type(value).__name__})"
         ) from None
 
 
@@ -278,13 +278,8 @@ def _compile(constraint_json: str) -> None:
 
 def override_error(overrides: dict, columns: dict[str, str], exc: Exception) -> str:
     """The error of a row whose own sampling values are refused, naming the columns."""
-    given = ", ".join(f"{columns.get(k, k)!r} ({k}) = {_short(v)}" for k, v in overrides.items())
+    given = ", ".join(f"{columns.get(k, k)!r} ({k}) = {quoted(v)}" for k, v in overrides.items())
     return f"invalid per-row sampling override: {exc} (columns: {given})"
-
-
-def _short(value, limit: int = 80) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def max_model_len(spec: JobSpec) -> int:

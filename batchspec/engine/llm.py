@@ -149,7 +149,6 @@ class Engine:
         self._ids = itertools.count()
         self._closed = threading.Event()
         self._start_watchdog()
-        self._bad_value = _bad_value_errors()
 
     def bind(self, spec: JobSpec) -> None:
         """Generate for ``spec`` from now on (``run_job(spec, engine=...)`` reuses an engine across
@@ -241,8 +240,9 @@ class Engine:
         rest may finish for ``grace_s`` seconds, then whatever is left is aborted."""
         from vllm.inputs import TokensPrompt
 
-        in_flight: dict[str, tuple[Row, Prepared]] = {}
-        added_at: dict[str, float] = {}  # batchspec's own clock: e2e is measured, not summed
+        # engine request id -> the row, its request, when it was handed over (batchspec's own
+        # clock: e2e is measured, not summed)
+        in_flight: dict[str, tuple[Row, Prepared, float]] = {}
         pacer = (
             PrefixPacer(self.prefix_block, self.tokens_per_step)
             if self.pace_prefixes and self.prefix_block
@@ -278,15 +278,13 @@ class Engine:
                 return [
                     error_result(str(exc) or type(exc).__name__, num_prompt_tokens=len(request.token_ids))
                 ]
-            in_flight[request_id] = (row, request)
-            added_at[request_id] = started
+            in_flight[request_id] = (row, request, started)
             sequences["in_flight"] += request.sequences
             sent_since_step.append(row)
             return None
 
-        def forget(request_id: str) -> tuple[Row, Prepared] | None:
+        def forget(request_id: str) -> tuple[Row, Prepared, float] | None:
             entry = in_flight.pop(request_id, None)
-            added_at.pop(request_id, None)
             if entry is not None:
                 sequences["in_flight"] -= entry[1].sequences
             return entry
@@ -296,7 +294,7 @@ class Engine:
                 if deadline is None and stop is not None and stop():
                     deadline = time.monotonic() + max(0.0, grace_s)
                     exhausted = True
-                    dropped = [rid for rid, (row, _) in in_flight.items() if keep is None or not keep(row)]
+                    dropped = [rid for rid, (row, _, _) in in_flight.items() if keep is None or not keep(row)]
                     for rid in dropped:
                         forget(rid)
                     if dropped:
@@ -352,10 +350,10 @@ class Engine:
                 sent_since_step.clear()
                 for output in outputs:
                     if output.finished:
-                        started = added_at.get(output.request_id)
                         entry = forget(output.request_id)
                         if entry is not None:
-                            yield entry[0], self._results(output, time.monotonic() - started, entry[1])
+                            row, request, started = entry
+                            yield row, self._results(output, time.monotonic() - started, request)
         finally:
             if in_flight:
                 self.abort(list(in_flight))

@@ -18,6 +18,8 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
+from batchspec.errors import quoted
+
 #: The constraint kinds, by vLLM's field names.
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
 #: StructuredOutputsParams fields vLLM's backends ignore on a request (they read the engine's
@@ -150,9 +152,9 @@ def _check_schema(schema: Mapping[str, Any]) -> None:
     under its own meta-schema."""
     import jsonschema
 
-    _check_depth(schema)
-    _check_refs(schema)
-    for pattern in _patterns(schema):
+    refs, patterns = _keywords(schema)
+    _check_refs(schema, refs)
+    for pattern in patterns:
         compile_regex(pattern)
     try:
         jsonschema.validators.validator_for(schema).check_schema(schema)
@@ -162,64 +164,52 @@ def _check_schema(schema: Mapping[str, Any]) -> None:
         raise ConstraintError(f"json: cannot check the schema: {type(exc).__name__}: {exc}") from exc
 
 
-def _nodes(value: Any) -> list[tuple[tuple, Any]]:
-    """Every (JSON pointer as a tuple, value) in a JSON document, iteratively."""
-    out, stack = [], [((), value)]
+#: Keywords whose values map names to schemas: a name there (a property called "pattern" or
+#: "$ref") is no keyword.
+_NAMED = ("properties", "$defs", "definitions")
+
+
+def _keywords(schema: Any) -> tuple[list[tuple[tuple, Any]], list[str]]:
+    """One pass over a schema, with a stack of its own (never Python's): ConstraintError where
+    it nests deeper than :data:`MAX_SCHEMA_DEPTH`; else each ``$ref`` (where it is, as a JSON
+    pointer's parts, and its value) and the regular expressions of ``pattern`` and
+    ``patternProperties``."""
+    refs: list[tuple[tuple, Any]] = []
+    patterns: list[str] = []
+    stack: list[tuple[tuple, Any]] = [((), schema)]
     while stack:
         path, node = stack.pop()
-        out.append((path, node))
-        if isinstance(node, Mapping):
-            stack.extend(((*path, k), v) for k, v in node.items())
-        elif isinstance(node, list | tuple):
-            stack.extend(((*path, i), v) for i, v in enumerate(node))
-    return out
-
-
-def _check_depth(schema: Any) -> None:
-    stack = [(schema, 1)]
-    while stack:
-        node, depth = stack.pop()
-        if depth > MAX_SCHEMA_DEPTH:
+        if len(path) >= MAX_SCHEMA_DEPTH:  # the root is the first level
             raise ConstraintError(f"json: the schema nests deeper than {MAX_SCHEMA_DEPTH} levels")
-        children = (
-            node.values() if isinstance(node, Mapping) else node if isinstance(node, list | tuple) else ()
-        )
-        stack.extend((child, depth + 1) for child in children if isinstance(child, Mapping | list | tuple))
+        if isinstance(node, Mapping):
+            if not path or path[-1] not in _NAMED:
+                if "$ref" in node:
+                    refs.append((path, node["$ref"]))
+                if isinstance(node.get("pattern"), str):
+                    patterns.append(node["pattern"])
+                if isinstance(node.get("patternProperties"), Mapping):
+                    patterns.extend(k for k in node["patternProperties"] if isinstance(k, str))
+            children = node.items()
+        else:
+            children = enumerate(node)
+        stack.extend(((*path, k), v) for k, v in children if isinstance(v, Mapping | list | tuple))
+    return refs, patterns
 
 
-def _patterns(schema: Any) -> list[str]:
-    """The regular expressions a schema's ``pattern`` and ``patternProperties`` hold."""
-    found = []
-    for path, node in _nodes(schema):
-        if not isinstance(node, Mapping) or (path and path[-1] in ("properties", "$defs", "definitions")):
-            continue  # a property named "pattern" is no keyword
-        if isinstance(node.get("pattern"), str):
-            found.append(node["pattern"])
-        if isinstance(node.get("patternProperties"), Mapping):
-            found.extend(k for k in node["patternProperties"] if isinstance(k, str))
-    return found
-
-
-def _check_refs(schema: Any) -> None:
-    """Every ``$ref`` is a JSON pointer into this schema (``#`` or ``#/...``) that resolves, and
-    no chain of them leads back into itself: a schema that refers to the network, or to itself
-    (``{"$ref": "#"}``), is refused."""
-    refs: list[tuple[tuple, tuple]] = []  # (where the $ref is, what it points at)
-    for path, node in _nodes(schema):
-        if not isinstance(node, Mapping) or "$ref" not in node:
-            continue
-        if path and path[-1] in ("properties", "$defs", "definitions"):
-            continue
-        ref = node["$ref"]
+def _check_refs(schema: Any, refs: list[tuple[tuple, Any]]) -> None:
+    """Every ``$ref`` (from :func:`_keywords`) is a JSON pointer into this schema (``#`` or
+    ``#/...``) that resolves, and no chain of them leads back into itself: a schema that refers
+    to the network, or to itself (``{"$ref": "#"}``), is refused."""
+    targets: list[tuple[tuple, tuple]] = []  # (where the $ref is, what it points at)
+    for path, ref in refs:
         where = "/".join(map(str, path)) or "(root)"
         if not isinstance(ref, str) or not (ref == "#" or ref.startswith("#/")):
             raise ConstraintError(
-                f"json: $ref {_short(ref)} at {where}: only local references ('#/...') are supported"
+                f"json: $ref {quoted(ref)} at {where}: only local references ('#/...') are supported"
             )
-        target = _resolve(schema, ref, where)
-        refs.append((path, target))
+        targets.append((path, _resolve(schema, ref, where)))
     # a $ref at P pointing at T: following T's subtree may reach P's own subtree again
-    edges = {t: {t2 for p, t2 in refs if p[: len(t)] == t} for _, t in refs}
+    edges = {t: {t2 for p, t2 in targets if p[: len(t)] == t} for _, t in targets}
     state: dict[tuple, int] = {}  # 1: on the path, 2: done
     for start in edges:
         if state.get(start):
@@ -252,14 +242,9 @@ def _resolve(schema: Any, ref: str, where: str) -> tuple:
         elif isinstance(node, list | tuple) and part.isdigit() and int(part) < len(node):
             node, key = node[int(part)], int(part)
         else:
-            raise ConstraintError(f"json: $ref {_short(ref)} at {where} points at nothing in the schema")
+            raise ConstraintError(f"json: $ref {quoted(ref)} at {where} points at nothing in the schema")
         path.append(key)
     return tuple(path)
-
-
-def _short(value: Any, limit: int = 80) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def vllm_params(constraint: Mapping[str, Any]):

@@ -28,16 +28,15 @@ collision, odds of about 3 in 10^8 for a file of a million ids, would take a lin
 
 from __future__ import annotations
 
-import hashlib
-import reprlib
 from collections.abc import Mapping
 from typing import Any
 
 import pyarrow as pa
 
+from batchspec.errors import quoted
 from batchspec.io.jsonl import BadLine, JsonLinesReader, cut_text, unreadable
 from batchspec.io.listing import Shard
-from batchspec.io.rows import Row, check_messages
+from batchspec.io.rows import Row, check_messages, id_digest
 from batchspec.redact import sanitize_url
 from batchspec.spec.model import JobSpec
 
@@ -94,16 +93,6 @@ class _LineError(Exception):
     """What is wrong with one line (its message names the line)."""
 
 
-_REPR = reprlib.Repr()
-_REPR.maxstring = _REPR.maxother = 80
-
-
-def _shown(value: Any) -> str:
-    """A value as a message quotes it: its repr, cut short without building it whole (a line's
-    value may be megabytes)."""
-    return _REPR.repr(value)
-
-
 def _json_type(value: Any) -> str:
     """The JSON type of a parsed value, by JSON's names."""
     return {
@@ -153,25 +142,25 @@ class OpenAIBatchReader(JsonLinesReader):
         custom_id = record.get("custom_id")
         if not isinstance(custom_id, str) or not custom_id:
             raise _LineError(
-                f"no custom_id: line {number} has {'none' if custom_id is None else _shown(custom_id)}"
+                f"no custom_id: line {number} has {'none' if custom_id is None else quoted(custom_id)}"
             )
         row.request_id = custom_id
-        key = hashlib.blake2b(custom_id.encode(), digest_size=8).digest()
+        key = id_digest(custom_id)
         first = self._first_line.setdefault(key, number)
         if first != number:
             raise _LineError(
-                f"duplicate custom_id: line {number} repeats {_shown(custom_id)} of line {first}"
+                f"duplicate custom_id: line {number} repeats {quoted(custom_id)} of line {first}"
             )
         unknown = sorted(set(record) - {"custom_id", "method", "url", "body"})
         if unknown:
-            raise _LineError(f"unknown field: line {number}, {_shown(unknown[0])}")
+            raise _LineError(f"unknown field: line {number}, {quoted(unknown[0])}")
         if record.get("method") != "POST":
-            raise _LineError(f"unsupported method: line {number}, {_shown(record.get('method'))} (POST only)")
+            raise _LineError(f"unsupported method: line {number}, {quoted(record.get('method'))} (POST only)")
         url = record.get("url")
         row.kept["url"] = url if isinstance(url, str) else None
         if url not in (CHAT, COMPLETIONS):
             raise _LineError(
-                f"unsupported url: line {number}, {_shown(url)} (batchspec runs {CHAT} and {COMPLETIONS})"
+                f"unsupported url: line {number}, {quoted(url)} (batchspec runs {CHAT} and {COMPLETIONS})"
             )
         body = record.get("body")
         if not isinstance(body, dict):
@@ -186,7 +175,7 @@ class OpenAIBatchReader(JsonLinesReader):
         if model not in self.served:
             raise _LineError(
                 f"unknown model: line {number}, body.model "
-                f"{_shown(sanitize_url(model) if model else model)} is not one this "
+                f"{quoted(sanitize_url(model) if model else model)} is not one this "
                 f"job serves ({', '.join(repr(sanitize_url(n)) for n in self.served)})"
             )
         row.lora = self.served[model]

@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from typing import Any
+
+
+def id_digest(request_id: str) -> bytes:
+    """An 8-byte digest of a request id: what a check for repeated ids keeps of each (about 70
+    bytes an id in a set, whatever the id's length)."""
+    return hashlib.blake2b(request_id.encode(), digest_size=8).digest()
 
 
 @dataclass

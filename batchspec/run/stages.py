@@ -17,7 +17,6 @@ run/executors/ray.py: replicas on a Ray cluster):
 from __future__ import annotations
 
 import datetime as dt
-import hashlib
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -30,6 +29,7 @@ from batchspec.io.locations import check_no_overlap, same_store
 from batchspec.io.output_dir import OutputDir
 from batchspec.io.output_formats import ResultWriter
 from batchspec.io.reader import ParquetReader, Row, open_reader
+from batchspec.io.rows import id_digest
 from batchspec.io.states import ShardState
 from batchspec.leases.shard_leases import holder_text
 from batchspec.redact import sanitize_url, scrub_text
@@ -181,14 +181,14 @@ _FREE_TEXT = ("error", "structured_error")
 
 
 class SeenIds:
-    """Request ids seen in this run, across shards, as 8-byte digests (~70 bytes an id)."""
+    """Request ids seen in this run, across shards, as their :func:`id_digest`."""
 
     def __init__(self):
         self._seen: set[bytes] = set()
 
     def add(self, request_id: str) -> bool:
         """Record an id; True if it was seen before."""
-        key = hashlib.blake2b(request_id.encode(), digest_size=8).digest()
+        key = id_digest(request_id)
         if key in self._seen:
             return True
         self._seen.add(key)
@@ -288,6 +288,8 @@ class ShardPipeline:
         """Open the shard's reader and its output's temporary file."""
         spec, name = self.spec, run.shard.name
         run.reader = open_reader(run.shard, spec)
+        if name not in self.row_counts:  # counted by the check stage, else here (once)
+            self.row_counts[name] = run.reader.num_rows
         metadata = {
             **self.metadata_base,
             "shard": name,
@@ -302,7 +304,7 @@ class ShardPipeline:
             "shard_started",
             f"shard {name} started",
             shard=name,
-            rows=self.row_counts[name] if name in self.row_counts else run.reader.num_rows,
+            rows=self.row_counts[name],
         )  # a JSON-lines shard's is counted once
 
     def read_prompts(self, runs: list[ShardRun], seen: SeenIds) -> Iterator[Row]:
@@ -315,7 +317,7 @@ class ShardPipeline:
             try:
                 self.open_shard(run)
                 name = run.shard.name
-                expected = self.row_counts[name] if name in self.row_counts else run.reader.num_rows
+                expected = self.row_counts[name]
                 for row in prefix_order(run.reader.rows(), self.spec.execution.prefix_window):
                     if self.stop() or run.dropped:
                         break

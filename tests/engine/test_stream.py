@@ -112,7 +112,6 @@ def stub_engine(vllm_engine: StubVllm, **sampling) -> Engine:
     engine.prefix_block = None
     engine.tokens_per_step = 1000
     engine._ids = itertools.count()
-    engine._bad_value = (TypeError, ValueError)
     engine._use(spec)
     return engine
 
