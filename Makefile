@@ -37,7 +37,7 @@ endif
 
 models: setup $(MODELS)/target/.batchspec-complete $(MODELS)/draft-large/.batchspec-complete \
         $(MODELS)/target-large/.batchspec-complete $(MODELS)/lora-upper/.batchspec-complete \
-        $(MODELS)/lora-comment/.batchspec-complete
+        $(MODELS)/lora-comment/.batchspec-complete $(MODELS)/reasoner-draft/.batchspec-complete
 
 # the tokenizer, the target and the draft (both cores)
 $(MODELS)/target/.batchspec-complete: tools/tiny_models.py | $(VENV)/.installed
@@ -51,6 +51,11 @@ $(MODELS)/draft-large/.batchspec-complete: tools/tiny_models.py $(MODELS)/target
 # the tiny target grown to 205M parameters, same function (seconds); see tools/grow_model.py
 $(MODELS)/target-large/.batchspec-complete: tools/grow_model.py $(MODELS)/target/.batchspec-complete | $(VENV)/.installed
 	$(BIN)/python tools/grow_model.py --source $(MODELS)/target --out $(MODELS)/target-large
+
+# the tiny target taught to think between <think> markers, and its draft, on one thread: with -j
+# they train beside the other models of the target (see tools/tiny_reasoner.py)
+$(MODELS)/reasoner-draft/.batchspec-complete: tools/tiny_reasoner.py tools/tiny_models.py $(MODELS)/target/.batchspec-complete | $(VENV)/.installed
+	$(BIN)/python tools/tiny_reasoner.py --target $(MODELS)/target --out $(MODELS)
 
 # two LoRA adapters of the target in PEFT's format, for jobs that route rows to adapters
 # (model.lora); one thread each, so with -j they train side by side; see tools/tiny_lora.py

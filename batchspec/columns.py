@@ -43,6 +43,19 @@ FEATURE_FIELDS: list[pa.Field] = [
     #: choice, null when a token starts several (``yes``/``yes please``) or the top 20 logprobs hold less
     #: than 99.9% of the mass.
     pa.field("choice_probs", pa.list_(CHOICE_PROB)),
+    #: Reasoning models (``model.reasoning_parser``): the thinking, its markers removed; null when the
+    #: model did not think (``enable_thinking: false``). ``generated_text`` is then the answer alone.
+    pa.field("reasoning_text", pa.string()),
+    #: Reasoning models: output tokens spent thinking, its markers included (0 without thinking).
+    pa.field("num_reasoning_tokens", pa.int32()),
+    #: Reasoning models: output tokens of the answer (``num_output_tokens - num_reasoning_tokens``);
+    #: 0 when the output never left the thinking.
+    pa.field("num_answer_tokens", pa.int32()),
+    #: Reasoning models with speculation: draft tokens proposed by the verify steps that began inside
+    #: the thinking (the answer's are ``spec_num_draft_tokens`` minus these).
+    pa.field("spec_reasoning_num_draft_tokens", pa.int32()),
+    #: Reasoning models with speculation: draft tokens accepted in those steps.
+    pa.field("spec_reasoning_num_accepted_tokens", pa.int32()),
     #: With ``logprobs``: the sum of ``token_logprobs``.
     pa.field("cumulative_logprob", pa.float64()),
     #: With ``logprobs``: the logprob of each generated token.
@@ -64,7 +77,9 @@ FEATURE_FIELDS: list[pa.Field] = [
 RESULT_FIELDS: list[pa.Field] = [
     #: The generated text; null when the row failed.
     pa.field("generated_text", pa.string()),
-    #: vLLM's own: ``stop``, ``length`` or ``abort``; ``error`` for an error row.
+    #: vLLM's own: ``stop``, ``length`` or ``abort``; ``error`` for an error row;
+    #: ``length_in_reasoning`` for a reasoning model's output cut by ``max_tokens`` while it was still
+    #: thinking (its ``generated_text`` is null: there is no answer).
     pa.field("finish_reason", pa.string()),
     #: Tokens in the prompt.
     pa.field("num_prompt_tokens", pa.int32()),
@@ -107,7 +122,9 @@ BASE_RESULT_NAMES = [name for name in RESULT_NAMES if name not in FEATURE_NAMES]
 SPEC_COLUMNS = [name for name in RESULT_NAMES if name.startswith("spec_")]
 #: Names an input column kept in the output may not have (checked where kept columns are chosen).
 OUTPUT_NAMES = frozenset({REQUEST_ID, *RESULT_NAMES})
-FINISH_REASONS = ("stop", "length", "abort", "error")
+#: The finish reason of a reasoning model's output cut by ``max_tokens`` while it was still thinking.
+LENGTH_IN_REASONING = "length_in_reasoning"
+FINISH_REASONS = ("stop", "length", "abort", "error", LENGTH_IN_REASONING)
 
 
 def output_schema(kept: list[pa.Field]) -> pa.Schema:

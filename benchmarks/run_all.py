@@ -46,6 +46,17 @@ STEPS = [
     ["benchmarks/step_cost.py", "--json", str(OUT / "step-cost.json")],
     ["benchmarks/step_cost.py", "--kernel", "--json", str(OUT / "step-cost-kernel.json")],
     ["benchmarks/structured.py"],
+    ["benchmarks/templates.py", "--throughput", "--json", str(OUT / "templates.json")],
+    [
+        "benchmarks/reasoning.py",
+        "--prompts",
+        "64",
+        "--concurrency",
+        "1",
+        "16",
+        "--json",
+        str(OUT / "reasoning.json"),
+    ],
     ["benchmarks/batching.py", "--json", str(OUT / "batching.json")],
     ["benchmarks/auto.py", "--json", str(OUT / "auto.json")],
 ]

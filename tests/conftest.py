@@ -36,9 +36,9 @@ def pytest_collection_modifyitems(items):
 
 @pytest.fixture(scope="session")
 def models() -> Path:
-    """The tiny target/draft pair and the target's LoRA adapters; `make models` builds them
-    (make test does so first)."""
-    for name in ("target", "draft", "lora-upper", "lora-comment"):
+    """The tiny target/draft pair, the target's LoRA adapters and the reasoning pair; `make
+    models` builds them (make test does so first)."""
+    for name in ("target", "draft", "lora-upper", "lora-comment", "reasoner", "reasoner-draft"):
         if not (MODELS / name / ".batchspec-complete").exists():
             pytest.fail(f"{MODELS / name} is not built: run `make models` first")
     return MODELS

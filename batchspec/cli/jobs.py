@@ -196,6 +196,13 @@ def status(job, overrides, worker_index, num_workers, fmt):
         click.echo(f"{r['shard']:<{width}}  {r['state']:<9}  {r['input']}{changed}")
     for name in orphan_names:
         click.echo(f"{name:<{width}}  {'orphan':<9}  (output with no current input)")
+    pin, table = status_.get("input_pin"), status_.get("table")
+    if pin is not None:
+        key = "version" if "version" in pin else "snapshot"
+        click.echo(f"input: {pin['format']} table {pin.get('table')} at {key} {pin.get(key)}")
+    if table is not None:
+        where = f"version {table['version']}" if table["exists"] else "not created yet"
+        click.echo(f"output: {table['format']} table, {where}")
     counts = state_counts(rows)
     click.echo(
         f"{len(rows)} shards: "
@@ -249,6 +256,7 @@ def report(output_path, output_path_b, job, storage_options, fmt, html_file):
 
     paths = [p for p in (output_path, output_path_b) if p]
     base: dict = {}
+    table_output = None
     if job:
         if len(paths) > 1:
             raise click.UsageError(
@@ -257,11 +265,12 @@ def report(output_path, output_path_b, job, storage_options, fmt, html_file):
         spec = load_job(job, ())
         paths.insert(0, spec.output.path)
         base = spec.output.storage_options
+        table_output = spec.output  # an Iceberg table is found through its catalog
     elif not paths:
         raise click.UsageError("give OUTPUT_PATH, or --job JOB.yaml")
     try:
         options = parse_storage_options(storage_options, base)
-        outputs = [load_output(p, options) for p in paths]
+        outputs = [load_output(p, options, table_output) for p in paths]
         # statistics read the files lazily: unreadable rows surface here, not in load_output
         result = compare(*outputs) if len(outputs) == 2 else summarize(outputs[0])
         page = None

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from batchspec.engine.lora import check_lora
+from batchspec.engine.reasoning import check_reasoning
 from batchspec.errors import SpecError, quoted
 from batchspec.spec.build import check_known_keys
 from batchspec.spec.model import JobSpec
@@ -168,6 +169,96 @@ def _describe(hint: Any) -> str:
     }.get(origin or hint, getattr(hint, "__name__", str(hint)))
 
 
+# ---------------------------------------------------------------------------- chat template arguments
+
+#: ``sampling.chat_template_kwargs`` (and its per-row column): not a SamplingParams field, but the
+#: keyword arguments of the chat template that renders a row's messages (vLLM's server takes the
+#: same field).
+TEMPLATE_KWARGS = "chat_template_kwargs"
+
+#: ``apply_chat_template``'s own arguments: what batchspec sets, never a template variable.
+_TEMPLATE_RESERVED = frozenset(
+    {
+        "conversation",
+        "messages",
+        "tools",
+        "documents",
+        "chat_template",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+    }
+)
+#: At most this many arguments, each a JSON scalar (a string of at most MAX_TEMPLATE_STRING
+#: characters) or a flat list of at most 64 of them: a template variable is a switch or a word
+#: (``enable_thinking``, ``reasoning_effort``), never a payload.
+MAX_TEMPLATE_KWARGS = 32
+MAX_TEMPLATE_STRING = 4096
+
+
+def template_kwargs(value: Any) -> dict[str, Any]:
+    """A ``chat_template_kwargs`` value (a mapping, JSON text of one, or a struct cell) as the
+    keyword arguments to render with; ValueError naming what is wrong. A null field of a struct
+    cell is left out (the template's own default applies)."""
+    if isinstance(value, str):
+        if len(value) > MAX_TEMPLATE_KWARGS * (MAX_TEMPLATE_STRING + 64):
+            raise ValueError(f"{TEMPLATE_KWARGS}: {len(value)} characters of JSON is too long")
+        try:
+            value = json.loads(value)
+        except (ValueError, RecursionError) as exc:
+            raise ValueError(f"{TEMPLATE_KWARGS}: not a JSON object: {exc}") from None
+    if not isinstance(value, Mapping):
+        raise ValueError(
+            f"{TEMPLATE_KWARGS}: expected a mapping, got {quoted(value)} ({type(value).__name__})"
+        )
+    if len(value) > MAX_TEMPLATE_KWARGS:
+        raise ValueError(f"{TEMPLATE_KWARGS}: {len(value)} arguments; at most {MAX_TEMPLATE_KWARGS}")
+    out = {}
+    for key, item in value.items():
+        if not isinstance(key, str) or not key.isidentifier():
+            raise ValueError(f"{TEMPLATE_KWARGS}: {quoted(key)} is not a template variable name")
+        if key in _TEMPLATE_RESERVED:
+            raise ValueError(f"{TEMPLATE_KWARGS}.{key}: set by batchspec, not by the job")
+        if item is None:
+            continue
+        items = item if isinstance(item, list | tuple) else [item]
+        if isinstance(item, list | tuple) and len(item) > 64:
+            raise ValueError(f"{TEMPLATE_KWARGS}.{key}: a list of {len(item)}; at most 64")
+        for one in items:
+            if not isinstance(one, str | int | float | bool) or (
+                isinstance(one, float) and not math.isfinite(one)
+            ):
+                raise ValueError(
+                    f"{TEMPLATE_KWARGS}.{key}: expected a string, number or true/false "
+                    f"(or a list of them), got {quoted(one)} ({type(one).__name__})"
+                )
+            if isinstance(one, str) and len(one) > MAX_TEMPLATE_STRING:
+                raise ValueError(
+                    f"{TEMPLATE_KWARGS}.{key}: {len(one)} characters; at most {MAX_TEMPLATE_STRING}"
+                )
+        out[key] = list(item) if isinstance(item, list | tuple) else item
+    return out
+
+
+def row_template_kwargs(base: dict[str, Any], row) -> dict[str, Any]:
+    """The chat template's variables for ``row`` (a :class:`batchspec.io.rows.Row`): the job's
+    (``base``, checked), updated by the row's own ``chat_template_kwargs``; ValueError where the
+    row's are refused, or its prompt is text (no chat template renders it)."""
+    own = row.overrides.get(TEMPLATE_KWARGS)
+    if own is None:
+        return base
+    if row.messages is None:
+        raise ValueError(f"{TEMPLATE_KWARGS}: a text prompt is not rendered with a chat template")
+    return {**base, **template_kwargs(own)}
+
+
 def check_vllm_keys(spec: JobSpec) -> None:
     """Check ``model.engine``, ``speculative`` and ``sampling`` keys against vLLM's own config
     classes, and build the job's SamplingParams once, so a typo exits 2 before any model loads."""
@@ -180,9 +271,15 @@ def check_vllm_keys(spec: JobSpec) -> None:
     if spec.speculative is not None:
         spec_keys = {f.name for f in dataclasses.fields(SpeculativeConfig)}
         check_known_keys(spec.speculative, spec_keys, "speculative")
-    check_known_keys(spec.sampling, SamplingParams.__struct_fields__, "sampling")
+    check_known_keys(spec.sampling, (*SamplingParams.__struct_fields__, TEMPLATE_KWARGS), "sampling")
     sampling = dict(spec.sampling)
     constraint = sampling.pop("structured_outputs", None)
+    if TEMPLATE_KWARGS in sampling:
+        try:
+            template_kwargs(sampling.pop(TEMPLATE_KWARGS))
+        except ValueError as exc:
+            key, _, why = str(exc).partition(": ")
+            raise SpecError(f"sampling.{key}", why) from exc
     for key, value in sampling.items():
         try:
             sampling[key] = sampling_value(key, value)
@@ -200,6 +297,7 @@ def check_vllm_keys(spec: JobSpec) -> None:
             "sampling.temperature", f"{CPU_SAMPLING_REFUSAL} (SamplingParams' default temperature is 1.0)"
         )
     check_lora(spec)
+    check_reasoning(spec)
 
 
 def check_constraint(constraint, key: str) -> dict:
@@ -258,6 +356,9 @@ def check_row(
     plain = {}
     for key, value in overrides.items():
         if key in structured.COLUMN_KEYS:
+            continue
+        if key == TEMPLATE_KWARGS:
+            template_kwargs(value)
             continue
         plain[key] = value = sampling_value(key, value)
         why = count_error(key, value, max_logprobs, max_n)

@@ -20,15 +20,19 @@ from batchspec.columns import error_result
 from batchspec.engine import structured
 from batchspec.engine.checks import (
     CPU_SAMPLING_REFUSAL,
+    TEMPLATE_KWARGS,
     _bad_value_errors,
     _seeded_chunks_crash,
     check_row,
     check_vllm_keys,
     override_error,
     refuses_random_sampling,
+    row_template_kwargs,
+    template_kwargs,
 )
 from batchspec.engine.lora import Adapters, check_lora
 from batchspec.engine.pacing import PrefixPacer
+from batchspec.engine.reasoning import Splitter
 from batchspec.engine.rows import Asked, result_rows
 from batchspec.errors import RuntimeFailure, SpecError
 from batchspec.io.reader import Row, length_error, prompt_token_ids
@@ -63,6 +67,7 @@ def _serves(spec: JobSpec) -> tuple:
         engine,
         dict(spec.speculative) if spec.speculative is not None else None,
         _lora_engine(spec),
+        spec.model.reasoning_parser,
     )
 
 
@@ -115,9 +120,14 @@ class Engine:
         self._final_only = RequestOutputKind.FINAL_ONLY
         self.spec_enabled = spec.speculative is not None
         kwargs = {**ENGINE_DEFAULTS, **spec.model.engine, **lora_args, **_STATS_ON}
+        if spec.model.reasoning_parser is not None:
+            # the answer is constrained, and the thinking budget counted, by vLLM's parser
+            kwargs["reasoning_parser"] = spec.model.reasoning_parser
         if self.spec_enabled:
             kwargs["speculative_config"] = dict(spec.speculative)
-            kwargs.setdefault("per_request_spec_decode_metrics", "summary")
+            # each verify step's acceptance, to split a reasoning output's between its parts
+            detail = "detailed" if spec.model.reasoning_parser is not None else "summary"
+            kwargs.setdefault("per_request_spec_decode_metrics", detail)
         if _seeded_chunks_crash(spec):
             # a seeded request whose prompt is split across steps kills this engine (see
             # batchspec.engine.cpu_plugin); without the plugin's fix, prompts are prefilled whole
@@ -156,7 +166,7 @@ class Engine:
         speculative config is a spec error: this engine cannot run it."""
         wanted = _serves(spec)
         for key, (have, want) in zip(
-            ("model.target", "model.engine", "speculative", "model.lora"),
+            ("model.target", "model.engine", "speculative", "model.lora", "model.reasoning_parser"),
             zip(self.serves, wanted, strict=True),
             strict=True,
         ):
@@ -171,7 +181,16 @@ class Engine:
     def _use(self, spec: JobSpec) -> None:
         sampling = dict(spec.sampling)
         constraint = sampling.pop("structured_outputs", None)
+        kwargs = sampling.pop(TEMPLATE_KWARGS, None)
+        #: the chat template's variables for every row (checked before the engine started)
+        self.base_template_kwargs = template_kwargs(kwargs) if kwargs is not None else {}
         self.base_sampling = sampling
+        #: splits a reasoning model's outputs into thinking and answer (None: not one)
+        self.reasoning = (
+            Splitter(spec.model.reasoning_parser, self.tokenizer)
+            if spec.model.reasoning_parser is not None
+            else None
+        )
         # checked by check_vllm_keys before the engine started: a bad one never reaches here
         self.base_constraint = structured.normalise(constraint) if constraint is not None else None
         self.sampling_columns = dict(spec.input.sampling_columns)
@@ -211,7 +230,11 @@ class Engine:
             return None, error_result(override_error(row.overrides, self.sampling_columns, exc))
         asked = dataclasses.replace(asked, lora=lora)
         try:
-            ids = prompt_token_ids(self.tokenizer, row)
+            kwargs = row_template_kwargs(self.base_template_kwargs, row)
+        except ValueError as exc:
+            return None, error_result(override_error(row.overrides, self.sampling_columns, exc))
+        try:
+            ids = prompt_token_ids(self.tokenizer, row, kwargs)
         except Exception as exc:  # a template or tokenizer failure belongs to this row only
             return None, error_result(f"cannot render prompt: {exc}")
         if self.refuse_random_sampling and params.temperature > 0:
@@ -392,7 +415,7 @@ class Engine:
     def result(self, output, e2e_s: float | None = None, asked: Asked | None = None) -> list[dict]:
         """A finished RequestOutput as result rows (see :func:`result_rows`); what :meth:`stream`
         yields, so a subclass can add what it needs from the output (distill keeps token ids)."""
-        return result_rows(output, e2e_s, asked or Asked())
+        return result_rows(output, e2e_s, asked or Asked(), self.reasoning)
 
     def reset_prefix_cache(self) -> bool:
         """Empty vLLM's prefix cache (nothing may be in flight): the next requests prefill their

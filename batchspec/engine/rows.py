@@ -11,7 +11,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from batchspec.columns import FINISH_REASONS, empty_result
-from batchspec.engine.structured import check_output
+from batchspec.engine.reasoning import LENGTH_IN_REASONING, Splitter, split_acceptance
+from batchspec.engine.structured import check_answer
 from batchspec.stats import acceptance_rate, mean_acceptance_length
 
 log = logging.getLogger(__name__)
@@ -38,24 +39,29 @@ NOTHING = Asked()
 CHOICE_MASS_SEEN = 0.999
 
 
-def result_rows(output, e2e_s: float | None = None, asked: Asked = NOTHING) -> list[dict]:
+def result_rows(
+    output, e2e_s: float | None = None, asked: Asked = NOTHING, reasoning: Splitter | None = None
+) -> list[dict]:
     """A finished RequestOutput as result rows, one per sample (``n``), in sample order.
 
     vLLM's finish reason is kept as it is; ``error`` (the engine failed this request) becomes
     an error row (``generated_text`` null), so it is never mistaken for a success. ``e2e_s`` is
-    batchspec's own measure from handing the request to the engine to receiving its end."""
+    batchspec's own measure from handing the request to the engine to receiving its end. With a
+    reasoning model's ``reasoning`` splitter, each sample's thinking is split from its answer."""
     num_prompt = len(output.prompt_token_ids or ())
     prompt_columns = _prompt_logprob_columns(output, asked.prompt_logprobs)
     rows = []
     for completion in sorted(output.outputs, key=lambda c: c.index):
-        row = _sample_row(completion, num_prompt, asked)
+        row = _sample_row(completion, num_prompt, asked, reasoning, output.prompt_token_ids or ())
         row.update(prompt_columns)
         row.update(timing_columns(output.metrics, row["num_output_tokens"], e2e_s))
         rows.append(row)
     return rows
 
 
-def _sample_row(completion, num_prompt: int, asked: Asked) -> dict:
+def _sample_row(
+    completion, num_prompt: int, asked: Asked, reasoning: Splitter | None = None, prompt_ids=()
+) -> dict:
     row = empty_result()
     num_output = len(completion.token_ids)
     finish = completion.finish_reason or "abort"
@@ -67,6 +73,17 @@ def _sample_row(completion, num_prompt: int, asked: Asked) -> dict:
         num_output_tokens=num_output,
         lora_adapter=asked.lora,
     )
+    split = None
+    if reasoning is not None and finish != "error":
+        split = reasoning.split(prompt_ids, completion.token_ids, completion.text)
+        row.update(
+            generated_text=split.answer,
+            reasoning_text=split.reasoning,
+            num_reasoning_tokens=split.reasoning_tokens,
+            num_answer_tokens=num_output - split.reasoning_tokens,
+        )
+        if not split.ended and finish == "length":
+            row["finish_reason"] = finish = LENGTH_IN_REASONING
     if finish == "error":
         row.update(
             generated_text=None,
@@ -88,9 +105,15 @@ def _sample_row(completion, num_prompt: int, asked: Asked) -> dict:
             spec_mean_acceptance_length=mean_acceptance_length(accepted, steps),
             spec_acceptance_histogram=list(m["acceptance_histogram"]),
         )
+        if split is not None and "per_step_accepted" in m:
+            drafted, accepted = split_acceptance(
+                m["per_step_accepted"], m["per_step_drafted"], split.reasoning_tokens
+            )
+            row.update(spec_reasoning_num_draft_tokens=drafted, spec_reasoning_num_accepted_tokens=accepted)
     if asked.constraint is not None:
-        valid, why = check_output(asked.constraint, row["generated_text"], finish)
-        row.update(structured_valid=valid, structured_error=why)
+        valid, why, answer = check_answer(asked.constraint, row["generated_text"], finish)
+        # the parsed answer, for output.parse_json's column (batchspec/io/answers.py; not a column)
+        row.update(structured_valid=valid, structured_error=why, _answer=answer)
         if "choice" in asked.constraint and completion.logprobs:
             row["choice_probs"] = choice_probs(asked.constraint["choice"], completion.logprobs[0])
     if asked.logprobs is not None and completion.logprobs is not None:

@@ -284,43 +284,59 @@ def check_output(
     satisfies its own constraint. A ``grammar`` constraint is trusted to vLLM's backend: its
     output is valid when it finished with ``stop``. Never raises, and takes time linear in the
     text: a regex (the constraint's, or a schema's ``pattern``) is matched by RE2."""
+    valid, why, _ = check_answer(constraint, text, finish_reason)
+    return valid, why
+
+
+#: :func:`check_answer`'s answer where there is none (an invalid output, a regex or grammar).
+NO_ANSWER = None
+
+
+def check_answer(
+    constraint: Mapping[str, Any], text: str | None, finish_reason: str | None
+) -> tuple[bool, str | None, Any]:
+    """:func:`check_output`, with the answer of a valid output: the parsed JSON value
+    (``json``, ``json_object``) or the chosen label (``choice``); None otherwise (what
+    ``output.parse_json`` writes, batchspec/io/answers.py)."""
     try:
         return _check_output(constraint, text, finish_reason)
     except Exception as exc:  # noqa: BLE001 (an output nested past the recursion limit, ...)
-        return False, f"cannot check the output: {type(exc).__name__}: {exc}"[:300]
+        return False, f"cannot check the output: {type(exc).__name__}: {exc}"[:300], NO_ANSWER
 
 
 def _check_output(
     constraint: Mapping[str, Any], text: str | None, finish_reason: str | None
-) -> tuple[bool, str | None]:
+) -> tuple[bool, str | None, Any]:
     if text is None or finish_reason in ("error", "abort"):
-        return False, f"no complete output (finish_reason {finish_reason})"
+        return False, f"no complete output (finish_reason {finish_reason})", NO_ANSWER
     if finish_reason != "stop":
-        return False, f"cut before the constraint was complete (finish_reason {finish_reason})"
+        return False, f"cut before the constraint was complete (finish_reason {finish_reason})", NO_ANSWER
     if "choice" in constraint:
-        return (True, None) if text in constraint["choice"] else (False, "not one of the choices")
+        if text in constraint["choice"]:
+            return True, None, text
+        return False, "not one of the choices", NO_ANSWER
     if "regex" in constraint:
-        return (
-            (True, None)
-            if compile_regex(constraint["regex"]).fullmatch(text)
-            else (False, "does not match the regex")
-        )
+        if compile_regex(constraint["regex"]).fullmatch(text):
+            return True, None, NO_ANSWER
+        return False, "does not match the regex", NO_ANSWER
     if "json" in constraint or "json_object" in constraint:
         try:
             value = json.loads(text)
         except json.JSONDecodeError as exc:
-            return False, f"not JSON: {exc}"
+            return False, f"not JSON: {exc}", NO_ANSWER
         if "json_object" in constraint:
-            return (True, None) if isinstance(value, dict) else (False, "not a JSON object")
+            if isinstance(value, dict):
+                return True, None, value
+            return False, "not a JSON object", NO_ANSWER
         import jsonschema
 
         validator = _validator_class(constraint["json"])(constraint["json"])
         error = jsonschema.exceptions.best_match(validator.iter_errors(value))
         if error is not None:
             where = "/".join(map(str, error.absolute_path)) or "(root)"
-            return False, f"schema: at {where}: {error.message}"[:300]
-        return True, None
-    return True, None
+            return False, f"schema: at {where}: {error.message}"[:300], NO_ANSWER
+        return True, None, value
+    return True, None, NO_ANSWER
 
 
 def _validator_class(schema: Mapping[str, Any]):

@@ -18,7 +18,7 @@ from batchspec.spec.model import INPUT_FORMATS
 
 #: What ``input.format`` accepts.
 FORMATS = INPUT_FORMATS
-PARQUET, JSONL, OPENAI = FORMATS
+PARQUET, JSONL, OPENAI, DELTA, ICEBERG = FORMATS
 #: The formats read as lines of JSON (compressed or not).
 LINE_FORMATS = (JSONL, OPENAI)
 

@@ -30,6 +30,7 @@ from batchspec.errors import InputDataError, SpecError
 from batchspec.io.listing import Shard
 from batchspec.io.retry import Attempts, is_transient, retry
 from batchspec.io.rows import Row, check_messages
+from batchspec.io.templates import check_columns, prompt_template
 from batchspec.io.urls import is_local_fs
 from batchspec.spec.model import InputSpec, OutputSpec
 
@@ -150,6 +151,8 @@ class JsonLinesReader:
         self._local = is_local_fs(shard.fs)
         self._handles: list[Any] = []
         self._num_rows: int | None = None
+        #: ``input.prompt_template``/``messages_template``, compiled (None: a prompt key)
+        self.template = prompt_template(input_spec)
         head = self._head() if self._local else retry(self._head, f"reading {shard.url}")
         self.kept_fields = self._columns(head, output_spec)
         self._types = {f.name: f.type for f in self.kept_fields}
@@ -283,7 +286,9 @@ class JsonLinesReader:
         spec, url = self.spec, self.shard.url
         records = [r for _, r in head if isinstance(r, dict)]
         keys = list(dict.fromkeys(k for r in records for k in r))
-        if records and spec.text_column not in keys:
+        if records and self.template is not None:  # a key it reads that no record has: exit 2
+            check_columns(self.template, keys, url)
+        elif records and spec.text_column not in keys:
             role = "prompt" if spec.prompt_column else "messages"
             raise InputDataError(
                 url,
@@ -366,8 +371,11 @@ class JsonLinesReader:
         errors: list[str | None] = []
         if spec.id_column and request_id is None:
             errors.append(f"null id: line {number}, key {spec.id_column!r}")
-        text = record.get(spec.text_column, _MISSING)
-        if text is _MISSING:
+        text = _MISSING if self.template is not None else record.get(spec.text_column, _MISSING)
+        if self.template is not None:
+            self.template.fill(row, record, f": line {number}")
+            errors.append(row.error)
+        elif text is _MISSING:
             errors.append(
                 f"no {'prompt' if spec.prompt_column else 'messages'} key: line "
                 f"{number} has no {spec.text_column!r}"

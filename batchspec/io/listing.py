@@ -50,6 +50,9 @@ class Shard:
     fingerprint: dict
     #: How the file is read (``input.format`` or its extension).
     format: FileFormat = PARQUET_FILE
+    #: A data file of an input table: what the table's log or manifest says of it
+    #: (:class:`batchspec.io.tables.TableFile`); None for a file.
+    table: Any = None
 
 
 def fingerprint(info: dict) -> dict:

@@ -55,7 +55,16 @@ _SAMPLING = {
     "frequency_penalty": "frequency_penalty",
 }
 #: Chat body fields batchspec runs (beside ``model`` and ``messages``).
-CHAT_FIELDS = (*_SAMPLING, "max_completion_tokens", "logprobs", "top_logprobs", "response_format")
+CHAT_FIELDS = (
+    *_SAMPLING,
+    "max_completion_tokens",
+    "logprobs",
+    "top_logprobs",
+    "response_format",
+    # vLLM's server's own: the chat template's variables, and a reasoning model's thinking budget
+    "chat_template_kwargs",
+    "thinking_token_budget",
+)
 #: Completions body fields batchspec runs (beside ``model`` and ``prompt``).
 COMPLETION_FIELDS = (*_SAMPLING, "logprobs")
 #: Body fields that change nothing batchspec generates: accepted and left alone.
@@ -245,6 +254,8 @@ def _sampling(overrides: dict[str, Any], key: str, value: Any, body: dict, numbe
     elif key == "top_logprobs":
         if not body.get("logprobs"):
             raise _LineError(f"bad value: {where} needs body.logprobs true")
+    elif key in ("chat_template_kwargs", "thinking_token_budget"):
+        overrides[key] = value
     elif key == "response_format":
         overrides.update(_response_format(value, where))
 

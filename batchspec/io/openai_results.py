@@ -39,7 +39,7 @@ import re
 import time
 from typing import Any
 
-from batchspec.columns import ERROR, REQUEST_ID, RESULT_NAMES, error_reason
+from batchspec.columns import ERROR, LENGTH_IN_REASONING, REQUEST_ID, RESULT_NAMES, error_reason
 from batchspec.io.listing import Shard
 from batchspec.io.openai_batch import CHAT, NO_CUSTOM_ID
 from batchspec.io.output_dir import OutputDir, tmp_file_name
@@ -53,6 +53,7 @@ EXTRA = "batchspec"
 #: the rest are kept under :data:`EXTRA`.
 _IN_BODY = {
     "generated_text",
+    "reasoning_text",
     "finish_reason",
     "token_logprobs",
     "top_logprobs",
@@ -166,6 +167,10 @@ def result_line(
         },
         "system_fingerprint": None,
     }
+    if any(r.get("num_reasoning_tokens") is not None for r in results):
+        # OpenAI's count of a reasoning model's thinking
+        reasoning_tokens = sum(r.get("num_reasoning_tokens") or 0 for r in results)
+        body["usage"]["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
     return {
         "id": "batch_req_" + _digest(*key),
         "custom_id": request_id,
@@ -176,7 +181,15 @@ def result_line(
 
 
 def _finish(result: dict) -> str:
-    return result.get("finish_reason") or "stop"
+    # OpenAI's and vLLM's server's word for an output cut while thinking: `length`, with no content
+    reason = result.get("finish_reason") or "stop"
+    return "length" if reason == LENGTH_IN_REASONING else reason
+
+
+def _reasoning(message: dict) -> dict[str, Any]:
+    """A reasoning model's thinking, in the field vLLM's OpenAI server writes it (``reasoning``);
+    absent where the job has no reasoning parser."""
+    return {} if message.get("reasoning_text") is None else {"reasoning": message["reasoning_text"]}
 
 
 def _chat_choice(index: int, r: dict) -> dict[str, Any]:
@@ -193,7 +206,12 @@ def _chat_choice(index: int, r: dict) -> dict[str, Any]:
         }
     return {
         "index": index,
-        "message": {"role": "assistant", "content": r.get("generated_text"), "refusal": None},
+        "message": {
+            "role": "assistant",
+            "content": r.get("generated_text"),
+            "refusal": None,
+            **_reasoning(r),
+        },
         "logprobs": logprobs,
         "finish_reason": _finish(r),
     }
@@ -228,6 +246,7 @@ def _text_choice(index: int, r: dict) -> dict[str, Any]:
     return {
         "index": index,
         "text": r.get("generated_text"),
+        **_reasoning(r),
         "logprobs": logprobs,
         "finish_reason": _finish(r),
     }
@@ -287,13 +306,19 @@ def line_rows(line: dict[str, Any]) -> list[dict[str, Any]]:
     rows = []
     if "choices" in body:
         for sample, choice in zip(extra["samples"], body["choices"], strict=True):
-            text = choice["message"]["content"] if "message" in choice else choice.get("text")
+            part = choice["message"] if "message" in choice else choice
+            text = part.get("content") if "message" in choice else part.get("text")
+            reasoning = part.get("reasoning")
+            finish = choice.get("finish_reason")
+            if finish == "length" and text is None and reasoning is not None:
+                finish = LENGTH_IN_REASONING  # as _finish wrote it
             rows.append(
                 {
                     REQUEST_ID: request_id,
                     **sample,
                     "generated_text": text,
-                    "finish_reason": choice.get("finish_reason"),
+                    "reasoning_text": reasoning,
+                    "finish_reason": finish,
                 }
             )
         return rows

@@ -132,13 +132,48 @@ class OutputDir:
     """The output directory and its bookkeeping, on any fsspec filesystem. ``output_format``
     (``output.format``) names the files a shard's results are in (:attr:`format`)."""
 
-    def __init__(self, url: str, storage_options: dict, output_format: str = "parquet"):
+    def __init__(
+        self,
+        url: str,
+        storage_options: dict,
+        output_format: str = "parquet",
+        table: str | None = None,
+        catalog: dict | None = None,
+    ):
         self.url = url.rstrip("/")
         self.storage_options = storage_options
         self.format: OutputFormat = OUTPUT_FORMATS[output_format]
         self.fs, self.path = url_to_fs(self.url, **storage_options)
         self.path = self.path.rstrip("/")
         self.display_url = full_url(self.fs, self.path)
+        #: An Iceberg output: the table (``NAMESPACE.TABLE``) and its catalog's properties.
+        self.table, self.catalog = table, dict(catalog or {})
+        self._table_state = None
+
+    @classmethod
+    def of(cls, output) -> OutputDir:
+        """The output directory (or table) of an ``OutputSpec``."""
+        return cls(output.path, output.storage_options, output.format, output.table, output.catalog)
+
+    # ------------------------------------------------------------------ a table output
+
+    def refresh_table(self) -> None:
+        """Read a table output's state again (the plan does, once)."""
+        self._table_state = None
+
+    @property
+    def table_state(self):
+        """What a table output holds (:class:`batchspec.io.tables.TableState`), read once."""
+        if self._table_state is None:
+            self._table_state = self.format.table_state(self)
+        return self._table_state
+
+    def check_table_schema(self, fields: list) -> None:
+        """Exit 2 naming the column where an existing table's schema and this job's columns
+        (``fields``: the kept input columns) differ."""
+        from batchspec.columns import output_schema
+
+        self.format.check_schema(self, output_schema(fields))
 
     @property
     def is_local(self) -> bool:
@@ -192,6 +227,10 @@ class OutputDir:
     def run_summary_paths(self) -> list[str]:
         """Every run summary present, sorted (run ids start with their UTC start time)."""
         return sorted(self.fs.glob(self.run_summary_path("*")))
+
+    def input_pin_path(self) -> str:
+        """The input table's version (snapshot) the job reads until it is done with it."""
+        return self.join(BOOKKEEPING_DIR, "input_pin.json")
 
     def auto_choice_path(self, key: str) -> str:
         """A ``speculative: auto`` choice stored under its key."""
@@ -300,7 +339,9 @@ class OutputDir:
         or a file without the other, or they disagree (a crash between steps, a file written
         again, an input changed since, a truncated upload); ``pending``: nothing yet. A
         manifest of an older batchspec (local: the size alone) is judged on the fields it
-        has."""
+        has. A table output: see :meth:`_inspect_table`."""
+        if self.format.table:
+            return self._inspect_table(shard, spec_fingerprint)
         record = self.read_manifest(shard.name)
         found = self.output_info(shard)
         # the files committed with the results file (an openai output's errors file)
@@ -327,12 +368,37 @@ class OutputDir:
                 return ShardState.STALE, changed
         return ShardState.COMMITTED, []
 
+    def _inspect_table(self, shard: Shard, spec_fingerprint: dict | None) -> tuple[ShardState, list[str]]:
+        """A shard of a table output: ``committed`` when the table records it (its ``txn``, its
+        snapshot summary), whatever batchspec's manifest says: a run killed between the table
+        commit and the manifest left it committed; ``stale`` where its manifest was written
+        under another spec, or for another version of its input; ``pending`` otherwise (a data
+        file written but never committed is named by no table commit: invisible)."""
+        if not self.table_state.is_committed(shard.name):
+            return ShardState.PENDING, []
+        record = self.read_manifest(shard.name)
+        if record is None:
+            return ShardState.COMMITTED, []
+        if record.get("input_fingerprint") != shard.fingerprint:
+            # the table keeps the rows of the input as it was: redoing them would add more
+            return ShardState.STALE, ["input (changed since its rows were committed to the table)"]
+        if spec_fingerprint is not None:
+            from batchspec.spec.fingerprint import describe_changes
+
+            changed = describe_changes(record.get("spec_fingerprint") or {}, spec_fingerprint)
+            if changed:
+                return ShardState.STALE, changed
+        return ShardState.COMMITTED, []
+
     def shard_state(self, shard: Shard, spec_fingerprint: dict | None = None) -> ShardState:
         """``committed``, ``stale``, ``partial`` or ``pending`` (see :meth:`inspect`)."""
         return self.inspect(shard, spec_fingerprint)[0]
 
     def list_outputs(self) -> list[str]:
-        """Shard names of the output files present (bookkeeping excluded)."""
+        """Shard names of the output files present (bookkeeping excluded); a table output's:
+        the shards of batchspec's data files among the table's current files."""
+        if self.format.table:
+            return sorted(self.table_state.files)
 
         def find():
             try:

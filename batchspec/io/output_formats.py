@@ -80,6 +80,9 @@ class OutputFormat:
     in_fingerprint: ClassVar[bool] = True
     #: How a report's error describes a file it cannot read.
     unreadable: ClassVar[str] = "unreadable"
+    #: Whether shards are committed to a table (:mod:`batchspec.io.tables`) rather than by
+    #: their files and manifests alone.
+    table: ClassVar[bool] = False
 
     @property
     def suffix(self) -> str:
@@ -216,8 +219,99 @@ class OpenAIOutput(OutputFormat):
         return shard.rows.lazy()
 
 
+class TableOutput(ParquetOutput):
+    """A table's shards: each one's Parquet file written as the Parquet output's is, then
+    appended to the table in idempotent group commits (:mod:`batchspec.io.tables`); lineage in
+    each file's footer, as for Parquet. The table, not the manifest, says what is committed."""
+
+    in_fingerprint = True
+    table = True
+    #: The module of the table library's side (:mod:`batchspec.io.delta`, ``...iceberg``).
+    module: ClassVar[str]
+
+    def _lib(self):
+        import importlib
+
+        return importlib.import_module(self.module)
+
+    def writer(self, out, shard, output, kept_fields, metadata):
+        from batchspec.io.writer import TableFileWriter
+
+        return TableFileWriter(out, shard, kept_fields, metadata, output.row_group_rows, output.compression)
+
+    def table_state(self, out: OutputDir):
+        """What the table holds now (:class:`batchspec.io.tables.TableState`)."""
+        return self._lib().table_state(out)
+
+    def check_schema(self, out: OutputDir, schema: pa.Schema) -> None:
+        """Exit 2 naming the column where an existing table and ``schema`` differ."""
+        self._lib().check_schema(out, schema)
+
+    def commit_table(self, out: OutputDir, files: list, schema: pa.Schema, metadata: dict[str, Any]):
+        """Append the shards' ``files`` in one idempotent commit (a
+        :class:`batchspec.io.tables.CommitResult`)."""
+        return self._lib().commit(out, files, schema, metadata)
+
+    def report_names(self, out: OutputDir) -> list[str]:
+        """Every current data file of the table: batchspec's by shard, others by path."""
+        state = out.table_state
+        return sorted(state.files) + sorted(state.other_files)
+
+    def open_shard(self, out, name):
+        """One of the table's current data files (batchspec's by shard, others by path)."""
+        url = out.table_state.files.get(name) or out.table_state.other_files[name]
+        path = out.fs._strip_protocol(url) if "://" in url else url
+        committed = self._footer(out, path, url)
+        committed.name = name
+        return committed
+
+    def _footer(self, out, path: str, shown: str) -> CommittedShard:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        from batchspec.columns import BASE_RESULT_NAMES, REQUEST_ID
+        from batchspec.io.arrow_fs import arrow_fs
+        from batchspec.io.writer import METADATA_KEY
+
+        filesystem = None if out.is_local else arrow_fs(out.fs)
+        try:
+            schema = pq.read_schema(path, filesystem=filesystem)
+        except (OSError, pa.ArrowException) as exc:
+            raise InputDataError(shown, f"unreadable Parquet: {exc}") from exc
+        missing = [c for c in (REQUEST_ID, *BASE_RESULT_NAMES) if c not in schema.names]
+        if missing:
+            raise InputDataError(
+                shown, f"column {missing[0]!r} is missing: not a batchspec output table", column=missing[0]
+            )
+        raw = (schema.metadata or {}).get(METADATA_KEY)
+        try:
+            metadata = json.loads(raw) if raw else {}
+        except ValueError:
+            metadata = {}
+        return CommittedShard(path, {"output": path}, schema, metadata)
+
+
+class DeltaOutput(TableOutput):
+    """Appends to the Delta Lake table at ``output.path`` (delta-rs, :mod:`batchspec.io.delta`):
+    each shard recorded by an application transaction (``txn``) in the commit that adds it."""
+
+    name = "delta"
+    module = "batchspec.io.delta"
+
+
+class IcebergOutput(TableOutput):
+    """Appends to the Iceberg table ``output.table`` of ``output.catalog``, located at
+    ``output.path`` (pyiceberg, :mod:`batchspec.io.iceberg`): each commit's shards recorded in
+    its snapshot's summary."""
+
+    name = "iceberg"
+    module = "batchspec.io.iceberg"
+
+
 #: Every output format by name, in the order ``batchspec report`` looks for their files.
-OUTPUT_FORMATS: dict[str, OutputFormat] = {f.name: f for f in (ParquetOutput(), OpenAIOutput())}
+OUTPUT_FORMATS: dict[str, OutputFormat] = {
+    f.name: f for f in (ParquetOutput(), OpenAIOutput(), DeltaOutput(), IcebergOutput())
+}
 assert tuple(OUTPUT_FORMATS) == FORMAT_NAMES, (
     "each format is a class here and a name in batchspec.spec.model.OutputFormatName"
 )

@@ -24,8 +24,9 @@ from batchspec.io.listing import Shard
 from batchspec.io.openai_batch import OpenAIBatchReader
 from batchspec.io.retry import Attempts, is_transient, retry
 from batchspec.io.rows import Row, check_messages
+from batchspec.io.templates import check_columns, prompt_template
 from batchspec.io.urls import is_local_fs
-from batchspec.spec.model import InputSpec, JobSpec, OutputSpec
+from batchspec.spec.model import TABLE_FORMATS, InputSpec, JobSpec, OutputSpec
 
 
 def _is_text(t: pa.DataType) -> bool:
@@ -50,16 +51,41 @@ class ParquetReader:
     """Reads one shard's rows in record batches, after checking its schema."""
 
     def __init__(self, shard: Shard, input_spec: InputSpec, output_spec: OutputSpec, batch_rows: int = 1024):
+        self._setup(shard, input_spec, batch_rows)
+        self._open()
+        self.num_rows = self._file.metadata.num_rows
+        self.kept_fields = self._check_schema(self._schema(), output_spec)
+
+    def _setup(self, shard: Shard, input_spec: InputSpec, batch_rows: int) -> None:
+        """What the reader knows before it opens the file (a table's schema check stops here)."""
         self.shard = shard
         self.spec = input_spec
         self.batch_rows = batch_rows
         self._file = None
         self._handle = None
-        self._local = is_local_fs(shard.fs)
-        self._open()
-        schema = self._file.schema_arrow
-        self.num_rows = self._file.metadata.num_rows
-        self.kept_fields = self._check_schema(schema, output_spec)
+        self._local = shard.fs is not None and is_local_fs(shard.fs)
+        #: ``input.prompt_template``/``messages_template``, compiled (None: a prompt column)
+        self.template = prompt_template(input_spec)
+
+    @classmethod
+    def check_table(cls, schema: pa.Schema, shard: Shard, spec: JobSpec) -> list[pa.Field]:
+        """A table's columns checked as a shard's are, on the schema its log or metadata gives
+        (no file opened); the kept columns."""
+        check = cls.__new__(cls)
+        check._setup(shard, spec.input, spec.execution.read_batch_rows)
+        return check._check_schema(schema, spec.output)
+
+    def _schema(self) -> pa.Schema:
+        """The columns a row is read from (a table's reader adds its partition columns)."""
+        return self._file.schema_arrow
+
+    def _file_columns(self) -> list[str]:
+        """The columns read from the file."""
+        return self.columns
+
+    def _prepare(self, batch):
+        """A record batch as its rows are taken from it (a table's reader filters it)."""
+        return batch
 
     def _check_schema(self, schema: pa.Schema, output_spec: OutputSpec) -> list[pa.Field]:
         spec, url = self.spec, self.shard.url
@@ -74,20 +100,10 @@ class ParquetReader:
                 )
             return schema.field(column)
 
-        text = require(spec.text_column, "prompt" if spec.prompt_column else "messages")
-        if spec.prompt_column and not _is_text(text.type):
-            raise InputDataError(
-                url,
-                f"prompt column {spec.prompt_column!r} has type {text.type}, expected text (string)",
-                column=spec.prompt_column,
-            )
-        if spec.messages_column and not _is_messages(text.type):
-            raise InputDataError(
-                url,
-                f"messages column {spec.messages_column!r} has type "
-                f"{text.type}, expected a list of {{role, content}} structs",
-                column=spec.messages_column,
-            )
+        if self.template is not None:  # a column it reads that the shard lacks: exit 2
+            check_columns(self.template, schema.names, url)
+        else:
+            self._check_text(require(spec.text_column, "prompt" if spec.prompt_column else "messages"))
         if spec.id_column:
             require(spec.id_column, "id")
         for param, column in spec.sampling_columns.items():
@@ -113,6 +129,23 @@ class ParquetReader:
                 require(column, "output.keep_columns")
             kept = [schema.field(c) for c in output_spec.keep_columns]
         return kept
+
+    def _check_text(self, text: pa.Field) -> None:
+        """The prompt or messages column is of a type that holds one."""
+        spec, url = self.spec, self.shard.url
+        if spec.prompt_column and not _is_text(text.type):
+            raise InputDataError(
+                url,
+                f"prompt column {spec.prompt_column!r} has type {text.type}, expected text (string)",
+                column=spec.prompt_column,
+            )
+        if spec.messages_column and not _is_messages(text.type):
+            raise InputDataError(
+                url,
+                f"messages column {spec.messages_column!r} has type "
+                f"{text.type}, expected a list of {{role, content}} structs",
+                column=spec.messages_column,
+            )
 
     def _open(self) -> None:
         """Open the file and read its footer, retrying transient storage errors."""
@@ -145,6 +178,7 @@ class ParquetReader:
         spec = self.spec
         wanted = [
             spec.text_column,
+            *(self.template.columns if self.template is not None else ()),
             spec.id_column,
             spec.lora_column,
             *spec.sampling_columns.values(),
@@ -168,9 +202,9 @@ class ParquetReader:
                 try:
                     skip = done_in_group
                     batches = self._file.iter_batches(
-                        batch_size=self.batch_rows, row_groups=[group], columns=self.columns
+                        batch_size=self.batch_rows, row_groups=[group], columns=self._file_columns()
                     )
-                    for batch in batches:
+                    for batch in map(self._prepare, batches):
                         if skip >= batch.num_rows:
                             skip -= batch.num_rows
                             continue
@@ -206,16 +240,18 @@ class ParquetReader:
         )
         if spec.id_column and request_id is None:
             row.error = f"null id in column {spec.id_column!r}"
-        text = values[spec.text_column]
-        if spec.prompt_column:
+        if self.template is not None:
+            self.template.fill(row, values)
+        elif spec.prompt_column:
+            text = values[spec.prompt_column]
             row.prompt = text
             if text is None:
                 row.error = row.error or "null prompt"
             elif not text.strip():
                 row.error = row.error or "empty prompt"
         else:
-            row.messages = text
-            row.error = row.error or check_messages(text)
+            row.messages = values[spec.messages_column]
+            row.error = row.error or check_messages(row.messages)
         for param, column in spec.sampling_columns.items():
             value = values[column]
             if value is not None:
@@ -233,10 +269,13 @@ class ParquetReader:
             self._handle = None
 
 
-def prompt_token_ids(tokenizer, row: Row) -> list[int]:
-    """Tokenize a text prompt, or render chat messages with the tokenizer's chat template."""
+def prompt_token_ids(tokenizer, row: Row, template_kwargs: dict | None = None) -> list[int]:
+    """Tokenize a text prompt, or render chat messages with the tokenizer's chat template (and
+    ``template_kwargs``, its variables: ``chat_template_kwargs``)."""
     if row.messages is not None:
-        ids = tokenizer.apply_chat_template(row.messages, tokenize=True, add_generation_prompt=True)
+        ids = tokenizer.apply_chat_template(
+            row.messages, tokenize=True, add_generation_prompt=True, **(template_kwargs or {})
+        )
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
             ids = ids["input_ids"]
         return list(ids)
@@ -256,9 +295,60 @@ def length_error(num_prompt_tokens: int, max_model_len: int) -> str | None:
     return None
 
 
+class TableFileReader(ParquetReader):
+    """One data file of a Delta table (:mod:`batchspec.io.delta`): a Parquet file whose row
+    count the log gave, with the file's partition values as columns and ``input.filter``
+    applied to each record batch (files were pruned on their statistics at planning; a filter
+    reads its own columns too)."""
+
+    def __init__(self, shard: Shard, spec: JobSpec, batch_rows: int, table_schema: pa.Schema):
+        import polars as pl
+
+        self._table_schema = table_schema
+        self._partition = {
+            name: pa.array([value], pa.string()).cast(table_schema.field(name).type)[0]
+            for name, value in shard.table.partition.items()
+            if name in table_schema.names
+        }
+        self._predicate = pl.sql_expr(spec.input.filter) if spec.input.filter else None
+        super().__init__(shard, spec.input, spec.output, batch_rows)
+        if shard.table.rows is not None:
+            self.num_rows = shard.table.rows
+
+    def _schema(self) -> pa.Schema:
+        schema = self._file.schema_arrow
+        for name in self._partition:
+            if name not in schema.names:
+                schema = schema.append(self._table_schema.field(name))
+        return schema
+
+    def _file_columns(self) -> list[str]:
+        wanted = [c for c in self.columns if c not in self._partition]
+        if self._predicate is not None:
+            wanted += [c for c in self._predicate.meta.root_names() if c not in self._partition]
+        names = set(self._file.schema_arrow.names)
+        return [c for c in dict.fromkeys(wanted) if c in names]
+
+    def _prepare(self, batch):
+        table = pa.Table.from_batches([batch])
+        for name, value in self._partition.items():
+            if name not in table.column_names:
+                table = table.append_column(name, pa.repeat(value, table.num_rows))
+        if self._predicate is not None:
+            import polars as pl
+
+            try:
+                table = pl.from_arrow(table).filter(self._predicate).to_arrow()
+            except pl.exceptions.PolarsError as exc:
+                raise SpecError("input.filter", f"cannot filter {self.shard.url} with it: {exc}") from exc
+        return table
+
+
 def open_reader(shard: Shard, spec: JobSpec) -> ParquetReader | JsonLinesReader:
     """The reader of ``shard``'s format (:mod:`batchspec.io.formats`), its columns checked."""
     batch_rows = spec.execution.read_batch_rows
+    if shard.table is not None:  # a data file of a Delta or Iceberg table
+        return shard.table.source.reader(shard, spec)
     if shard.format.name == OPENAI:
         return OpenAIBatchReader(shard, spec, batch_rows)
     if shard.format.name == JSONL:
@@ -279,6 +369,12 @@ def sample_rows(spec, n: int, seed: int, shards=None) -> tuple[list[Row], int]:
     from batchspec.io.listing import discover_shards
 
     rng = random.Random(seed)
+    if shards is None and spec.input.format in TABLE_FORMATS:  # the table's latest data files
+        from batchspec.io.tables import open_table_input, pin_key
+
+        source = open_table_input(spec)
+        pin = getattr(spec.input, pin_key(spec.input.format))
+        shards = source.shards(source.latest() if pin is None else pin)
     if shards is None:
         shards = discover_shards(
             spec.input.paths,

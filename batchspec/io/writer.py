@@ -20,6 +20,7 @@ from batchspec.errors import RuntimeFailure
 from batchspec.io.listing import Shard
 from batchspec.io.output_dir import OutputDir, tmp_file_name
 from batchspec.io.rows import Row
+from batchspec.io.urls import full_url
 from batchspec.redact import sanitize_url
 
 METADATA_KEY = b"batchspec"
@@ -105,3 +106,25 @@ def read_metadata(path: str, filesystem=None) -> dict[str, Any]:
         schema = pq.read_schema(path)
     raw = (schema.metadata or {}).get(METADATA_KEY)
     return json.loads(raw) if raw else {}
+
+
+class TableFileWriter(ParquetWriter):
+    """A shard's data file for a table output (:mod:`batchspec.io.tables`): written as a
+    Parquet output file is, then published under a name of its own in the table's ``data/``
+    folder, where no reader looks until a table commit names it."""
+
+    def commit(self) -> dict[str, Any]:
+        from batchspec.io.tables import ShardFile, data_file_path
+
+        self.flush()
+        self._writer.close()
+        relative = data_file_path(self.shard.name, os.urandom(6).hex())
+        final = self.out.join(relative)
+        self.out.publish(self.tmp_path, final)
+        info = committed_info(self.out, final)
+        url = full_url(self.out.fs, final)
+        return {
+            "output": sanitize_url(url),
+            "output_info": info,
+            "table_file": ShardFile(self.shard.name, relative, url, info["size"], self.rows_written),
+        }

@@ -62,6 +62,14 @@ SUMMED = (
 )
 
 
+#: A reasoning model's columns (``model.reasoning_parser``), summed into its ``reasoning`` totals.
+REASONING_SUMMED = (
+    "num_reasoning_tokens",
+    "num_answer_tokens",
+    "spec_reasoning_num_draft_tokens",
+    "spec_reasoning_num_accepted_tokens",
+)
+
 #: Everything the single-run statistics read; ``generated_text`` and kept input columns stay on disk.
 STAT_COLUMNS = [
     "finish_reason",
@@ -71,6 +79,7 @@ STAT_COLUMNS = [
     "structured_valid",
     "lora_adapter",
     "twin_of",
+    *REASONING_SUMMED,
     ERROR,
 ]
 
@@ -123,6 +132,9 @@ def _aggregations() -> list[pl.Expr]:
         pl.col("structured_valid").cast(pl.Int64).sum().alias("structured_valid"),
         pl.col("twin_of").is_not_null().sum().alias("rows_from_twin"),
         *(pl.col(c).cast(pl.Int64).sum().alias(c) for c in SUMMED),
+        pl.col("num_reasoning_tokens").is_not_null().sum().alias("reasoning_rows"),
+        (pl.col("num_reasoning_tokens") > 0).sum().alias("thinking_rows"),
+        *(pl.col(c).cast(pl.Int64).sum().alias(c) for c in REASONING_SUMMED),
         *(
             e
             for key, column in DISTRIBUTIONS.items()
@@ -140,6 +152,9 @@ _EMPTY = {
     "structured_valid": 0,
     "rows_from_twin": 0,
     **dict.fromkeys(SUMMED, 0),
+    "reasoning_rows": 0,
+    "thinking_rows": 0,
+    **dict.fromkeys(REASONING_SUMMED, 0),
 }
 
 
@@ -165,7 +180,31 @@ def _metrics(agg: dict, finish: Counter, errors: Counter, histogram: list[int] |
         "acceptance_histogram": histogram if speculative else None,
         **{key: _distribution_of(agg, key) for key in DISTRIBUTIONS},
         "structured_outputs": _structured(agg),
+        "reasoning": _reasoning(agg, drafted, accepted),
     }
+
+
+def _reasoning(agg: dict, drafted: int | None, accepted: int | None) -> dict[str, Any] | None:
+    """A reasoning job's thinking and answer: rows, tokens, and (with speculation) the acceptance
+    of the verify steps that began in each part; None when no row came from a reasoning parser."""
+    if not agg.get("reasoning_rows"):
+        return None
+    out = {
+        "rows": agg["reasoning_rows"],
+        "thinking_rows": agg["thinking_rows"],
+        "reasoning_tokens": agg["num_reasoning_tokens"],
+        "answer_tokens": agg["num_answer_tokens"],
+        "reasoning_acceptance_rate": None,
+        "answer_acceptance_rate": None,
+    }
+    thinking_drafted = agg.get("spec_reasoning_num_draft_tokens")
+    if drafted is not None and thinking_drafted is not None:
+        thinking_accepted = agg.get("spec_reasoning_num_accepted_tokens") or 0
+        out["reasoning_acceptance_rate"] = acceptance_rate(thinking_accepted, thinking_drafted)
+        out["answer_acceptance_rate"] = acceptance_rate(
+            (accepted or 0) - thinking_accepted, drafted - thinking_drafted
+        )
+    return out
 
 
 def _structured(agg: dict) -> dict[str, Any] | None:
@@ -176,6 +215,51 @@ def _structured(agg: dict) -> dict[str, Any] | None:
         return None
     valid = agg.get("structured_valid") or 0
     return {"rows": n, "valid": valid, "valid_share": valid / n}
+
+
+#: A constrained row cut by ``max_tokens`` is counted as cut in a whitespace run when its text
+#: ends in whitespace holding at least this many line breaks ...
+RUNAWAY_LINE_BREAKS = 2
+#: ... or at least this many characters (pretty-printed JSON's own indentation is shorter).
+RUNAWAY_WHITESPACE = 32
+
+
+def cut_inside(text: str | None) -> str | None:
+    """Where a constrained output cut by ``max_tokens`` stopped: ``string`` (inside a JSON
+    string never closed), ``whitespace`` (in a run of whitespace: :data:`RUNAWAY_LINE_BREAKS`
+    line breaks or :data:`RUNAWAY_WHITESPACE` characters at its end), or None."""
+    if not text:
+        return None
+    in_string = escaped = False
+    for char in text:
+        if escaped:
+            escaped = False
+        elif char == "\\" and in_string:
+            escaped = True
+        elif char == '"':
+            in_string = not in_string
+    if in_string:
+        return "string"
+    tail = text[len(text.rstrip()) :]
+    if tail.count("\n") >= RUNAWAY_LINE_BREAKS or len(tail) >= RUNAWAY_WHITESPACE:
+        return "whitespace"
+    return None
+
+
+def _cut_constrained(output: Output) -> dict[str, int]:
+    """Constrained rows cut by ``max_tokens`` (over every shard), and how many of them inside a
+    whitespace run or a runaway string (:func:`cut_inside`): only those rows' text is read."""
+    columns = ["structured_valid", "finish_reason", "generated_text"]
+    cut = output.collect(
+        [
+            output.scan(columns)
+            .filter(pl.col("structured_valid").is_not_null() & (pl.col("finish_reason") == "length"))
+            .select("generated_text")
+        ],
+        columns,
+    )[0]
+    where = Counter(cut_inside(t) for t in cut["generated_text"])
+    return {"cut": cut.height, "cut_in_whitespace": where["whitespace"], "cut_in_string": where["string"]}
 
 
 def _sum_histograms(hists: Iterable[list[int]]) -> list[int] | None:
@@ -235,6 +319,8 @@ def metrics_of(output: Output) -> tuple[dict[str, Any], dict[str, dict[str, Any]
         sum(errors_by.values(), Counter()),
         _sum_histograms(hist_by.values()),
     )
+    if total["structured_outputs"] and total["finish_reasons"].get("length"):
+        total["structured_outputs"].update(_cut_constrained(output))
     adapters = {}
     if per_adapter["lora_adapter"].is_not_null().any():
         # acceptance per adapter: a draft trained on the base model's outputs may fit one
@@ -255,6 +341,10 @@ def lineage(metadata: dict[str, dict]) -> dict[str, list]:
         if not isinstance(speculative, dict):  # a job's section as written (auto) is not what ran
             speculative = {}
         flat = {**meta, "num_speculative_tokens": speculative.get("num_speculative_tokens")}
+        pin = meta.get("input_pin")
+        if isinstance(pin, dict):  # a table input: the version (snapshot) it was read at
+            key = "version" if "version" in pin else "snapshot"
+            flat["input_pin"] = f"{pin.get('format')} {pin.get('table')} {key} {pin.get(key)}"
         for key in LINEAGE_FIELDS:
             value = flat.get(key)
             if isinstance(value, str):

@@ -23,7 +23,17 @@ from batchspec.redact import sanitize_url
 FEATURE_TYPES = {
     f.name: pl.from_arrow(pa.array([], f.type)).dtype
     for f in FEATURE_FIELDS
-    if f.name in ("structured_valid", "sample_index", "lora_adapter", "twin_of")
+    if f.name
+    in (
+        "structured_valid",
+        "sample_index",
+        "lora_adapter",
+        "twin_of",
+        "num_reasoning_tokens",
+        "num_answer_tokens",
+        "spec_reasoning_num_draft_tokens",
+        "spec_reasoning_num_accepted_tokens",
+    )
 }
 
 
@@ -39,6 +49,7 @@ LINEAGE_FIELDS = (
     "speculative_auto",
     "vllm_version",
     "batchspec_version",
+    "input_pin",
 )
 
 
@@ -131,24 +142,28 @@ class Output:
         return InputDataError(sanitize_url(self.display_url or self.url), f"reading the output failed: {exc}")
 
 
-def load_output(url: str, storage_options: dict | None = None) -> Output:
+def load_output(url: str, storage_options: dict | None = None, output=None) -> Output:
     """Open the committed shards of an output directory, in the first output format whose
     results files are there (``*.parquet``, ``*.output.jsonl``; in subdirectories too for shards
     from nested inputs; never ``_batchspec/``): their schema and metadata (Parquet footers, the
-    manifests of other formats) and the run summaries are read now, rows later.
+    manifests of other formats) and the run summaries are read now, rows later. A Delta table
+    (``_delta_log/``) is read as its log says: its current data files; an Iceberg table through
+    its catalog, which a job's ``output`` (an ``OutputSpec``) names.
 
     Raises :class:`InputDataError` (exit 3) when there are none, or one is unreadable or not a
     batchspec output file."""
-    for fmt in OUTPUT_FORMATS.values():
-        out = OutputDir(url, storage_options or {}, fmt.name)
+    table = _table_output(url, storage_options or {}, output)
+    files = [f for f in OUTPUT_FORMATS.values() if not f.table]  # a table is found above
+    for fmt in [table.format] if table is not None else files:
+        out = table or OutputDir(url, storage_options or {}, fmt.name)
         try:
-            names = out.list_outputs()
+            names = fmt.report_names(out) if fmt.table else out.list_outputs()
         except NotADirectoryError:
             names = []
         if names:
             break
     else:
-        patterns = ", ".join(f"*{f.suffix}" for f in OUTPUT_FORMATS.values())
+        patterns = ", ".join(f"*{f.suffix}" for f in files)
         raise InputDataError(
             sanitize_url(url),
             f"no output files ({patterns}) here; is this the output.path of a finished run?",
@@ -164,6 +179,22 @@ def load_output(url: str, storage_options: dict | None = None) -> Output:
         except (OSError, ValueError):
             continue  # a torn or unreadable summary only loses the per-position counters
     return output
+
+
+def _table_output(url: str, storage_options: dict, output) -> OutputDir | None:
+    """The table at ``url``, if it is one: Delta by its log; Iceberg by the job's catalog."""
+    if output is not None and output.format == "iceberg" and output.path.rstrip("/") == url.rstrip("/"):
+        return OutputDir.of(output)
+    out = OutputDir(url, storage_options, "delta")
+    if out.exists(out.join("_delta_log")):
+        return out
+    if out.exists(out.join("metadata")) and out.exists(out.join("_batchspec")):
+        raise InputDataError(
+            sanitize_url(url),
+            "an Iceberg table batchspec wrote: its catalog says which files are in it; "
+            "report it with --job JOB.yaml",
+        )
+    return None
 
 
 def parse_storage_options(items: Iterable[str], base: dict | None = None) -> dict[str, Any]:

@@ -105,7 +105,25 @@ def _summary_rows(report: dict) -> list[list[str]]:
             if m.get("structured_outputs")
             else []
         ),
+        *(_reasoning_rows(m["reasoning"]) if m.get("reasoning") else []),
     ]
+
+
+def _reasoning_rows(r: dict) -> list[list[str]]:
+    """A reasoning job's lines: how many rows thought, the tokens of each part, and the
+    acceptance of the steps in each (where speculation ran)."""
+    rows = [
+        ["rows that thought", f"{r['thinking_rows']:,} of {r['rows']:,}"],
+        ["thinking / answer tokens", f"{r['reasoning_tokens']:,} / {r['answer_tokens']:,}"],
+    ]
+    if r["reasoning_acceptance_rate"] is not None or r["answer_acceptance_rate"] is not None:
+        rows.append(
+            [
+                "acceptance thinking / answer",
+                f"{fmt(r['reasoning_acceptance_rate'])} / {fmt(r['answer_acceptance_rate'])}",
+            ]
+        )
+    return rows
 
 
 def _share(s: dict | None) -> str:
@@ -115,7 +133,13 @@ def _share(s: dict | None) -> str:
 def _valid(s: dict | None) -> str:
     if not s:
         return "-"
-    return f"{s['valid_share']:.1%}  ({s['valid']:,} of {s['rows']:,} constrained rows)"
+    text = f"{s['valid_share']:.1%}  ({s['valid']:,} of {s['rows']:,} constrained rows)"
+    if s.get("cut"):  # cut by max_tokens: where (docs/templates.md#whitespace-runaway)
+        text += (
+            f"; {s['cut']:,} cut at max_tokens, {s['cut_in_whitespace']:,} in a whitespace run, "
+            f"{s['cut_in_string']:,} in a runaway string"
+        )
+    return text
 
 
 def _dist_cells(d: dict | None, digits: int) -> list[str]:

@@ -153,6 +153,16 @@ def _executor(spec: JobSpec, kind: str | None, ray_address: str | None, engine=N
             "before the shards run; with --executor ray, run `batchspec "
             "tune` and set the speculative section it writes",
         )
+    if kind == "ray":
+        from batchspec.spec.model import TABLE_FORMATS
+
+        for side, fmt in (("input", spec.input.format), ("output", spec.output.format)):
+            if fmt in TABLE_FORMATS:
+                raise SpecError(
+                    "--executor",
+                    f"{side}.format {fmt}: a table is read and committed by the local executor; "
+                    "run several workers with --worker-index/--num-workers instead of ray",
+                )
     if kind == "local":
         return LocalExecutor(engine)
     from batchspec.run.executors.ray import RayExecutor
@@ -215,11 +225,11 @@ class _Job:
 
             check_auto(spec)
         # known before listing, so that a run that fails to plan still leaves its summary
-        self.out = OutputDir(spec.output.path, spec.output.storage_options, spec.output.format)
+        self.out = OutputDir.of(spec.output)
         ctx = self.context()
         todo, fingerprint = self.plan_shards()
         self._check_stop()
-        shards, row_counts = check_inputs(spec, todo, ctx.bad_shard)
+        shards, row_counts = check_inputs(spec, todo, ctx.bad_shard, self.out)
         self._check_stop()
         if shards and spec.speculative_auto is not None:
             ctx.spec = self.choose_speculation(ctx, shards, sum(row_counts.values()))
@@ -250,8 +260,12 @@ class _Job:
         """Stage 1: this worker's shards and their states; returns the ones to do and the spec
         fingerprint. Stale output exits 2; committed shards are skipped."""
         spec, events, options = self.spec, self.events, self.options
-        p = plan(spec, options.worker_index, options.num_workers, options.overwrite, self.out)
+        p = plan(
+            spec, options.worker_index, options.num_workers, options.overwrite, self.out, record_pin=True
+        )
         self.summary["spec_fingerprint"] = p.spec_fingerprint
+        if p.pin is not None:  # a table input: the version (snapshot) read, and why that one
+            self.summary["input_pin"] = p.pin
         if p.stale:
             raise stale_error(p)
         todo = [s for s in p.shards if p.states[s.name] is not ShardState.COMMITTED]

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import batchspec
 from batchspec.errors import InputDataError, SpecError
+from batchspec.io.answers import answer_column
 from batchspec.io.jsonl import JsonLinesReader
 from batchspec.io.listing import Shard, assign, check_worker, discover_shards
 from batchspec.io.locations import check_no_overlap, same_store
@@ -31,6 +32,7 @@ from batchspec.io.output_formats import ResultWriter
 from batchspec.io.reader import ParquetReader, Row, open_reader
 from batchspec.io.rows import id_digest
 from batchspec.io.states import ShardState
+from batchspec.io.tables import is_table, refused_error
 from batchspec.leases.shard_leases import holder_text
 from batchspec.redact import sanitize_url, scrub_text
 from batchspec.run.events import EventLog
@@ -56,6 +58,8 @@ class Plan:
     #: output files whose input no longer exists (never counted as done)
     orphans: list[str]
     spec_fingerprint: dict[str, str]
+    #: A table input: the version (snapshot) read and how it was chosen (batchspec/io/tables.py)
+    pin: dict | None = None
 
 
 def plan(
@@ -64,43 +68,81 @@ def plan(
     num_workers: int = 1,
     overwrite: bool = False,
     out: OutputDir | None = None,
+    record_pin: bool = False,
 ) -> Plan:
-    """The worker's shards and each one's state (committed, stale, partial or pending)."""
+    """The worker's shards and each one's state (committed, stale, partial or pending). A
+    table input is read at its pin (batchspec/io/tables.py), which a run ``record_pin``s."""
     from batchspec.spec.fingerprint import spec_fingerprint
 
     check_worker(worker_index, num_workers)
     check_no_overlap(
         spec.input.paths, spec.input.storage_options, spec.output.path, spec.output.storage_options
     )
-    out = out or OutputDir(spec.output.path, spec.output.storage_options, spec.output.format)
-    exclude = out.path if same_store(spec.input.paths, spec.input.storage_options, out) else None
-    every = discover_shards(
-        spec.input.paths,
-        spec.input.storage_options,
-        exclude=exclude,
-        allow_empty=spec.input.allow_empty,
-        input_format=spec.input.format,
-    )
-    shards = assign(every, worker_index, num_workers)
+    out = out or OutputDir.of(spec.output)
+    if out.format.table and overwrite:
+        raise SpecError(
+            "--overwrite",
+            f"a table keeps the rows committed to it: {out.display_url} cannot be redone in "
+            "place; write to a new table (output.path), or delete its rows with the table's tools",
+        )
     fp = spec_fingerprint(spec)
+    out.refresh_table()
+    inspected: dict[str, tuple] = {}
+
+    def inspect(s: Shard) -> tuple[ShardState, list[str]]:
+        if s.name not in inspected or inspected[s.name][0] != s.fingerprint:
+            inspected[s.name] = (s.fingerprint, out.inspect(s, fp))
+        return inspected[s.name][1]
+
+    pin = None
+    if is_table(spec.input.format):
+        from batchspec.io.tables import choose_pin, open_table_input
+
+        source = open_table_input(spec)
+        _, every, pin = choose_pin(
+            source,
+            spec,
+            out,
+            lambda s: inspect(s)[0] is ShardState.COMMITTED,
+            fresh=overwrite,
+            record=record_pin,
+        )
+        source.pin = {k: v for k, v in pin.items() if k in ("format", "table", "version", "snapshot")}
+    else:
+        exclude = out.path if same_store(spec.input.paths, spec.input.storage_options, out) else None
+        every = discover_shards(
+            spec.input.paths,
+            spec.input.storage_options,
+            exclude=exclude,
+            allow_empty=spec.input.allow_empty,
+            input_format=spec.input.format,
+        )
+    shards = assign(every, worker_index, num_workers)
     states: dict[str, ShardState] = {}
     stale: dict[str, list[str]] = {}
     for s in shards:
         if overwrite:
             states[s.name] = ShardState.PENDING
             continue
-        states[s.name], changed = out.inspect(s, fp)
+        states[s.name], changed = inspect(s)
         if changed:
             stale[s.name] = changed
     names = {s.name for s in every}
     orphans = [n for n in out.list_outputs() if n not in names]
-    return Plan(out, shards, states, stale, orphans, fp)
+    return Plan(out, shards, states, stale, orphans, fp, pin)
 
 
 def stale_error(p: Plan) -> SpecError:
     """Exit 2: the output holds shards written under another spec; name what changed."""
     changed = sorted({c for cs in p.stale.values() for c in cs})
     example = sorted(p.stale)[0]
+    if p.out.format.table:
+        return SpecError(
+            "output.path",
+            f"{len(p.stale)} shard(s) committed to the table {p.out.display_url} were written with a "
+            f"different {', '.join(changed)} (e.g. shard {example!r}); one table never mixes two "
+            "specs, and a table keeps its rows: write to a new table",
+        )
     return SpecError(
         "output.path",
         f"{len(p.stale)} committed shard(s) under {p.out.display_url} were written with a "
@@ -113,13 +155,19 @@ def stale_error(p: Plan) -> SpecError:
 
 
 def check_inputs(
-    spec: JobSpec, todo: list[Shard], bad_shard: Callable[[Shard, InputDataError], None]
+    spec: JobSpec,
+    todo: list[Shard],
+    bad_shard: Callable[[Shard, InputDataError], None],
+    out: OutputDir | None = None,
 ) -> tuple[list[Shard], dict[str, int]]:
     """Check every pending shard's schema before loading any model: a missing column exits 3
-    now (``bad_shard`` raises), or the shard is left out (``on_bad_shard: skip``). Returns the
-    readable shards and each one's row count."""
+    now (``bad_shard`` raises), or the shard is left out (``on_bad_shard: skip``). With a table
+    output (``out``), its schema is checked against the job's columns (exit 2 naming one).
+    Returns the readable shards and each one's row count."""
     ok: list[Shard] = []
     row_counts: dict[str, int] = {}
+    if todo and todo[0].table is not None:
+        return _check_table(spec, todo, bad_shard, out)
     for s in todo:
         try:
             reader = open_reader(s, spec)
@@ -128,8 +176,56 @@ def check_inputs(
             bad_shard(s, exc)
             continue
         reader.close()
+        if out is not None and out.format.table and not ok:
+            out.check_table_schema(output_fields(spec, reader.kept_fields))
         ok.append(s)
     return ok, row_counts
+
+
+def _check_table(
+    spec: JobSpec,
+    todo: list[Shard],
+    bad_shard: Callable[[Shard, InputDataError], None],
+    out: OutputDir | None,
+) -> tuple[list[Shard], dict[str, int]]:
+    """Stage 2 for a table's shards: the columns checked once on the table's schema, the row
+    counts from its log or manifests (a file's footer only where they have none), each shard
+    needing a feature batchspec does not read refused (exit 3 naming it)."""
+    from batchspec.io.tables import check_table_schema
+
+    try:
+        kept = check_table_schema(todo[0].table.source, spec, todo)
+    except InputDataError as exc:
+        for s in todo:
+            bad_shard(s, exc)  # raises unless on_bad_shard: skip
+        return [], {}
+    if out is not None and out.format.table:
+        out.check_table_schema(output_fields(spec, kept))
+    ok: list[Shard] = []
+    row_counts: dict[str, int] = {}
+    for s in todo:
+        refused = refused_error(s)
+        if refused is not None:
+            bad_shard(s, refused)
+            continue
+        if s.table.rows is None:
+            try:
+                reader = open_reader(s, spec)
+            except InputDataError as exc:
+                bad_shard(s, exc)
+                continue
+            row_counts[s.name] = reader.num_rows
+            reader.close()
+        else:
+            row_counts[s.name] = s.table.rows
+        ok.append(s)
+    return ok, row_counts
+
+
+def output_fields(spec: JobSpec, kept: list) -> list:
+    """The columns an output file has beside the result columns, from the input's kept ones."""
+    answers = answer_column(spec)
+    return answers.fields(kept) if answers is not None else kept
 
 
 # ---------------------------------------------------------------------------- 3. per shard
@@ -158,6 +254,9 @@ class ShardRun:
     rows_done: int = 0
     started: float = 0.0
     stats: ShardStats = field(default_factory=ShardStats)
+    #: A table output: the manifest's fields of its written data file, while it waits in
+    #: :attr:`ShardPipeline.table_queue` for its group's table commit.
+    written: dict | None = None
 
     def move(self, to: ShardState) -> None:
         """The one way a shard changes state; a move :data:`MOVES` does not allow is a bug."""
@@ -229,6 +328,11 @@ class ShardPipeline:
         self.secrets = spec.secret_values()
         self.fatal: list[BaseException] = []
         self.row_counts: dict[str, int] = {}
+        #: A table output: shards whose data file is written, waiting for their group's commit
+        self.table_queue: list[ShardRun] = []
+        self._queued_at = 0.0
+        #: ``output.parse_json``'s typed ``answer`` column (None without it)
+        self.answers = answer_column(spec)
         self.metadata_base = {
             "run_id": run_id,
             "job": spec.name,
@@ -296,9 +400,12 @@ class ShardPipeline:
             "input": sanitize_url(run.shard.url),
             "input_fingerprint": run.shard.fingerprint,
         }
-        run.writer = self.out.format.writer(
-            self.out, run.shard, spec.output, run.reader.kept_fields, metadata
-        )
+        if run.shard.table is not None:  # the table version (snapshot) this shard was read at
+            metadata["input_pin"] = getattr(run.shard.table.source, "pin", None)
+        kept = run.reader.kept_fields
+        if self.answers is not None:  # after the kept columns
+            kept = self.answers.fields(kept)
+        run.writer = self.out.format.writer(self.out, run.shard, spec.output, kept, metadata)
         run.started = time.monotonic()
         self.events.emit(
             "shard_started",
@@ -337,6 +444,9 @@ class ShardPipeline:
                 else:
                     if run.state is ShardState.READING:  # fewer rows than planned, or none
                         run.move(ShardState.READ)
+                        # (a table's filter: the log counted the rows before it)
+                        self.progress.rows_dropped(expected - run.rows_read)
+                        self.row_counts[name] = run.rows_read
                     self.maybe_commit(run)
                 if self.stop():
                     return
@@ -388,23 +498,26 @@ class ShardPipeline:
             if not run.dropped:
                 self.write(run, row, results)
 
-        while rows is not None:
-            stream = engine.stream(
-                rows, self.spec.execution.max_in_flight, stop=self.stop, grace_s=self.grace_s, keep=keep
-            )
-            try:
-                for row, results in stream:
-                    # the keeper thread marks a lease lost: act between steps
-                    self.abandon_lost(runs)
-                    deliver(row, results)
-                    for twin, copied in twins.finished(row, results):
-                        deliver(twin, copied)
-            finally:
-                stream.close()  # aborts whatever is still in the engine
-            # twins of a request the engine failed after the input ran out: sent themselves
-            rows = None if self.stop() else twins.retries()
-        for twin, copied in twins.ready():  # answered after the engine's last result
-            deliver(twin, copied)
+        try:
+            while rows is not None:
+                stream = engine.stream(
+                    rows, self.spec.execution.max_in_flight, stop=self.stop, grace_s=self.grace_s, keep=keep
+                )
+                try:
+                    for row, results in stream:
+                        # the keeper thread marks a lease lost: act between steps
+                        self.abandon_lost(runs)
+                        deliver(row, results)
+                        for twin, copied in twins.finished(row, results):
+                            deliver(twin, copied)
+                finally:
+                    stream.close()  # aborts whatever is still in the engine
+                # twins of a request the engine failed after the input ran out: sent themselves
+                rows = None if self.stop() else twins.retries()
+            for twin, copied in twins.ready():  # answered after the engine's last result
+                deliver(twin, copied)
+        finally:  # complete shards waiting for their table commit: committed
+            self.commit_table()
 
     def abandon_lost(self, runs: list[ShardRun]) -> None:
         """Abandon every shard whose lease the renewal thread found lost."""
@@ -421,6 +534,8 @@ class ShardPipeline:
             for key in _FREE_TEXT:
                 if result.get(key):
                     result[key] = scrub_text(result[key], self.secrets)
+            if self.answers is not None:
+                self.answers.fill(result)
         run.writer.add_request(row, results)
         for result in results:
             run.stats.add(result)
@@ -429,21 +544,69 @@ class ShardPipeline:
         self.maybe_commit(run)
 
     def maybe_commit(self, run: ShardRun) -> None:
-        if run.state is ShardState.READ and run.rows_done == run.rows_read:
+        if run.state is ShardState.READ and run.rows_done == run.rows_read and run.written is None:
             self.commit(run)
 
     def commit(self, run: ShardRun) -> None:
         """Make the shard's output visible under its name, then its manifest, while the lease
         is still ours (checked right before). An earlier manifest goes first: a crash between
-        the steps leaves the shard ``partial``, never an old record over new files."""
-        from batchspec.spec.fingerprint import FINGERPRINT_VERSION
+        the steps leaves the shard ``partial``, never an old record over new files.
 
+        A table output: the shard's data file is written (under a name of its own, invisible
+        until the table names it) and waits for its group's table commit
+        (:meth:`commit_table`)."""
         name, out = run.shard.name, self.out
         if not self.leases.confirm(name):
             self.abandon(run, "taken over by another run before commit")
             return
+        if out.format.table:
+            run.written = run.writer.commit()
+            if not self.table_queue:
+                self._queued_at = time.monotonic()
+            self.table_queue.append(run)
+            output = self.spec.output
+            if (
+                len(self.table_queue) >= output.commit_shards
+                or time.monotonic() - self._queued_at >= output.commit_interval_s
+            ):
+                self.commit_table()
+            return
         out.invalidate_manifest(name)
-        written = run.writer.commit()
+        self.finish_commit(run, run.writer.commit())
+
+    def commit_table(self) -> None:
+        """Commit the waiting shards' data files to the table in one commit (idempotent: a
+        shard the table already records is left out), then write their manifests."""
+        runs, self.table_queue = self.table_queue, []
+        live = []
+        for run in runs:
+            if run.dropped:
+                continue
+            if not self.leases.confirm(run.shard.name):
+                self.abandon(run, "taken over by another run before its table commit")
+                continue
+            live.append(run)
+        if not live:
+            return
+        files = [run.written.pop("table_file") for run in live]
+        schema = live[0].writer.schema.remove_metadata()
+        result = self.out.format.commit_table(
+            self.out,
+            files,
+            schema,
+            {"run_id": self.run_id, "job": self.spec.name, "spec_fingerprint": self.spec_fingerprint},
+        )
+        for run in live:
+            if run.shard.name in result.already:
+                self.abandon(run, "committed to the table by another run")
+            else:
+                self.finish_commit(run, {**run.written, "table_version": result.version})
+
+    def finish_commit(self, run: ShardRun, written: dict) -> None:
+        """The shard's files are visible (or in the table): its manifest, then its end."""
+        from batchspec.spec.fingerprint import FINGERPRINT_VERSION
+
+        name, out = run.shard.name, self.out
         wall = time.monotonic() - run.started
         record = {
             "shard": name,
@@ -495,7 +658,8 @@ class ShardPipeline:
         self.progress.rows_dropped(self.row_counts[run.shard.name] - run.rows_done)
 
     def discard_uncommitted(self) -> None:
-        """On the way out of a failed or stopped run: drop every temporary file not committed."""
+        """On the way out of a failed or stopped run: drop every temporary file not committed
+        (a table's data file written but not committed stays, named by no table commit)."""
         for run in self.runs:
             if run.writer is not None and run.state is not ShardState.COMMITTED:
                 run.writer.discard()

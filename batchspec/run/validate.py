@@ -57,7 +57,14 @@ def validate_job(spec: JobSpec, worker_index: int = 0, num_workers: int = 1) -> 
     """Check everything a run would check before generating, without loading weights."""
     from transformers import AutoTokenizer
 
-    from batchspec.engine.checks import check_row, check_vllm_keys, override_error
+    from batchspec.engine.checks import (
+        TEMPLATE_KWARGS,
+        check_row,
+        check_vllm_keys,
+        override_error,
+        row_template_kwargs,
+        template_kwargs,
+    )
     from batchspec.engine.lora import unknown_adapter
     from batchspec.engine.structured import normalise
 
@@ -70,6 +77,8 @@ def validate_job(spec: JobSpec, worker_index: int = 0, num_workers: int = 1) -> 
     constraint = spec.sampling.get("structured_outputs")
     base = normalise(constraint) if constraint is not None else None
     max_logprobs = spec.model.engine.get("max_logprobs", 20)
+    given = spec.sampling.get(TEMPLATE_KWARGS)
+    base_kwargs = template_kwargs(given) if given is not None else {}
     p = plan(spec, worker_index, num_workers)
     shards, states = p.shards, p.states
     # code shipped with a model runs only when the spec asks for it, as vLLM does
@@ -100,7 +109,12 @@ def validate_job(spec: JobSpec, worker_index: int = 0, num_workers: int = 1) -> 
                     except Exception as exc:  # noqa: BLE001 (what a run makes an error row)
                         reason = override_error(row.overrides, spec.input.sampling_columns, exc)
                 if reason is None:
-                    ids = prompt_token_ids(tokenizer, row)
+                    try:
+                        kwargs = row_template_kwargs(base_kwargs, row)
+                    except ValueError as exc:
+                        kwargs, reason = None, override_error(row.overrides, spec.input.sampling_columns, exc)
+                if reason is None:
+                    ids = prompt_token_ids(tokenizer, row, kwargs)
                     check.max_prompt_tokens = max(check.max_prompt_tokens, len(ids))
                     reason = length_error(len(ids), max_len)
                 if reason is not None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import json
 import typing
 from types import UnionType
 from typing import Any
@@ -15,6 +16,7 @@ from batchspec.errors import SpecError
 from batchspec.spec.model import (
     DEFAULT_JOB_NAME,
     ROW_OVERRIDABLE,
+    TABLE_FORMATS,
     AutoSpeculation,
     ExecutionSpec,
     ExecutorSpec,
@@ -53,12 +55,125 @@ def build_spec(raw: dict[str, Any]) -> JobSpec:
             "before the shards run; with executor.kind ray, run "
             "`batchspec tune` and set the speculative section it writes",
         )
+    tables = [
+        f"{side}.format {fmt}"
+        for side, fmt in (("input", spec.input.format), ("output", spec.output.format))
+        if fmt in TABLE_FORMATS
+    ]
+    if tables and spec.executor.kind == "ray":
+        raise SpecError(
+            "executor.kind",
+            f"a table ({', '.join(tables)}) is read and committed by one local executor; "
+            "run several workers with --worker-index/--num-workers instead of ray",
+        )
+    _check_reasoning(spec)
     if spec.input.lora_column and spec.model.lora is None:
         raise SpecError(
             "input.lora_column",
             "rows can pick a LoRA adapter only from those model.lora.adapters names; model.lora is not set",
         )
-    return spec
+    return _parse_json(spec)
+
+
+def _check_reasoning(spec: JobSpec) -> None:
+    """The reasoning keys that need ``model.reasoning_parser``, or a chat prompt."""
+    columns = spec.input.sampling_columns
+    if spec.model.reasoning_parser is None:
+        for key in ("thinking_token_budget",):
+            if key in spec.sampling or key in columns:
+                where = f"sampling.{key}" if key in spec.sampling else f"input.sampling_columns.{key}"
+                raise SpecError(
+                    where,
+                    "vLLM counts a thinking budget with the model's reasoning parser: "
+                    "set model.reasoning_parser (such as qwen3 or deepseek_r1)",
+                )
+    kwargs = spec.sampling.get("chat_template_kwargs")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise SpecError(
+            "sampling.chat_template_kwargs",
+            f"expected a mapping of the chat template's keyword arguments, got {type(kwargs).__name__}",
+        )
+    if spec.input.format != "openai" and spec.input.prompt_column is not None:
+        key = (
+            "sampling.chat_template_kwargs"
+            if kwargs is not None
+            else "input.sampling_columns.chat_template_kwargs"
+            if "chat_template_kwargs" in columns
+            else None
+        )
+        if key is not None:
+            raise SpecError(
+                key,
+                "a text prompt (input.prompt_column) is not rendered with a chat template; "
+                "use input.messages_column for chat template keyword arguments",
+            )
+
+
+#: The ``input.sampling_columns`` keys whose rows may ask for a JSON schema or a choice.
+_ANSWER_COLUMNS = ("structured_outputs", "structured_outputs.json", "structured_outputs.choice")
+
+
+def _parse_json(spec: JobSpec) -> JobSpec:
+    """``output.parse_json``: refused without a constraint an answer's type comes from (a JSON
+    schema or a choice, job-wide or per row) and with OpenAI output; with a JSON schema, it
+    makes JSON compact (``disable_any_whitespace`` on an ``xgrammar`` backend) unless
+    ``model.engine.structured_outputs_config`` says otherwise."""
+    if not spec.output.parse_json:
+        return spec
+    if spec.output.format == "openai":
+        raise SpecError(
+            "output.parse_json",
+            "output.format openai writes OpenAI's result lines, whose message content is the "
+            "answer's JSON already; the typed answer column is for Parquet output",
+        )
+    if spec.output.keep_columns is not None and "answer" in spec.output.keep_columns:
+        raise SpecError("output.keep_columns", "'answer' clashes with the column output.parse_json writes")
+    constraint = spec.sampling.get("structured_outputs")
+    if isinstance(constraint, str):
+        try:
+            constraint = json.loads(constraint)
+        except ValueError:
+            constraint = None  # refused with its reason when the sampling is checked
+    kinds = {k for k, v in constraint.items() if v is not None} if isinstance(constraint, dict) else set()
+    per_row = spec.input.format == "openai" or any(k in spec.input.sampling_columns for k in _ANSWER_COLUMNS)
+    if not per_row and not kinds & {"json", "choice"}:
+        raise SpecError(
+            "output.parse_json",
+            "needs a JSON schema (sampling.structured_outputs.json) or a choice to type the "
+            "answer column with, or per-row constraints (input.sampling_columns "
+            "structured_outputs or structured_outputs.json); "
+            + (f"the job's constraint is {', '.join(sorted(kinds))}" if kinds else "there is none"),
+        )
+    wide_choice = "choice" in kinds and not any(
+        k in spec.input.sampling_columns for k in ("structured_outputs", "structured_outputs.json")
+    )
+    if wide_choice and spec.input.format != "openai":
+        return spec  # no JSON to make compact
+    engine = _compact_json(spec.model.engine)
+    if engine is spec.model.engine:
+        return spec
+    return dataclasses.replace(spec, model=dataclasses.replace(spec.model, engine=engine))
+
+
+def _compact_json(engine: dict[str, Any]) -> dict[str, Any]:
+    """The engine arguments with compact JSON (vLLM's ``disable_any_whitespace``, engine-wide,
+    which it takes only with the ``xgrammar`` or ``guidance`` backend): ``engine`` itself where
+    the job set ``disable_any_whitespace`` (either way) or another backend (``auto`` included)."""
+    config = engine.get("structured_outputs_config")
+    config = {} if config is None else config
+    if not isinstance(config, dict) or "disable_any_whitespace" in config:
+        return engine
+    backend = config.get("backend")
+    if backend not in (None, "xgrammar", "guidance"):
+        return engine
+    return {
+        **engine,
+        "structured_outputs_config": {
+            **config,
+            "backend": backend or "xgrammar",
+            "disable_any_whitespace": True,
+        },
+    }
 
 
 class _Fields:
@@ -106,27 +221,57 @@ def _input_spec(raw: dict) -> InputSpec:
         required=True,
         keys=("path", *(f.name for f in dataclasses.fields(InputSpec) if f.name != "paths")),
     )
-    paths = inp.get("path", (str, list), required=True)
-    paths = [paths] if isinstance(paths, str) else paths
-    if not paths or not all(isinstance(p, str) and p.strip() for p in paths):
-        raise SpecError("input.path", "expected a non-empty URL or glob, or a list of them")
+    input_format = inp.get("format", str)
+    table = _input_table(inp, input_format)
+    if input_format == "iceberg":
+        paths = []
+    else:
+        paths = inp.get("path", (str, list), required=True)
+        paths = [paths] if isinstance(paths, str) else paths
+        if not paths or not all(isinstance(p, str) and p.strip() for p in paths):
+            raise SpecError("input.path", "expected a non-empty URL or glob, or a list of them")
+    if input_format == "delta" and (len(paths) != 1 or any(c in paths[0] for c in "*?[")):
+        raise SpecError(
+            "input.path", "format delta reads one table: give its root, one URL without wildcards"
+        )
     prompt_column = inp.get("prompt_column", str)
     messages_column = inp.get("messages_column", str)
-    input_format = inp.get("format", str)
+    prompt_template, messages_template = _templates(inp)
+    sources = (prompt_column, messages_column, prompt_template, messages_template)
     if input_format == "openai":
-        for key in ("prompt_column", "messages_column", "id_column", "lora_column", "sampling_columns"):
-            if inp.get(key, (str, dict)):
+        for key in (
+            "prompt_column",
+            "messages_column",
+            "prompt_template",
+            "messages_template",
+            "id_column",
+            "lora_column",
+            "sampling_columns",
+        ):
+            if inp.get(key, (str, dict, list)):
                 raise SpecError(
                     f"input.{key}",
                     "an OpenAI batch file's lines give their own "
                     "prompt or messages, custom_id, model and "
                     "sampling; leave this key out",
                 )
-    elif bool(prompt_column) == bool(messages_column):
+    elif sum(v is not None for v in sources) != 1:
+        given = [
+            k
+            for k in ("prompt_column", "messages_column", "prompt_template", "messages_template")
+            if inp.values.get(k) is not None
+        ]
         raise SpecError(
-            "input.prompt_column",
-            "give exactly one of input.prompt_column (text) and input.messages_column (chat messages)",
+            f"input.{next((k for k in given if k.endswith('_template')), 'prompt_column')}",
+            "give exactly one of input.prompt_column (text), input.messages_column (chat "
+            "messages), input.prompt_template and input.messages_template (rendered from columns)"
+            + (f"; got {' and '.join(given)}" if len(given) > 1 else ""),
         )
+    if input_format != "openai" and (prompt_template is not None or messages_template is not None):
+        # compiled now (exit 2 naming the key and the line); io/templates.py imports jinja2 only
+        from batchspec.io.templates import PromptTemplate
+
+        PromptTemplate(prompt_template, messages_template)
     sampling_columns = inp.get("sampling_columns", dict)
     for k, v in sampling_columns.items():
         if k not in ROW_OVERRIDABLE:
@@ -144,6 +289,8 @@ def _input_spec(raw: dict) -> InputSpec:
         format=input_format,
         prompt_column=prompt_column,
         messages_column=messages_column,
+        prompt_template=prompt_template,
+        messages_template=messages_template,
         id_column=inp.get("id_column", str),
         lora_column=inp.get("lora_column", str),
         sampling_columns=dict(sampling_columns),
@@ -151,7 +298,123 @@ def _input_spec(raw: dict) -> InputSpec:
         on_bad_shard=on_bad_shard,
         allow_empty=allow_empty,
         max_line_bytes=inp.positive("max_line_bytes"),
+        **table,
     )
+
+
+def _templates(inp: _Fields) -> tuple[str | None, tuple[dict[str, str], ...] | None]:
+    """``input.prompt_template`` (text) and ``input.messages_template`` (a list of ``{role,
+    content}``, each content a template), their shapes checked (compiled by the caller)."""
+    prompt = inp.get("prompt_template", str)
+    if prompt is not None and not prompt.strip():
+        raise SpecError("input.prompt_template", "expected a Jinja2 template, got an empty string")
+    messages = inp.get("messages_template", list)
+    if messages is None:
+        return prompt, None
+    if not messages:
+        raise SpecError("input.messages_template", "expected a list of {role, content} templates")
+    for i, message in enumerate(messages):
+        key = f"input.messages_template[{i}]"
+        if not isinstance(message, dict):
+            raise SpecError(key, f"expected a mapping {{role, content}}, got {kind_of(message)}")
+        check_known_keys(message, ("role", "content"), key)
+        for part in ("role", "content"):
+            if not isinstance(message.get(part), str) or not message[part].strip():
+                got = kind_of(message.get(part))
+                raise SpecError(f"{key}.{part}", f"expected a non-empty string, got {got}")
+    return prompt, tuple({"role": m["role"], "content": m["content"]} for m in messages)
+
+
+#: The input keys that only a table format reads, and which one.
+_TABLE_INPUT_KEYS = {
+    "table": ("iceberg",),
+    "catalog": ("iceberg",),
+    "version": ("delta",),
+    "snapshot": ("iceberg",),
+    "filter": TABLE_FORMATS,
+}
+
+
+def _input_table(inp: _Fields, input_format: str | None) -> dict:
+    """The table keys of ``input`` (``table``, ``catalog``, ``version``, ``snapshot``,
+    ``filter``), each refused where ``input.format`` does not read it."""
+    for key, formats in _TABLE_INPUT_KEYS.items():
+        if inp.values.get(key) not in (None, {}) and input_format not in formats:
+            raise SpecError(
+                f"input.{key}",
+                f"read only with input.format {' or '.join(formats)}, not "
+                f"{input_format or 'files'}; leave this key out",
+            )
+    if input_format in TABLE_FORMATS:
+        _check_extra(f"input.format {input_format}", input_format)
+    if input_format == "iceberg":
+        if inp.values.get("path") is not None:
+            raise SpecError(
+                "input.path",
+                "format iceberg finds the table through input.catalog: give input.table, not a path",
+            )
+        _catalog_table(inp, "input")
+    values = {
+        "table": inp.get("table", str),
+        "catalog": dict(inp.get("catalog", dict)),
+        "version": _version(inp, "version"),
+        "snapshot": _version(inp, "snapshot"),
+        "filter": inp.get("filter", str),
+    }
+    if values["filter"] is not None:
+        _check_filter(values["filter"], input_format)
+    return values
+
+
+def _version(fields: _Fields, key: str) -> int | None:
+    value = fields.get(key, int)
+    if value is not None and value < 0:
+        raise SpecError(f"{fields.name}.{key}", f"expected a {key} number, 0 or more, got {value}")
+    return value
+
+
+def _catalog_table(fields: _Fields, side: str) -> None:
+    """``<side>.table`` (``NAMESPACE.TABLE``) and ``<side>.catalog`` (a mapping), both given."""
+    table = fields.get("table", str, required=True)
+    if "." not in table.strip(".") or any(not part.strip() for part in table.split(".")):
+        raise SpecError(f"{side}.table", f"expected NAMESPACE.TABLE, got {table!r}")
+    catalog = fields.get("catalog", dict, required=True)
+    if not catalog:
+        raise SpecError(
+            f"{side}.catalog",
+            "expected pyiceberg's catalog properties, e.g. "
+            "{type: sql, uri: 'sqlite:///catalog.db', warehouse: ...}",
+        )
+
+
+def _check_extra(what: str, name: str) -> None:
+    """Exit 2 naming ``what`` when the library of table format ``name`` is not installed."""
+    import importlib.util
+
+    module = {"delta": "deltalake", "iceberg": "pyiceberg"}[name]
+    if importlib.util.find_spec(module) is None:
+        raise SpecError(
+            what.split(" ")[0], f"{what} needs {module}: install batchspec[{name}] (make setup does)"
+        )
+
+
+def _check_filter(predicate: str, input_format: str) -> None:
+    """``input.filter`` parsed as the table library parses it: exit 2 before anything is read."""
+    if not predicate.strip():
+        raise SpecError("input.filter", "expected a predicate, got an empty string")
+    try:
+        if input_format == "iceberg":
+            from pyiceberg.expressions.parser import parse
+
+            parse(predicate)
+        else:
+            import polars as pl
+
+            pl.sql_expr(predicate)
+    except Exception as exc:
+        raise SpecError(
+            "input.filter", f"not a predicate {input_format} reads: {predicate!r}: {exc}"
+        ) from exc
 
 
 def _output_spec(raw: dict) -> OutputSpec:
@@ -170,6 +433,21 @@ def _output_spec(raw: dict) -> OutputSpec:
     for key in fmt.refused_keys:
         if key in out.values:
             raise SpecError(f"output.{key}", fmt.refused_why)
+    for key in _TABLE_OUTPUT_KEYS:
+        if out.values.get(key) not in (None, {}) and output_format not in TABLE_FORMATS:
+            raise SpecError(
+                f"output.{key}",
+                f"a table's key: output.format {output_format} writes files; leave this key out",
+            )
+    if output_format in TABLE_FORMATS:
+        _check_extra(f"output.format {output_format}", output_format)
+    if output_format == "iceberg":
+        _catalog_table(out, "output")
+    interval = out.get("commit_interval_s", (int, float))
+    if isinstance(interval, bool) or not 0 < interval < float("inf"):
+        raise SpecError(
+            "output.commit_interval_s", f"expected a number of seconds, more than zero, got {interval!r}"
+        )
     return OutputSpec(
         path=out.get("path", str, required=True),
         keep_columns=tuple(keep) if keep is not None else None,
@@ -177,13 +455,25 @@ def _output_spec(raw: dict) -> OutputSpec:
         row_group_rows=out.positive("row_group_rows"),
         compression=out.get("compression", str),
         format=output_format,
+        table=out.get("table", str),
+        catalog=dict(out.get("catalog", dict)),
+        commit_shards=out.positive("commit_shards"),
+        commit_interval_s=float(interval),
+        parse_json=out.get("parse_json", bool),
     )
+
+
+#: The output keys only a table format reads.
+_TABLE_OUTPUT_KEYS = ("table", "catalog", "commit_shards", "commit_interval_s")
 
 
 def _model_spec(raw: dict) -> ModelSpec:
     mod = _Fields(raw, "model", ModelSpec, required=True)
     model_spec = ModelSpec(
-        target=mod.get("target", str, required=True), engine=mod.get("engine", dict), lora=_lora_spec(mod)
+        target=mod.get("target", str, required=True),
+        engine=mod.get("engine", dict),
+        lora=_lora_spec(mod),
+        reasoning_parser=mod.get("reasoning_parser", str) or None,
     )
     for reserved, where in _ENGINE_RESERVED.items():
         if reserved in model_spec.engine:
@@ -210,6 +500,7 @@ _ENGINE_RESERVED = {
     "enable_lora": "model.lora.adapters",
     "max_loras": "model.lora.max_loras",
     "max_lora_rank": "model.lora.max_lora_rank",
+    "reasoning_parser": "model.reasoning_parser",
 }
 
 

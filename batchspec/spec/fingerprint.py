@@ -30,11 +30,13 @@ Components (each a 16-hex-digit prefix of the SHA-256 of a canonical JSON):
   be harmless (:data:`batchspec.redact.ENGINE_STRING_KEYS`) counts by presence only. Counted
   on purpose: dtype, max_model_len, quantization, kv_cache_dtype (it changes numerics),
   tokenizer, tokenizer_mode, revision, seed, trust_remote_code, hf_overrides, generation_config,
-  override_generation_config, ...
+  override_generation_config, ...; and ``model.reasoning_parser`` where set.
 - ``sampling``: the SamplingParams arguments.
 - ``columns``: ``input.prompt_column``, ``messages_column``, ``id_column``,
-  ``sampling_columns``, ``lora_column`` (where set), ``output.keep_columns`` and ``input.format``
-  where it is ``openai`` (its lines name their own prompt, id and sampling).
+  ``sampling_columns``, ``lora_column`` (where set), ``output.keep_columns``, ``input.filter``
+  (where set), ``input.prompt_template`` and ``messages_template`` (where set: their wording),
+  ``output.parse_json`` (where true) and ``input.format`` where it is ``openai`` (its lines
+  name their own prompt, id and sampling).
 
 Secrets never enter a component: storage options are not components, and the engine arguments
 are hashed from :func:`batchspec.redact.public_spec`'s view.
@@ -278,6 +280,9 @@ def spec_fingerprint(spec: JobSpec) -> dict[str, str]:
     components["model.engine"] = {
         k: v for k, v in public_engine.items() if k not in THROUGHPUT_ENGINE_KEYS and not is_secret_key(k)
     }
+    if spec.model.reasoning_parser is not None:  # only when set: other jobs keep their hashes
+        # the parser splits the thinking from the answer, and constrains the answer only
+        components["model.engine"]["reasoning_parser"] = spec.model.reasoning_parser
     components["sampling"] = spec.sampling
     components["columns"] = {
         "prompt_column": spec.input.prompt_column,
@@ -288,6 +293,14 @@ def spec_fingerprint(spec: JobSpec) -> dict[str, str]:
     }
     if spec.input.lora_column:  # only when set: outputs of jobs without LoRA keep their hashes
         components["columns"]["lora_column"] = spec.input.lora_column
+    if spec.input.prompt_template is not None:  # its wording is the prompt's: a change is a new spec
+        components["columns"]["prompt_template"] = spec.input.prompt_template
+    if spec.input.messages_template is not None:
+        components["columns"]["messages_template"] = [dict(m) for m in spec.input.messages_template]
+    if spec.output.parse_json:  # the typed answer column
+        components["columns"]["parse_json"] = True
+    if spec.input.filter is not None:  # a table's rows the job reads
+        components["columns"]["filter"] = spec.input.filter
     if spec.input.format == "openai":  # each line names its prompt, id and sampling itself
         components["columns"]["format"] = spec.input.format
         # and its model: the names the job serves decide which lines run and which are errors

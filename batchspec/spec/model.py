@@ -12,14 +12,19 @@ from batchspec.redact import secret_values as _secret_values
 # Every choice a key offers is a Literal type on its field: spec/build.py checks each value
 # against its field's type, in one place.
 
-#: Input file formats (``input.format``): see batchspec/io/formats.py; ``openai``: OpenAI Batch
-#: request files (batchspec/io/openai_batch.py).
-InputFormatName = Literal["parquet", "jsonl", "openai"]
+#: Input formats (``input.format``): files (batchspec/io/formats.py; ``openai``: OpenAI Batch
+#: request files, batchspec/io/openai_batch.py) or tables (``delta``, ``iceberg``:
+#: batchspec/io/tables.py).
+InputFormatName = Literal["parquet", "jsonl", "openai", "delta", "iceberg"]
 INPUT_FORMATS: tuple[InputFormatName, ...] = get_args(InputFormatName)
-#: Output file formats (``output.format``): ``parquet`` (the contract's columns, one file a
-#: shard) or ``openai`` (OpenAI Batch result and error files, batchspec/io/openai_results.py).
+#: Output formats (``output.format``): ``parquet`` (the contract's columns, one file a
+#: shard), ``openai`` (OpenAI Batch result and error files, batchspec/io/openai_results.py),
+#: ``delta`` or ``iceberg`` (the Parquet files appended to a table, batchspec/io/tables.py).
 #: Each one is a class in batchspec/io/output_formats.py.
-OutputFormatName = Literal["parquet", "openai"]
+OutputFormatName = Literal["parquet", "openai", "delta", "iceberg"]
+#: The formats that are tables (input and output): their shards are data files, their commits
+#: table commits.
+TABLE_FORMATS = ("delta", "iceberg")
 OUTPUT_FORMATS: tuple[OutputFormatName, ...] = get_args(OutputFormatName)
 #: What a run does with an unreadable shard (``input.on_bad_shard``).
 OnBadShard = Literal["fail", "skip"]
@@ -43,6 +48,10 @@ ROW_OVERRIDABLE = (
     "n",
     "logprobs",
     "prompt_logprobs",
+    # reasoning models (model.reasoning_parser): the thinking's token budget, and the keyword
+    # arguments of the chat template (JSON text or a struct), such as ``enable_thinking``
+    "thinking_token_budget",
+    "chat_template_kwargs",
     # a row's structured-outputs constraint: the whole mapping (JSON text or a struct), or one
     # field of it (batchspec.engine.structured)
     "structured_outputs",
@@ -58,19 +67,50 @@ class InputSpec:
     """Where the prompts are and how to read them."""
 
     #: fsspec URLs of the input shards: one path or glob (local, s3://, gs://, az://, memory://),
-    #: or a list of them. Listing never picks up files under ``output.path``.
+    #: or a list of them. Listing never picks up files under ``output.path``. With ``format:
+    #: delta``: the table's root, one URL without wildcards; with ``format: iceberg``: none (the
+    #: catalog knows where the table is).
     paths: tuple[str, ...]
     #: ``parquet``, ``jsonl`` (JSON lines, plain or .gz/.zst) or ``openai`` (OpenAI Batch request
-    #: files, whose lines name their prompt, id and sampling); None: each file's name says:
-    #: ``*.jsonl`` and ``*.ndjson`` (plain, ``.gz`` or ``.zst``) are JSON lines, a ``.json`` file
-    #: needs ``jsonl`` (it may be one JSON document), any other name is Parquet, and a compressed
-    #: one is refused naming this key.
+    #: files, whose lines name their prompt, id and sampling); ``delta`` (a Delta Lake table at
+    #: ``path``, read with delta-rs) or ``iceberg`` (the Iceberg table ``table`` of ``catalog``,
+    #: read with pyiceberg): each data file of the table is a shard. None: each file's name
+    #: says: ``*.jsonl`` and ``*.ndjson`` (plain, ``.gz`` or ``.zst``) are JSON lines, a
+    #: ``.json`` file needs ``jsonl`` (it may be one JSON document), any other name is Parquet,
+    #: and a compressed one is refused naming this key.
     format: InputFormatName | None = None
+    #: ``format: iceberg``: the table, ``NAMESPACE.TABLE`` (a nested namespace's parts dotted).
+    table: str | None = None
+    #: ``format: iceberg``: the catalog's properties as pyiceberg takes them (``type: sql``,
+    #: ``uri: sqlite:///...``, ``warehouse``; ``type: rest`` or ``glue`` and their keys, the
+    #: FileIO's ``s3.*`` keys); credential-like keys are ``***`` wherever batchspec writes.
+    catalog: dict[str, Any] = field(default_factory=dict)
+    #: ``format: delta``: the table version to read. None: the version this job pinned when it
+    #: first planned, until every data file of it is committed; then the latest when a run
+    #: starts (docs/tables.md).
+    version: int | None = None
+    #: ``format: iceberg``: the snapshot id to read; None: pinned as ``version`` is.
+    snapshot: int | None = None
+    #: Tables only: one row predicate in the table library's own syntax, pushed down: a SQL
+    #: predicate for ``delta`` (as delta-rs's ``file_uris`` and ``scan`` take it: files pruned
+    #: on their statistics, rows filtered as they are read); a pyiceberg ``row_filter``
+    #: string for ``iceberg`` (``lang == 'en' and len > 3``). None: every row.
+    filter: str | None = None
     #: Column holding the text prompt (exclusive with ``messages_column``; give exactly one of
     #: the two, and neither with ``format: openai``).
     prompt_column: str | None = None
     #: Column holding chat messages (list of {role, content}), rendered by the chat template.
     messages_column: str | None = None
+    #: A Jinja2 template over the row's columns that renders its text prompt (``Classify:
+    #: {{ subject }} / {{ body }}``), in a sandbox (batchspec/io/templates.py). Give exactly one
+    #: of this, ``messages_template``, ``prompt_column`` and ``messages_column``; refused with
+    #: ``format: openai``. A column it names that the input lacks exits 2; a null cell is an error
+    #: row naming the column unless the template gives a default (``{{ x | default('n/a') }}``).
+    prompt_template: str | None = None
+    #: Chat messages from templates: a list of ``{role, content}``, each ``content`` a Jinja2
+    #: template over the row's columns as ``prompt_template`` (``role`` as written), rendered by
+    #: the target's chat template.
+    messages_template: tuple[dict[str, str], ...] | None = None
     #: Column holding a row's id; default id is ``<shard name>/<row index>``.
     id_column: str | None = None
     #: Column naming the LoRA adapter (a key of ``model.lora.adapters``) a row runs with; null
@@ -91,9 +131,14 @@ class InputSpec:
     max_line_bytes: int = 64 * 2**20
 
     @property
-    def text_column(self) -> str:
-        """The column the prompt comes from, whichever kind it is."""
-        return self.prompt_column or self.messages_column  # type: ignore[return-value]
+    def text_column(self) -> str | None:
+        """The column the prompt comes from, whichever kind it is (None with a template)."""
+        return self.prompt_column or self.messages_column
+
+    @property
+    def templated(self) -> bool:
+        """Whether prompts are rendered from a template over the row's columns."""
+        return self.prompt_template is not None or self.messages_template is not None
 
 
 @dataclass(frozen=True)
@@ -116,8 +161,28 @@ class OutputSpec:
     #: ``parquet`` (the contract's columns) or ``openai`` (OpenAI Batch result and error files
     #: per input file, for ``input.format: openai``; batchspec/io/openai_results.py). ``openai``
     #: needs ``input.format: openai`` and refuses ``keep_columns``, ``row_group_rows`` and
-    #: ``compression``.
+    #: ``compression``. ``delta`` appends to the Delta Lake table at ``path``; ``iceberg`` to
+    #: the Iceberg table ``table`` of ``catalog``, located at ``path`` (docs/tables.md).
     format: OutputFormatName = "parquet"
+    #: ``format: iceberg``: the table, ``NAMESPACE.TABLE``; created (at ``path``) on first write.
+    table: str | None = None
+    #: ``format: iceberg``: the catalog's properties as pyiceberg takes them (see
+    #: ``input.catalog``).
+    catalog: dict[str, Any] = field(default_factory=dict)
+    #: Tables only: shards committed to the table together, so that a job of many shards makes
+    #: one table version per this many (fewer at the end of a run, or once the first of them
+    #: has waited ``commit_interval_s``).
+    commit_shards: int = 16
+    #: Tables only: seconds a finished shard may wait for others before its group is committed.
+    commit_interval_s: float = 60.0
+    #: Write each structured answer as a typed column ``answer``: with a JSON schema in
+    #: ``sampling.structured_outputs.json``, an Arrow struct (or the type) derived from the schema;
+    #: with ``choice``, the chosen label as text; with per-row constraints
+    #: (``input.sampling_columns``), JSON text. Null where ``structured_valid`` is not true. It
+    #: makes JSON compact (``model.engine.structured_outputs_config.disable_any_whitespace``)
+    #: unless the job sets that key. Needs a ``json`` or ``choice`` constraint; refused with
+    #: ``format: openai`` (its body's content is the JSON already). docs/templates.md.
+    parse_json: bool = False
 
 
 @dataclass(frozen=True)
@@ -150,6 +215,12 @@ class ModelSpec:
     engine: dict[str, Any] = field(default_factory=dict)
     #: LoRA adapters rows may run with; None: LoRA off.
     lora: LoraSpec | None = None
+    #: A reasoning model's parser, by vLLM's name for it (``qwen3``, ``deepseek_r1``,
+    #: ``openai_gptoss``, ...; checked against vLLM's registry and the tokenizer before any weights
+    #: load). Each output is split into ``reasoning_text`` and the answer (``generated_text``), a
+    #: structured-outputs constraint applies to the answer only, and ``thinking_token_budget`` may be
+    #: set. See [Reasoning models](../reasoning.md).
+    reasoning_parser: str | None = None
 
 
 @dataclass(frozen=True)

@@ -137,6 +137,7 @@ class SharedEngines:
                 engine,
                 spec.speculative,
                 lora and [lora.adapters, lora.max_loras, lora.max_lora_rank],
+                spec.model.reasoning_parser,
             ],
             sort_keys=True,
             default=str,

@@ -249,7 +249,7 @@ def test_a_reused_engine_generates_with_each_jobs_sampling_and_refuses_another_m
     assert [s.output.path for s in engine.bound] == [first.output.path, second.output.path]
 
     real = Engine.__new__(Engine)  # bind's bookkeeping alone, no vLLM
-    real.serves = (first.model.target, dict(first.model.engine), None, None)  # no LoRA
+    real.serves = (first.model.target, dict(first.model.engine), None, None, None)  # no LoRA, no parser
     warm = build_spec({**first.raw, "sampling": {"temperature": 0.7, "max_tokens": 9}})
     real.bind(warm)
     assert real.base_sampling == {"temperature": 0.7, "max_tokens": 9}
@@ -258,6 +258,7 @@ def test_a_reused_engine_generates_with_each_jobs_sampling_and_refuses_another_m
         ("model.engine", {"model": {**first.raw["model"], "engine": {"dtype": "half"}}}),
         ("speculative", {"speculative": {"method": "ngram", "num_speculative_tokens": 2}}),
         ("model.lora", {"model": {**first.raw["model"], "lora": {"adapters": {"a": "org/a"}}}}),
+        ("model.reasoning_parser", {"model": {**first.raw["model"], "reasoning_parser": "qwen3"}}),
     ]:
         with pytest.raises(SpecError, match=key.replace(".", r"\.")):
             real.bind(build_spec({**first.raw, **change}))

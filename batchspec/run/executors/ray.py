@@ -238,7 +238,7 @@ class Replica:
         shard: Shard = task["shard"]
         self._stop.clear()
         buffer = self.buffer = _ReplicaOutbox(task.get("die_on"), shard.name)
-        out = OutputDir(spec.output.path, spec.output.storage_options, spec.output.format)
+        out = OutputDir.of(spec.output)
         owner = {
             "run_id": task["run_id"],
             "host": this_host(),

@@ -1,0 +1,326 @@
+"""Prompt templates (``input.prompt_template``, ``input.messages_template``): the spec's checks
+(exit 2 naming the key, and the line), rendering in the sandbox, each row's errors, the bounds a
+template cannot get past, and both readers (Parquet, JSON lines) on the fake engine."""
+
+from __future__ import annotations
+
+import copy
+import json
+import time
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from helpers.fake_runs import run
+from helpers.jobs import write_parquet
+
+from batchspec.errors import SpecError
+from batchspec.io import templates
+from batchspec.io.templates import PromptTemplate
+from batchspec.spec.build import build_spec
+from batchspec.spec.fingerprint import spec_fingerprint
+
+TEMPLATE = "Classify this ticket: {{ subject }} / {{ body }}. Answer with one of {{ labels | join(', ') }}."
+
+
+def raw_spec(tmp_path, **input_keys) -> dict:
+    return {
+        "name": "t",
+        "input": {"path": str(tmp_path / "in" / "*"), **input_keys},
+        "output": {"path": str(tmp_path / "out")},
+        "model": {"target": "unused"},
+        "sampling": {"temperature": 0.0},
+    }
+
+
+def refused(raw: dict) -> SpecError:
+    with pytest.raises(SpecError) as info:
+        build_spec(raw)
+    return info.value
+
+
+def render(source: str, **values):
+    return PromptTemplate(source, None).render(values)
+
+
+# ------------------------------------------------------------------ the spec
+
+
+def test_a_template_is_one_of_the_four_prompt_sources(tmp_path):
+    spec = build_spec(raw_spec(tmp_path, prompt_template=TEMPLATE))
+    assert spec.input.prompt_template == TEMPLATE and spec.input.text_column is None
+    error = refused(raw_spec(tmp_path, prompt_template=TEMPLATE, prompt_column="prompt"))
+    assert error.key == "input.prompt_template" and "prompt_column and prompt_template" in str(error)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "{{ q }}"}]
+    error = refused(raw_spec(tmp_path, messages_template=messages, messages_column="m"))
+    assert error.key == "input.messages_template"
+    assert build_spec(raw_spec(tmp_path, messages_template=messages)).input.messages_template == tuple(
+        messages
+    )
+
+
+@pytest.mark.parametrize(
+    "value, key, says",
+    [
+        ([], "input.messages_template", "list of {role, content}"),
+        (["hi"], "input.messages_template[0]", "expected a mapping"),
+        ([{"role": "user"}], "input.messages_template[0].content", "non-empty string"),
+        ([{"role": "user", "content": "x", "name": "n"}], "input.messages_template[0].name", "unknown key"),
+        ([{"role": "user", "content": "{{ x "}], "input.messages_template[0].content", "line 1"),
+    ],
+)
+def test_a_bad_messages_template_names_its_key(tmp_path, value, key, says):
+    error = refused(raw_spec(tmp_path, messages_template=value))
+    assert error.key == key and says in str(error), str(error)
+
+
+def test_templates_are_refused_with_openai_batch_input(tmp_path):
+    for key, value in (
+        ("prompt_template", TEMPLATE),
+        ("messages_template", [{"role": "user", "content": "x"}]),
+    ):
+        error = refused(raw_spec(tmp_path, format="openai", **{key: value}))
+        assert error.key == f"input.{key}" and "lines give their own" in str(error)
+
+
+def test_a_template_that_is_not_jinja_exits_2_naming_the_key_and_the_line(tmp_path):
+    error = refused(
+        raw_spec(tmp_path, prompt_template="Subject: {{ subject }}\nBody: {% if body %}{{ body }")
+    )
+    assert error.exit_code == 2 and error.key == "input.prompt_template"
+    assert "not a valid Jinja2 template: line 2" in str(error), str(error)
+    error = refused(raw_spec(tmp_path, prompt_template="{{ body | nosuchfilter }}"))
+    assert error.key == "input.prompt_template" and "'nosuchfilter'" in str(error)
+
+
+@pytest.mark.parametrize(
+    "source, says",
+    [
+        ("{{ body.__class__ }}", "attribute '__class__' is not available"),
+        ("{{ body['__class__'] }}", "item '__class__' is not available"),
+        ("{% macro m() %}{{ m() }}{% endmacro %}{{ m() }}", "macros"),
+        ("{% include 'other.txt' %}", "include, import or extend"),
+        ("{% for x in l recursive %}{{ loop(x) }}{% endfor %}", "recursive loops"),
+        ("{{ 2 ** 10 ** 10 }}", "the ** operator"),
+        ("{{ body | center(10000000000) }}", "filter 'center' is not available"),
+        ("{{ body | indent(10000000000) }}", "filter 'indent' is not available"),
+        ("{{ body | random }}", "filter 'random' is not available"),
+        ("{% set ns = namespace(s='') %}", "'namespace' is not available"),
+        ("{{ lipsum(1000000) }}", "'lipsum' is not available"),
+    ],
+)
+def test_what_no_bound_makes_safe_is_refused_at_load(tmp_path, source, says):
+    error = refused(raw_spec(tmp_path, prompt_template="Ticket:\n" + source))
+    assert error.exit_code == 2 and error.key == "input.prompt_template"
+    assert says in str(error) and "line 2" in str(error), str(error)
+
+
+def test_the_template_is_part_of_the_fingerprint(tmp_path):
+    base = raw_spec(tmp_path, prompt_template=TEMPLATE)
+    reworded = copy.deepcopy(base)
+    reworded["input"]["prompt_template"] = TEMPLATE.replace("Classify", "Label")
+    column = raw_spec(tmp_path, prompt_column="prompt")
+    a, b, c = (spec_fingerprint(build_spec(r)) for r in (base, reworded, column))
+    assert a["columns"] != b["columns"] and a["columns"] != c["columns"]
+    assert {k for k in a if a[k] != b[k]} == {"columns"}
+    # a job with a prompt column keeps the hash it had before templates existed
+    assert "prompt_template" not in json.dumps(build_spec(column).public())
+
+
+# ------------------------------------------------------------------ rendering
+
+
+def test_columns_render_into_the_prompt():
+    template = PromptTemplate(TEMPLATE, None)
+    assert template.columns == ("body", "labels", "subject")
+    prompt, error = template.render({"subject": "Login", "body": "It fails", "labels": ["bug", "question"]})
+    assert error is None
+    assert prompt == "Classify this ticket: Login / It fails. Answer with one of bug, question."
+
+
+def test_a_null_cell_is_the_rows_error_unless_the_template_gives_a_default():
+    assert render("{{ subject }} / {{ body }}", subject=None, body="b") == (
+        None,
+        "null cell in column 'subject': the template gives it no default",
+    )
+    assert render("{{ subject | default('n/a') }} / {{ body }}", subject=None, body="b") == ("n/a / b", None)
+    assert render("{% if subject is defined %}{{ subject }}{% else %}-{% endif %}", subject=None) == (
+        "-",
+        None,
+    )
+    # a null inside a struct printed as it is
+    prompt, error = render("{{ meta.title }}", meta={"title": None})
+    assert prompt is None and "null" in error
+
+
+def test_cells_of_other_types():
+    # a list or a struct printed whole is JSON; their items and fields as they are
+    assert render("{{ labels }} {{ meta }}", labels=["a", "b"], meta={"k": 1, "v": None}) == (
+        '["a", "b"] {"k": 1, "v": null}',
+        None,
+    )
+    assert render("{% for l in labels %}[{{ l }}]{% endfor %} {{ meta.k }}", labels=["a"], meta={"k": 2}) == (
+        "[a] 2",
+        None,
+    )
+    assert render("{{ n + 1 }} {{ x }}", n=41, x=1.5) == ("42 1.5", None)
+    assert render("{{ blob }}", blob=b"\x00\x01") == (
+        None,
+        "binary cell in column 'blob': a template renders text",
+    )
+    prompt, error = render("{{ meta.nokey }}", meta={"k": 1})
+    assert prompt is None and error.startswith("template error: ") and "nokey" in error
+
+
+def test_chat_messages_render_each_content():
+    template = PromptTemplate(
+        None, [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "{{ q }}"}]
+    )
+    assert template.render({"q": "Why?"}) == (
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Why?"}],
+        None,
+    )
+
+
+# ------------------------------------------------------------------ the bounds
+
+
+def test_a_loop_that_runs_for_ever_is_stopped():
+    started = time.monotonic()
+    prompt, error = render(
+        "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}", x=1
+    )
+    assert prompt is None and error == (
+        f"template too costly: more than {templates.MAX_LOOP_ITERATIONS:,} loop iterations"
+    )
+    prompt, error = render("{% for c in text %}{% for d in text %}{% endfor %}{% endfor %}", text="x" * 10**6)
+    assert prompt is None and "loop iterations" in error
+    prompt, error = render("{% for i in range(10000000000) %}x{% endfor %}", x=1)
+    assert prompt is None and "range" in error
+    assert time.monotonic() - started < 10
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "{{ 'x' * n }}",
+        "{{ [1] * n }}",
+        "{{ text * n }}",
+        "{% set s = text ~ text %}" + "{% set s = s ~ s %}" * 4,
+        "{{ text | replace('a', text) }}",
+        "{{ text.replace('a', text) }}",
+        "{{ parts | join(text) }}",
+        "{{ text.join(parts) }}",
+        "{% for p in parts %}{{ text }}{% endfor %}",
+    ],
+)
+def test_a_template_that_builds_a_huge_string_is_stopped_before_it_allocates(source):
+    started = time.monotonic()
+    prompt, error = render(source, n=10**12, text="a" * 2**20, parts=["a"] * 2**12)
+    assert prompt is None and error.startswith("template too costly: "), error
+    assert time.monotonic() - started < 10
+
+
+@pytest.mark.parametrize(
+    "source, says",
+    [
+        ("{{ text['__cla' ~ 'ss__'] }}", "unsafe"),
+        ("{{ text | attr('__class__') }}", "unsafe"),
+        ("{{ '{0:>99999999999}'.format(text) }}", "calling 'format' is not available"),
+        ("{{ text.center(10000000000) }}", "calling 'center' is not available"),
+        ("{{ labels.append(1) }}", "unsafe"),
+        ("{{ '%099999999999d' % 1 }}", "% formatting of text"),
+    ],
+)
+def test_python_internals_and_unbounded_calls_are_the_rows_error(source, says):
+    prompt, error = render(source, text="abc", labels=["a"])
+    assert prompt is None and error.startswith("template refused: ") and says in error, error
+
+
+def test_rendering_costs_microseconds():
+    template = PromptTemplate(TEMPLATE, None)
+    values = {"subject": "Login fails", "body": "It fails after the update. " * 8, "labels": ["a", "b", "c"]}
+    started = time.perf_counter()
+    for _ in range(2000):
+        template.render(values)
+    assert (time.perf_counter() - started) / 2000 < 1e-3
+
+
+# ------------------------------------------------------------------ both readers
+
+
+def _rows(tmp_path) -> dict[str, dict]:
+    return {
+        r["request_id"]: r for p in (tmp_path / "out").glob("*.parquet") for r in pq.read_table(p).to_pylist()
+    }
+
+
+def test_parquet_and_json_lines_rows_render_and_a_null_cell_is_an_error_row(tmp_path):
+    write_parquet(
+        tmp_path / "in" / "a.parquet",
+        {
+            "id": ["p0", "p1"],
+            "subject": ["Login", None],
+            "body": ["fails", "slow"],
+            "labels": [["bug"], ["bug"]],
+        },
+    )
+    lines = [
+        {"id": "j0", "subject": "Export", "body": "empty", "labels": ["bug", "question"]},
+        {"id": "j1", "subject": None, "body": "x", "labels": []},
+        {"id": "j2", "body": "no subject key", "labels": []},
+    ]
+    (tmp_path / "in" / "b.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    raw = raw_spec(tmp_path, prompt_template=TEMPLATE, id_column="id")
+    result, _ = run(build_spec(raw))
+    rows = _rows(tmp_path)
+    assert set(rows) == {"p0", "p1", "j0", "j1", "j2"}
+    # the fake engine echoes the prompt upper-cased
+    assert rows["p0"]["generated_text"] == "CLASSIFY THIS TICKET: LOGIN / FAILS. ANSWER WITH ONE OF BUG."
+    assert (
+        rows["j0"]["generated_text"]
+        == "CLASSIFY THIS TICKET: EXPORT / EMPTY. ANSWER WITH ONE OF BUG, QUESTION."
+    )
+    assert rows["p1"]["error"] == "null cell in column 'subject': the template gives it no default"
+    assert rows["j1"]["error"] == "null cell in column 'subject': the template gives it no default: line 2"
+    assert rows["j2"]["error"] == "null cell in column 'subject': the template gives it no default: line 3"
+    # the columns the template read are kept (none of them is "the prompt column")
+    assert {"subject", "body", "labels"} <= set(rows["p0"])
+
+
+def test_a_column_the_input_lacks_exits_2_before_any_row_is_read(tmp_path):
+    write_parquet(tmp_path / "in" / "a.parquet", {"subject": ["Login"], "text": ["fails"]})
+    raw = raw_spec(tmp_path, prompt_template=TEMPLATE)
+    with pytest.raises(SpecError) as info:
+        run(build_spec(raw))
+    assert info.value.exit_code == 2 and info.value.key == "input.prompt_template"
+    assert "column 'body'" in str(info.value) and "(columns: subject, text)" in str(info.value)
+    assert not list((tmp_path / "out").glob("*.parquet"))
+
+
+def test_a_json_lines_key_no_first_record_has_exits_2(tmp_path):
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "a.jsonl").write_text(json.dumps({"subject": "s", "labels": []}) + "\n")
+    with pytest.raises(SpecError) as info:
+        run(build_spec(raw_spec(tmp_path, prompt_template=TEMPLATE)))
+    assert info.value.key == "input.prompt_template" and "column 'body'" in str(info.value)
+
+
+def test_a_struct_and_a_binary_column(tmp_path):
+    write_parquet(
+        tmp_path / "in" / "a.parquet",
+        {
+            "meta": pa.array([{"title": "T", "n": 1}, {"title": None, "n": 2}]),
+            "blob": pa.array([b"x", b"y"], pa.binary()),
+        },
+    )
+    run(build_spec(raw_spec(tmp_path, prompt_template="{{ meta.title | default('?', true) }} {{ meta.n }}")))
+    rows = sorted(_rows(tmp_path).values(), key=lambda r: r["request_id"])
+    assert [r["generated_text"] for r in rows] == ["T 1", "? 2"]
+    run(
+        build_spec(
+            {**raw_spec(tmp_path, prompt_template="{{ blob }}"), "output": {"path": str(tmp_path / "o2")}}
+        )
+    )
+    errors = [r["error"] for r in pq.read_table(next((tmp_path / "o2").glob("*.parquet"))).to_pylist()]
+    assert errors == ["binary cell in column 'blob': a template renders text"] * 2
