@@ -329,3 +329,53 @@ def test_each_custom_id_is_on_exactly_one_line_of_the_two_files(tmp_path):
         "too deep: line 1 nests more than 48 arrays and objects",
     ]
     assert {line["error"]["code"] for line in errors} == {"duplicate_custom_id", "line_too_long", "too_deep"}
+
+
+def test_a_reasoning_models_thinking_is_in_the_field_vllms_server_writes():
+    from batchspec.columns import LENGTH_IN_REASONING
+    from batchspec.io.openai_batch import COMPLETIONS
+    from batchspec.io.openai_results import line_rows, result_line
+
+    def sample(text, thinking, reason, tokens):
+        return {
+            **empty_result(),
+            "generated_text": text,
+            "reasoning_text": thinking,
+            "finish_reason": reason,
+            "num_prompt_tokens": 3,
+            "num_output_tokens": sum(tokens),
+            "num_reasoning_tokens": tokens[0],
+            "num_answer_tokens": tokens[1],
+        }
+
+    samples = [
+        sample("42", "add them", "stop", (5, 2)),
+        sample(None, "still thinking", LENGTH_IN_REASONING, (9, 0)),
+    ]
+    line = result_line("c1", {"url": CHAT, "model": "m"}, samples, ("run", "s", "1"), 0)
+    body = line["response"]["body"]
+    first, cut = body["choices"]
+    assert first["message"] == {
+        "role": "assistant",
+        "content": "42",
+        "refusal": None,
+        "reasoning": "add them",
+    }
+    # cut while thinking: OpenAI's and vLLM's server's `length`, with no content
+    assert (cut["finish_reason"], cut["message"]["content"]) == ("length", None)
+    assert body["usage"]["completion_tokens_details"] == {"reasoning_tokens": 14}
+    back = line_rows(json.loads(json.dumps(line)))
+    assert [(r["generated_text"], r["reasoning_text"], r["finish_reason"]) for r in back] == [
+        ("42", "add them", "stop"),
+        (None, "still thinking", LENGTH_IN_REASONING),
+    ]
+    # a job without a reasoning parser writes OpenAI's fields alone
+    plain = result_line(
+        "c2",
+        {"url": COMPLETIONS, "model": "m"},
+        [{**empty_result(), "generated_text": "x"}],
+        ("r", "s", "2"),
+        0,
+    )
+    assert "reasoning" not in plain["response"]["body"]["choices"][0]
+    assert "completion_tokens_details" not in plain["response"]["body"]["usage"]

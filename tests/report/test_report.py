@@ -972,3 +972,49 @@ def test_structured_valid_share_per_shard_and_old_files_without_the_column(tmp_p
     assert report["overall"]["structured_outputs"]["valid"] == 2
     text = render(report, "table")
     assert "structured outputs valid" in text and "66.7%  (2 of 3 constrained rows)" in text
+
+
+def test_a_reasoning_job_reports_thinking_and_answer_tokens_and_acceptance(tmp_path):
+    from batchspec.columns import output_schema
+    from batchspec.report.text import render_text
+
+    schema = output_schema([]).with_metadata({b"batchspec": json.dumps({**META, "shard": "s0"}).encode()})
+    rows = []
+    for rid, thinking, answer, drafted, accepted, t_drafted, t_accepted in (
+        ("r0", 30, 10, 40, 30, 28, 24),  # thinking: 24 of 28 accepted; answer: 6 of 12
+        ("r1", 0, 20, 20, 8, 0, 0),  # enable_thinking: false
+    ):
+        row = dict.fromkeys(schema.names)
+        row.update(
+            request_id=rid,
+            generated_text="answer",
+            reasoning_text="thought" if thinking else None,
+            finish_reason="stop",
+            num_prompt_tokens=5,
+            num_output_tokens=thinking + answer,
+            num_reasoning_tokens=thinking,
+            num_answer_tokens=answer,
+            spec_num_steps=10,
+            spec_num_draft_tokens=drafted,
+            spec_num_accepted_tokens=accepted,
+            spec_acceptance_histogram=[0, 10],
+            spec_reasoning_num_draft_tokens=t_drafted,
+            spec_reasoning_num_accepted_tokens=t_accepted,
+        )
+        rows.append(row)
+    (tmp_path / "out").mkdir()
+    pq.write_table(pa.Table.from_pylist(rows, schema=schema), tmp_path / "out" / "s0.parquet")
+    report = build_report(str(tmp_path / "out"))
+    r = report["overall"]["reasoning"]
+    assert (r["rows"], r["thinking_rows"], r["reasoning_tokens"], r["answer_tokens"]) == (2, 1, 30, 30)
+    assert r["reasoning_acceptance_rate"] == pytest.approx(24 / 28)
+    assert r["answer_acceptance_rate"] == pytest.approx((38 - 24) / (60 - 28))
+    text = render_text(report)
+    assert "rows that thought" in text and "1 of 2" in text and "30 / 30" in text
+    # a job without a reasoning parser has no such lines
+    assert (
+        build_report(write_output(tmp_path / "plain", {"s0": [ok("a", "x", 4, 0.1, 0.2, 20.0)]}))["overall"][
+            "reasoning"
+        ]
+        is None
+    )
