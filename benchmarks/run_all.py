@@ -57,6 +57,8 @@ STEPS = [
         "--json",
         str(OUT / "reasoning.json"),
     ],
+    ["benchmarks/tables.py", "io", "--mb", "1024", "--files", "16", "--json", str(OUT / "tables-io.json")],
+    ["benchmarks/tables.py", "plan", "--files", "1000", "--json", str(OUT / "tables-plan.json")],
     ["benchmarks/batching.py", "--json", str(OUT / "batching.json")],
     ["benchmarks/auto.py", "--json", str(OUT / "auto.json")],
 ]

@@ -250,12 +250,15 @@ def template_kwargs(value: Any) -> dict[str, Any]:
 def row_template_kwargs(base: dict[str, Any], row) -> dict[str, Any]:
     """The chat template's variables for ``row`` (a :class:`batchspec.io.rows.Row`): the job's
     (``base``, checked), updated by the row's own ``chat_template_kwargs``; ValueError where the
-    row's are refused, or its prompt is text (no chat template renders it)."""
+    row's are refused, or where there are any and its prompt is text (no chat template renders
+    it: an OpenAI Batch ``/v1/completions`` line of a job with ``chat_template_kwargs``)."""
     own = row.overrides.get(TEMPLATE_KWARGS)
+    if row.messages is None:
+        if own is not None or base:  # the job's or the row's: never dropped without a word
+            raise ValueError(f"{TEMPLATE_KWARGS}: a text prompt is not rendered with a chat template")
+        return base
     if own is None:
         return base
-    if row.messages is None:
-        raise ValueError(f"{TEMPLATE_KWARGS}: a text prompt is not rendered with a chat template")
     return {**base, **template_kwargs(own)}
 
 

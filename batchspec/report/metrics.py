@@ -124,6 +124,7 @@ def distribution(values: pl.Series) -> dict[str, Any] | None:
 def _aggregations() -> list[pl.Expr]:
     """The per-group aggregations of :func:`metrics_of`, over :data:`STAT_COLUMNS`."""
     ok = pl.col(ERROR).is_null()
+    split = pl.col("spec_reasoning_num_draft_tokens").is_not_null()  # a reasoning row's steps split
     return [
         pl.len().alias("rows"),
         pl.col(ERROR).is_not_null().sum().alias("errors"),
@@ -135,6 +136,10 @@ def _aggregations() -> list[pl.Expr]:
         pl.col("num_reasoning_tokens").is_not_null().sum().alias("reasoning_rows"),
         (pl.col("num_reasoning_tokens") > 0).sum().alias("thinking_rows"),
         *(pl.col(c).cast(pl.Int64).sum().alias(c) for c in REASONING_SUMMED),
+        # the rows whose verify steps were split (n: 1 with speculation): their totals
+        split.sum().alias("split_rows"),
+        pl.col("spec_num_draft_tokens").filter(split).cast(pl.Int64).sum().alias("split_draft_tokens"),
+        pl.col("spec_num_accepted_tokens").filter(split).cast(pl.Int64).sum().alias("split_accepted_tokens"),
         *(
             e
             for key, column in DISTRIBUTIONS.items()
@@ -155,6 +160,9 @@ _EMPTY = {
     "reasoning_rows": 0,
     "thinking_rows": 0,
     **dict.fromkeys(REASONING_SUMMED, 0),
+    "split_rows": 0,
+    "split_draft_tokens": 0,
+    "split_accepted_tokens": 0,
 }
 
 
@@ -180,13 +188,15 @@ def _metrics(agg: dict, finish: Counter, errors: Counter, histogram: list[int] |
         "acceptance_histogram": histogram if speculative else None,
         **{key: _distribution_of(agg, key) for key in DISTRIBUTIONS},
         "structured_outputs": _structured(agg),
-        "reasoning": _reasoning(agg, drafted, accepted),
+        "reasoning": _reasoning(agg),
     }
 
 
-def _reasoning(agg: dict, drafted: int | None, accepted: int | None) -> dict[str, Any] | None:
-    """A reasoning job's thinking and answer: rows, tokens, and (with speculation) the acceptance
-    of the verify steps that began in each part; None when no row came from a reasoning parser."""
+def _reasoning(agg: dict) -> dict[str, Any] | None:
+    """A reasoning job's thinking and answer: rows, tokens, and the acceptance of the verify steps
+    that began in each part, over the rows whose steps were split (vLLM records each step for
+    ``n: 1`` requests only; None where no row's were); None when no row came from a reasoning
+    parser."""
     if not agg.get("reasoning_rows"):
         return None
     out = {
@@ -194,16 +204,17 @@ def _reasoning(agg: dict, drafted: int | None, accepted: int | None) -> dict[str
         "thinking_rows": agg["thinking_rows"],
         "reasoning_tokens": agg["num_reasoning_tokens"],
         "answer_tokens": agg["num_answer_tokens"],
+        "split_rows": agg.get("split_rows") or 0,
         "reasoning_acceptance_rate": None,
         "answer_acceptance_rate": None,
     }
-    thinking_drafted = agg.get("spec_reasoning_num_draft_tokens")
-    if drafted is not None and thinking_drafted is not None:
+    if out["split_rows"]:
+        drafted, accepted = agg["split_draft_tokens"] or 0, agg["split_accepted_tokens"] or 0
+        thinking_drafted = agg.get("spec_reasoning_num_draft_tokens") or 0
         thinking_accepted = agg.get("spec_reasoning_num_accepted_tokens") or 0
         out["reasoning_acceptance_rate"] = acceptance_rate(thinking_accepted, thinking_drafted)
-        out["answer_acceptance_rate"] = acceptance_rate(
-            (accepted or 0) - thinking_accepted, drafted - thinking_drafted
-        )
+        answer_drafted = drafted - thinking_drafted
+        out["answer_acceptance_rate"] = acceptance_rate(accepted - thinking_accepted, answer_drafted)
     return out
 
 

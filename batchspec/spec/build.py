@@ -93,7 +93,8 @@ def _check_reasoning(spec: JobSpec) -> None:
             "sampling.chat_template_kwargs",
             f"expected a mapping of the chat template's keyword arguments, got {type(kwargs).__name__}",
         )
-    if spec.input.format != "openai" and spec.input.prompt_column is not None:
+    text = spec.input.prompt_column is not None or spec.input.prompt_template is not None
+    if spec.input.format != "openai" and text:
         key = (
             "sampling.chat_template_kwargs"
             if kwargs is not None
@@ -104,8 +105,9 @@ def _check_reasoning(spec: JobSpec) -> None:
         if key is not None:
             raise SpecError(
                 key,
-                "a text prompt (input.prompt_column) is not rendered with a chat template; "
-                "use input.messages_column for chat template keyword arguments",
+                "a text prompt (input.prompt_column or input.prompt_template) is not rendered "
+                "with a chat template; use input.messages_column or input.messages_template "
+                "for chat template keyword arguments",
             )
 
 

@@ -51,6 +51,12 @@ def test_template_arguments_need_a_chat_prompt():
     with pytest.raises(SpecError) as info:
         spec(input={**text, "sampling_columns": {"chat_template_kwargs": "k"}})
     assert info.value.key == "input.sampling_columns.chat_template_kwargs"
+    with pytest.raises(SpecError) as info:  # a text prompt from a template is text too
+        spec(
+            input={"messages_column": None, "prompt_template": "{{ p }}"},
+            sampling={"chat_template_kwargs": {"enable_thinking": False}},
+        )
+    assert info.value.key == "sampling.chat_template_kwargs"
     with pytest.raises(SpecError) as info:
         spec(sampling={"chat_template_kwargs": ["enable_thinking"]})
     assert info.value.key == "sampling.chat_template_kwargs"
@@ -93,6 +99,11 @@ def test_template_arguments_merge_per_row_and_null_fields_keep_the_jobs():
     text.overrides = {"chat_template_kwargs": "{}"}
     with pytest.raises(ValueError, match="a text prompt is not rendered with a chat template"):
         row_template_kwargs(base, text)
+    # an OpenAI Batch /v1/completions line of a job with chat_template_kwargs: the job's too
+    text.overrides = {}
+    with pytest.raises(ValueError, match="a text prompt is not rendered with a chat template"):
+        row_template_kwargs(base, text)
+    assert row_template_kwargs({}, text) == {}
 
 
 def test_verify_steps_are_the_thinkings_until_one_begins_past_its_end():

@@ -983,6 +983,7 @@ def test_a_reasoning_job_reports_thinking_and_answer_tokens_and_acceptance(tmp_p
     for rid, thinking, answer, drafted, accepted, t_drafted, t_accepted in (
         ("r0", 30, 10, 40, 30, 28, 24),  # thinking: 24 of 28 accepted; answer: 6 of 12
         ("r1", 0, 20, 20, 8, 0, 0),  # enable_thinking: false
+        ("r2", 40, 0, 50, 45, None, None),  # n > 1: vLLM records no steps, nothing is split
     ):
         row = dict.fromkeys(schema.names)
         row.update(
@@ -1006,11 +1007,12 @@ def test_a_reasoning_job_reports_thinking_and_answer_tokens_and_acceptance(tmp_p
     pq.write_table(pa.Table.from_pylist(rows, schema=schema), tmp_path / "out" / "s0.parquet")
     report = build_report(str(tmp_path / "out"))
     r = report["overall"]["reasoning"]
-    assert (r["rows"], r["thinking_rows"], r["reasoning_tokens"], r["answer_tokens"]) == (2, 1, 30, 30)
+    assert (r["rows"], r["thinking_rows"], r["reasoning_tokens"], r["answer_tokens"]) == (3, 2, 70, 30)
+    assert r["split_rows"] == 2  # the rates are of r0 and r1 alone
     assert r["reasoning_acceptance_rate"] == pytest.approx(24 / 28)
     assert r["answer_acceptance_rate"] == pytest.approx((38 - 24) / (60 - 28))
     text = render_text(report)
-    assert "rows that thought" in text and "1 of 2" in text and "30 / 30" in text
+    assert "rows that thought" in text and "2 of 3" in text and "70 / 30" in text
     # a job without a reasoning parser has no such lines
     assert (
         build_report(write_output(tmp_path / "plain", {"s0": [ok("a", "x", 4, 0.1, 0.2, 20.0)]}))["overall"][
