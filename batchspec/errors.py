@@ -23,9 +23,12 @@ class BatchspecError(Exception):
     @property
     def kind(self) -> str:
         """What the exit code means, in words (docs/contract.md)."""
-        return {1: "runtime failure", 2: "bad job spec", 3: "bad input data"}.get(
-            self.exit_code, "interrupted"
-        )
+        return {
+            1: "runtime failure",
+            2: "bad job spec",
+            3: "bad input data",
+            4: "not installed",
+        }.get(self.exit_code, "interrupted")
 
 
 class RuntimeFailure(BatchspecError):
@@ -62,3 +65,15 @@ class InputDataError(BatchspecError):
         self.shard = shard
         self.column = column
         super().__init__(f"{shard}: {message}")
+
+
+class NotInstalled(BatchspecError):
+    """``distill`` trained a drafter that did not beat the starting one on the held-out prompts
+    by more than the noise (exit 4): the starting drafter stays, ``--out`` is left as it was.
+    ``result`` holds the evaluation (before, after, the decision)."""
+
+    exit_code = 4
+
+    def __init__(self, message: str, result=None):
+        self.result = result
+        super().__init__(message)

@@ -11,6 +11,7 @@ import click
 from batchspec.distill.options import DistillOptions
 from batchspec.distill.outdir import OutLock
 from batchspec.distill.session import check_options, distill, render_table
+from batchspec.errors import NotInstalled
 
 # --------------------------------------------------------------------------- command line
 
@@ -98,6 +99,26 @@ from batchspec.distill.session import check_options, distill, render_table
     help="Measure acceptance before and after on the held-out prompts.",
 )
 @click.option(
+    "--force",
+    is_flag=True,
+    help="Install the new draft even where its held-out acceptance does not beat --draft's by "
+    "more than the noise (or was not measured: --no-eval).",
+)
+@click.option(
+    "--validation",
+    type=int,
+    default=None,
+    help="Prompts of the sample whose continuations judge the training as it goes, never "
+    "trained on (default: a tenth of the rest, 2 to 200; none below 10).",
+)
+@click.option(
+    "--patience",
+    type=int,
+    default=3,
+    show_default=True,
+    help="Evaluations of held-out top-1 agreement without a new best before training stops.",
+)
+@click.option(
     "--chunk-rows",
     type=int,
     default=128,
@@ -105,7 +126,10 @@ from batchspec.distill.session import check_options, distill, render_table
     help="Generated rows per committed chunk: a killed run loses at most this many.",
 )
 @click.option(
-    "--json", "as_json", is_flag=True, help="Print {before, after, out} as one JSON object on stdout."
+    "--json",
+    "as_json",
+    is_flag=True,
+    help="Print {before, after, out, decision} as one JSON object on stdout.",
 )
 @click.option("-v", "--verbose", is_flag=True, help="Show vLLM's own logs.")
 def distill_command(
@@ -125,6 +149,9 @@ def distill_command(
     k,
     eval_concurrency,
     evaluate_,
+    force,
+    validation,
+    patience,
     chunk_rows,
     as_json,
     verbose,
@@ -153,6 +180,9 @@ def distill_command(
         k=k,
         eval_concurrency=eval_concurrency,
         evaluate=evaluate_,
+        force=force,
+        validation=validation,
+        patience=patience,
         chunk_rows=chunk_rows,
         job_path=job,
         overrides=tuple(overrides),
@@ -173,11 +203,14 @@ def distill_command(
     def progress(msg: str) -> None:
         print(f"batchspec distill: {msg}", file=stream, flush=True)
 
+    refused = None
     try:
         result = distill(spec, opts, progress, lock=lock)
     except KeyboardInterrupt:
         print("batchspec: interrupted", file=stream)
         sys.exit(130)
+    except NotInstalled as exc:  # measured and not better: the figures still go to stdout
+        refused, result = exc, exc.result
     except Exception as exc:
         sys.stderr = stream  # fail reports on stderr: the terminal's, not the engine log
         fail(exc)
@@ -188,3 +221,6 @@ def distill_command(
     else:
         stdout.write(render_table(result))
     stdout.flush()
+    if refused is not None:
+        sys.stderr = stream
+        fail(refused)

@@ -74,6 +74,8 @@ def build_card(
     after: dict | None,
     data_fingerprint: str,
     started: float,
+    data: dict | None = None,
+    decision: dict | None = None,
 ) -> dict:
     """``batchspec-model.json``: what the draft is and how it was made, in the public view of the
     job (``${VAR}`` as written, no secret, URLs without userinfo or query)."""
@@ -90,9 +92,12 @@ def build_card(
         "lora": model.get("lora"),
         "job": {"name": job.get("name", spec.name), "path": public_path(opts.job_path), "spec": job},
         "sample_size": len(sample.train),
+        "validation_size": len(getattr(sample, "validation", ())),
         "heldout_size": len(sample.heldout),
         "population": sample.population,
         "steps": opts.steps,
+        # how much data the rule asked for, what was generated, the steps it supports
+        "data": data,
         "lr": opts.lr,
         "batch_size": opts.batch_size,
         "seed": opts.seed,
@@ -106,12 +111,18 @@ def build_card(
             "wall_s": round(gen.wall_s, 2),
         },
         "training": {
+            "steps_run": trained.steps,
             "loss": trained.loss,
             "top1_agreement": trained.top1_agreement,
+            "best_step": trained.best_step,
+            "validation_agreement": trained.validation_agreement,
+            "start_validation_agreement": trained.start_validation_agreement,
+            "stopped_early": trained.stopped_early,
             "wall_s": round(trained.wall_s, 2),
             "device": trained.device,
         },
         "acceptance": {"before": before, "after": after},
+        "decision": decision,
         "wall_s": round(time.monotonic() - started, 2),
         "batchspec_version": __version__,
         "created_at": dt.datetime.now(dt.UTC).isoformat(),

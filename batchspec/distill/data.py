@@ -14,11 +14,12 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import sys
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -49,12 +50,89 @@ GENERATED_SCHEMA = pa.schema(
 
 @dataclass
 class Sample:
-    """The seeded sample of a job's prompts: rows to train on and rows held out for evaluation."""
+    """The seeded sample of a job's prompts: rows to train on, rows whose continuations judge
+    the training as it goes (validation, never trained on) and rows held out for the acceptance
+    evaluation."""
 
     train: list[Row]
     heldout: list[Row]
     #: Rows read from the job's input (the population the sample was drawn from).
     population: int
+    validation: list[Row] = field(default_factory=list)
+
+
+# --------------------------------------------------------------------------- how much data
+
+#: Each training window is trained on at most this many times on average (epochs): more steps
+#: than the data supports are cut (:func:`supported_steps`).
+MAX_EPOCHS = 4
+
+#: At least one of the target's tokens per this many parameters of the model being trained.
+PARAMS_PER_TOKEN = 32
+
+#: A continuation is at most this many windows (of the job's ``max_tokens``) long.
+MAX_WINDOWS = 8
+
+#: vLLM's ``max_tokens`` when the job sets none.
+VLLM_DEFAULT_MAX_TOKENS = 16
+
+
+def job_window(spec: JobSpec) -> int:
+    """Target tokens per training window: the job's ``max_tokens`` (what a draft meets when the
+    job runs), vLLM's default where the job sets none."""
+    return max(1, int(spec.sampling.get("max_tokens") or VLLM_DEFAULT_MAX_TOKENS))
+
+
+@dataclass
+class DataPlan:
+    """How long the target's continuations are, sized to the steps and the model trained."""
+
+    #: Target tokens per training window (the job's max_tokens).
+    window: int
+    #: Windows generated per prompt (the continuation is ``window * windows`` tokens long).
+    windows: int
+    #: What the rule asks for: max(steps x batch x window / MAX_EPOCHS, parameters / PARAMS_PER_TOKEN).
+    wanted_tokens: int
+    #: The training prompts' tokens at ``windows`` windows each (before any continuation ends early).
+    planned_tokens: int
+
+    def as_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def plan_data(steps: int, batch_size: int, window: int, prompts: int, parameters: int) -> DataPlan:
+    """The sizing rule: the target's tokens to train on must be at least
+    ``steps x batch_size x window / MAX_EPOCHS`` (no window trained on more than MAX_EPOCHS
+    times on average) and at least ``parameters / PARAMS_PER_TOKEN``; continuations grow, a
+    window of ``window`` tokens at a time, up to MAX_WINDOWS windows, until the training
+    prompts give that many."""
+    wanted = max(
+        math.ceil(steps * batch_size * window / MAX_EPOCHS), math.ceil(parameters / PARAMS_PER_TOKEN)
+    )
+    per_window = max(1, prompts) * window
+    windows = min(MAX_WINDOWS, max(1, math.ceil(wanted / per_window)))
+    return DataPlan(window=window, windows=windows, wanted_tokens=wanted, planned_tokens=per_window * windows)
+
+
+def supported_steps(examples: int, batch_size: int, steps: int) -> int:
+    """The steps ``examples`` training windows support: each trained on at most MAX_EPOCHS
+    times on average (at least 1, at most ``steps``)."""
+    return max(1, min(steps, examples * MAX_EPOCHS // max(1, batch_size)))
+
+
+def validation_size(train: int) -> int:
+    """Prompts of the training sample kept for validation: a tenth, at least 2, at most 200;
+    none below 10 prompts (they would leave too few to train on)."""
+    return 0 if train < 10 else min(200, max(2, train // 10))
+
+
+def split_validation(sample: Sample, size: int) -> Sample:
+    """Take ``size`` rows of the training rows for validation (the sample is already seeded
+    and shuffled by its reservoir)."""
+    size = max(0, min(size, len(sample.train) // 2))
+    return dataclasses.replace(
+        sample, train=sample.train[size:], validation=[*sample.validation, *sample.train[:size]]
+    )
 
 
 def sample_rows(spec: JobSpec, size: int, heldout: int, seed: int) -> Sample:
@@ -66,7 +144,7 @@ def sample_rows(spec: JobSpec, size: int, heldout: int, seed: int) -> Sample:
     return Sample(train=reservoir[held:], heldout=reservoir[:held], population=seen)
 
 
-def generation_key(spec: JobSpec, rows: list[Row], logprobs: int) -> str:
+def generation_key(spec: JobSpec, rows: list[Row], logprobs: int, windows: int = 1) -> str:
     """A short hash of everything the generated rows depend on."""
     h = hashlib.sha256()
     key = {
@@ -76,6 +154,8 @@ def generation_key(spec: JobSpec, rows: list[Row], logprobs: int) -> str:
         "logprobs": logprobs,
         "sampling_columns": spec.input.sampling_columns,
     }
+    if windows != 1:
+        key["windows"] = windows
     if spec.model.lora is not None:  # rows generated with an adapter are that adapter's text
         key["lora"] = [dataclasses.asdict(spec.model.lora), spec.input.lora_column]
     h.update(json.dumps(key, sort_keys=True, default=str).encode())
@@ -170,11 +250,13 @@ def generate(
     progress: Callable[[str], None] | None = None,
     interval_s: float = 10.0,
     chunk_rows: int = CHUNK_ROWS,
+    windows: int = 1,
 ) -> Generated:
     """Generate the target's continuations of ``rows`` with speculation off and the job's
     sampling, through the same streaming engine loop as ``run``; rows already committed in
     ``directory`` are not generated again (a torn chunk's rows are). The caller holds the
-    ``--out`` lock. The table comes back in the order of ``rows``, whatever the chunks'."""
+    ``--out`` lock. The table comes back in the order of ``rows``, whatever the chunks'.
+    ``windows``: continuations that many times the job's ``max_tokens`` long (:func:`plan_data`)."""
     say = progress or (lambda msg: None)
     remove_temporary_files(directory)
     done = read_generated(directory, warn=say)
@@ -187,7 +269,7 @@ def generate(
             f"generating the target's continuations of {len(todo)} prompts"
             + (f" ({len(done_ids)} already generated, reused)" if done_ids else "")
         )
-        failed = _generate_missing(spec, todo, directory, logprobs, say, interval_s, chunk_rows)
+        failed = _generate_missing(spec, todo, directory, logprobs, say, interval_s, chunk_rows, windows)
     else:
         say(f"all {len(done_ids)} continuations already generated in {directory}: reused")
     table = read_generated(directory, warn=say)
@@ -213,15 +295,20 @@ def generate(
 DISTILL_REPLACES = ("n", "logprobs", "prompt_logprobs")
 
 
-def generation_request(spec: JobSpec, rows: list[Row], logprobs: int) -> tuple[JobSpec, list[Row]]:
+def generation_request(
+    spec: JobSpec, rows: list[Row], logprobs: int, windows: int = 1
+) -> tuple[JobSpec, list[Row]]:
     """The spec and rows distill generates the target's outputs with: the job's own sampling,
     structured outputs included (a draft for a JSON-extraction job learns its JSON), speculation
     off, one sample per prompt, top-``logprobs`` only when distill asks for them; the rows'
-    own ``n``/``logprobs``/``prompt_logprobs`` columns give way the same way."""
+    own ``n``/``logprobs``/``prompt_logprobs`` columns give way the same way. With ``windows``
+    above 1, ``max_tokens`` (the job's and each row's own) is that many times longer."""
     sampling = {k: v for k, v in spec.sampling.items() if k not in DISTILL_REPLACES}
     sampling["n"] = 1
     if logprobs:
         sampling["logprobs"] = logprobs
+    if windows != 1:
+        sampling["max_tokens"] = job_window(spec) * windows
     columns = {k: v for k, v in spec.input.sampling_columns.items() if k not in DISTILL_REPLACES}
     gen_spec = dataclasses.replace(
         spec,
@@ -229,15 +316,19 @@ def generation_request(spec: JobSpec, rows: list[Row], logprobs: int) -> tuple[J
         sampling=sampling,
         input=dataclasses.replace(spec.input, sampling_columns=columns),
     )
-    rows = [
-        row
-        if not any(k in row.overrides for k in DISTILL_REPLACES)
-        else dataclasses.replace(
-            row, overrides={k: v for k, v in row.overrides.items() if k not in DISTILL_REPLACES}
-        )
-        for row in rows
-    ]
+    rows = [_generation_row(row, windows) for row in rows]
     return gen_spec, rows
+
+
+def _generation_row(row: Row, windows: int) -> Row:
+    """A row's own sampling as distill generates it (see :func:`generation_request`)."""
+    own_length = windows != 1 and isinstance(row.overrides.get("max_tokens"), int)
+    if not own_length and not any(k in row.overrides for k in DISTILL_REPLACES):
+        return row
+    overrides = {k: v for k, v in row.overrides.items() if k not in DISTILL_REPLACES}
+    if own_length:
+        overrides["max_tokens"] = row.overrides["max_tokens"] * windows
+    return dataclasses.replace(row, overrides=overrides)
 
 
 def _generate_missing(
@@ -248,10 +339,11 @@ def _generate_missing(
     say: Callable[[str], None],
     interval_s: float,
     chunk_rows: int,
+    windows: int = 1,
 ) -> int:
     """Run the engine over ``rows``, committing a chunk every ``chunk_rows`` rows; returns
     how many rows failed (too long, refused): they are skipped, not trained on."""
-    gen_spec, rows = generation_request(spec, rows, logprobs)
+    gen_spec, rows = generation_request(spec, rows, logprobs, windows)
     engine = TokenEngine(gen_spec)
     buffer: list[dict] = []
     failed = finished = tokens = 0

@@ -34,6 +34,12 @@ class DistillOptions:
     #: Requests in flight during the evaluation (None: the job's execution.max_in_flight).
     eval_concurrency: int | None = None
     evaluate: bool = True
+    #: Install the new drafter even where it does not beat the starting one by more than the noise.
+    force: bool = False
+    #: Prompts of the sample whose continuations judge the training (None: validation_size's default).
+    validation: int | None = None
+    #: Evaluations of held-out agreement without a new best before training stops.
+    patience: int = 3
     #: Generated rows per committed chunk (what a killed run can lose).
     chunk_rows: int = 128
     job_path: str | None = None
@@ -47,9 +53,11 @@ class DistillResult:
     before: dict | None
     after: dict | None
     card: dict = field(default_factory=dict)
+    #: The install decision (batchspec.distill.gate.Decision.as_json()).
+    decision: dict | None = None
 
     def as_json(self) -> dict[str, Any]:
-        return {"before": self.before, "after": self.after, "out": self.out}
+        return {"before": self.before, "after": self.after, "out": self.out, "decision": self.decision}
 
 
 def job_k(spec: JobSpec) -> int:

@@ -1,10 +1,16 @@
 """``batchspec distill``: fit a draft to the job's own prompts.
 
-1. a seeded sample of the job's prompts, part of it held out (:mod:`batchspec.distill.data`);
-2. the target's continuations of the rest, speculation off, the job's sampling, resumable;
-3. training with torch (:mod:`batchspec.distill.train`);
+1. a seeded sample of the job's prompts, part of it held out, part kept for validation
+   (:mod:`batchspec.distill.data`);
+2. the target's continuations of the training and validation prompts, as long as the sizing
+   rule asks (:func:`~batchspec.distill.data.plan_data`), speculation off, the job's sampling,
+   resumable;
+3. training with torch, stopped when validation agreement stops rising, the best weights kept
+   (:mod:`batchspec.distill.train`);
 4. a model directory vLLM loads as a draft, built aside;
-5. evaluation on the held-out prompts with speculation on, the old draft and the new;
+5. evaluation on the held-out prompts with speculation on, the old draft and the new, and the
+   install decision (:mod:`batchspec.distill.gate`): a new draft that does not beat the old one
+   by more than the noise is not installed (NotInstalled, exit 4) unless ``force``;
 6. the card ``batchspec-model.json`` written last into the new directory, which is then renamed
    into place as ``--out`` (a previous draft there is swapped out atomically where the kernel can
    exchange two directories, else moved aside first): ``--out`` is always either a whole draft
@@ -39,7 +45,7 @@ from batchspec.distill.outdir import (
     remove_leftovers,
     work_dir,
 )
-from batchspec.errors import InputDataError, SpecError
+from batchspec.errors import InputDataError, NotInstalled, SpecError
 from batchspec.io.locations import location_overlap, store_location
 from batchspec.io.reader import Row
 from batchspec.redact import sanitize_url
@@ -157,8 +163,22 @@ def check_options(spec: JobSpec, opts: DistillOptions) -> None:
     ):
         if value < 1:
             raise SpecError(name, f"expected a positive integer, got {value}")
-    if opts.heldout < 0 or opts.logprobs < 0:
-        raise SpecError("--holdout" if opts.heldout < 0 else "--logprobs", "expected zero or more")
+    if opts.patience < 1:
+        raise SpecError("--patience", f"expected a positive integer, got {opts.patience}")
+    for name, value in (
+        ("--holdout", opts.heldout),
+        ("--logprobs", opts.logprobs),
+        ("--validation", opts.validation),
+    ):
+        if value is not None and value < 0:
+            raise SpecError(name, "expected zero or more")
+    if opts.draft and not opts.force and (not opts.evaluate or opts.heldout == 0):
+        raise SpecError(
+            "--no-eval" if not opts.evaluate else "--holdout",
+            "a new drafter replaces --draft only when it beats it on held-out prompts, and "
+            + ("--no-eval" if not opts.evaluate else "--holdout 0")
+            + " leaves nothing to compare: give --force to install without the comparison",
+        )
     if not opts.lr > 0:
         raise SpecError("--lr", f"expected a positive learning rate, got {opts.lr}")
     check_out(spec, opts)
@@ -191,7 +211,20 @@ def distill(
 
 
 def _distill(spec: JobSpec, opts: DistillOptions, say: Callable[[str], None]) -> DistillResult:
-    from batchspec.distill.data import data_fingerprint, generate, generation_key, sample_rows
+    from batchspec.distill.data import (
+        MAX_EPOCHS,
+        PARAMS_PER_TOKEN,
+        data_fingerprint,
+        generate,
+        generation_key,
+        job_window,
+        plan_data,
+        sample_rows,
+        split_validation,
+        supported_steps,
+        validation_size,
+    )
+    from batchspec.distill.gate import decide
     from batchspec.distill.train import (
         draft_from_target,
         load_draft,
@@ -204,53 +237,127 @@ def _distill(spec: JobSpec, opts: DistillOptions, say: Callable[[str], None]) ->
     out = out_dir(opts.out)
     work = work_dir(out)
     remove_leftovers(work)
+    baseline = bool(opts.draft)  # the drafter a new one must beat
 
     sample = sample_rows(spec, opts.sample, opts.heldout, opts.seed)
     if not sample.train:
         raise InputDataError(
             ", ".join(spec.input.paths), "no prompts to sample: the input has no row that can be sent"
         )
+    if baseline and not opts.force and opts.evaluate and not sample.heldout:
+        raise SpecError(
+            "--holdout",
+            f"the input has {sample.population} prompt(s): too few to hold any out, and a new "
+            "drafter replaces --draft only when it beats it on held-out prompts (--force installs "
+            "without the comparison)",
+        )
+    sample = split_validation(
+        sample, validation_size(len(sample.train)) if opts.validation is None else opts.validation
+    )
     say(
-        f"sample: {len(sample.train)} prompts to train on, {len(sample.heldout)} held out "
-        f"(of {sample.population}, seed {opts.seed})"
+        f"sample: {len(sample.train)} prompts to train on, {len(sample.validation)} to validate the "
+        f"training, {len(sample.heldout)} held out (of {sample.population}, seed {opts.seed})"
     )
-    key = generation_key(spec, sample.train, opts.logprobs)
-    gen = generate(
-        spec, sample.train, work / f"generated-{key}", opts.logprobs, say, chunk_rows=opts.chunk_rows
-    )
-    examples = gen.table.to_pylist()
-    if not examples:
-        raise SpecError("input.path", "the target generated no usable continuation to train on")
 
+    # the model first: its size is part of how much data it needs
     if opts.init == "target":
         say(f"new draft: the target's embeddings, first {opts.layers} layer(s) and head")
         draft = draft_from_target(spec.model.target, opts.layers)
     else:
         draft = load_draft(opts.draft)
+    parameters = sum(p.numel() for p in draft.parameters())
+    window = job_window(spec)
+    plan = plan_data(opts.steps, opts.batch_size, window, len(sample.train), parameters)
+    say(
+        f"data: {plan.wanted_tokens} target tokens wanted (the larger of steps x batch x "
+        f"{window} / {MAX_EPOCHS} and {parameters} parameters / {PARAMS_PER_TOKEN}): "
+        f"{plan.windows} window(s) of {window} tokens per prompt"
+    )
+    rows = [*sample.train, *sample.validation]
+    key = generation_key(spec, rows, opts.logprobs, plan.windows)
+    gen = generate(
+        spec,
+        rows,
+        work / f"generated-{key}",
+        opts.logprobs,
+        say,
+        chunk_rows=opts.chunk_rows,
+        windows=plan.windows,
+    )
+    held_ids = {r.request_id for r in sample.validation}
+    generated = gen.table.to_pylist()
+    examples = [r for r in generated if r["request_id"] not in held_ids]
+    validation = [r for r in generated if r["request_id"] in held_ids]
+    if not examples:
+        raise SpecError("input.path", "the target generated no usable continuation to train on")
+    tokens = sum(len(r["output_token_ids"]) for r in examples)
+    windows = sum(-(-len(r["output_token_ids"]) // window) for r in examples)
+    steps = supported_steps(windows, opts.batch_size, opts.steps)
+    if steps < opts.steps:
+        say(
+            f"the data ({tokens} tokens in {windows} windows) supports {steps} steps of "
+            f"{opts.batch_size} at most {MAX_EPOCHS} passes over each window: training {steps} "
+            f"of the {opts.steps} asked (--sample more prompts for more)"
+        )
+    if tokens < plan.wanted_tokens:
+        say(
+            f"{tokens} target tokens to train on, fewer than the {plan.wanted_tokens} wanted: "
+            "more prompts (--sample) would help the new drafter generalise"
+        )
+    data = {**plan.as_json(), "train_tokens": tokens, "train_windows": windows, "steps_supported": steps}
+
     _, special = tokenizer_vocab(spec.model.target)
     pad_id = next((v for v in (special["pad"], special["eos"], 0) if v is not None), 0)
     trained = train_draft(
-        draft, examples, opts.steps, opts.lr, opts.batch_size, opts.seed, pad_id, progress=say
+        draft,
+        examples,
+        steps,
+        opts.lr,
+        opts.batch_size,
+        opts.seed,
+        pad_id,
+        progress=say,
+        window=window,
+        validation=validation,
+        patience=opts.patience,
     )
+    if baseline and opts.init == "draft" and trained.best_step == 0 and not opts.force:
+        decision = decide(None, None, force=False)
+        decision.reason = (
+            f"training never raised held-out top-1 agreement above the starting draft's "
+            f"({trained.start_validation_agreement}): the new drafter would be the old one"
+        )
+        result = DistillResult(out=str(opts.out), before=None, after=None, decision=decision.as_json())
+        raise NotInstalled(_refusal(opts, decision), result)
     built = build_dir(out)
     try:
         save_draft(draft, spec.model.target, built)
         layers = draft.config.num_hidden_layers
-        parameters = sum(p.numel() for p in draft.parameters())
         del draft
-        say(
-            f"built the new draft ({parameters / 1e6:.2f}M parameters, {layers} layers); it "
-            f"replaces {opts.out} when distill ends"
-        )
+        say(f"built the new draft ({parameters / 1e6:.2f}M parameters, {layers} layers)")
 
         before = after = None
+        before_counts = after_counts = None
         if opts.evaluate and sample.heldout:
             k = opts.k or job_k(spec)
             if opts.draft:
-                before = evaluate(spec, opts.draft, sample.heldout, k, opts.eval_concurrency, say)
+                before_counts = {}
+                before = evaluate(
+                    spec, opts.draft, sample.heldout, k, opts.eval_concurrency, say, counts=before_counts
+                )
                 before["draft"] = public_path(opts.draft)
-            after = evaluate(spec, str(built), sample.heldout, k, opts.eval_concurrency, say)
+            after_counts = {}
+            after = evaluate(
+                spec, str(built), sample.heldout, k, opts.eval_concurrency, say, counts=after_counts
+            )
             after["draft"] = str(opts.out)  # where it is from now on
+        decision = decide(before_counts, after_counts, opts.force, baseline=baseline)
+        say(f"{'installing' if decision.install else 'not installing'}: {decision.reason}")
+        if not decision.install:
+            if after is not None:
+                after["draft"] = None  # never installed
+            result = DistillResult(out=str(opts.out), before=before, after=after, decision=decision.as_json())
+            raise NotInstalled(_refusal(opts, decision), result)
 
         card = build_card(
             spec,
@@ -262,15 +369,35 @@ def _distill(spec: JobSpec, opts: DistillOptions, say: Callable[[str], None]) ->
             parameters=parameters,
             before=before,
             after=after,
-            data_fingerprint=data_fingerprint(gen.table),
+            data_fingerprint=data_fingerprint(_train_table(gen.table, held_ids)),
             started=started,
+            data=data,
+            decision=decision.as_json(),
         )
         install(built, out, card)
     finally:
         if built.exists():
             shutil.rmtree(built, ignore_errors=True)
     say(f"the new draft is in {opts.out}")
-    return DistillResult(out=str(opts.out), before=before, after=after, card=card)
+    return DistillResult(
+        out=str(opts.out), before=before, after=after, card=card, decision=decision.as_json()
+    )
+
+
+def _train_table(table, held_ids: set[str]):
+    """The generated rows trained on (the validation rows left out)."""
+    import pyarrow as pa
+
+    ids = table.column("request_id").to_pylist()
+    return table.take(pa.array([i for i, rid in enumerate(ids) if rid not in held_ids], pa.int64()))
+
+
+def _refusal(opts: DistillOptions, decision) -> str:
+    where = f"{opts.out} was left as it was" if os.path.lexists(opts.out) else f"{opts.out} was not created"
+    return (
+        f"the new drafter was not installed: {decision.reason}; the starting drafter "
+        f"{public_path(opts.draft)} stays, {where} (--force installs anyway)"
+    )
 
 
 def evaluate(
@@ -280,9 +407,12 @@ def evaluate(
     k: int,
     concurrency: int | None,
     progress: Callable[[str], None] | None = None,
+    counts: dict | None = None,
 ) -> dict:
     """Acceptance and output tok/s of ``draft`` on ``rows`` with the job's sampling, speculation
-    on (``draft_model``, ``k`` tokens): a fresh engine, shut down before this returns."""
+    on (``draft_model``, ``k`` tokens): a fresh engine, shut down before this returns.
+    ``counts``, where given, is filled with each answered row's (accepted, drafted) tokens by
+    request id (what :func:`batchspec.distill.gate.decide` compares)."""
     from batchspec.engine.llm import Engine
 
     say = progress or (lambda msg: None)
@@ -296,14 +426,18 @@ def evaluate(
     drafted = accepted = steps = tokens = errors = 0
     try:
         started = time.monotonic()
-        for _, samples in engine.stream(iter(rows), concurrency or spec.execution.max_in_flight):
+        for row, samples in engine.stream(iter(rows), concurrency or spec.execution.max_in_flight):
             result = request_totals(samples)
             if result.get("error") is not None:
                 errors += 1
                 continue
             tokens += result["num_output_tokens"] or 0
-            drafted += result.get("spec_num_draft_tokens") or 0
-            accepted += result.get("spec_num_accepted_tokens") or 0
+            row_drafted = result.get("spec_num_draft_tokens") or 0
+            row_accepted = result.get("spec_num_accepted_tokens") or 0
+            drafted += row_drafted
+            accepted += row_accepted
+            if counts is not None:
+                counts[row.request_id] = (row_accepted, row_drafted)
             steps += result.get("spec_num_steps") or 0
         wall = time.monotonic() - started
         counters = engine.spec_counters()
@@ -362,5 +496,20 @@ def render_table(result: DistillResult) -> str:
             f"{f'accepted at position {i + 1}':<26}"
             f"{fmt(b[i] if i < len(b) else None):>10}{fmt(a[i] if i < len(a) else None):>10}"
         )
-    lines.append(f"new draft: {result.out}")
+    decision = result.decision or {}
+    if decision.get("gain") is not None:
+        margin = decision.get("margin")
+        lines.append(
+            f"{'gain in acceptance rate':<26}{decision['gain']:>+10.4f}"
+            + (
+                f"  (must exceed {margin:.4f}: the noise over {decision['prompts']} prompts)"
+                if margin
+                else ""
+            )
+        )
+    if decision.get("install", True):
+        forced = " (--force)" if decision.get("forced") else ""
+        lines.append(f"new draft: {result.out}{forced}")
+    else:
+        lines.append(f"not installed: {decision.get('reason')}")
     return "\n".join(lines) + "\n"

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -113,13 +113,55 @@ def lr_at(step: int, steps: int, peak: float, warmup: int = 50) -> float:
     return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
+#: Evaluations of held-out agreement without a new best before training stops.
+PATIENCE = 3
+
+
 @dataclass
 class TrainResult:
+    #: Steps run (fewer than planned where held-out agreement stopped rising).
     steps: int
+    #: The last step's training loss and top-1 agreement.
     loss: float | None
     top1_agreement: float | None
     wall_s: float
     device: str
+    #: The step whose weights were kept (0: the starting weights; None: no validation, the last).
+    best_step: int | None = None
+    #: Held-out top-1 agreement of the kept weights, and of the starting ones.
+    validation_agreement: float | None = None
+    start_validation_agreement: float | None = None
+    stopped_early: bool = False
+    #: (step, held-out agreement) at each evaluation.
+    history: list = field(default_factory=list)
+
+
+class EarlyStop:
+    """Keep the best held-out agreement; say stop after ``patience`` evaluations in a row
+    without a new best (strictly higher)."""
+
+    def __init__(self, patience: int = PATIENCE):
+        self.patience = max(1, patience)
+        self.best: float | None = None
+        self.best_step: int | None = None
+        self.since_best = 0
+
+    def record(self, step: int, value: float) -> bool:
+        """Record an evaluation; True when it is a new best (keep these weights)."""
+        if self.best is None or value > self.best:
+            self.best, self.best_step, self.since_best = value, step, 0
+            return True
+        self.since_best += 1
+        return False
+
+    @property
+    def stop(self) -> bool:
+        return self.since_best >= self.patience
+
+
+def eval_interval(steps: int) -> int:
+    """Steps between two evaluations of held-out agreement: about 20 over the run, at least 10."""
+    return max(10, steps // 20)
 
 
 @dataclass
@@ -133,28 +175,42 @@ class Example:
     topk_prob: Any = None
 
 
-def prepare_examples(rows: list[dict]) -> list[Example]:
-    """Turn generated rows into tensors once (not at every step)."""
-    import torch
-
+def prepare_examples(rows: list[dict], window: int | None = None) -> list[Example]:
+    """Turn generated rows into tensors once (not at every step). With ``window``, each
+    continuation is cut into windows of that many tokens, one example each: the prompt and the
+    continuation before the window are its context, the window's tokens its labels."""
     examples = []
     for row in rows:
-        prompt, output = row["prompt_token_ids"], row["output_token_ids"]
-        prompt = prompt[-max(1, MAX_TRAIN_TOKENS - len(output)) :]
-        output = output[: MAX_TRAIN_TOKENS - len(prompt)]
-        ex = Example(torch.tensor(prompt + output, dtype=torch.long), len(prompt))
-        tids, tlps = row.get("topk_token_ids"), row.get("topk_logprobs")
-        if tids:
-            k = max(len(t) for t in tids)
-            ex.topk_ids = torch.zeros((len(output), k), dtype=torch.long)
-            lps = torch.full((len(output), k), float("-inf"))
-            for j, (ids_j, lps_j) in enumerate(zip(tids[: len(output)], tlps, strict=False)):
-                ex.topk_ids[j, : len(ids_j)] = torch.tensor(ids_j, dtype=torch.long)
-                lps[j, : len(lps_j)] = torch.tensor(lps_j).clamp(min=-1e4)
-            # the top-K renormalised: the rest of the target's distribution is unknown
-            ex.topk_prob = torch.softmax(lps, -1)
-        examples.append(ex)
+        output = row["output_token_ids"]
+        step = window or max(1, len(output))
+        for start in range(0, len(output), step):
+            examples.append(_example(row, start, min(len(output), start + step)))
     return examples
+
+
+def _example(row: dict, start: int, end: int) -> Example:
+    """One window: the context (prompt + output[:start], cut from the left to fit
+    MAX_TRAIN_TOKENS) and the labels output[start:end] with their top-K."""
+    import torch
+
+    output = row["output_token_ids"][start:end]
+    context = [*row["prompt_token_ids"], *row["output_token_ids"][:start]]
+    context = context[-max(1, MAX_TRAIN_TOKENS - len(output)) :]
+    output = output[: MAX_TRAIN_TOKENS - len(context)]
+    ex = Example(torch.tensor(context + output, dtype=torch.long), len(context))
+    tids, tlps = row.get("topk_token_ids"), row.get("topk_logprobs")
+    if tids and tlps:
+        tids, tlps = tids[start : start + len(output)], tlps[start : start + len(output)]
+    if tids and tlps:
+        k = max(len(t) for t in tids)
+        ex.topk_ids = torch.zeros((len(output), k), dtype=torch.long)
+        lps = torch.full((len(output), k), float("-inf"))
+        for j, (ids_j, lps_j) in enumerate(zip(tids, tlps, strict=False)):
+            ex.topk_ids[j, : len(ids_j)] = torch.tensor(ids_j, dtype=torch.long)
+            lps[j, : len(lps_j)] = torch.tensor(lps_j).clamp(min=-1e4)
+        # the top-K renormalised: the rest of the target's distribution is unknown
+        ex.topk_prob = torch.softmax(lps, -1)
+    return ex
 
 
 def _batch(examples: list[Example], idx: list[int], pad_id: int, topk: bool):
@@ -188,6 +244,41 @@ def _batch(examples: list[Example], idx: list[int], pad_id: int, topk: bool):
     return ids, mask, labels, teacher
 
 
+def _logits(draft, ids, mask, on):
+    """The draft's logits at the label positions ``on`` (fp32)."""
+    # Right padding under causal attention: no real token attends to a pad, so no mask is
+    # needed (building one cost a third of each step here). The head runs on the labels'
+    # positions only: prompts are most of the tokens.
+    if hasattr(draft, "model") and hasattr(draft, "lm_head"):
+        hidden = draft.model(input_ids=ids).last_hidden_state
+        return draft.lm_head(hidden[on]).float()
+    return draft(input_ids=ids, attention_mask=mask).logits[on].float()
+
+
+def agreement(
+    draft, examples: list[Example], pad_id: int, device: str = "cpu", batch_size: int = 16
+) -> float:
+    """The draft's top-1 agreement with the target's tokens over ``examples`` (no gradients)."""
+    import torch
+
+    hits = total = 0
+    was_training = draft.training
+    draft.eval()
+    try:
+        with torch.no_grad():
+            for first in range(0, len(examples), batch_size):
+                idx = list(range(first, min(len(examples), first + batch_size)))
+                ids, mask, labels, _ = _batch(examples, idx, pad_id, False)
+                ids, mask, labels = ids.to(device), mask.to(device), labels.to(device)
+                on = labels != -100
+                logits = _logits(draft, ids, mask, on)
+                hits += int((logits.argmax(-1) == labels[on]).sum().item())
+                total += int(on.sum().item())
+    finally:
+        draft.train(was_training)
+    return hits / total if total else 0.0
+
+
 def train_draft(
     draft,
     examples: list[dict],
@@ -199,10 +290,19 @@ def train_draft(
     kl_weight: float = 1.0,
     progress: Callable[[str], None] | None = None,
     interval_s: float = 10.0,
+    *,
+    window: int | None = None,
+    validation: list[dict] | None = None,
+    patience: int = PATIENCE,
+    eval_every: int | None = None,
 ) -> TrainResult:
-    """Train ``draft`` in place on the target's continuations: cross-entropy on the target's
-    tokens plus ``kl_weight`` x KL(target top-K || draft) where the top-K was kept. bf16 on
-    CUDA when present, fp32 on the CPU (at most :data:`MAX_TORCH_THREADS` threads)."""
+    """Train ``draft`` in place on the target's continuations (cut into ``window``-token
+    windows): cross-entropy on the target's tokens plus ``kl_weight`` x KL(target top-K ||
+    draft) where the top-K was kept. With ``validation`` rows, the draft's top-1 agreement on
+    them is measured before training and every ``eval_every`` steps (default
+    :func:`eval_interval`); training stops after ``patience`` evaluations without a new best,
+    and the best weights (the starting ones included) are what the draft holds at the end.
+    bf16 on CUDA when present, fp32 on the CPU (at most :data:`MAX_TORCH_THREADS` threads)."""
     import torch
     import torch.nn.functional as F
 
@@ -217,29 +317,42 @@ def train_draft(
     )
     started = last = time.monotonic()
     loss_value = agree = None
+    held = prepare_examples(validation, window) if validation else []
+    watch = EarlyStop(patience)
+    every = eval_every or eval_interval(steps)
+    best_state = None
+    history: list[tuple[int, float]] = []
+    run = 0
+
+    def check(step: int) -> None:
+        nonlocal best_state
+        value = agreement(draft, held, pad_id, device)
+        history.append((step, round(value, 4)))
+        if watch.record(step, value):
+            best_state = {k: v.detach().to("cpu", copy=True) for k, v in draft.state_dict().items()}
+        say(
+            f"held-out top-1 agreement at step {step}: {value:.3f} (best {watch.best:.3f} at step "
+            f"{watch.best_step})"
+        )
+
     try:
         torch.manual_seed(seed)
         gen = torch.Generator().manual_seed(seed)
         draft.to(device)
         draft.train()
         opt = torch.optim.AdamW(draft.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.95))
-        examples = prepare_examples(examples)
+        examples = prepare_examples(examples, window)
         topk = any(ex.topk_ids is not None for ex in examples)
         warmup = max(1, min(50, steps // 10))
+        if held:
+            check(0)
         for step in range(steps):
             idx = torch.randint(0, len(examples), (batch_size,), generator=gen).tolist()
             ids, mask, labels, teacher = _batch(examples, idx, pad_id, topk)
             ids, mask, labels = ids.to(device), mask.to(device), labels.to(device)
             on = labels != -100
             with autocast:
-                # Right padding under causal attention: no real token attends to a pad, so no
-                # mask is needed (building one cost a third of each step here). The head runs
-                # on the continuation's positions only: prompts are most of the tokens.
-                if hasattr(draft, "model") and hasattr(draft, "lm_head"):
-                    hidden = draft.model(input_ids=ids).last_hidden_state
-                    logits = draft.lm_head(hidden[on]).float()
-                else:
-                    logits = draft(input_ids=ids, attention_mask=mask).logits[on].float()
+                logits = _logits(draft, ids, mask, on)
             logp = F.log_softmax(logits, dim=-1)
             target_tokens = labels[on]
             loss = F.nll_loss(logp, target_tokens)
@@ -254,21 +367,43 @@ def train_draft(
             loss.backward()
             torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
             opt.step()
+            run = step + 1
             loss_value = loss.item()
             agree = (logp.argmax(-1) == target_tokens).float().mean().item()
             now = time.monotonic()
             if now - last >= interval_s or step in (0, steps - 1):
                 last = now
                 say(
-                    f"train step {step + 1}/{steps}: loss {loss_value:.3f}, top-1 agreement "
+                    f"train step {run}/{steps}: loss {loss_value:.3f}, top-1 agreement "
                     f"{agree:.3f} ({now - started:.0f}s)"
                 )
+            if held and (run % every == 0 or run == steps):
+                check(run)
+                if watch.stop:
+                    say(
+                        f"held-out agreement has not risen for {watch.patience} evaluations: "
+                        f"stopped at step {run} of {steps}"
+                    )
+                    break
+        if best_state is not None:
+            draft.load_state_dict(best_state)
+            if watch.best_step != run:
+                say(f"kept the weights of step {watch.best_step} (held-out agreement {watch.best:.3f})")
         draft.eval()
         draft.to("cpu")
     finally:
         torch.set_num_threads(threads)
     return TrainResult(
-        steps=steps, loss=loss_value, top1_agreement=agree, wall_s=time.monotonic() - started, device=device
+        steps=run,
+        loss=loss_value,
+        top1_agreement=agree,
+        wall_s=time.monotonic() - started,
+        device=device,
+        best_step=watch.best_step,
+        validation_agreement=None if watch.best is None else round(watch.best, 4),
+        start_validation_agreement=history[0][1] if history else None,
+        stopped_early=bool(held) and run < steps,
+        history=history,
     )
 
 

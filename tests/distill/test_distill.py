@@ -8,7 +8,8 @@ fsynced, a torn chunk regenerated, the draft built aside and renamed into place 
 last, --out refused (exit 2) where it overlaps the job's input, output, target or draft, and the
 card's public view of the job.
 
-Engine time: about 2 minutes (four engine starts: generation, two evaluations, one restart).
+Engine time: about 2 minutes (four engine starts: generation, two evaluations, one restart; the
+refusal reuses the generated data and starts none).
 """
 
 from __future__ import annotations
@@ -305,7 +306,7 @@ def test_a_torn_chunk_is_deleted_and_its_rows_generated_again(tmp_path, monkeypa
     (directory / ".part-00009-1-abc.parquet.tmp").write_bytes(b"half")  # a killed writer's
     asked: list[list[str]] = []
 
-    def fake_generate_missing(spec, todo, directory, logprobs, say, interval_s, chunk_rows):
+    def fake_generate_missing(spec, todo, directory, logprobs, say, interval_s, chunk_rows, windows=1):
         asked.append([r.request_id for r in todo])
         _write_chunk(
             directory,
@@ -400,7 +401,7 @@ def fake_pipeline(monkeypatch):
         lambda spec, size, heldout, seed: distill_data.Sample(train=rows, heldout=[], population=4),
     )
 
-    def generate(spec, train, directory, logprobs, say, chunk_rows):
+    def generate(spec, train, directory, logprobs, say, chunk_rows, windows=1):
         table = pa.Table.from_pylist(
             [dict(r, request_id=t.request_id) for r, t in zip(_rows("g", len(train)), train, strict=True)],
             schema=GENERATED_SCHEMA,
@@ -419,6 +420,8 @@ def fake_pipeline(monkeypatch):
         config=SimpleNamespace(num_hidden_layers=1), parameters=lambda: [SimpleNamespace(numel=lambda: 7)]
     )
     monkeypatch.setattr(distill_train, "draft_from_target", lambda target, layers: draft)
+    monkeypatch.setattr(distill_train, "load_draft", lambda path: draft)
+    monkeypatch.setattr(distill_train, "check_vocabulary", lambda target, draft, key="--draft": None)
     monkeypatch.setattr(distill_train, "tokenizer_vocab", lambda path: ({}, {"pad": 0, "eos": 0}))
     monkeypatch.setattr(
         distill_train,
@@ -538,6 +541,100 @@ sampling: {{temperature: 0.0, max_tokens: 8}}
         assert secret not in text, secret
 
 
+def _gate_setup(tmp_path, monkeypatch, old_rate: float, new_rate: float):
+    """distill() on fakes with 20 held-out prompts, the starting drafter at ``old_rate``
+    acceptance and the new one at ``new_rate`` (each prompt +-0.1 around it)."""
+    heldout = [SimpleNamespace(request_id=f"h{i}") for i in range(20)]
+    train = [SimpleNamespace(request_id=f"r{i}") for i in range(4)]
+    monkeypatch.setattr(
+        distill_data,
+        "sample_rows",
+        lambda spec, size, heldout_n, seed: distill_data.Sample(train=train, heldout=heldout, population=24),
+    )
+    old = tmp_path / "old-draft"
+    old.mkdir()
+
+    def evaluate(spec, draft, rows, k, concurrency, say=None, counts=None):
+        rate = old_rate if draft == str(old) else new_rate
+        for i, row in enumerate(rows):
+            counts[row.request_id] = (round((rate + (0.1 if i % 2 else -0.1)) * 1000), 1000)
+        return {"acceptance_rate": rate, "draft": draft}
+
+    monkeypatch.setattr(distill_mod, "evaluate", evaluate)
+    return load_spec(_spec_job(tmp_path)), old
+
+
+@pytest.mark.parametrize("existing", [False, True], ids=["new-out", "old-out"])
+def test_a_new_drafter_within_the_noise_is_not_installed(tmp_path, fake_pipeline, monkeypatch, existing):
+    spec, old = _gate_setup(tmp_path, monkeypatch, old_rate=0.40, new_rate=0.401)
+    out = tmp_path / "new-draft"
+    before = _old_draft(out) if existing else None
+    with pytest.raises(distill_mod.NotInstalled) as info:
+        distill_mod.distill(spec, DistillOptions(out=out, draft=str(old)))
+    assert info.value.exit_code == 4
+    message = str(info.value)
+    assert "not more than the noise margin" in message and "--force installs anyway" in message
+    assert ("was left as it was" if existing else "was not created") in message
+    decision = info.value.result.decision
+    assert decision["install"] is False and decision["gain"] == 0.001 and decision["margin"] > 0.001
+    assert info.value.result.before["acceptance_rate"] == 0.40
+    if existing:
+        assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    else:
+        assert not out.exists()
+    assert fake_pipeline.saved and not list(work_dir(out).glob("model-*"))  # built, then removed
+    OutLock.take(out).release()
+
+
+def test_force_installs_a_drafter_within_the_noise(tmp_path, fake_pipeline, monkeypatch):
+    spec, old = _gate_setup(tmp_path, monkeypatch, old_rate=0.40, new_rate=0.39)
+    out = tmp_path / "new-draft"
+    result = distill_mod.distill(spec, DistillOptions(out=out, draft=str(old), force=True))
+    card = json.loads((out / CARD_NAME).read_text())
+    assert result.decision["install"] and result.decision["forced"] and card["decision"] == result.decision
+    assert (out / "model.safetensors").read_bytes() == b"new weights"
+
+
+def test_a_drafter_that_beats_the_noise_is_installed(tmp_path, fake_pipeline, monkeypatch):
+    spec, old = _gate_setup(tmp_path, monkeypatch, old_rate=0.40, new_rate=0.55)
+    out = tmp_path / "new-draft"
+    result = distill_mod.distill(spec, DistillOptions(out=out, draft=str(old)))
+    assert result.decision["install"] and not result.decision["forced"]
+    assert result.decision["gain"] == 0.15 and result.decision["margin"] < 0.15
+    assert json.loads((out / CARD_NAME).read_text())["acceptance"]["after"]["draft"] == str(out)
+
+
+def test_training_that_never_beats_the_start_installs_nothing_without_evaluating(
+    tmp_path, fake_pipeline, monkeypatch
+):
+    spec, old = _gate_setup(tmp_path, monkeypatch, old_rate=0.40, new_rate=0.40)
+    monkeypatch.setattr(
+        distill_train,
+        "train_draft",
+        lambda *a, **k: distill_train.TrainResult(
+            steps=30, loss=0.5, top1_agreement=0.5, wall_s=0.0, device="cpu", best_step=0,
+            start_validation_agreement=0.61, stopped_early=True,
+        ),
+    )  # fmt: skip
+    monkeypatch.setattr(distill_mod, "evaluate", lambda *a, **k: pytest.fail("evaluated"))
+    out = tmp_path / "new-draft"
+    with pytest.raises(distill_mod.NotInstalled, match="never raised held-out top-1 agreement"):
+        distill_mod.distill(spec, DistillOptions(out=out, draft=str(old)))
+    assert not out.exists() and not fake_pipeline.saved
+
+
+@pytest.mark.parametrize("flag", ["--no-eval", "--holdout"])
+def test_no_comparison_with_a_starting_drafter_needs_force(overlap_job, flag):
+    tmp, spec = overlap_job
+    kwargs = {"evaluate": False} if flag == "--no-eval" else {"heldout": 0}
+    opts = DistillOptions(out=tmp / "new", draft=str(tmp / "models" / "draft"), **kwargs)
+    with pytest.raises(SpecError) as info:
+        check_options(spec, opts)
+    assert info.value.key == flag and "--force" in str(info.value)
+    opts = DistillOptions(out=tmp / "new", init="target", **kwargs)  # no drafter to beat
+    check_options(spec, opts)
+
+
 # --------------------------------------------------------------------------- real engine
 
 
@@ -577,6 +674,7 @@ def distilled(tmp_path_factory, models) -> Distilled:
         "4",
         "--chunk-rows",
         "16",
+        "--force",  # installed whatever 30 steps gain: the install gate has its own tests
         "--json",
     )
     assert done.returncode == 0, done.stderr[-3000:]
@@ -587,7 +685,13 @@ def distilled(tmp_path_factory, models) -> Distilled:
 @pytest.mark.engine
 def test_distill_measures_acceptance_before_and_after(distilled, models):
     result = distilled.result
-    assert set(result) == {"before", "after", "out"} and result["out"] == str(distilled.out)
+    assert set(result) == {"before", "after", "out", "decision"} and result["out"] == str(distilled.out)
+    decision = result["decision"]
+    assert decision["install"] and decision["prompts"] == 12 and decision["margin"] > 0
+    assert decision["gain"] == round(
+        result["after"]["acceptance_rate"] - result["before"]["acceptance_rate"], 4
+    )
+    assert decision["forced"] == (decision["gain"] <= decision["margin"])
     for side in ("before", "after"):
         m = result[side]
         assert 0 <= m["acceptance_rate"] <= 1
@@ -598,7 +702,9 @@ def test_distill_measures_acceptance_before_and_after(distilled, models):
     assert result["after"]["draft"] == str(distilled.out)
     # the new weights are other weights, and vLLM loaded them as the draft (it measured them)
     assert result["before"]["acceptance_rate"] != result["after"]["acceptance_rate"]
-    assert "train step 30/30: loss" in distilled.first.stderr and "top-1 agreement" in distilled.first.stderr
+    assert "train step 1/" in distilled.first.stderr and "top-1 agreement" in distilled.first.stderr
+    assert "held-out top-1 agreement at step 0" in distilled.first.stderr
+    assert "window(s) of 24 tokens per prompt" in distilled.first.stderr
 
 
 @pytest.mark.engine
@@ -606,8 +712,14 @@ def test_card_and_model_directory(distilled, models):
     card, out = distilled.card, distilled.out
     assert card["parent_draft"] == str(models / "draft")
     assert card["target"] == str(models / "target")
-    assert card["job"]["name"] == "job" and card["sample_size"] == 36 and card["heldout_size"] == 12
+    assert card["job"]["name"] == "job" and card["sample_size"] == 33 and card["heldout_size"] == 12
+    assert card["validation_size"] == 3  # a tenth of the 36 training prompts, at least 2
     assert card["steps"] == 30 and card["logprobs"] == 4
+    # the sizing rule: the 1-layer draft's parameters / 32 ask for more than 33 x 24 tokens
+    windows = card["data"]["windows"]
+    assert windows == 8 and card["data"]["window"] == 24
+    assert card["training"]["steps_run"] <= card["data"]["steps_supported"] <= 30
+    assert card["training"]["best_step"] is not None and card["decision"] == distilled.result["decision"]
     assert card["data_fingerprint"].startswith("sha256:")
     assert card["acceptance"]["before"] == distilled.result["before"]
     assert card["acceptance"]["after"] == distilled.result["after"]
@@ -625,8 +737,48 @@ def test_card_and_model_directory(distilled, models):
     chunks = sorted(work_dir(out).glob("generated-*/part-*.parquet"))
     assert len(chunks) == 3  # 36 rows in chunks of 16
     rows = pq.read_table(chunks[0]).to_pylist()
-    assert all(len(r["topk_token_ids"]) == len(r["output_token_ids"]) == 24 for r in rows)
+    lengths = [(len(r["topk_token_ids"]), len(r["output_token_ids"])) for r in rows]
+    # each continuation asked for 24 x windows tokens (a row may stop sooner, at its end token)
+    assert all(k == n <= 24 * windows for k, n in lengths), lengths
+    assert max(n for _, n in lengths) > 24, lengths  # continued past one window
     assert all(r["topk_token_ids"][0][0] == r["output_token_ids"][0] for r in rows)  # greedy
+
+
+@pytest.mark.engine
+def test_a_drafter_no_better_than_the_old_one_is_not_installed(distilled, models):
+    """Training at a learning rate that changes nothing: held-out agreement never rises above
+    the starting draft's, so nothing is installed (exit 4) and --out keeps the draft there."""
+    kept = {p.name: p.read_bytes() for p in distilled.out.iterdir()}
+    done = run_cli(
+        "distill",
+        str(distilled.job),
+        "--draft",
+        str(models / "draft"),
+        "--out",
+        str(distilled.out),
+        "--sample",
+        "48",
+        "--holdout",
+        "12",
+        "--steps",
+        "20",
+        "--lr",
+        "1e-12",
+        "--batch-size",
+        "8",
+        "--logprobs",
+        "4",
+        "--chunk-rows",
+        "16",
+        "--json",
+    )
+    assert done.returncode == 4, done.stderr[-3000:]
+    assert "not installed" in done.stderr and "--force installs anyway" in done.stderr
+    assert "all 36 continuations already generated" in done.stderr  # the fixture's data, reused
+    result = json.loads(done.stdout)
+    assert result["decision"]["install"] is False and result["after"] is None
+    assert {p.name: p.read_bytes() for p in distilled.out.iterdir()} == kept
+    assert not list(work_dir(distilled.out).glob("model-*"))
 
 
 @pytest.mark.engine
@@ -693,7 +845,19 @@ def test_a_restart_reuses_the_generated_data(distilled):
     assert all(p.stat().st_mtime_ns == m for p, m in kept.items())  # never rewritten
     assert card["data_fingerprint"] == distilled.card["data_fingerprint"]  # the same data
     assert card["init"] == "target" and card["parent_draft"] is None and card["layers"] == 1
-    assert json.loads(done.stdout) == {"before": None, "after": None, "out": str(distilled.out)}
+    assert json.loads(done.stdout) == {
+        "before": None,
+        "after": None,
+        "out": str(distilled.out),
+        "decision": {
+            "install": True,
+            "gain": None,
+            "margin": None,
+            "prompts": 0,
+            "forced": False,
+            "reason": "no starting drafter to compare with",
+        },
+    }
 
 
 def test_distill_generates_one_sample_with_its_own_logprobs_and_keeps_the_jobs_constraint(tmp_path):
