@@ -154,7 +154,8 @@ class DeltaInput:
         return self._load(None).version()
 
     def shards(self, version: int) -> list[Shard]:
-        """The data files at ``version`` (pruned on their statistics by ``input.filter``)."""
+        """The data files at ``version``; with ``input.filter``, those whose partition values
+        it rules out are left out (:func:`partition_keep`)."""
         import pyarrow as pa
 
         from batchspec.io.listing import Shard
@@ -162,21 +163,17 @@ class DeltaInput:
         table = self._load(version)
         self._table = table
         refused = self._refused_table(table)
-        actions = pa.table(table.get_add_actions(flatten=True))
-        keep = None
+        rows_of = pa.table(table.get_add_actions(flatten=True)).to_pylist()
+        keep = [True] * len(rows_of)
         if self.spec.input.filter:
-            try:
-                kept = table.file_uris(file_pruning_predicate=self.spec.input.filter)
-            except Exception as exc:
-                raise SpecError("input.filter", f"delta-rs cannot use it on {self.shown}: {exc}") from exc
-            keep = {urllib.parse.unquote(u).rsplit("/", 1)[-1] for u in kept}
+            predicate = check_filter(self.spec.input.filter, self.arrow_schema(), self.shown)
+            keep = partition_keep(predicate, rows_of, self.arrow_schema())
         with_dv = self._deletion_vectors(table)
         shards = []
-        for row in actions.to_pylist():
-            relative = urllib.parse.unquote(row["path"])
-            base = relative.rsplit("/", 1)[-1]
-            if keep is not None and base not in keep:
+        for row, kept in zip(rows_of, keep, strict=True):
+            if not kept:
                 continue
+            relative = urllib.parse.unquote(row["path"])
             rows = row.get("num_records")
             mtime = row.get("modification_time")
             mtime = int(mtime.timestamp() * 1000) if hasattr(mtime, "timestamp") else mtime
@@ -185,7 +182,7 @@ class DeltaInput:
                 "has deletion vectors (Delta reader feature deletionVectors): batchspec reads a "
                 "data file as it is and would answer deleted rows; purge them first "
                 "(REORG TABLE ... APPLY (PURGE)), or read an earlier input.version"
-                if base in with_dv
+                if relative in with_dv
                 else None
             )
             shards.append(
@@ -223,16 +220,16 @@ class DeltaInput:
 
     @staticmethod
     def _deletion_vectors(table) -> set[str]:
-        """Base names of the files that have deletion vectors (only where the table may)."""
+        """The files that have deletion vectors, by path relative to the table's root (only
+        where the table may have any). Spark's tables may hold one file name in two
+        partitions: a file is matched by its whole path, never by its name alone."""
         if "deletionVectors" not in set(table.protocol().reader_features or ()):
             return set()
         import pyarrow as pa
 
         names = set()
         for batch in pa.RecordBatchReader.from_stream(table.deletion_vectors()):
-            names.update(
-                urllib.parse.unquote(p).rsplit("/", 1)[-1] for p in batch.column("filepath").to_pylist()
-            )
+            names.update(relative_path(table.table_uri, p) for p in batch.column("filepath").to_pylist())
         return names
 
     def arrow_schema(self) -> pa.Schema:
@@ -244,6 +241,73 @@ class DeltaInput:
         from batchspec.io.reader import TableFileReader
 
         return TableFileReader(shard, spec, spec.execution.read_batch_rows, self.arrow_schema())
+
+
+def relative_path(table_uri: str, uri: str) -> str:
+    """A data file's path relative to the table's root (not %-encoded), from its full URI or
+    local path, or from a path the log gives relative already."""
+    path = urllib.parse.unquote(uri)
+    root = urllib.parse.unquote(table_uri).rstrip("/")
+    for prefix in (root, root.removeprefix("file://"), "file://" + root.removeprefix("file://")):
+        if prefix and path.startswith(prefix + "/"):
+            return path[len(prefix) + 1 :]
+    return path
+
+
+def check_filter(predicate: str, schema: pa.Schema, shown: str):
+    """``input.filter`` as polars, which filters the rows and prunes the files, takes it,
+    checked on the table's columns and types (exit 2 naming input.filter: a column the table
+    lacks, a comparison of a column with a value of another type)."""
+    import polars as pl
+    import pyarrow as pa
+
+    try:
+        expr = pl.sql_expr(predicate)
+        names = expr.meta.root_names()
+        missing = [n for n in names if n not in schema.names]
+        if missing:
+            raise ValueError(f"no column {missing[0]!r} (its columns: {', '.join(schema.names)})")
+        columns = [schema.field(n) for n in dict.fromkeys(names)]
+        pl.from_arrow(pa.schema(columns).empty_table()).filter(expr)
+    except Exception as exc:
+        raise SpecError(
+            "input.filter", f"polars cannot filter the Delta table {shown} with it: {exc}"
+        ) from exc
+    return expr
+
+
+def _conjuncts(expr) -> list:
+    """The terms of a predicate's top-level ANDs (itself where it is no AND)."""
+    parts = expr.meta.pop()
+    if len(parts) == 2 and any((a & b).meta.eq(expr) for a, b in (parts, parts[::-1])):
+        return [*_conjuncts(parts[0]), *_conjuncts(parts[1])]
+    return [expr]
+
+
+def partition_keep(predicate, actions: list[dict], schema: pa.Schema) -> list[bool]:
+    """Which files (add actions, flattened) the filter may keep a row of. polars evaluates the
+    predicate's terms (top-level ANDs) that read partition columns only, on each file's
+    partition values (typed as the rows have them): every row of a file has them, so a file is
+    left out only where polars would drop each of its rows. Nothing else prunes a file: one
+    engine decides both, and a file's statistics are not asked."""
+    import polars as pl
+    import pyarrow as pa
+
+    partition = {k.split(".", 1)[1] for row in actions[:1] for k in row if k.startswith("partition.")}
+    terms = [t for t in _conjuncts(predicate) if (names := t.meta.root_names()) and set(names) <= partition]
+    if not terms or not actions:
+        return [True] * len(actions)
+    columns = {}
+    for name in {n for t in terms for n in t.meta.root_names()}:
+        values = [row.get(f"partition.{name}") for row in actions]
+        raw = [None if v is None else str(v) for v in values]
+        columns[name] = pa.array(raw, pa.string()).cast(schema.field(name).type)
+    frame = pl.from_arrow(pa.table(columns))
+    try:
+        kept = frame.select(pl.all_horizontal(terms).fill_null(False)).to_series()
+    except Exception as exc:
+        raise SpecError("input.filter", f"polars cannot evaluate it on the partition values: {exc}") from exc
+    return kept.to_list()
 
 
 # ------------------------------------------------------------------------------ output

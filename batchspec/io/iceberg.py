@@ -13,7 +13,6 @@ appends respect the table's ``commit.manifest-merge.enabled``."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from typing import TYPE_CHECKING, Any
@@ -129,7 +128,6 @@ class IcebergInput:
         for task in tasks:
             data = task.file
             relative = _relative(table, data.file_path)
-            deletes = sorted(d.file_path for d in task.delete_files)
             refused = None
             if any(d.content == DataFileContent.EQUALITY_DELETES for d in task.delete_files):
                 refused = (
@@ -137,9 +135,10 @@ class IcebergInput:
                 )
             elif str(data.file_format).upper().endswith("PARQUET") is False:
                 refused = f"is a {data.file_format} data file; batchspec reads Parquet data files"
+            # the data file's identity; its delete files stay out of it: rows deleted after
+            # the shard was answered stay answered (a pending shard is read with the deletes
+            # of the snapshot read applied)
             fingerprint = {"size": int(data.file_size_in_bytes), "rows": int(data.record_count)}
-            if deletes:  # a delete file added later changes what the file holds
-                fingerprint["deletes"] = hashlib.sha256("\n".join(deletes).encode()).hexdigest()[:16]
             shards.append(
                 Shard(
                     url=data.file_path,

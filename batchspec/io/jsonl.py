@@ -154,7 +154,18 @@ class JsonLinesReader:
         #: ``input.prompt_template``/``messages_template``, compiled (None: a prompt key)
         self.template = prompt_template(input_spec)
         head = self._head() if self._local else retry(self._head, f"reading {shard.url}")
+        #: kept keys the first records have no value of (kept as text, or as a table's type)
+        self.untyped: set[str] = set()
         self.kept_fields = self._columns(head, output_spec)
+        self._types = {f.name: f.type for f in self.kept_fields}
+
+    def conform(self, target: list[pa.Field]) -> None:
+        """Write the kept keys as a table output has them (``target``), each value checked
+        against its type as it is read (one that is not: the row's error); InputDataError
+        naming the key where its type cannot be (:func:`batchspec.io.tables.conform_kept`)."""
+        from batchspec.io.tables import conform_kept
+
+        self.kept_fields = conform_kept(self.kept_fields, target, self.untyped, self.shard.url, True)
         self._types = {f.name: f.type for f in self.kept_fields}
 
     # ------------------------------------------------------------------ reading
@@ -286,7 +297,7 @@ class JsonLinesReader:
         spec, url = self.spec, self.shard.url
         records = [r for _, r in head if isinstance(r, dict)]
         keys = list(dict.fromkeys(k for r in records for k in r))
-        if records and self.template is not None:  # a key it reads that no record has: exit 2
+        if records and self.template is not None:  # a key it reads unguarded that none has: exit 2
             check_columns(self.template, keys, url)
         elif records and spec.text_column not in keys:
             role = "prompt" if spec.prompt_column else "messages"
@@ -317,6 +328,8 @@ class JsonLinesReader:
                     column=name,
                 ) from exc
             # a key with no value in the first records: its values are kept as text
+            if pa.types.is_null(inferred):
+                self.untyped.add(name)
             fields.append(pa.field(name, pa.string() if pa.types.is_null(inferred) else inferred))
         return fields
 

@@ -8,7 +8,7 @@ import hashlib
 import os
 import posixpath
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
@@ -53,6 +53,10 @@ class Shard:
     #: A data file of an input table: what the table's log or manifest says of it
     #: (:class:`batchspec.io.tables.TableFile`); None for a file.
     table: Any = None
+    #: A table output: the kept columns as the table has them (pyarrow fields), which the
+    #: shard's own are cast to (:func:`batchspec.io.tables.conform_kept`), set by the check
+    #: stage; None: the shard's own.
+    kept_fields: tuple | None = field(default=None, compare=False)
 
 
 def fingerprint(info: dict) -> dict:

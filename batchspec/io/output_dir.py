@@ -128,6 +128,15 @@ def remove_orphan_tmp_files(directory: str) -> int:
     return removed
 
 
+def same_input(recorded: dict | None, current: dict) -> bool:
+    """Whether a manifest's ``input_fingerprint`` is the shard's input now. ``deletes`` (an
+    Iceberg data file's delete files, in manifests of earlier batchspec versions) is no part of
+    a data file's identity: rows deleted after a shard was answered stay answered."""
+    if recorded is None:
+        return False
+    return {k: v for k, v in recorded.items() if k != "deletes"} == current
+
+
 class OutputDir:
     """The output directory and its bookkeeping, on any fsspec filesystem. ``output_format``
     (``output.format``) names the files a shard's results are in (:attr:`format`)."""
@@ -350,7 +359,11 @@ class OutputDir:
             if any(self.file_info(path) is not None for _, path in others):
                 return ShardState.PARTIAL, []  # a first file, alone
             return ShardState.PENDING, []
-        if record is None or found is None or record.get("input_fingerprint") != shard.fingerprint:
+        if (
+            record is None
+            or found is None
+            or not same_input(record.get("input_fingerprint"), shard.fingerprint)
+        ):
             return ShardState.PARTIAL, []
         expected = record.get("output_info")
         if expected and any(found.get(k) != v for k, v in expected.items()):
@@ -379,7 +392,7 @@ class OutputDir:
         record = self.read_manifest(shard.name)
         if record is None:
             return ShardState.COMMITTED, []
-        if record.get("input_fingerprint") != shard.fingerprint:
+        if not same_input(record.get("input_fingerprint"), shard.fingerprint):
             # the table keeps the rows of the input as it was: redoing them would add more
             return ShardState.STALE, ["input (changed since its rows were committed to the table)"]
         if spec_fingerprint is not None:

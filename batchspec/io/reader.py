@@ -56,6 +56,18 @@ class ParquetReader:
         self.num_rows = self._file.metadata.num_rows
         self.kept_fields = self._check_schema(self._schema(), output_spec)
 
+    @property
+    def untyped(self) -> set[str]:
+        """Kept columns of no type (null): a table output's type is theirs."""
+        return {f.name for f in self.kept_fields if pa.types.is_null(f.type)}
+
+    def conform(self, target: list[pa.Field]) -> None:
+        """Write the kept columns as a table output has them (``target``); InputDataError
+        naming the column where one cannot be (:func:`batchspec.io.tables.conform_kept`)."""
+        from batchspec.io.tables import conform_kept
+
+        self.kept_fields = conform_kept(self.kept_fields, target, self.untyped, self.shard.url, False)
+
     def _setup(self, shard: Shard, input_spec: InputSpec, batch_rows: int) -> None:
         """What the reader knows before it opens the file (a table's schema check stops here)."""
         self.shard = shard
@@ -100,7 +112,10 @@ class ParquetReader:
                 )
             return schema.field(column)
 
-        if self.template is not None:  # a column it reads that the shard lacks: exit 2
+        # the template's columns the shard has are read; one it reads unguarded and the shard
+        # lacks is exit 2 (one it guards, ``is defined``/``default``, renders as missing)
+        self._template_columns = [c for c in self.template.columns if c in names] if self.template else []
+        if self.template is not None:
             check_columns(self.template, schema.names, url)
         else:
             self._check_text(require(spec.text_column, "prompt" if spec.prompt_column else "messages"))
@@ -178,7 +193,7 @@ class ParquetReader:
         spec = self.spec
         wanted = [
             spec.text_column,
-            *(self.template.columns if self.template is not None else ()),
+            *self._template_columns,
             spec.id_column,
             spec.lora_column,
             *spec.sampling_columns.values(),
@@ -298,8 +313,8 @@ def length_error(num_prompt_tokens: int, max_model_len: int) -> str | None:
 class TableFileReader(ParquetReader):
     """One data file of a Delta table (:mod:`batchspec.io.delta`): a Parquet file whose row
     count the log gave, with the file's partition values as columns and ``input.filter``
-    applied to each record batch (files were pruned on their statistics at planning; a filter
-    reads its own columns too)."""
+    applied to each record batch by polars (which also left out, at planning, the files whose
+    partition values it rules out; a filter reads its own columns too)."""
 
     def __init__(self, shard: Shard, spec: JobSpec, batch_rows: int, table_schema: pa.Schema):
         import polars as pl
@@ -350,10 +365,14 @@ def open_reader(shard: Shard, spec: JobSpec) -> ParquetReader | JsonLinesReader:
     if shard.table is not None:  # a data file of a Delta or Iceberg table
         return shard.table.source.reader(shard, spec)
     if shard.format.name == OPENAI:
-        return OpenAIBatchReader(shard, spec, batch_rows)
-    if shard.format.name == JSONL:
-        return JsonLinesReader(shard, spec.input, spec.output, batch_rows)
-    return ParquetReader(shard, spec.input, spec.output, batch_rows)
+        reader = OpenAIBatchReader(shard, spec, batch_rows)
+    elif shard.format.name == JSONL:
+        reader = JsonLinesReader(shard, spec.input, spec.output, batch_rows)
+    else:
+        reader = ParquetReader(shard, spec.input, spec.output, batch_rows)
+    if shard.kept_fields is not None:  # a table output's types (the check stage chose them)
+        reader.conform(list(shard.kept_fields))
+    return reader
 
 
 def sample_rows(spec, n: int, seed: int, shards=None) -> tuple[list[Row], int]:

@@ -99,17 +99,24 @@ def choose_pin(
 ) -> tuple[int | None, list[Shard], dict]:
     """The version (snapshot) this run reads, its shards, and the pin's record.
 
-    ``input.version`` (``input.snapshot``) where set; else the pin recorded under the output by
-    an earlier run, as long as one of its shards is not ``committed`` (a rerun reads what the
-    run it resumes read); else the latest, recorded for the runs that follow. ``fresh``
+    ``input.version`` (``input.snapshot``) where set, recorded as any pin is (a later run
+    without the key resumes it until it is done); else the pin recorded under the output by an
+    earlier run, as long as one of its shards is not ``committed`` (a rerun reads what the run
+    it resumes read); else the latest, recorded for the runs that follow. ``fresh``
     (``--overwrite``) pins the latest. Only a run ``record``s its pin (``status`` and
     ``validate`` show what a run would read now)."""
     key = pin_key(spec.input.format)
     asked = getattr(spec.input, key)
-    if asked is not None:
-        chosen = {"format": source.format, "table": source.identity, key: asked, "chosen": "spec"}
-        return asked, source.shards(asked), chosen
     path = out.input_pin_path()
+    if asked is not None:
+        shards = source.shards(asked)
+        if record:
+            out.write_json(path, _pin_record(source, key, asked))
+        return (
+            asked,
+            shards,
+            {"format": source.format, "table": source.identity, key: asked, "chosen": "spec"},
+        )
     earlier = out.read_json(path)
     if not fresh and earlier and earlier.get("table") == source.identity and earlier.get(key) is not None:
         try:
@@ -119,16 +126,21 @@ def choose_pin(
         if shards is not None and not all(committed(s) for s in shards):
             return earlier[key], shards, {**earlier, "chosen": "resumed"}
     latest = source.latest()
-    pinned = {
-        "format": source.format,
-        "table": source.identity,
-        key: latest,
-        "pinned_at": dt.datetime.now(dt.UTC).isoformat(),
-    }
+    pinned = _pin_record(source, key, latest)
     shards = source.shards(latest) if latest is not None else []
     if record:
         out.write_json(path, pinned)
     return latest, shards, {**pinned, "chosen": "latest"}
+
+
+def _pin_record(source, key: str, pin: int | None) -> dict:
+    """What ``input_pin.json`` holds."""
+    return {
+        "format": source.format,
+        "table": source.identity,
+        key: pin,
+        "pinned_at": dt.datetime.now(dt.UTC).isoformat(),
+    }
 
 
 def check_table_schema(source, spec: JobSpec, shards: list[Shard]) -> list:
@@ -141,6 +153,87 @@ def check_table_schema(source, spec: JobSpec, shards: list[Shard]) -> list:
     # the Parquet reader's own check, on the table's schema, naming the table
     table = dataclasses.replace(shards[0], url=source.shown)
     return ParquetReader.check_table(source.arrow_schema(), table, spec)
+
+
+def _castable(source: pa.DataType, target: pa.DataType, to_text: bool) -> bool:
+    """Whether every value of a kept column of type ``source`` is one of ``target`` as the
+    writer takes it: the same type, an integer of a wider type or a float, a float of a wider
+    one, or (a JSON-lines shard's, whose values are written as their JSON text) text."""
+    import pyarrow as pa
+
+    source, target = _plain(source), _plain(target)
+    if source.equals(target) or pa.types.is_null(source):
+        return True
+    if pa.types.is_integer(source) and pa.types.is_floating(target):
+        return True
+    if pa.types.is_integer(source) and pa.types.is_integer(target):
+        signed_s, signed_t = pa.types.is_signed_integer(source), pa.types.is_signed_integer(target)
+        return (signed_s == signed_t and target.bit_width >= source.bit_width) or (
+            signed_t and not signed_s and target.bit_width > source.bit_width
+        )
+    if pa.types.is_floating(source) and pa.types.is_floating(target):
+        return target.bit_width >= source.bit_width
+    return to_text and pa.types.is_string(target)
+
+
+def conform_kept(fields: list, target: list, untyped: set[str], url: str, json_lines: bool) -> list:
+    """A shard's kept columns (``fields``) as the table output has them (``target``): each cast
+    to the table's type where its values all are of it (:func:`_castable`; a column ``untyped``,
+    one the shard's first records have no value of, takes the table's type, each later value
+    checked as it is read). A JSON-lines shard without one of the columns writes it null.
+    Exit 3 naming the shard and the column where a column cannot be cast or the table has no
+    such column (a bad shard: ``input.on_bad_shard`` decides)."""
+    have = {f.name: f for f in fields}
+    out = []
+    for want in target:
+        own = have.pop(want.name, None)
+        if own is None:
+            if not json_lines:
+                raise InputDataError(
+                    url, f"has no column {want.name!r}, which the output table has", column=want.name
+                )
+            out.append(want)
+        elif want.name in untyped:
+            out.append(want)
+        elif _plain(own.type).equals(_plain(want.type)):
+            out.append(own)
+        elif _castable(own.type, want.type, json_lines):
+            out.append(want)
+        else:
+            raise InputDataError(
+                url,
+                f"column {want.name!r} is {own.type} here, the output table's is {want.type}, "
+                "which its values cannot be cast to",
+                column=want.name,
+            )
+    if have:
+        name = next(iter(have))
+        raise InputDataError(url, f"has column {name!r}, which the output table has not", column=name)
+    return out
+
+
+def kept_target(kept: list[tuple[list, set[str]]], table: pa.Schema | None) -> list:
+    """The kept columns every shard is written with (their names from the shards, in the order
+    first seen), typed as ``table`` (the output table, where it exists) has them, else as the
+    first shard with a value of a column has it (an integer widened to a float where another
+    shard's is a float; a column no shard has a value of: text)."""
+    import pyarrow as pa
+
+    types: dict[str, pa.DataType | None] = {}
+    for fields, untyped in kept:
+        for f in fields:
+            seen = types.get(f.name)
+            if f.name in untyped or pa.types.is_null(f.type):
+                types.setdefault(f.name, None)
+            elif seen is None:
+                types[f.name] = f.type
+            elif pa.types.is_integer(seen) and pa.types.is_floating(f.type):
+                types[f.name] = pa.float64()
+    have = {f.name: f.type for f in table} if table is not None else {}
+    return [
+        pa.field(name, _plain(have[name]) if name in have else t if t is not None else pa.string())
+        for name, t in types.items()
+    ]
 
 
 def refused_error(shard: Shard) -> InputDataError | None:

@@ -7,21 +7,29 @@ batch's rows into :class:`~batchspec.io.rows.Row` objects, in Jinja2's
 mutation), with :class:`~jinja2.StrictUndefined` (a name that is not there fails) and no
 autoescaping. The row's columns are its variables; a null cell is left out, so it fails as an
 undefined name unless the template gives a default (``{{ x | default('n/a') }}``,
-``{% if x is defined %}``).
+``{% if x is defined %}``). An input must have the columns the template reads without such a
+guard (:attr:`PromptTemplate.required`, found on the template's syntax tree by
+:func:`_unguarded`); one it guards may be missing.
 
 A template cannot cost more than its bounds, whatever the row holds:
 
 - refused when the job is checked (exit 2, naming the key and the line): syntax errors, macros
   and ``{% call %}``, ``include``/``import``/``extends``, recursive loops, the ``**`` operator,
   a dunder attribute (``x.__class__``), the globals ``lipsum``, ``cycler``, ``joiner`` and
-  ``namespace``, and every filter but :data:`FILTERS` (no ``center``, ``indent``, ``format``,
-  ``wordwrap``, ``batch`` or ``slice``, whose width arguments allocate at will; no ``random``);
+  ``namespace``, every filter but :data:`FILTERS` (``map('name')`` included), and the filter
+  arguments whose cost is not linear: ``tojson``'s indent, ``sum``'s start (summing lists),
+  ``round`` to more than :data:`MAX_ROUND_DIGITS` digits (checked again when a filter is
+  named at render: ``map(f, ...)``);
 - bounded when a row renders (the row's error when exceeded): :data:`MAX_LOOP_ITERATIONS` loop
   iterations in all (``range`` included, and nested loops counted together),
   :data:`MAX_CHARS` characters (or items) for the output and for any value computed on the way
-  (checked before ``*``, ``+``, ``join`` and ``replace`` allocate, and after each filter,
-  ``~`` and call), :data:`MAX_WORK` characters and items handled by filters and methods, and
-  only the methods of :data:`METHODS` may be called (``x.upper()``; not ``'{}'.format``).
+  (checked before ``*``, ``+``, ``join`` and ``replace`` allocate and before a list or a
+  struct is written out as text, and after each filter, ``~`` and call),
+  :data:`MAX_INT_BITS` bits for an integer ``*`` builds, :data:`MAX_WORK` characters and items
+  handled by filters, methods and operators (each call's input with its nested items, its
+  arguments, once an item where it applies them to each (``select('in', other)``) or looks
+  each character up in them (``trim(chars)``), and what it builds), and only the methods of
+  :data:`METHODS` may be called (``x.upper()``; not ``'{}'.format``).
 
 A list or a struct printed as it is (``{{ labels }}``) renders as JSON; a null printed from
 inside one (a struct's null field) or a binary value is the row's error."""
@@ -29,6 +37,7 @@ inside one (a struct's null field) or a binary value is the row's error."""
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import re
 import threading
@@ -44,14 +53,19 @@ MAX_LOOP_ITERATIONS = 100_000
 #: Characters (or items, for a list) the rendered text, and any value computed on the way, may
 #: have: 16 Mi, far above any context window.
 MAX_CHARS = 1 << 24
-#: Characters and items filters and methods may handle in one row's render (each call counts
-#: its input's size): what bounds the time a loop of filters takes.
+#: Characters and items filters, methods and operators may handle in one row's render (each
+#: call counts its input, nested items included, its arguments and what it builds): what bounds
+#: the time a loop of filters takes.
 MAX_WORK = 1 << 26
+#: Bits an integer built by ``*`` may have (``{% set n = n * n %}`` squares its digits).
+MAX_INT_BITS = 1 << 16
+#: Digits ``round`` may round to (``round(1, 10**9, 'floor')`` computes ``10**10**9``).
+MAX_ROUND_DIGITS = 32
 
-#: The filters a template may use: each takes time and space linear in its input (and the
-#: template's own constants). Left out: those with a width or count argument that allocates at
-#: will (center, indent, format, wordwrap, batch, slice, truncate's leeway is bounded, kept),
-#: random (a rerun would render other prompts), and the HTML ones (urlize, xmlattr).
+#: The filters a template may use: each takes time and space linear in its input and arguments
+#: (what :func:`_refused_arguments` refuses aside). Left out: those with a width or count
+#: argument that allocates at will (center, indent, format, wordwrap, batch, slice), random (a
+#: rerun would render other prompts), and the HTML ones (urlize, xmlattr).
 FILTERS = frozenset(
     {
         "abs",
@@ -159,6 +173,8 @@ class _Binary(Exception):
 class _Spent(threading.local):
     loops = 0
     work = 0
+    #: id -> (list or struct, its size): what :func:`_deep` measured in this row's render
+    sizes: dict[int, tuple[Any, int]] = {}
 
 
 _spent = _Spent()
@@ -170,17 +186,82 @@ def _size(value: Any) -> int:
     return 0
 
 
+def _deep(value: Any, limit: int, why: str) -> int:
+    """``value``'s characters and items, nested ones included (a number counts its digits),
+    measured without building anything: TemplateBudget(``why``) once they pass ``limit``. A
+    list or a struct measured whole is remembered for the rest of the row's render, so a value
+    read again (in a loop, or one list repeated inside another) is not walked again; the walk
+    costs no more than ``limit`` steps. A generator is not walked (what it yields is counted
+    where it is built)."""
+    memo = _spent.sizes
+    total = 0
+    stack: list[tuple[Any, Any, int]] = [(None, iter((value,)), 0)]
+    while True:
+        container, items, began = stack[-1]
+        item = next(items, _END)
+        if item is _END:
+            stack.pop()
+            if not stack:
+                return total
+            if len(container) >= 16:
+                memo[id(container)] = (container, total - began)
+            continue
+        if isinstance(item, list | tuple | dict):
+            seen = memo.get(id(item))
+            if seen is not None and seen[0] is item:
+                total += seen[1]
+            else:
+                total += len(item)
+                children = (
+                    itertools.chain(item.keys(), item.values()) if isinstance(item, dict) else iter(item)
+                )
+                stack.append((item, children, total - len(item)))
+        elif isinstance(item, str | bytes | bytearray):
+            total += len(item)
+        elif isinstance(item, int) and not isinstance(item, bool):
+            total += item.bit_length() // 3 + 1
+        elif isinstance(item, float):
+            total += 24
+        else:
+            total += 1
+        if total > limit:
+            raise TemplateBudget(why)
+
+
+_END = object()
+
+
 def _cap(value: Any) -> Any:
-    """A computed value, refused when it is larger than :data:`MAX_CHARS`."""
-    if _size(value) > MAX_CHARS:
+    """A computed value, refused when it is larger than :data:`MAX_CHARS`, and counted as work."""
+    size = _size(value)
+    if size > MAX_CHARS:
         raise TemplateBudget(f"a value of more than {MAX_CHARS:,} characters or items")
+    _work(size)
     return value
 
 
 def _work(n: int) -> None:
     _spent.work += n
     if _spent.work > MAX_WORK:
-        raise TemplateBudget(f"filters and methods handled more than {MAX_WORK:,} characters")
+        raise TemplateBudget(_work_why())
+
+
+def _work_why() -> str:
+    return f"filters, methods and operators handled more than {MAX_WORK:,} characters or items"
+
+
+def _work_deep(value: Any) -> int:
+    """Count ``value``, nested items included, as work; its size."""
+    size = _deep(value, MAX_WORK - _spent.work, _work_why())
+    _work(size)
+    return size
+
+
+def _serializable(value: Any) -> None:
+    """A list or a struct about to be written out as text (JSON, ``str``): refused before it
+    is when its characters and items are over :data:`MAX_CHARS`."""
+    if isinstance(value, list | tuple | dict):
+        _deep(value, MAX_CHARS, f"a value of more than {MAX_CHARS:,} characters or items")
 
 
 def _loop(iterable: Any):
@@ -203,9 +284,27 @@ def _replace_size(text: str, old: str, new: str, count: int | None = None) -> in
     return len(text) + found * (len(new) - len(old))
 
 
+#: Filters that apply a test or a filter named by their argument to each item (the argument's
+#: cost paid once an item: ``select('in', other)``).
+_PER_ITEM = frozenset({"select", "reject", "selectattr", "rejectattr", "map"})
+
+
+def _refused_arguments(name: str, positional: int, keywords: set[str]) -> str | None:
+    """Why a filter called with these arguments (besides its input) is refused, or None: the
+    ones whose cost is not linear in their input."""
+    if name == "tojson" and (positional or keywords):
+        return "tojson takes no argument in a prompt template (indent= allocates at will)"
+    if name == "sum" and (positional >= 2 or "start" in keywords):
+        return "sum's start is not available in a prompt template (summing lists is quadratic)"
+    return None
+
+
 def _checked_filter(name: str, func):
-    """A filter that counts its input against :data:`MAX_WORK` and whose result is capped
-    (``join`` and ``replace`` checked before they allocate)."""
+    """A filter whose input (nested items included) and arguments count against
+    :data:`MAX_WORK`, whose arguments are checked (:func:`_refused_arguments`, ``round``'s
+    precision), and whose result is capped and counted (``join``, ``replace``, ``string`` and
+    ``tojson`` checked before they allocate)."""
+    from jinja2.sandbox import SecurityError
     from jinja2.utils import _PassArg
 
     skip = 0 if _PassArg.from_obj(func) is None else 1
@@ -213,7 +312,22 @@ def _checked_filter(name: str, func):
     @functools.wraps(func)
     def checked(*args, **kwargs):
         value = args[skip] if len(args) > skip else None
-        _work(_size(value))
+        rest = args[skip + 1 :]
+        why = _refused_arguments(name, len(rest), set(kwargs))
+        if why is not None:
+            raise SecurityError(why)
+        if name == "round":
+            precision = rest[0] if rest else kwargs.get("precision", 0)
+            if not isinstance(precision, int) or abs(precision) > MAX_ROUND_DIGITS:
+                raise TemplateBudget(f"round to more than {MAX_ROUND_DIGITS} digits")
+        size = _work_deep(value)
+        extra = _work_deep([*rest, *kwargs.values()]) if rest or kwargs else 0
+        if name in _PER_ITEM:
+            _work(_size(value) * extra)
+        elif name == "trim" and rest:  # str.strip(chars) looks each character up in chars
+            _work(size * _size(rest[0]))
+        if name in ("tojson", "string", "join"):
+            _serializable(value)
         if name == "join" and isinstance(value, list | tuple | str):
             separator = args[skip + 1] if len(args) > skip + 1 else kwargs.get("d", "")
             _cap_size(_join_size(value, separator))
@@ -238,6 +352,7 @@ def _finalize(value: Any) -> Any:
     if isinstance(value, bytes | bytearray | memoryview):
         raise _Binary()
     if isinstance(value, list | tuple | dict):
+        _serializable(value)
         return json.dumps(value, ensure_ascii=False, default=str)
     return value
 
@@ -262,17 +377,20 @@ def _environment():
                 for seq, n in ((left, right), (right, left)):
                     if isinstance(seq, str | list | tuple) and isinstance(n, int):
                         _cap_size(len(seq) * max(n, 0))
+                if isinstance(left, int) and isinstance(right, int):
+                    if left.bit_length() + right.bit_length() > MAX_INT_BITS:
+                        raise TemplateBudget(f"an integer of more than {MAX_INT_BITS:,} bits")
             if operator == "+":
                 _cap_size(_size(left) + _size(right))
-            return super().call_binop(context, operator, left, right)
+            return _cap(super().call_binop(context, operator, left, right))
 
         def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 (Jinja2's own names)
+            if __obj is _loop or __obj is _cap:  # the hooks: counted where they run
+                return super().call(__context, __obj, *args, **kwargs)
             owner = getattr(__obj, "__self__", None)
             name = getattr(__obj, "__name__", "")
             allowed = (
-                __obj is _loop
-                or __obj is _cap
-                or __obj is _GLOBALS["range"]
+                __obj is _GLOBALS["range"]
                 or __obj is dict
                 or (isinstance(owner, LoopContext) and name in ("cycle", "changed"))
                 or (isinstance(owner, str | list | tuple | dict) and name in METHODS)
@@ -282,7 +400,10 @@ def _environment():
             if not allowed:
                 raise SecurityError(f"calling {name or type(__obj).__name__!r} is not available")
             if isinstance(owner, str | list | tuple | dict):
-                _work(_size(owner) + sum(_size(a) for a in args))
+                size = _work_deep(owner)
+                _work_deep([*args, *kwargs.values()])
+                if name in ("strip", "lstrip", "rstrip") and args and args[0] is not None:
+                    _work(size * _size(args[0]))  # each character looked up in the argument
                 if name == "join":
                     items = list(args[0]) if args else []
                     _cap_size(_join_size(items, owner))
@@ -317,6 +438,10 @@ class _Compiled:
             raise SpecError(key, f"not a valid Jinja2 template: line {exc.lineno}: {exc.message}") from exc
         _refuse(tree, key)
         self.columns = frozenset(meta.find_undeclared_variables(tree) - set(env.globals))
+        #: the columns it reads without a guard (``is defined``, ``default``): those an input
+        #: must have
+        self.required = frozenset(meta.find_undeclared_variables(_unguarded(env.parse(source), nodes)))
+        self.required &= self.columns
         # every loop's iterable counted, every concatenation capped
         for loop in tree.find_all(nodes.For):
             loop.iter = nodes.Call(nodes.Name(_HOOK_LOOP, "load"), [loop.iter], [], None, None)
@@ -349,6 +474,72 @@ def _wrap_concat(tree, nodes) -> None:
                 setattr(node, field, _capped(value, nodes))
             elif isinstance(value, list):
                 setattr(node, field, [_capped(v, nodes) if isinstance(v, nodes.Concat) else v for v in value])
+
+
+def _defined(test, nodes, when: bool) -> set[str]:
+    """The names ``test`` proves defined when it evaluates to ``when``: ``x is defined``,
+    ``x is not defined`` (false), ``not``, and ``and`` (true) or ``or`` (false) of those."""
+    if (
+        isinstance(test, nodes.Test)
+        and test.name in ("defined", "undefined")
+        and isinstance(test.node, nodes.Name)
+    ):
+        return {test.node.name} if (test.name == "defined") == when else set()
+    if isinstance(test, nodes.Not):
+        return _defined(test.node, nodes, not when)
+    if (isinstance(test, nodes.And) and when) or (isinstance(test, nodes.Or) and not when):
+        return _defined(test.left, nodes, when) | _defined(test.right, nodes, when)
+    return set()
+
+
+def _unguarded(tree, nodes):
+    """``tree`` (a parse of its own, changed in place) with every guarded read of a name made
+    a constant, so that the names it still reads are the ones it reads without a guard: the
+    input of ``default``/``d``, the operand of ``is defined``/``is undefined``, and a name read
+    where an ``if``, an ``x if ... else y``, an ``and`` or an ``or`` has tested it defined.
+    A read under a test that does not prove the name defined (``{% if x is defined or y %}``)
+    stays unguarded."""
+    for node in list(tree.find_all(nodes.Node)):
+        if isinstance(node, nodes.If):
+            _blank(node, ("body",), _defined(node.test, nodes, True), nodes)
+            _blank(node, ("elif_", "else_"), _defined(node.test, nodes, False), nodes)
+        elif isinstance(node, nodes.CondExpr):
+            _blank(node, ("expr1",), _defined(node.test, nodes, True), nodes)
+            _blank(node, ("expr2",), _defined(node.test, nodes, False), nodes)
+        elif isinstance(node, nodes.And):
+            _blank(node, ("right",), _defined(node.left, nodes, True), nodes)
+        elif isinstance(node, nodes.Or):
+            _blank(node, ("right",), _defined(node.left, nodes, False), nodes)
+        elif isinstance(node, nodes.Filter) and node.name in ("default", "d"):
+            _blank(node, ("node",), {node.node.name} if isinstance(node.node, nodes.Name) else set(), nodes)
+        elif isinstance(node, nodes.Test) and node.name in ("defined", "undefined"):
+            _blank(node, ("node",), {node.node.name} if isinstance(node.node, nodes.Name) else set(), nodes)
+    return tree
+
+
+def _blank(node, fields, names: set[str], nodes) -> None:
+    """Each read of one of ``names`` under ``node``'s ``fields`` made a constant."""
+    if not names:
+        return
+
+    def swap(value):
+        if isinstance(value, nodes.Name) and value.ctx == "load" and value.name in names:
+            return nodes.Const(None, lineno=value.lineno)
+        return value
+
+    todo = [(node, fields)]
+    while todo:
+        parent, names_of = todo.pop()
+        for field in names_of:
+            value = getattr(parent, field, None)
+            if isinstance(value, list):
+                value = [swap(v) for v in value]
+                children = value
+            else:
+                value = swap(value)
+                children = [value]
+            setattr(parent, field, value)
+            todo.extend((c, c.fields) for c in children if isinstance(c, nodes.Node))
 
 
 def _capped(node, nodes):
@@ -396,6 +587,25 @@ def _refuse(tree, key: str) -> None:
                 f"filter {node.name!r} is not available in a prompt template "
                 f"(filters: {', '.join(sorted(FILTERS))})",
             )
+        if isinstance(node, nodes.Filter):
+            name, args = node.name, node.args
+            if name == "map" and args and isinstance(args[0], nodes.Const):  # map('tojson', 4)
+                name, args = args[0].value, args[1:]
+                if name not in FILTERS:
+                    refuse(node, f"filter {name!r} is not available in a prompt template")
+            why = _refused_arguments(name, len(args), {k.key for k in node.kwargs})
+            if why is None and name == "round":
+                precision = (
+                    args[0] if args else next((k.value for k in node.kwargs if k.key == "precision"), None)
+                )
+                if (
+                    isinstance(precision, nodes.Const)
+                    and isinstance(precision.value, int)
+                    and abs(precision.value) > MAX_ROUND_DIGITS
+                ):
+                    why = f"round to more than {MAX_ROUND_DIGITS} digits is not available"
+            if why is not None:
+                refuse(node, why)
 
 
 @functools.lru_cache(maxsize=64)
@@ -422,6 +632,8 @@ class PromptTemplate:
             ]
         #: The columns the template reads (its undeclared names), in a stable order.
         self.columns: tuple[str, ...] = tuple(sorted(set().union(*(c.columns for _, c in self.parts))))
+        #: Those it reads without a guard (``is defined``, ``default``): an input must have them.
+        self.required: tuple[str, ...] = tuple(sorted(set().union(*(c.required for _, c in self.parts))))
 
     def render(self, values: Mapping[str, Any]) -> tuple[str | list[dict[str, str]] | None, str | None]:
         """(the prompt or the messages, None) or (None, why not): the row's error, naming the
@@ -434,12 +646,15 @@ class PromptTemplate:
             if value is not None:
                 variables[column] = value
         _spent.loops = _spent.work = 0
+        _spent.sizes = {}
         try:
             if not self.messages:
                 return self.parts[0][1].render(variables), None
             return [{"role": role, "content": c.render(variables)} for role, c in self.parts], None
         except Exception as exc:  # noqa: BLE001 (whatever one row's render raises is its error)
             return None, self._why(exc, values)
+        finally:
+            _spent.sizes = {}
 
     def fill(self, row, values: Mapping[str, Any], where: str = "") -> None:
         """Render the row's prompt or messages from its ``values`` (column -> value) into
@@ -489,9 +704,10 @@ def prompt_template(spec) -> PromptTemplate | None:
 
 
 def check_columns(template: PromptTemplate, names, url: str) -> None:
-    """Exit 2 naming the first column the template reads that the shard lacks."""
+    """Exit 2 naming the first column the template reads without a guard that the shard lacks
+    (:attr:`PromptTemplate.required`); one it guards may be missing."""
     have = set(names)
-    for column in template.columns:
+    for column in template.required:
         if column not in have:
             raise SpecError(
                 "input.prompt_template" if not template.messages else "input.messages_template",

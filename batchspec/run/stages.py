@@ -168,6 +168,7 @@ def check_inputs(
     row_counts: dict[str, int] = {}
     if todo and todo[0].table is not None:
         return _check_table(spec, todo, bad_shard, out)
+    kept: dict[str, tuple[list, set[str], bool]] = {}
     for s in todo:
         try:
             reader = open_reader(s, spec)
@@ -176,10 +177,50 @@ def check_inputs(
             bad_shard(s, exc)
             continue
         reader.close()
-        if out is not None and out.format.table and not ok:
-            out.check_table_schema(output_fields(spec, reader.kept_fields))
+        kept[s.name] = (reader.kept_fields, reader.untyped, isinstance(reader, JsonLinesReader))
         ok.append(s)
+    if out is not None and out.format.table and ok:
+        ok = _conform_to_table(spec, ok, kept, bad_shard, out)
     return ok, row_counts
+
+
+def _conform_to_table(
+    spec: JobSpec,
+    shards: list[Shard],
+    kept: dict[str, tuple[list, set[str], bool]],
+    bad_shard: Callable[[Shard, InputDataError], None],
+    out: OutputDir,
+) -> list[Shard]:
+    """A table output from files: every pending shard's kept columns written as the table has
+    them (one type per column, for every shard, whichever shard is committed first: a JSON-lines
+    shard's types come from its own first records), so that no table commit meets a file of
+    other types. The table's columns are checked once against them (exit 2 naming one); a shard
+    whose column cannot be cast is a bad shard (exit 3 naming it and the column, or left out
+    with ``on_bad_shard: skip``), all before any model loads."""
+    import dataclasses
+
+    import pyarrow as pa
+
+    from batchspec.columns import output_schema
+    from batchspec.io.tables import conform_kept, kept_target
+
+    table = out.table_state.schema if out.table_state.exists else None
+    ours = set(output_schema(output_fields(spec, [])).names)
+    existing = None if table is None else [f for f in table if f.name not in ours]
+    target = kept_target(
+        [kept[s.name][:2] for s in shards], None if existing is None else pa.schema(existing)
+    )
+    out.check_table_schema(output_fields(spec, target))
+    good = []
+    for s in shards:
+        fields, untyped, json_lines = kept[s.name]
+        try:
+            conform_kept(fields, target, untyped, s.url, json_lines)
+        except InputDataError as exc:
+            bad_shard(s, exc)  # raises unless on_bad_shard: skip
+            continue
+        good.append(dataclasses.replace(s, kept_fields=tuple(target)))
+    return good
 
 
 def _check_table(

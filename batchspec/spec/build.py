@@ -435,11 +435,12 @@ def _output_spec(raw: dict) -> OutputSpec:
     for key in fmt.refused_keys:
         if key in out.values:
             raise SpecError(f"output.{key}", fmt.refused_why)
-    for key in _TABLE_OUTPUT_KEYS:
-        if out.values.get(key) not in (None, {}) and output_format not in TABLE_FORMATS:
+    for key, formats in _TABLE_OUTPUT_KEYS.items():
+        if out.values.get(key) not in (None, {}) and output_format not in formats:
             raise SpecError(
                 f"output.{key}",
-                f"a table's key: output.format {output_format} writes files; leave this key out",
+                f"read only with output.format {' or '.join(formats)}, not "
+                f"{output_format or 'parquet'}; leave this key out",
             )
     if output_format in TABLE_FORMATS:
         _check_extra(f"output.format {output_format}", output_format)
@@ -465,8 +466,13 @@ def _output_spec(raw: dict) -> OutputSpec:
     )
 
 
-#: The output keys only a table format reads.
-_TABLE_OUTPUT_KEYS = ("table", "catalog", "commit_shards", "commit_interval_s")
+#: The output keys that only a table format reads, and which one.
+_TABLE_OUTPUT_KEYS = {
+    "table": ("iceberg",),
+    "catalog": ("iceberg",),
+    "commit_shards": TABLE_FORMATS,
+    "commit_interval_s": TABLE_FORMATS,
+}
 
 
 def _model_spec(raw: dict) -> ModelSpec:

@@ -92,8 +92,8 @@ class InputSpec:
     #: ``format: iceberg``: the snapshot id to read; None: pinned as ``version`` is.
     snapshot: int | None = None
     #: Tables only: one row predicate in the table library's own syntax, pushed down: a SQL
-    #: predicate for ``delta`` (as delta-rs's ``file_uris`` and ``scan`` take it: files pruned
-    #: on their statistics, rows filtered as they are read); a pyiceberg ``row_filter``
+    #: predicate for ``delta`` (polars' SQL: files pruned on their partition values, rows
+    #: filtered as they are read, both by polars); a pyiceberg ``row_filter``
     #: string for ``iceberg`` (``lang == 'en' and len > 3``). None: every row.
     filter: str | None = None
     #: Column holding the text prompt (exclusive with ``messages_column``; give exactly one of

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pyarrow as pa
 import pytest
-from helpers.jobs import MODELS, run_cli, write_job
+from helpers.jobs import INLINE_ENGINE, MODELS, run_cli, write_job
 from helpers.recovery import Job
 from helpers.tables import iceberg_catalog, table_rows
 
@@ -54,7 +54,7 @@ def test_a_table_job_killed_and_rerun_holds_every_row_once(tmp_path, models, fmt
         sampling={"temperature": 0.0, "max_tokens": 24},
         execution={"max_in_flight": 4},
     )
-    killed = Job(job)
+    killed = Job(job, env=INLINE_ENGINE)  # the engine in the killed process: a 4-s start-up
     assert killed.wait_for("shard_committed") is not None, killed.stderr
     killed.kill_group()
     killed.wait()

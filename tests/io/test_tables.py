@@ -137,6 +137,19 @@ def test_a_version_given_reads_that_version(tmp_path):
     assert len(table_rows(spec)) == 10  # versions 0 and 1: two files
 
 
+def test_a_version_given_is_recorded_as_the_pin(tmp_path):
+    """``input.version`` is recorded in input_pin.json; a later run without it reads that
+    version until it is done, then the latest."""
+    delta_prompts(str(tmp_path / "in"), files=3)
+    run(build_spec(table_job(tmp_path, "delta", input={"version": 1})))
+    pin = json.loads((tmp_path / "out" / "_batchspec" / "input_pin.json").read_text())
+    assert pin["version"] == 1 and pin["format"] == "delta"
+    later = build_spec(table_job(tmp_path, "delta"))
+    result, events = run(later)
+    assert result.summary["input_pin"]["chosen"] == "latest" and result.summary["input_pin"]["version"] == 2
+    assert [e for e, _ in events].count("shard_committed") == 1 and len(table_rows(later)) == 15
+
+
 def test_a_delta_filter_prunes_files_and_rows_and_partitions_are_columns(tmp_path):
     from deltalake import write_deltalake
 
@@ -157,6 +170,79 @@ def test_a_delta_filter_prunes_files_and_rows_and_partitions_are_columns(tmp_pat
     df = pl.read_delta(str(tmp_path / "out")).sort("k")
     assert df["lang"].to_list() == ["en", "en"] and df["k"].to_list() == [0, 1]
     assert df["generated_text"].to_list() == ["EN 0", "EN 1"]
+
+
+def _same_name_in_two_partitions(url: str) -> None:
+    """A Delta table partitioned by ``lang`` whose two files (en, fr) have one base name, as
+    Spark's tables may."""
+    import os
+    import time
+
+    import pyarrow.parquet as pq
+    from deltalake import DeltaTable
+    from deltalake.transaction import AddAction
+
+    schema = pa.schema([("prompt", pa.string()), ("k", pa.int64()), ("lang", pa.string())])
+    table = DeltaTable.create(url, schema=schema, partition_by=["lang"])
+    actions = []
+    for lang in ("en", "fr"):
+        os.makedirs(f"{url}/lang={lang}")
+        path = f"{url}/lang={lang}/part-0.parquet"
+        pq.write_table(
+            pa.table({"prompt": [f"{lang} 0", f"{lang} 1"], "k": pa.array([0, 1], pa.int64())}), path
+        )
+        stats = json.dumps({"numRecords": 2})
+        actions.append(
+            AddAction(
+                f"lang={lang}/part-0.parquet",
+                os.path.getsize(path),
+                {"lang": lang},
+                int(time.time() * 1000),
+                True,
+                stats,
+            )
+        )
+    table.create_write_transaction(actions, "append", table.schema(), partition_by=["lang"])
+
+
+def test_delta_files_of_one_name_in_two_partitions_are_matched_by_their_path(tmp_path, monkeypatch):
+    """Pruning and deletion vectors match a data file by its path in the table, not its name."""
+    from batchspec.io.delta import DeltaInput
+    from batchspec.run.stages import plan
+
+    _same_name_in_two_partitions(str(tmp_path / "in"))
+    spec = build_spec(table_job(tmp_path, "delta", input={"filter": "lang = 'fr'"}))
+    assert [s.name for s in plan(spec).shards] == ["lang=fr/part-0"]
+    monkeypatch.setattr(
+        DeltaInput, "_deletion_vectors", staticmethod(lambda table: {"lang=fr/part-0.parquet"})
+    )
+    spec = build_spec(table_job(tmp_path, "delta"))
+    shards = plan(spec).shards
+    assert [(s.name, s.table.refused is not None) for s in shards] == [
+        ("lang=en/part-0", False),
+        ("lang=fr/part-0", True),
+    ]
+
+
+def test_a_delta_filter_prunes_and_filters_with_polars_alone(tmp_path):
+    """One engine prunes the files and filters the rows: a predicate delta-rs cannot prune
+    with (ILIKE) but polars reads runs; one polars cannot apply to the table's columns (a
+    column compared with a value of another type, which delta-rs would coerce) is exit 2
+    naming input.filter at planning, before any file is read."""
+    from batchspec.run.stages import plan
+
+    _same_name_in_two_partitions(str(tmp_path / "in"))
+    spec = build_spec(table_job(tmp_path, "delta", input={"filter": "lang ILIKE 'EN' AND k > 0"}))
+    assert [s.name for s in plan(spec).shards] == ["lang=en/part-0"]
+    run(spec)
+    import polars as pl
+
+    assert pl.read_delta(str(tmp_path / "out"))["generated_text"].to_list() == ["EN 1"]
+    for bad in ("k = '1'", "nope = 1"):
+        spec = build_spec(table_job(tmp_path, "delta", input={"filter": bad}))
+        with pytest.raises(SpecError) as info:
+            plan(spec)
+        assert info.value.key == "input.filter" and info.value.exit_code == 2
 
 
 def test_an_iceberg_filter_is_pushed_down(tmp_path):
@@ -183,6 +269,37 @@ def test_an_iceberg_table_is_read_as_its_snapshot_says_after_a_delete(tmp_path):
     assert sorted(kept) == sorted(f"PROMPT 0-{j}" for j in (0, 1, 3, 4, 5))
 
 
+def test_an_iceberg_delete_added_after_a_shard_was_committed_leaves_it_committed(tmp_path, monkeypatch):
+    """A positional delete file added later to a data file already answered: its shard stays
+    committed (not stale), and a rerun skips it."""
+    from pyiceberg.manifest import DataFile, DataFileContent, FileFormat
+    from pyiceberg.table import DataScan, FileScanTask
+
+    make_input(tmp_path, "iceberg", files=2)
+    spec = build_spec(table_job(tmp_path, "iceberg"))
+    run(spec)
+    plan_files = DataScan.plan_files
+
+    def with_deletes(self):
+        def deletes(data):
+            return DataFile.from_args(
+                content=DataFileContent.POSITION_DELETES,
+                file_path=data.file_path + ".deletes.parquet",
+                file_format=FileFormat.PARQUET,
+                record_count=1,
+                file_size_in_bytes=100,
+            )
+
+        return [FileScanTask(t.file, {deletes(t.file)}, t.residual) for t in plan_files(self)]
+
+    monkeypatch.setattr(DataScan, "plan_files", with_deletes)
+    assert [s["state"] for s in job_status(spec)["shards"]] == ["committed"] * 2
+    _, events = run(spec)
+    assert [e for e, _ in events if e.startswith("shard_")] == ["shard_skipped"] * 2
+    monkeypatch.undo()
+    assert table_rows(spec) == expected_ids(spec)
+
+
 def test_delta_deletion_vectors_are_refused_naming_the_feature(tmp_path, monkeypatch):
     from batchspec.io.delta import DeltaInput
 
@@ -190,7 +307,7 @@ def test_delta_deletion_vectors_are_refused_naming_the_feature(tmp_path, monkeyp
     monkeypatch.setattr(
         DeltaInput,
         "_deletion_vectors",
-        staticmethod(lambda table: {p.rsplit("/", 1)[-1] for p in table.file_uris()}),
+        staticmethod(lambda table: {p.rsplit("/", 1)[-1] for p in table.file_uris()}),  # at the root
     )
     spec = build_spec(table_job(tmp_path, "delta"))
     with pytest.raises(InputDataError, match="deletion vectors") as info:
@@ -239,6 +356,8 @@ def test_a_table_of_other_columns_is_exit_2_naming_the_column(tmp_path, fmt):
             "input.filter",
         ),
         ({"output": {"path": "o", "table": "ns.t"}}, "output.table"),
+        ({"output": {"path": "o", "format": "delta", "table": "ns.t"}}, "output.table"),
+        ({"output": {"path": "o", "format": "delta", "catalog": {"type": "sql"}}}, "output.catalog"),
         ({"output": {"path": "o", "commit_shards": 4}}, "output.commit_shards"),
         ({"output": {"path": "o", "format": "iceberg"}}, "output.table"),
         ({"output": {"path": "o", "format": "delta", "commit_shards": 0}}, "output.commit_shards"),
@@ -278,6 +397,64 @@ def test_the_delta_checkpoint_interval_is_respected(tmp_path):
     log = tmp_path / "out" / "_delta_log"
     assert list(log.glob("*.checkpoint.parquet")), sorted(p.name for p in log.iterdir())
     assert table_rows(spec) == expected_ids(spec)
+
+
+def _jsonl_job(tmp_path, fmt, files: dict[str, list[dict]], **extra) -> dict:
+    """A job over JSON-lines files (``name -> records``) into a table of format ``fmt``."""
+    folder = tmp_path / "j"
+    folder.mkdir(exist_ok=True)
+    for name, records in files.items():
+        (folder / name).write_text("".join(json.dumps(r) + "\n" for r in records))
+    raw = table_job(tmp_path, fmt, output={"commit_shards": 1}, **extra)
+    raw["input"] = {"path": str(folder / "*.jsonl"), "prompt_column": "p", **extra.get("input", {})}
+    return raw
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_jsonl_shards_are_written_with_one_type_per_column(tmp_path, fmt):
+    """Each JSON-lines shard infers its types from its own first records: a column null in one
+    shard's first records (then numbers) and int in another's is written as the table's type by
+    both, and a float shard widens an int column; every row in the table."""
+    nulls = [{"p": f"b{j}", "score": None} for j in range(3)] + [{"p": "b3", "score": 7}]
+    files = {
+        "a.jsonl": [{"p": "a0", "score": 1}, {"p": "a1", "score": 2}],
+        "b.jsonl": nulls,
+        "c.jsonl": [{"p": "c0", "score": 0.5}],
+    }
+    spec = build_spec(_jsonl_job(tmp_path, fmt, files))
+    run(spec)
+    assert len(table_rows(spec)) == 7
+    state = _output_table(spec)
+    assert state.schema.field("score").type == pa.float64()
+
+
+@pytest.mark.parametrize("skip", [False, True])
+def test_a_jsonl_shard_of_another_type_is_a_bad_shard_before_any_commit(tmp_path, skip):
+    """A kept column that is int in one JSON-lines shard and text in another: the second is a
+    bad shard, found by the check stage before any shard is committed (exit 3 naming it and the
+    column), or left out with ``on_bad_shard: skip``; never a failed group commit. The same
+    once the table exists: its types are the ones a shard must have."""
+    files = {
+        "a.jsonl": [{"p": "a0", "score": 1}, {"p": "a1", "score": 2}],
+        "b.jsonl": [{"p": "b0", "score": None}, {"p": "b1", "score": "x"}, {"p": "b2", "score": "y"}],
+    }
+    extra = {"input": {"on_bad_shard": "skip"}} if skip else {}
+    spec = build_spec(_jsonl_job(tmp_path, "delta", files, **extra))
+    if not skip:
+        with pytest.raises(InputDataError, match="'score'") as info:
+            run(spec)
+        assert info.value.exit_code == 3 and "b.jsonl" in str(info.value)
+        assert not _output_table(spec).exists
+        return
+    result, _ = run(spec)
+    assert list(result.summary["bad_shards"]) == ["b"] and "'score'" in result.summary["bad_shards"]["b"]
+    assert table_rows(spec) == ["a/0", "a/1"]
+    # the table exists (score int64): a new shard of text is bad, the run goes on
+    (tmp_path / "j" / "c.jsonl").write_text(json.dumps({"p": "c0", "score": "z"}) + "\n")
+    (tmp_path / "j" / "d.jsonl").write_text(json.dumps({"p": "d0", "score": None}) + "\n")
+    result, _ = run(spec)
+    assert list(result.summary["bad_shards"]) == ["b", "c"]
+    assert table_rows(spec) == ["a/0", "a/1", "d/0"]
 
 
 # ------------------------------------------------------------------------ crash windows

@@ -107,12 +107,45 @@ def test_a_template_that_is_not_jinja_exits_2_naming_the_key_and_the_line(tmp_pa
         ("{{ body | random }}", "filter 'random' is not available"),
         ("{% set ns = namespace(s='') %}", "'namespace' is not available"),
         ("{{ lipsum(1000000) }}", "'lipsum' is not available"),
+        ("{{ meta | tojson(indent=20000000) }}", "tojson takes no argument"),
+        ("{{ meta | tojson(4) }}", "tojson takes no argument"),
+        ("{{ lists | sum(start=[]) }}", "sum's start is not available"),
+        ("{{ lists | sum('a', []) }}", "sum's start is not available"),
+        ("{{ items | map('tojson', 20000000) | list }}", "tojson takes no argument"),
+        ("{{ items | map('sum', start=[]) | list }}", "sum's start is not available"),
+        ("{{ items | map('center', 10000000000) | list }}", "filter 'center' is not available"),
+        ("{{ n | round(1000000000, 'floor') }}", "round to more than 32 digits"),
     ],
 )
 def test_what_no_bound_makes_safe_is_refused_at_load(tmp_path, source, says):
     error = refused(raw_spec(tmp_path, prompt_template="Ticket:\n" + source))
     assert error.exit_code == 2 and error.key == "input.prompt_template"
     assert says in str(error) and "line 2" in str(error), str(error)
+
+
+@pytest.mark.parametrize(
+    "source, required",
+    [
+        ("{{ body }}{% if note is defined %} ({{ note }}){% endif %}", ("body",)),
+        ("{{ note | default('-') }} {{ note | d('-') }}", ()),
+        ("{% if note is defined and note %}{{ note }}{% else %}{{ body }}{% endif %}", ("body",)),
+        ("{% if note is undefined %}-{% elif note %}{{ note }}{% else %}{{ note }}{% endif %}", ()),
+        ("{% if note is not defined %}-{% else %}{{ note }}{% endif %}", ()),
+        ("{{ note if note is defined else body }}", ("body",)),
+        ("{{ note is undefined or note }}", ()),
+        # not guarded: a test that does not prove it defined, a use outside the guard, a field
+        ("{% if note is defined or body %}{{ note }}{% endif %}", ("body", "note")),
+        ("{% if note is defined %}{{ note }}{% endif %}{{ note }}", ("note",)),
+        ("{{ meta.title | default('') }}", ("meta",)),
+        ("{% if note %}{{ note }}{% endif %}", ("note",)),
+        # a loop's own variable is not the column of the same name
+        ("{{ note | default('') }}{% for note in notes %}{{ note }}{% endfor %}", ("notes",)),
+    ],
+)
+def test_the_columns_an_input_must_have_are_those_read_without_a_guard(source, required):
+    template = PromptTemplate(source, None)
+    assert template.required == required
+    assert set(required) <= set(template.columns)
 
 
 def test_the_template_is_part_of_the_fingerprint(tmp_path):
@@ -222,6 +255,72 @@ def test_a_template_that_builds_a_huge_string_is_stopped_before_it_allocates(sou
 
 
 @pytest.mark.parametrize(
+    "source, values",
+    [
+        # nested items count as work: each call reads all of them
+        (
+            "{% for i in range(20) %}{{ nested | max | length }}{% endfor %}",
+            {"nested": [list(range(50))] * 50},
+        ),
+        (
+            "{% for i in range(20) %}{% set s = nested | join(',') %}{% endfor %}x",
+            {"nested": [["ab"] * 50] * 20},
+        ),
+        # an argument applied to each item counts once an item: select('in', other) is n * m
+        ("{{ labels | select('in', other) | list | length }}", {"labels": ["x"] * 200, "other": ["y"] * 200}),
+        # strip(chars) looks each stripped character up in chars
+        ("{{ text | trim(chars) | length }}", {"text": "a" * 1000, "chars": "b" * 200 + "a"}),
+        ("{{ text.strip(chars) | length }}", {"text": "a" * 1000, "chars": "b" * 200 + "a"}),
+        # what an operator builds counts: a loop of 16 Mi-character values is not free
+        ("{% for i in range(1000) %}{% set s = text * 100 %}{% endfor %}x", {"text": "ab"}),
+        ("{% for i in range(1000) %}{% set s = text ~ text %}{% endfor %}x", {"text": "a" * 100}),
+    ],
+)
+def test_work_counts_nested_items_arguments_and_what_is_built(monkeypatch, source, values):
+    monkeypatch.setattr(templates, "MAX_WORK", 10_000)
+
+    prompt, error = render(source, **values)
+    assert prompt is None and error.startswith("template too costly: "), error
+
+
+def test_a_list_or_struct_is_measured_before_it_is_written_out_as_text(monkeypatch):
+    import tracemalloc
+
+    monkeypatch.setattr(templates, "MAX_CHARS", 1000)
+    # 1,000 references to one 1,000-character list: a million characters once written out
+    values = {"labels": ["x" * 1000]}
+    for source in ("{% set y = [labels] * 1000 %}{{ y }}", "{{ ([labels] * 1000) | tojson | length }}"):
+        tracemalloc.start()
+        try:
+            prompt, error = render(source, **values)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert (
+            prompt is None and error == "template too costly: a value of more than 1,000 characters or items"
+        )
+        assert peak < 200_000, peak
+
+
+def test_integers_and_round_are_bounded():
+    started = time.monotonic()
+    prompt, error = render("{% set n = 10 %}" + "{% set n = n * n %}" * 20 + "{{ n | length }}", x=1)
+    assert error == f"template too costly: an integer of more than {templates.MAX_INT_BITS:,} bits"
+    prompt, error = render("{{ x | round(p, 'floor') }}", x=1.5, p=10**9)
+    assert error == "template too costly: round to more than 32 digits"
+    assert render("{{ x | round(2) }} {{ 12 * 12 }}", x=1.234) == ("1.23 144", None)
+    assert time.monotonic() - started < 5
+
+
+def test_a_filter_named_at_render_is_checked_as_at_load():
+    prompt, error = render("{{ items | map(f, 20000000) | list }}", items=[{"a": 1}], f="tojson")
+    assert prompt is None and error.startswith("template refused: tojson takes no argument"), error
+    prompt, error = render("{{ items | map(f, none, []) | list }}", items=[[1], [2]], f="sum")
+    assert error.startswith("template refused: sum's start is not available"), error
+    assert render("{{ items | map(f) | join(',') }}", items=[[1], [2, 3]], f="sum") == ("1,5", None)
+
+
+@pytest.mark.parametrize(
     "source, says",
     [
         ("{{ text['__cla' ~ 'ss__'] }}", "unsafe"),
@@ -304,6 +403,34 @@ def test_a_json_lines_key_no_first_record_has_exits_2(tmp_path):
     with pytest.raises(SpecError) as info:
         run(build_spec(raw_spec(tmp_path, prompt_template=TEMPLATE)))
     assert info.value.key == "input.prompt_template" and "column 'body'" in str(info.value)
+
+
+GUARDED = "{{ body }}{% if note is defined %} ({{ note }}){% endif %}"
+
+
+def test_a_guarded_json_lines_key_may_be_missing_from_the_first_records_or_all(tmp_path):
+    (tmp_path / "in").mkdir()
+    lines = [{"id": "a0", "body": "x"}, {"id": "a1", "body": "y", "note": "n"}, {"id": "a2", "body": "z"}]
+    (tmp_path / "in" / "a.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    (tmp_path / "in" / "b.jsonl").write_text(json.dumps({"id": "b0", "body": "w"}) + "\n")
+    raw = raw_spec(tmp_path, prompt_template=GUARDED, id_column="id")
+    raw["execution"] = {"read_batch_rows": 1}  # the first record alone settles the keys
+    run(build_spec(raw))
+    rows = _rows(tmp_path)
+    assert {k: r["generated_text"] for k, r in rows.items()} == {
+        "a0": "X",
+        "a1": "Y (N)",
+        "a2": "Z",
+        "b0": "W",
+    }
+    assert all(r["error"] is None for r in rows.values())
+
+
+def test_a_guarded_parquet_column_may_be_missing_from_a_shard(tmp_path):
+    write_parquet(tmp_path / "in" / "a.parquet", {"body": ["x"]})
+    write_parquet(tmp_path / "in" / "b.parquet", {"body": ["y", "z"], "note": ["n", None]})
+    run(build_spec(raw_spec(tmp_path, prompt_template=GUARDED)))
+    assert sorted(r["generated_text"] for r in _rows(tmp_path).values()) == ["X", "Y (N)", "Z"]
 
 
 def test_a_struct_and_a_binary_column(tmp_path):
