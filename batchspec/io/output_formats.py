@@ -59,6 +59,40 @@ class CommittedShard:
     rows: Any = field(default=None, repr=False)
 
 
+def committed_footer(
+    out: OutputDir, path: str, shown: str, what: str, strict_metadata: bool
+) -> tuple[pa.Schema, dict[str, Any]]:
+    """The schema and the ``batchspec`` lineage of a committed Parquet file, from its footer
+    alone: the columns every output has are checked before any row is read (InputDataError
+    naming ``shown``, the file as the user knows it, "not a batchspec output ``what``"). Lineage
+    that is not JSON is an error where ``strict_metadata``, else none."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from batchspec.columns import BASE_RESULT_NAMES, REQUEST_ID
+    from batchspec.io.arrow_fs import arrow_fs
+    from batchspec.io.writer import METADATA_KEY
+
+    # local footers through pyarrow's own filesystem, others without fsspec's read-ahead
+    filesystem = None if out.is_local else arrow_fs(out.fs)
+    try:
+        schema = pq.read_schema(path, filesystem=filesystem)
+    except (OSError, pa.ArrowException) as exc:
+        raise InputDataError(shown, f"unreadable Parquet: {exc}") from exc
+    missing = [c for c in (REQUEST_ID, *BASE_RESULT_NAMES) if c not in schema.names]
+    if missing:
+        raise InputDataError(
+            shown, f"column {missing[0]!r} is missing: not a batchspec output {what}", column=missing[0]
+        )
+    raw = (schema.metadata or {}).get(METADATA_KEY)
+    try:
+        return schema, json.loads(raw) if raw else {}
+    except ValueError as exc:
+        if strict_metadata:
+            raise InputDataError(shown, f"its batchspec metadata is not JSON: {exc}") from exc
+        return schema, {}
+
+
 class OutputFormat:
     """What one ``output.format`` is. Subclasses set the class attributes and the methods."""
 
@@ -120,32 +154,8 @@ class ParquetOutput(OutputFormat):
         return ParquetWriter(out, shard, kept_fields, metadata, output.row_group_rows, output.compression)
 
     def open_shard(self, out, name):
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-
-        from batchspec.columns import BASE_RESULT_NAMES, REQUEST_ID
-        from batchspec.io.arrow_fs import arrow_fs
-        from batchspec.io.writer import METADATA_KEY
-
         path = out.join(name + self.suffix)
-        shown = out.file_url(name)
-        # local footers through pyarrow's own filesystem, others without fsspec's read-ahead
-        filesystem = None if out.is_local else arrow_fs(out.fs)
-        try:
-            schema = pq.read_schema(path, filesystem=filesystem)
-        except (OSError, pa.ArrowException) as exc:
-            raise InputDataError(shown, f"unreadable Parquet: {exc}") from exc
-        # the columns every output file has, checked on its footer before any row is read
-        missing = [c for c in (REQUEST_ID, *BASE_RESULT_NAMES) if c not in schema.names]
-        if missing:
-            raise InputDataError(
-                shown, f"column {missing[0]!r} is missing: not a batchspec output file", column=missing[0]
-            )
-        raw = (schema.metadata or {}).get(METADATA_KEY)
-        try:
-            metadata = json.loads(raw) if raw else {}
-        except ValueError as exc:
-            raise InputDataError(shown, f"its batchspec metadata is not JSON: {exc}") from exc
+        schema, metadata = committed_footer(out, path, out.file_url(name), "file", strict_metadata=True)
         return CommittedShard(name, {"output": path}, schema, metadata)
 
     def scan(self, out, shard):
@@ -266,28 +276,8 @@ class TableOutput(ParquetOutput):
         return committed
 
     def _footer(self, out, path: str, shown: str) -> CommittedShard:
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-
-        from batchspec.columns import BASE_RESULT_NAMES, REQUEST_ID
-        from batchspec.io.arrow_fs import arrow_fs
-        from batchspec.io.writer import METADATA_KEY
-
-        filesystem = None if out.is_local else arrow_fs(out.fs)
-        try:
-            schema = pq.read_schema(path, filesystem=filesystem)
-        except (OSError, pa.ArrowException) as exc:
-            raise InputDataError(shown, f"unreadable Parquet: {exc}") from exc
-        missing = [c for c in (REQUEST_ID, *BASE_RESULT_NAMES) if c not in schema.names]
-        if missing:
-            raise InputDataError(
-                shown, f"column {missing[0]!r} is missing: not a batchspec output table", column=missing[0]
-            )
-        raw = (schema.metadata or {}).get(METADATA_KEY)
-        try:
-            metadata = json.loads(raw) if raw else {}
-        except ValueError:
-            metadata = {}
+        # a data file another writer added may carry metadata of its own: not batchspec's lineage
+        schema, metadata = committed_footer(out, path, shown, "table", strict_metadata=False)
         return CommittedShard(path, {"output": path}, schema, metadata)
 
 
