@@ -182,6 +182,7 @@ class JsonEngine(FakeEngine):
             yield row, [result]
 
 
+@pytest.mark.vllm  # runs a job: its checks import vLLM
 def test_answers_are_typed_columns_polars_reads(tmp_path):
     good = {
         "label": "bug",
@@ -220,6 +221,7 @@ def test_answers_are_typed_columns_polars_reads(tmp_path):
     assert frame.filter(pl.col("answer").struct.field("priority") == 1).height == 1
 
 
+@pytest.mark.vllm  # runs a job: its checks import vLLM
 def test_a_choice_job_keeps_its_label_and_per_row_schemas_give_json_text(tmp_path):
     write_parquet(tmp_path / "in" / "a.parquet", {"prompt": ["yes", "maybe"]})
     spec = build_spec(raw_spec(tmp_path, {"structured_outputs": {"choice": ["yes", "no"]}}))

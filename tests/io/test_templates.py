@@ -354,6 +354,7 @@ def _rows(tmp_path) -> dict[str, dict]:
     }
 
 
+@pytest.mark.vllm  # runs a job: its checks import vLLM
 def test_parquet_and_json_lines_rows_render_and_a_null_cell_is_an_error_row(tmp_path):
     write_parquet(
         tmp_path / "in" / "a.parquet",
@@ -387,6 +388,7 @@ def test_parquet_and_json_lines_rows_render_and_a_null_cell_is_an_error_row(tmp_
     assert {"subject", "body", "labels"} <= set(rows["p0"])
 
 
+@pytest.mark.vllm  # runs a job: its checks import vLLM
 def test_a_column_the_input_lacks_exits_2_before_any_row_is_read(tmp_path):
     write_parquet(tmp_path / "in" / "a.parquet", {"subject": ["Login"], "text": ["fails"]})
     raw = raw_spec(tmp_path, prompt_template=TEMPLATE)
@@ -397,6 +399,7 @@ def test_a_column_the_input_lacks_exits_2_before_any_row_is_read(tmp_path):
     assert not list((tmp_path / "out").glob("*.parquet"))
 
 
+@pytest.mark.vllm  # runs a job: its checks import vLLM
 def test_a_json_lines_key_no_first_record_has_exits_2(tmp_path):
     (tmp_path / "in").mkdir()
     (tmp_path / "in" / "a.jsonl").write_text(json.dumps({"subject": "s", "labels": []}) + "\n")
@@ -408,6 +411,7 @@ def test_a_json_lines_key_no_first_record_has_exits_2(tmp_path):
 GUARDED = "{{ body }}{% if note is defined %} ({{ note }}){% endif %}"
 
 
+@pytest.mark.vllm  # runs a job: its checks import vLLM
 def test_a_guarded_json_lines_key_may_be_missing_from_the_first_records_or_all(tmp_path):
     (tmp_path / "in").mkdir()
     lines = [{"id": "a0", "body": "x"}, {"id": "a1", "body": "y", "note": "n"}, {"id": "a2", "body": "z"}]
@@ -426,6 +430,7 @@ def test_a_guarded_json_lines_key_may_be_missing_from_the_first_records_or_all(t
     assert all(r["error"] is None for r in rows.values())
 
 
+@pytest.mark.vllm  # runs a job: its checks import vLLM
 def test_a_guarded_parquet_column_may_be_missing_from_a_shard(tmp_path):
     write_parquet(tmp_path / "in" / "a.parquet", {"body": ["x"]})
     write_parquet(tmp_path / "in" / "b.parquet", {"body": ["y", "z"], "note": ["n", None]})
@@ -433,6 +438,7 @@ def test_a_guarded_parquet_column_may_be_missing_from_a_shard(tmp_path):
     assert sorted(r["generated_text"] for r in _rows(tmp_path).values()) == ["X", "Y (N)", "Z"]
 
 
+@pytest.mark.vllm  # runs a job: its checks import vLLM
 def test_a_struct_and_a_binary_column(tmp_path):
     write_parquet(
         tmp_path / "in" / "a.parquet",

@@ -54,6 +54,7 @@ class CutEngine(FakeEngine):
             yield row, [result]
 
 
+@pytest.mark.vllm  # runs a job: its checks import vLLM
 def test_the_report_counts_constrained_rows_cut_in_whitespace_and_in_strings(tmp_path):
     prompts = [
         '{"city": "Paris"}',
