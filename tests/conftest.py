@@ -36,11 +36,13 @@ def pytest_collection_modifyitems(items):
 
 @pytest.fixture(scope="session")
 def models() -> Path:
-    """The tiny target/draft pair, the target's LoRA adapters and the reasoning pair; `make
-    models` builds them (make test does so first)."""
+    """The tiny target/draft pair, the target's LoRA adapters, the reasoning pair and the EAGLE-3
+    head; `make models` builds them (make test does so first)."""
     for name in ("target", "draft", "lora-upper", "lora-comment", "reasoner", "reasoner-draft"):
         if not (MODELS / name / ".batchspec-complete").exists():
             pytest.fail(f"{MODELS / name} is not built: run `make models` first")
+    if not (MODELS / "head" / "batchspec-model.json").exists():
+        pytest.fail(f"{MODELS / 'head'} is not built: run `make models` first")
     return MODELS
 
 

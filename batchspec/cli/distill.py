@@ -32,10 +32,36 @@ from batchspec.errors import NotInstalled
     help="The draft to start from (and to compare against); its tokenizer must be the target's.",
 )
 @click.option(
+    "--method",
+    type=click.Choice(["draft_model", "eagle3"]),
+    default="draft_model",
+    show_default=True,
+    help="What to train: a draft model, or an EAGLE-3 head on the target's hidden states.",
+)
+@click.option(
+    "--head",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="With --method eagle3: the head to continue from (and to compare against); none: a new head.",
+)
+@click.option(
+    "--aux-layers",
+    default=None,
+    metavar="I,J,K",
+    help="With --method eagle3 and no --head: the target's layers whose hidden states the new "
+    "head reads (default: 1, the middle one, the last).",
+)
+@click.option(
+    "--max-minutes",
+    type=float,
+    default=None,
+    help="Bound the data and the training to this many minutes (the evaluation then runs to its end).",
+)
+@click.option(
     "--out",
     type=click.Path(file_okay=False),
     required=True,
-    help="Directory for the new draft (weights, config, tokenizer, batchspec-model.json), "
+    help="Directory for the new draft or head (weights, config, batchspec-model.json), "
     "replaced whole when distill ends; .NAME.batchspec-distill/ beside it keeps "
     "the generated data for a restart.",
 )
@@ -136,6 +162,10 @@ def distill_command(
     job,
     overrides,
     draft,
+    method,
+    head,
+    aux_layers,
+    max_minutes,
     out,
     init,
     layers,
@@ -156,8 +186,8 @@ def distill_command(
     as_json,
     verbose,
 ):
-    """Fine-tune a draft on the target's own outputs for JOB's prompts, and measure acceptance
-    before and after on held-out prompts."""
+    """Fine-tune a draft (or train an EAGLE-3 head: --method eagle3) on the target's own outputs
+    for JOB's prompts, and measure acceptance before and after on held-out prompts."""
     import os
 
     from batchspec.cli.common import engine_log_file, fail, load_job, quiet_vllm
@@ -165,9 +195,18 @@ def distill_command(
 
     quiet_vllm(verbose)
     spec = load_job(job, overrides)
+    try:
+        aux = None if aux_layers is None else tuple(int(i) for i in aux_layers.split(",") if i.strip())
+    except ValueError:
+        fail_usage = f"--aux-layers: expected layer ids like 1,2,3, got {aux_layers!r}"
+        raise click.BadParameter(fail_usage, param_hint="--aux-layers") from None
     opts = DistillOptions(
         out=Path(out),
         draft=draft,
+        method=method,
+        head=head,
+        aux_layers=aux,
+        max_minutes=max_minutes,
         init=init,
         layers=layers,
         sample=sample,

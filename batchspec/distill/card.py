@@ -82,8 +82,9 @@ def build_card(
     job = public_job(spec, opts.job_path, opts.overrides)
     model = job.get("model") if isinstance(job.get("model"), dict) else {}
     return {
-        "role": "draft",
-        "parent_draft": public_path(opts.draft) if opts.init == "draft" else None,
+        "role": "head" if opts.method == "eagle3" else "draft",
+        "method": opts.method,
+        "parent_draft": public_path(opts.start) if opts.init == "draft" else None,
         "init": opts.init,
         "layers": layers,
         "parameters": parameters,
@@ -118,6 +119,8 @@ def build_card(
             "validation_agreement": trained.validation_agreement,
             "start_validation_agreement": trained.start_validation_agreement,
             "stopped_early": trained.stopped_early,
+            "stopped_by_time": getattr(trained, "stopped_by_time", False),
+            "validation_metric": getattr(trained, "metric", "held-out top-1 agreement"),
             "wall_s": round(trained.wall_s, 2),
             "device": trained.device,
         },

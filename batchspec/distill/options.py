@@ -18,6 +18,17 @@ class DistillOptions:
 
     out: Path
     draft: str | None = None
+    #: What to train: ``draft_model`` (a small model) or ``eagle3`` (a head on the target's
+    #: hidden states, batchspec/distill/eagle3.py).
+    method: str = "draft_model"
+    #: The EAGLE-3 head to start from (and to compare against) with ``method: eagle3``; None:
+    #: a new head.
+    head: str | None = None
+    #: The target's layers whose hidden states a new head reads (None: eagle3.default_aux_layers).
+    aux_layers: tuple[int, ...] | None = None
+    #: Wall-clock minutes for the data and the training (the evaluation that follows runs to
+    #: its end); None: no bound.
+    max_minutes: float | None = None
     #: "draft": start from ``draft``; "target": a new draft from the target's first ``layers``.
     init: str = "draft"
     layers: int = 1
@@ -45,6 +56,15 @@ class DistillOptions:
     job_path: str | None = None
     #: The ``--set`` overrides, as given (the card shows them as written).
     overrides: tuple[str, ...] = ()
+
+    @property
+    def start(self) -> str | None:
+        """The drafter a new one starts from and must beat: ``--head`` for a head, else ``--draft``."""
+        return self.head if self.method == "eagle3" else self.draft
+
+    @property
+    def start_key(self) -> str:
+        return "--head" if self.method == "eagle3" else "--draft"
 
 
 @dataclass

@@ -117,6 +117,8 @@ def check_out(spec: JobSpec, opts: DistillOptions) -> None:
     )
     if opts.draft:
         _overlap(out, out_loc, str(opts.draft), {}, "--draft", "the current draft (--draft)", local_only=True)
+    if opts.head:
+        _overlap(out, out_loc, str(opts.head), {}, "--head", "the current head (--head)", local_only=True)
     spec_draft = (spec.speculative or {}).get("model")
     if isinstance(spec_draft, str):
         _overlap(
@@ -150,10 +152,20 @@ def check_options(spec: JobSpec, opts: DistillOptions) -> None:
     draft's vocabulary against the target's (SpecError, exit 2)."""
     from batchspec.distill.train import check_vocabulary
 
+    if opts.method not in ("draft_model", "eagle3"):
+        raise SpecError("--method", f"expected 'draft_model' or 'eagle3', got {opts.method!r}")
     if opts.init not in ("draft", "target"):
         raise SpecError("--init", f"expected 'draft' or 'target', got {opts.init!r}")
-    if opts.init == "draft" and not opts.draft:
-        raise SpecError("--draft", "give the draft to start from, or --init target --layers N")
+    if opts.method == "eagle3":
+        _check_head_options(spec, opts)
+    else:
+        for name, given in (("--head", opts.head), ("--aux-layers", opts.aux_layers)):
+            if given:
+                raise SpecError(name, "applies to --method eagle3 (an EAGLE-3 head) only")
+        if opts.init == "draft" and not opts.draft:
+            raise SpecError("--draft", "give the draft to start from, or --init target --layers N")
+    if opts.max_minutes is not None and not opts.max_minutes > 0:
+        raise SpecError("--max-minutes", f"expected minutes > 0, got {opts.max_minutes}")
     for name, value in (
         ("--sample", opts.sample),
         ("--steps", opts.steps),
@@ -172,10 +184,10 @@ def check_options(spec: JobSpec, opts: DistillOptions) -> None:
     ):
         if value is not None and value < 0:
             raise SpecError(name, "expected zero or more")
-    if opts.draft and not opts.force and (not opts.evaluate or opts.heldout == 0):
+    if opts.start and not opts.force and (not opts.evaluate or opts.heldout == 0):
         raise SpecError(
             "--no-eval" if not opts.evaluate else "--holdout",
-            "a new drafter replaces --draft only when it beats it on held-out prompts, and "
+            f"a new drafter replaces {opts.start_key} only when it beats it on held-out prompts, and "
             + ("--no-eval" if not opts.evaluate else "--holdout 0")
             + " leaves nothing to compare: give --force to install without the comparison",
         )
@@ -184,6 +196,60 @@ def check_options(spec: JobSpec, opts: DistillOptions) -> None:
     check_out(spec, opts)
     if opts.draft:
         check_vocabulary(spec.model.target, opts.draft)
+
+
+def _check_head_options(spec: JobSpec, opts: DistillOptions) -> None:
+    """What ``--method eagle3`` refuses: the draft model's options, a ``--head`` that is not an
+    EAGLE-3 head fitting the target, auxiliary layers the target does not have."""
+    from pathlib import Path
+
+    from batchspec.engine.heads import check_head_fits
+    from batchspec.spec.checkpoints import checkpoint_method, read_config
+
+    if opts.draft:
+        raise SpecError(
+            "--draft",
+            "--method eagle3 trains a head: give the head to start from with --head (none: a new head)",
+        )
+    if opts.init != "draft" or opts.layers != 1:
+        raise SpecError(
+            "--init" if opts.init != "draft" else "--layers",
+            "applies to draft models: a head is one decoder layer on the target's hidden states",
+        )
+    if opts.logprobs:
+        raise SpecError(
+            "--logprobs",
+            "a head learns the target's greedy token from the target's own forward pass (its "
+            "full logits, no top-K needed): leave --logprobs out with --method eagle3",
+        )
+    target = read_config(spec.model.target)
+    if target is None:
+        raise SpecError(
+            "model.target",
+            f"{spec.model.target}: --method eagle3 reads the target's hidden states with its own "
+            "forward pass, so the target must be a local model directory with a config.json",
+        )
+    target = target.get("text_config") if isinstance(target.get("text_config"), dict) else target
+    layers = int(target.get("num_hidden_layers") or 0)
+    if opts.head:
+        config = read_config(opts.head)
+        if config is None:
+            raise SpecError("--head", f"{opts.head}: not a local model directory with a config.json")
+        if checkpoint_method(config) != "eagle3":
+            raise SpecError(
+                "--head",
+                f"{opts.head} is not an EAGLE-3 head (its config.json says {checkpoint_method(config)})",
+            )
+        if opts.aux_layers:
+            raise SpecError("--aux-layers", "--head has its own auxiliary layers: leave --aux-layers out")
+        check_head_fits(Path(opts.head).expanduser(), config, target, "eagle3", "--head")
+    if opts.aux_layers is not None:
+        bad = [i for i in opts.aux_layers if not 0 <= i < layers]
+        if bad or not opts.aux_layers:
+            raise SpecError(
+                "--aux-layers",
+                f"{list(opts.aux_layers)}: the target has {layers} layers (ids 0..{layers - 1})",
+            )
 
 
 # --------------------------------------------------------------------------- the whole run
@@ -237,7 +303,8 @@ def _distill(spec: JobSpec, opts: DistillOptions, say: Callable[[str], None]) ->
     out = out_dir(opts.out)
     work = work_dir(out)
     remove_leftovers(work)
-    baseline = bool(opts.draft)  # the drafter a new one must beat
+    baseline = bool(opts.start)  # the drafter a new one must beat
+    deadline = None if opts.max_minutes is None else started + 60 * opts.max_minutes
 
     sample = sample_rows(spec, opts.sample, opts.heldout, opts.seed)
     if not sample.train:
@@ -260,7 +327,25 @@ def _distill(spec: JobSpec, opts: DistillOptions, say: Callable[[str], None]) ->
     )
 
     # the model first: its size is part of how much data it needs
-    if opts.init == "target":
+    if opts.method == "eagle3":
+        from batchspec.distill import eagle3
+
+        if opts.head:
+            say(f"head: continuing {public_path(opts.head)}")
+            draft = eagle3.load_head(opts.head, spec.model.target)
+        else:
+            config = eagle3.head_config(
+                eagle3.target_config(spec.model.target),
+                list(opts.aux_layers) if opts.aux_layers else None,
+                k=job_k(spec),
+                verifier=public_path(spec.model.target) or "",
+            )
+            say(
+                "new EAGLE-3 head on the target's layers "
+                f"{config['eagle_aux_hidden_state_layer_ids']} (its output layer copied from the target)"
+            )
+            draft = eagle3.new_head(spec.model.target, config, seed=opts.seed)
+    elif opts.init == "target":
         say(f"new draft: the target's embeddings, first {opts.layers} layer(s) and head")
         draft = draft_from_target(spec.model.target, opts.layers)
     else:
@@ -306,21 +391,26 @@ def _distill(spec: JobSpec, opts: DistillOptions, say: Callable[[str], None]) ->
         )
     data = {**plan.as_json(), "train_tokens": tokens, "train_windows": windows, "steps_supported": steps}
 
-    _, special = tokenizer_vocab(spec.model.target)
-    pad_id = next((v for v in (special["pad"], special["eos"], 0) if v is not None), 0)
-    trained = train_draft(
-        draft,
-        examples,
-        steps,
-        opts.lr,
-        opts.batch_size,
-        opts.seed,
-        pad_id,
-        progress=say,
-        window=window,
-        validation=validation,
-        patience=opts.patience,
-    )
+    if opts.method == "eagle3":
+        features = work / f"features-{key}"
+        trained = _train_head(spec, opts, draft, examples, validation, steps, features, say, deadline)
+    else:
+        _, special = tokenizer_vocab(spec.model.target)
+        pad_id = next((v for v in (special["pad"], special["eos"], 0) if v is not None), 0)
+        trained = train_draft(
+            draft,
+            examples,
+            steps,
+            opts.lr,
+            opts.batch_size,
+            opts.seed,
+            pad_id,
+            progress=say,
+            window=window,
+            validation=validation,
+            patience=opts.patience,
+            deadline=deadline,
+        )
     if baseline and opts.init == "draft" and trained.best_step == 0 and not opts.force:
         decision = decide(None, None, force=False)
         decision.reason = (
@@ -331,24 +421,43 @@ def _distill(spec: JobSpec, opts: DistillOptions, say: Callable[[str], None]) ->
         raise NotInstalled(_refusal(opts, decision), result)
     built = build_dir(out)
     try:
-        save_draft(draft, spec.model.target, built)
-        layers = draft.config.num_hidden_layers
+        if opts.method == "eagle3":
+            eagle3.save_head(draft, built)
+            layers = 1
+            say(f"built the new head ({parameters / 1e6:.2f}M parameters)")
+        else:
+            save_draft(draft, spec.model.target, built)
+            layers = draft.config.num_hidden_layers
+            say(f"built the new draft ({parameters / 1e6:.2f}M parameters, {layers} layers)")
         del draft
-        say(f"built the new draft ({parameters / 1e6:.2f}M parameters, {layers} layers)")
 
         before = after = None
         before_counts = after_counts = None
         if opts.evaluate and sample.heldout:
             k = opts.k or job_k(spec)
-            if opts.draft:
+            if opts.start:
                 before_counts = {}
                 before = evaluate(
-                    spec, opts.draft, sample.heldout, k, opts.eval_concurrency, say, counts=before_counts
+                    spec,
+                    opts.start,
+                    sample.heldout,
+                    k,
+                    opts.eval_concurrency,
+                    say,
+                    counts=before_counts,
+                    method=opts.method,
                 )
-                before["draft"] = public_path(opts.draft)
+                before["draft"] = public_path(opts.start)
             after_counts = {}
             after = evaluate(
-                spec, str(built), sample.heldout, k, opts.eval_concurrency, say, counts=after_counts
+                spec,
+                str(built),
+                sample.heldout,
+                k,
+                opts.eval_concurrency,
+                say,
+                counts=after_counts,
+                method=opts.method,
             )
             after["draft"] = str(opts.out)  # where it is from now on
         decision = decide(before_counts, after_counts, opts.force, baseline=baseline)
@@ -378,9 +487,40 @@ def _distill(spec: JobSpec, opts: DistillOptions, say: Callable[[str], None]) ->
     finally:
         if built.exists():
             shutil.rmtree(built, ignore_errors=True)
-    say(f"the new draft is in {opts.out}")
+    say(f"the new {'head' if opts.method == 'eagle3' else 'draft'} is in {opts.out}")
     return DistillResult(
         out=str(opts.out), before=before, after=after, card=card, decision=decision.as_json()
+    )
+
+
+def _train_head(spec, opts, head, examples, validation, steps, features, say, deadline):
+    """The target's hidden states for the training and validation rows (streamed to chunk files
+    under ``features``), then the head trained on them (batchspec/distill/eagle3.py)."""
+    from batchspec.distill import eagle3
+
+    aux = list(head.config["eagle_aux_hidden_state_layer_ids"])
+    tag = "-".join(map(str, aux))
+    say(f"features: the target's hidden states at layers {aux}, from its own forward pass")
+    train = eagle3.collect_features(
+        spec.model.target, examples, aux, features / f"train-{tag}", say=say, deadline=deadline
+    )
+    held = eagle3.collect_features(
+        spec.model.target, validation, aux, features / f"validation-{tag}", say=say, deadline=deadline
+    )
+    if not train.files:
+        raise SpecError("--max-minutes", "no time was left to train the head: give it more minutes")
+    say(f"training the head on {train.sequences} sequences ({train.tokens} tokens)")
+    return eagle3.train_head(
+        head,
+        train.files,
+        held.files,
+        steps,
+        opts.lr,
+        opts.batch_size,
+        opts.seed,
+        say=say,
+        patience=opts.patience,
+        deadline=deadline,
     )
 
 
@@ -396,7 +536,7 @@ def _refusal(opts: DistillOptions, decision) -> str:
     where = f"{opts.out} was left as it was" if os.path.lexists(opts.out) else f"{opts.out} was not created"
     return (
         f"the new drafter was not installed: {decision.reason}; the starting drafter "
-        f"{public_path(opts.draft)} stays, {where} (--force installs anyway)"
+        f"{public_path(opts.start)} stays, {where} (--force installs anyway)"
     )
 
 
@@ -408,6 +548,7 @@ def evaluate(
     concurrency: int | None,
     progress: Callable[[str], None] | None = None,
     counts: dict | None = None,
+    method: str = "draft_model",
 ) -> dict:
     """Acceptance and output tok/s of ``draft`` on ``rows`` with the job's sampling, speculation
     on (``draft_model``, ``k`` tokens): a fresh engine, shut down before this returns.
@@ -417,9 +558,9 @@ def evaluate(
 
     say = progress or (lambda msg: None)
     speculative = dict(spec.speculative or {})
-    if speculative.get("method") not in (None, "draft_model"):
-        speculative = {}  # the job's ngram/eagle keys mean nothing for a draft model
-    speculative.update(method="draft_model", model=draft, num_speculative_tokens=k)
+    if speculative.get("method") != method:
+        speculative = {}  # another method's keys mean nothing for this drafter
+    speculative.update(method=method, model=draft, num_speculative_tokens=k)
     eval_spec = dataclasses.replace(spec, speculative=speculative)
     say(f"evaluating {draft} on {len(rows)} held-out prompts (k={k})")
     engine = Engine(eval_spec)

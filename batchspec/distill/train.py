@@ -295,6 +295,7 @@ def train_draft(
     validation: list[dict] | None = None,
     patience: int = PATIENCE,
     eval_every: int | None = None,
+    deadline: float | None = None,
 ) -> TrainResult:
     """Train ``draft`` in place on the target's continuations (cut into ``window``-token
     windows): cross-entropy on the target's tokens plus ``kl_weight`` x KL(target top-K ||
@@ -302,6 +303,7 @@ def train_draft(
     them is measured before training and every ``eval_every`` steps (default
     :func:`eval_interval`); training stops after ``patience`` evaluations without a new best,
     and the best weights (the starting ones included) are what the draft holds at the end.
+    Training also stops at ``deadline`` (``time.monotonic()``), where given.
     bf16 on CUDA when present, fp32 on the CPU (at most :data:`MAX_TORCH_THREADS` threads)."""
     import torch
     import torch.nn.functional as F
@@ -347,6 +349,9 @@ def train_draft(
         if held:
             check(0)
         for step in range(steps):
+            if deadline is not None and time.monotonic() > deadline:
+                say(f"--max-minutes reached: training stopped at step {run} of {steps}")
+                break
             idx = torch.randint(0, len(examples), (batch_size,), generator=gen).tolist()
             ids, mask, labels, teacher = _batch(examples, idx, pad_id, topk)
             ids, mask, labels = ids.to(device), mask.to(device), labels.to(device)

@@ -12,6 +12,7 @@ import typing
 from collections.abc import Mapping
 from typing import Any
 
+from batchspec.engine.heads import check_speculative_model
 from batchspec.engine.lora import check_lora
 from batchspec.engine.reasoning import check_reasoning
 from batchspec.errors import SpecError, quoted
@@ -262,6 +263,25 @@ def row_template_kwargs(base: dict[str, Any], row) -> dict[str, Any]:
     return {**base, **template_kwargs(own)}
 
 
+#: What vLLM's ``method: suffix`` imports, and the package that provides it.
+SUFFIX_MODULE, SUFFIX_PACKAGE = "arctic_inference", "arctic-inference"
+
+
+def check_speculative_method(speculative: dict, key: str = "speculative.method") -> None:
+    """Refuse a method this installation cannot run before vLLM would fail on it mid-start:
+    ``suffix`` without the package that implements it (docs/speculation.md says why batchspec's
+    set-up does not build it)."""
+    import importlib.util
+
+    if speculative.get("method") == "suffix" and importlib.util.find_spec(SUFFIX_MODULE) is None:
+        raise SpecError(
+            key,
+            f"method: suffix needs the {SUFFIX_PACKAGE} package (suffix decoding's index), which "
+            f"is not installed here: pip install {SUFFIX_PACKAGE} (a source build: C++20, cmake, "
+            "nanobind), or choose ngram, which also drafts from text already seen",
+        )
+
+
 def check_vllm_keys(spec: JobSpec) -> None:
     """Check ``model.engine``, ``speculative`` and ``sampling`` keys against vLLM's own config
     classes, and build the job's SamplingParams once, so a typo exits 2 before any model loads."""
@@ -274,6 +294,8 @@ def check_vllm_keys(spec: JobSpec) -> None:
     if spec.speculative is not None:
         spec_keys = {f.name for f in dataclasses.fields(SpeculativeConfig)}
         check_known_keys(spec.speculative, spec_keys, "speculative")
+        check_speculative_method(spec.speculative)
+        check_speculative_model(spec.model.target, spec.speculative)
     check_known_keys(spec.sampling, (*SamplingParams.__struct_fields__, TEMPLATE_KWARGS), "sampling")
     sampling = dict(spec.sampling)
     constraint = sampling.pop("structured_outputs", None)

@@ -13,6 +13,7 @@ from types import UnionType
 from typing import Any
 
 from batchspec.errors import SpecError
+from batchspec.spec.checkpoints import method_of
 from batchspec.spec.model import (
     DEFAULT_JOB_NAME,
     ROW_OVERRIDABLE,
@@ -566,7 +567,8 @@ def _speculative(raw: dict) -> dict[str, Any] | None:
             "speculative.method", "give a method (draft_model, ngram, eagle, ...) or a draft model"
         )
     if speculative.get("model") and not speculative.get("method"):
-        speculative["method"] = "draft_model"
+        # what the checkpoint's config says it is (a head or a draft model), never its name
+        speculative["method"] = method_of(speculative["model"])
     return speculative
 
 

@@ -269,7 +269,8 @@ class AutoSpeculation:
     shard, runs with the fastest, and keeps the choice under the output's ``_batchspec/auto/``
     for the next run (batchspec/tune/auto.py)."""
 
-    #: Draft models to try (vLLM's ``draft_model`` method), each at every k in ``k``.
+    #: Draft models and EAGLE heads to try, each at every k in ``k`` (each with the method its
+    #: checkpoint's ``config.json`` calls for: ``draft_model``, ``eagle3`` or ``eagle``).
     drafts: tuple[str, ...] = ()
     #: num_speculative_tokens tried for each draft (its largest, smallest and, of four or more,
     #: middle measured, the rest predicted from those; the best predicted one measured too).
@@ -323,9 +324,10 @@ class JobSpec:
     output: OutputSpec
     model: ModelSpec
     #: vLLM ``speculative_config``, passed through and checked against vLLM's
-    #: ``SpeculativeConfig`` before any weights load; None turns speculative decoding off. A draft
-    #: ``model`` with no ``method`` means ``draft_model``; ``auto`` (or ``method: auto``) lets the
-    #: run choose (``speculative: auto`` below).
+    #: ``SpeculativeConfig`` before any weights load; None turns speculative decoding off. A
+    #: ``model`` with no ``method`` gets the method its checkpoint's ``config.json`` calls for
+    #: (``eagle3`` or ``eagle`` for a head, else ``draft_model``); ``auto`` (or ``method: auto``)
+    #: lets the run choose (``speculative: auto`` below).
     speculative: dict[str, Any] | None
     #: ``vllm.SamplingParams`` keyword arguments, job-wide, checked against vLLM's
     #: ``SamplingParams`` before any weights load.

@@ -1,7 +1,8 @@
 """``speculative: auto``: a run chooses its own speculation before the first shard.
 
 ``speculative: auto`` tries speculation off and the methods that need no draft model (n-gram
-prompt lookup); ``speculative: {method: auto, drafts: [...], k: [...]}`` adds draft models. The
+prompt lookup); ``speculative: {method: auto, drafts: [...], k: [...]}`` adds draft models and
+EAGLE heads (each with the method its checkpoint's config calls for). The
 run (batchspec/run/job.py) calls :func:`choose_speculation` once it knows its pending shards:
 
 1. The choice's key: what decides which candidate is fastest, hashed (:func:`choice_key`): the
@@ -24,8 +25,9 @@ run (batchspec/run/job.py) calls :func:`choose_speculation` once it knows its pe
    candidates on a seeded sample of the run's pending rows, one engine at a time, within
    ``max_minutes``, with a progress event per engine; the recommendation per level becomes the
    section to run (:func:`batchspec.tune.predict.choose_section`: vLLM's per-batch-size k where
-   one draft wins at every level). The record (choice, measurements, the sample's fingerprint,
-   the predicted wall time of the pending rows) is written under the key, secrets scrubbed.
+   one draft wins at every level). The record (choice, the chosen drafter's method and identity
+   by content, measurements, the sample's fingerprint, the predicted wall time of the pending
+   rows) is written under the key, secrets scrubbed.
 
 The output's fingerprint holds ``{"method": "auto"}``, never the choice: greedy rows are the
 same text whatever runs (speculative decoding is lossless), and sampled rows are drawn from the
@@ -89,15 +91,18 @@ class AutoChoice:
 def check_auto(spec: JobSpec) -> None:
     """Refuse, before any work, what ``speculative: auto`` could only skip later: a draft given
     as a local path that does not exist (SpecError naming it, exit 2; vLLM would try it as a
-    model hub id). The candidates' sections are batchspec's own, and a draft vLLM refuses or a
+    model hub id), and a head that does not fit the target (batchspec.engine.heads). The
+    candidates' sections are batchspec's own, and a draft vLLM refuses or a
     sampling speculation cannot run is measured as skipped, with the reason, like tune does."""
     from batchspec.tune.search_space import missing_local_draft
+    from batchspec.tune.session import check_candidate_models
 
     auto = spec.speculative_auto
     for i, draft in enumerate(auto.drafts if auto is not None else ()):
         reason = missing_local_draft({"model": draft})
         if reason:
             raise SpecError(f"speculative.drafts[{i}]", reason)
+    check_candidate_models(spec, auto.drafts if auto is not None else (), "speculative.drafts")
 
 
 def choose_speculation(
@@ -310,6 +315,7 @@ def _measure(
         "key_components": components,
         "chosen": label,
         "speculative": _public(speculative),
+        "drafter": _drafter(speculative),
         "recommended": {str(c): v for c, v in report.recommended.items()},
         "measured_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "measuring_s": round(time.monotonic() - started, 1),
@@ -433,6 +439,20 @@ def _section_from_record(
     if label != chosen:
         return None, (f"its chosen is {_json_text(chosen)}, but its recommended gives {_json_text(label)}")
     return (speculative, label), None
+
+
+def _drafter(speculative: dict | None) -> dict | None:
+    """What the chosen drafter is: its method (from its checkpoint's config) and, for a draft
+    model or a head, its identity by content (the digests the output's fingerprint uses), so a
+    record read later says which weights were measured; None for off and n-gram."""
+    from batchspec.spec.fingerprint import model_identity
+
+    model = (speculative or {}).get("model")
+    if not model:
+        return None
+    identity = model_identity(str(model))
+    local = identity.get("local") or {}
+    return {"method": speculative.get("method"), "weights": local.get("weights"), "digest": _digest(identity)}
 
 
 def _json_text(value: Any) -> str:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from batchspec.redact import sanitize_url
 from batchspec.spec.build import build_spec
+from batchspec.spec.checkpoints import method_of
 from batchspec.spec.model import JobSpec
 from batchspec.tune.model import (
     NGRAM_BASE,
@@ -42,7 +43,8 @@ def candidates(
     """(fixed candidates: off then n-gram, draft families: label -> candidates by k).
 
     The job's own speculative config is a family (its other keys kept, only k varies); each
-    ``--draft`` adds a draft_model family."""
+    ``--draft`` adds a family with the method its checkpoint calls for (``draft_model``, or
+    ``eagle3``/``eagle`` for a head: batchspec.spec.checkpoints)."""
     fixed = [Candidate("off", None, "off")]
     job = dict(spec.speculative) if spec.speculative else None
     if ngram or (job and job.get("method") == "ngram"):
@@ -63,7 +65,8 @@ def candidates(
     for path in drafts:
         if any(b.get("model") == path for b in bases):
             continue
-        bases.append({"method": "draft_model", "model": path})
+        # a head or a draft model: what its checkpoint's config says, never its name
+        bases.append({"method": method_of(path), "model": path})
     families: dict[str, list[Candidate]] = {}
     for base in bases:
         name = draft_label(base.get("model") or base.get("method", "draft"), set(families))

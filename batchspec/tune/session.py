@@ -159,7 +159,19 @@ def _check_options(spec: JobSpec, options: TuneOptions) -> list[int]:
     ):
         raise SpecError(None, "--sample, --repeats and --k must be positive, --top at least 0")
     check_vllm_keys(spec)
+    check_candidate_models(spec, options.drafts, "--draft")
     return concurrency
+
+
+def check_candidate_models(spec: JobSpec, models, key: str) -> None:
+    """Refuse a candidate drafter (a draft model or a head, by its checkpoint's config) that
+    cannot serve the job's target, naming ``key`` (and its index where there are several)."""
+    from batchspec.engine.heads import check_speculative_model
+    from batchspec.spec.checkpoints import method_of
+
+    for i, model in enumerate(models):
+        where = key if key.startswith("--") else f"{key}[{i}]"
+        check_speculative_model(spec.model.target, {"method": method_of(model), "model": model}, where=where)
 
 
 class _Session:

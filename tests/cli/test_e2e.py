@@ -25,7 +25,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from helpers.jobs import DRAFT, MODELS, NGRAM, read_output, run_cli, write_job, write_parquet
+from helpers.jobs import DRAFT, HEAD, MODELS, NGRAM, read_output, run_cli, write_job, write_parquet
 
 from batchspec.io.writer import read_metadata
 from batchspec.spec.load import load_spec
@@ -605,6 +605,45 @@ def test_ngram_method(tmp_path_factory, inputs, plain_run, shared_engines):
             compared += 1
     assert compared >= SHARDS * ROWS
     assert read_metadata(str(run.out / "part-0.parquet"))["speculative_method"] == "ngram"
+
+
+#: What every generated row of a speculative run has: acceptance and timing, per request.
+SPEC_AND_TIMING = (
+    "spec_num_steps",
+    "spec_num_draft_tokens",
+    "spec_num_accepted_tokens",
+    "spec_acceptance_rate",
+    "spec_mean_acceptance_length",
+    "spec_acceptance_histogram",
+    "time_queued_s",
+    "time_to_first_token_s",
+    "time_decode_s",
+    "time_e2e_s",
+    "output_tokens_per_s",
+)
+
+
+def test_eagle3_head(tmp_path_factory, inputs, plain_run, shared_engines):
+    """The EAGLE-3 head `make models` trained (batchspec distill --method eagle3): every
+    acceptance and timing column per request, per position against vLLM's own counters (a head
+    proposes k tokens at every step), greedy text equal to speculation off, and the method in
+    the file's metadata."""
+    run = _library_job(tmp_path_factory, inputs, shared_engines, "head", HEAD)
+    assert run.exit_code == 0, run.log[-3000:]
+    rows = read_output(run.out).to_pylist()
+    k = HEAD["num_speculative_tokens"]
+    check_acceptance_against_engine_counters(rows, run_summary(run.out), k, full_drafts=True)
+    plain = {r["request_id"]: r for r in read_output(plain_run.out).to_pylist()}
+    compared = accepted = 0
+    for r in rows:
+        if r["error"] is None and r["num_output_tokens"] > 1:
+            assert all(r[c] is not None for c in SPEC_AND_TIMING), {c: r[c] for c in SPEC_AND_TIMING}
+        if r["error"] is None and r["temperature"] is None:
+            assert r["generated_text"] == plain[r["request_id"]]["generated_text"], r["request_id"]
+            compared += 1
+            accepted += r["spec_num_accepted_tokens"] or 0
+    assert compared >= SHARDS * ROWS and accepted > 0
+    assert read_metadata(str(run.out / "part-0.parquet"))["speculative_method"] == "eagle3"
 
 
 def test_chat_messages(tmp_path, shared_engines):

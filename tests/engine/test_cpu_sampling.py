@@ -2,16 +2,17 @@
 (batchspec/engine/cpu_plugin.py; the bugs it works around: docs/vllm-cpu-rejection-sampler.md).
 
 The engine tests call ``vllm.LLM`` directly (``probe``) on the session's shared engines
-(tests/helpers/shared_engines.py: built as batchspec builds them), one without speculation, one with a
-draft model and one with n-gram lookup; each engine serves every check, and the jobs of other
-test files with the same model, engine arguments and speculation. Run pytest with
+(tests/helpers/shared_engines.py: built as batchspec builds them), one without speculation, one
+with a draft model, one with n-gram lookup and one with the EAGLE-3 head (the rejection sampler's
+fix covers a head's proposals too); each engine serves every check, and the jobs of other test
+files with the same model, engine arguments and speculation. Run pytest with
 BATCHSPEC_DISABLE_VLLM_PLUGIN=1 to watch them fail without the plugin.
 """
 
 from __future__ import annotations
 
 import pytest
-from helpers.jobs import DRAFT, ENGINE, MODELS, NGRAM, read_output, write_job, write_parquet
+from helpers.jobs import DRAFT, ENGINE, HEAD, MODELS, NGRAM, read_output, write_job, write_parquet
 
 from batchspec.engine import cpu_plugin as vllm_plugin
 from batchspec.spec.load import load_spec
@@ -367,10 +368,12 @@ def spec_off(shared_engines) -> dict:
     return run_probe(shared_engines, None, dist_seed=0)
 
 
-@pytest.fixture(scope="module", params=["draft_model", "ngram"])
+@pytest.fixture(scope="module", params=["draft_model", "ngram", "eagle3"])
 def spec_on(request, shared_engines) -> tuple[str, dict]:
     method = request.param
-    config, dist_seed = {"draft_model": (DRAFT, 10_000), "ngram": (NGRAM, 20_000)}[method]
+    config, dist_seed = {"draft_model": (DRAFT, 10_000), "ngram": (NGRAM, 20_000), "eagle3": (HEAD, 30_000)}[
+        method
+    ]
     return method, run_probe(shared_engines, config, dist_seed)
 
 

@@ -19,6 +19,8 @@ MODELS = ROOT / ".models"
 #: Engine settings every end-to-end job uses: eager mode starts in ~20 s on a CPU.
 ENGINE = {"max_model_len": 512, "enforce_eager": True, "dtype": "float32"}
 DRAFT = {"method": "draft_model", "model": str(MODELS / "draft"), "num_speculative_tokens": 4}
+#: The EAGLE-3 head `make models` trains for the tiny target (batchspec distill --method eagle3).
+HEAD = {"method": "eagle3", "model": str(MODELS / "head"), "num_speculative_tokens": 3}
 #: n-gram lookup from a single matching token on (so that it proposes at most steps): the jobs
 #: and probes with n-gram speculation share one engine (tests/helpers/shared_engines.py).
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 4}
