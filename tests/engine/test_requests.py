@@ -1,9 +1,9 @@
 """What a dataset job asks of the model beyond text, on the real engine with speculation off, a
-draft model and n-gram lookup: structured outputs (per row, several kinds and schemas in one
+draft model, n-gram lookup and an EAGLE-3 head: structured outputs (per row, several kinds and schemas in one
 batch), logprobs of the output and the prompt, choice probabilities, several seeded samples.
 
 One job per speculative mode on the session's shared engines (no start-up of its own): the
-greedy rows must come out the same in all three modes, every constrained row that finished with
+greedy rows must come out the same in every mode, every constrained row that finished with
 ``stop`` must satisfy its own constraint (checked here independently of batchspec's column), and
 the logprob columns must agree with each other."""
 
@@ -15,7 +15,7 @@ import math
 import jsonschema
 import pyarrow as pa
 import pytest
-from helpers.jobs import DRAFT, ENGINE, MODELS, NGRAM, read_output, write_job, write_parquet
+from helpers.jobs import DRAFT, ENGINE, HEAD, MODELS, NGRAM, read_output, write_job, write_parquet
 
 from batchspec.spec.load import load_spec
 
@@ -75,7 +75,7 @@ ROWS = [
     # a schema that is not one: an error row naming the column, the rest of the shard runs
     ("A bad schema row", '{"json": {"type": 12}}', None, 8),
 ]
-MODES = {"off": None, "draft": DRAFT, "ngram": NGRAM}
+MODES = {"off": None, "draft": DRAFT, "ngram": NGRAM, "head": HEAD}
 
 
 @pytest.fixture(scope="module")
@@ -173,12 +173,13 @@ def test_every_finished_constrained_row_satisfies_its_own_constraint(request_run
 
 def test_greedy_rows_are_the_same_with_and_without_speculation(request_runs):
     off = request_runs["off"]
-    for mode in ("draft", "ngram"):
+    for mode in ("draft", "ngram", "head"):
         for rid, row in request_runs[mode].items():
             assert row["generated_text"] == off[rid]["generated_text"], (mode, rid)
             assert row["finish_reason"] == off[rid]["finish_reason"], (mode, rid)
-    drafted = sum(r["spec_num_draft_tokens"] or 0 for r in request_runs["draft"].values())
-    assert drafted > 0  # speculation really ran on these rows
+    for mode in ("draft", "head"):
+        drafted = sum(r["spec_num_draft_tokens"] or 0 for r in request_runs[mode].values())
+        assert drafted > 0, mode  # speculation really ran on these rows
 
 
 @pytest.mark.parametrize("mode", list(MODES))
@@ -222,10 +223,11 @@ def test_choice_rows_give_each_choice_a_probability(request_runs):
         assert all(math.isclose(a[c], b[c], abs_tol=1e-3) for c in COLOURS)
 
 
-def test_several_seeded_samples_one_row_each(tmp_path, shared_engines):
+@pytest.mark.parametrize("speculative", [DRAFT, HEAD], ids=["draft", "head"])
+def test_several_seeded_samples_one_row_each(tmp_path, shared_engines, speculative):
     """``n`` samples per row, each a row with its ``sample_index``; seeded: a second run gives
     the same samples; a row's own ``n`` column overrides the job's; a rerun of a finished job
-    adds no sample."""
+    adds no sample. With a draft model and with an EAGLE-3 head."""
     write_parquet(
         tmp_path / "in" / "s.parquet",
         {
@@ -246,7 +248,7 @@ def test_several_seeded_samples_one_row_each(tmp_path, shared_engines):
                 "sampling_columns": {"n": "n", "seed": "seed"},
             },
             output={"path": str(tmp_path / f"out-{attempt}")},
-            speculative=DRAFT,
+            speculative=speculative,
             sampling={"temperature": 0.9, "top_p": 0.95, "max_tokens": 12, "n": 2},
         )
         run = shared_engines.run(load_spec(job))
