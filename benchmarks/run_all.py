@@ -22,6 +22,7 @@ STEPS = [
     ["benchmarks/memory.py", "--format", "openai", "--json", str(OUT / "memory-openai.json")],
     ["benchmarks/line_memory.py", "--json", str(OUT / "line-memory.json")],
     ["benchmarks/distill.py", "--json", str(OUT / "distill.json")],
+    ["benchmarks/heads.py", "--fresh", "--json", str(OUT / "heads.json")],
     ["benchmarks/tune.py", "--json", str(OUT / "tune.json")],
     [
         "benchmarks/tune.py",

@@ -12,7 +12,7 @@ import typing
 from collections.abc import Mapping
 from typing import Any
 
-from batchspec.engine.heads import check_speculative_model
+from batchspec.engine.heads import check_head_with_lora, check_speculative_model
 from batchspec.engine.lora import check_lora
 from batchspec.engine.reasoning import check_reasoning
 from batchspec.errors import SpecError, quoted
@@ -296,6 +296,7 @@ def check_vllm_keys(spec: JobSpec) -> None:
         check_known_keys(spec.speculative, spec_keys, "speculative")
         check_speculative_method(spec.speculative)
         check_speculative_model(spec.model.target, spec.speculative)
+        check_head_with_lora(spec.model.lora is not None, spec.speculative.get("method"))
     check_known_keys(spec.sampling, (*SamplingParams.__struct_fields__, TEMPLATE_KWARGS), "sampling")
     sampling = dict(spec.sampling)
     constraint = sampling.pop("structured_outputs", None)

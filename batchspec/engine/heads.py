@@ -91,6 +91,23 @@ def check_speculative_model(
     check_head_fits(Path(model).expanduser(), config, _text_config(target_config), method, named)
 
 
+def check_head_with_lora(has_lora: bool, method: str | None, key: str = "model.lora") -> None:
+    """Refuse a head beside LoRA adapters: vLLM 0.32 gives a head without an embedding of its own
+    (or with one equal to the target's, which is what speculators' heads and batchspec's are)
+    the target's embedding layer, which with LoRA enabled is the adapter-wrapped one; the head's
+    draft step then runs it with the target's token-to-adapter mapping and the engine fails
+    (``einsum(): subscript b has size ...``, seen on the CPU build with the adapters of
+    ``make models``). Refused before any weights load, naming ``key``."""
+    if has_lora and method in HEAD_METHODS:
+        raise SpecError(
+            key,
+            f"LoRA adapters cannot run beside an {method.upper()} head on vLLM 0.32: the head shares "
+            "the target's embedding, which LoRA wraps, and the engine fails on the head's first "
+            "draft step; use a draft model (method: draft_model) or ngram with adapters, or run "
+            "without them",
+        )
+
+
 def check_head_fits(directory: Path, config: dict, target: dict, method: str, key: str) -> None:
     """The head at ``directory`` (its ``config``) against the target's config."""
     head = head_layer_config(config)

@@ -166,12 +166,14 @@ def _check_options(spec: JobSpec, options: TuneOptions) -> list[int]:
 def check_candidate_models(spec: JobSpec, models, key: str) -> None:
     """Refuse a candidate drafter (a draft model or a head, by its checkpoint's config) that
     cannot serve the job's target, naming ``key`` (and its index where there are several)."""
-    from batchspec.engine.heads import check_speculative_model
+    from batchspec.engine.heads import check_head_with_lora, check_speculative_model
     from batchspec.spec.checkpoints import method_of
 
     for i, model in enumerate(models):
         where = key if key.startswith("--") else f"{key}[{i}]"
-        check_speculative_model(spec.model.target, {"method": method_of(model), "model": model}, where=where)
+        method = method_of(model)
+        check_speculative_model(spec.model.target, {"method": method, "model": model}, where=where)
+        check_head_with_lora(spec.model.lora is not None, method, where)
 
 
 class _Session:

@@ -636,7 +636,9 @@ def test_eagle3_head(tmp_path_factory, inputs, plain_run, shared_engines):
     plain = {r["request_id"]: r for r in read_output(plain_run.out).to_pylist()}
     compared = accepted = 0
     for r in rows:
-        if r["error"] is None and r["num_output_tokens"] > 1:
+        if (
+            r["error"] is None and r["twin_of"] is None and r["num_output_tokens"] > 1
+        ):  # a twin's are its twin's
             assert all(r[c] is not None for c in SPEC_AND_TIMING), {c: r[c] for c in SPEC_AND_TIMING}
         if r["error"] is None and r["temperature"] is None:
             assert r["generated_text"] == plain[r["request_id"]]["generated_text"], r["request_id"]

@@ -169,3 +169,22 @@ def test_a_head_retrained_in_place_is_a_changed_spec(tmp_path, head_copy, monkey
     with open(weights, "r+b") as handle:  # in place, the same size: a retrained head
         handle.write(data)
     assert describe_changes(before, spec_fingerprint(spec)) == ["speculative.model"]
+
+
+def test_lora_adapters_beside_a_head_are_refused_naming_the_key(tmp_path, models):
+    """vLLM 0.32 hands a head the target's LoRA-wrapped embedding and fails on its first draft
+    step (seen on the CPU build: ``einsum(): subscript b has size ...``): refused before any
+    weights load, in a job and among tune's and auto's candidates."""
+    from batchspec.tune.session import check_candidate_models
+
+    raw = _spec(tmp_path, HEAD)
+    raw["model"]["lora"] = {"adapters": {"upper": str(MODELS / "lora-upper")}}
+    from batchspec.engine.checks import check_vllm_keys
+
+    with pytest.raises(SpecError) as err:
+        check_vllm_keys(build_spec(raw))
+    assert err.value.key == "model.lora" and "EAGLE3 head" in str(err.value)
+    raw["speculative"] = None
+    with pytest.raises(SpecError) as err:
+        check_candidate_models(build_spec(raw), [str(MODELS / "draft"), HEAD["model"]], "speculative.drafts")
+    assert err.value.key == "speculative.drafts[1]"

@@ -17,7 +17,7 @@ import json
 
 import pyarrow as pa
 import pytest
-from helpers.jobs import DRAFT, ENGINE, HEAD, MODELS, NGRAM, read_output, write_job, write_parquet
+from helpers.jobs import DRAFT, ENGINE, MODELS, NGRAM, read_output, write_job, write_parquet
 from tiny_lora import comment_share, upper_share  # tools/ is on the path (conftest.py)
 
 from batchspec.engine.lora import Adapters, check_lora, engine_args, read_adapters
@@ -182,7 +182,7 @@ ADAPTER_OF_ROW = [
     "upper",
     "comment",
 ]
-MODES = {"off": None, "draft": DRAFT, "ngram": NGRAM, "head": HEAD}
+MODES = {"off": None, "draft": DRAFT, "ngram": NGRAM}
 #: as examples/requests/lora.yaml has it, so that its test runs on these engines
 LORA = {"adapters": {"upper": str(UPPER), "comment": str(COMMENT)}, "max_loras": 2}
 

@@ -1,0 +1,220 @@
+"""EAGLE-3 heads against the draft model, on the large tier, on prompts no drafter was trained on.
+
+The domain is JSON records cut off mid-way (tools/domain_data.py), which neither the tiny draft
+nor the generic head (`make models`, trained on code) saw. Two prompt sets: one the job-trained
+drafters learn from, one they never see, which every candidate is measured on.
+
+1. the draft model distilled on the training set (``batchspec distill --draft .models/draft``);
+2. a head trained on the same set (``batchspec distill --method eagle3``, from scratch), on the
+   tiny target, then grown for ``target-large`` as ``make models`` grows its head
+   (``tools/grow_model.py --head``: the same function on the grown target's states);
+3. an untrained head for ``target-large`` (what distill starts from: the target's output layer,
+   the rest random);
+4. ``batchspec tune`` on the hidden set, ``target-large``, greedy, ``--max-tokens`` tokens, at 1,
+   16 and 64 in flight: speculation off and the four drafters (the distilled draft, the random
+   head, `make models`' head-large, the job-trained head) at k 2, 3 and 4: output tok/s,
+   acceptance per position and mean acceptance length of each, tune's recommendation (what
+   ``speculative: auto`` with these drafters would run) and its noise.
+
+Usage: ``python benchmarks/heads.py [--models .models] [--work bench-results/heads]
+[--json bench-results/heads.json]``. Drafters built by an earlier run in ``--work`` are reused
+(``--fresh`` builds them again)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tools"))
+sys.path.insert(0, str(ROOT))
+
+from common import print_report  # noqa: E402
+
+ENGINE = {"max_model_len": 512, "enforce_eager": True, "dtype": "float32"}
+
+
+def write_job(work: Path, name: str, prompts: Path, target: Path, max_tokens: int) -> Path:
+    import yaml
+
+    spec = {
+        "name": name,
+        "input": {"path": str(prompts / "*.parquet"), "prompt_column": "prompt", "id_column": "id"},
+        "output": {"path": str(work / f"{name}-out")},
+        "model": {"target": str(target), "engine": dict(ENGINE)},
+        "speculative": None,
+        "sampling": {"temperature": 0.0, "max_tokens": max_tokens},
+        "execution": {"dedupe_window": 0},
+    }
+    path = work / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    return path
+
+
+def batchspec(*args: str) -> dict:
+    exe = Path(sys.executable).with_name("batchspec")
+    command = [str(exe), *args]
+    print("$ " + " ".join(command), flush=True)
+    started = time.monotonic()
+    proc = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
+    if proc.returncode not in (0, 4):
+        sys.stderr.write(proc.stderr[-4000:])
+        raise SystemExit(f"{args[0]} exited {proc.returncode}")
+    out = json.loads(proc.stdout) if proc.stdout.strip().startswith("{") else {}
+    out["_wall_s"] = round(time.monotonic() - started, 1)
+    return out
+
+
+def random_head(models: Path, out: Path) -> None:
+    from batchspec.distill import eagle3
+
+    target = str(models / "target-large")
+    config = eagle3.head_config(eagle3.target_config(target), [1, 2, 3], k=3)
+    eagle3.save_head(eagle3.new_head(target, config, seed=0), out)
+
+
+def level_rows(tune: dict, labels: dict[str, str]) -> list[dict]:
+    """One row per (level, candidate): tok/s, acceptance per position, mean acceptance length."""
+    rows = []
+    for entry in tune["candidates"]:
+        family = entry["label"].rsplit(" k=", 1)[0]
+        name = labels.get(family, family)
+        rows.append(
+            {
+                "concurrency": entry["concurrency"],
+                "candidate": name,
+                "label": entry["label"],
+                "k": entry["speculative"]["num_speculative_tokens"] if entry["speculative"] else 0,
+                "output_tokens_per_s": entry["output_tokens_per_s"],
+                "predicted_output_tokens_per_s": entry["predicted_output_tokens_per_s"],
+                "acceptance_rate": entry["acceptance_rate"],
+                "mean_acceptance_length": entry["mean_acceptance_length"],
+                "acceptance_per_position": entry["acceptance_per_position"],
+            }
+        )
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", type=Path, default=ROOT / ".models")
+    parser.add_argument("--work", type=Path, default=ROOT / "bench-results" / "heads")
+    parser.add_argument("--train-rows", type=int, default=600)
+    parser.add_argument("--hidden-rows", type=int, default=160)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--concurrency", default="1,16,64")
+    parser.add_argument("--k", default="2,3,4")
+    parser.add_argument("--sample", type=int, default=64)
+    parser.add_argument("--fresh", action="store_true")
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+    from domain_data import write_shards
+
+    models, work = args.models.resolve(), args.work.resolve()
+    if args.fresh:
+        shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True, exist_ok=True)
+    if not (work / "train").exists():
+        write_shards(work / "train", rows=args.train_rows, shards=2, seed=11)
+        write_shards(work / "hidden", rows=args.hidden_rows, shards=1, seed=12)
+    train = write_job(work, "train", work / "train", models / "target", args.max_tokens)
+    hidden = write_job(work, "hidden", work / "hidden", models / "target-large", args.max_tokens)
+    report: dict = {"domain": "JSON records (tools/domain_data.py)", "max_tokens": args.max_tokens}
+    common = [
+        "--sample",
+        str(args.train_rows),
+        "--holdout",
+        "60",
+        "--steps",
+        str(args.steps),
+        "--k",
+        "3",
+        "--json",
+    ]
+
+    draft = work / "draft-json"
+    if not (draft / "batchspec-model.json").exists():
+        report["distill_draft"] = batchspec(
+            "distill",
+            str(train),
+            "--draft",
+            str(models / "draft"),
+            "--out",
+            str(draft),
+            "--logprobs",
+            "8",
+            "--force",
+            *common,
+        )
+    small_head = work / "head-json-tiny"
+    if not (small_head / "batchspec-model.json").exists():
+        report["distill_head"] = batchspec(
+            "distill", str(train), "--method", "eagle3", "--out", str(small_head), *common
+        )
+    head = work / "head-json"
+    if not (head / "batchspec-model.json").exists():
+        subprocess.run(
+            [
+                sys.executable,
+                str(ROOT / "tools" / "grow_model.py"),
+                "--head",
+                str(small_head),
+                "--target",
+                str(models / "target-large"),
+                "--out",
+                str(head),
+            ],
+            check=True,
+        )
+    untrained = work / "head-random"
+    if not (untrained / "config.json").exists():
+        random_head(models, untrained)
+
+    labels = {
+        "draft-json": "distilled draft (1 layer)",
+        "eagle3:head-random": "untrained head",
+        "eagle3:head-large": "make models head (code)",
+        "eagle3:head-json": "job-trained head",
+        "off": "off",
+    }
+    tune = batchspec(
+        "tune",
+        str(hidden),
+        "--concurrency",
+        args.concurrency,
+        "--k",
+        args.k,
+        "--no-ngram",
+        "--sample",
+        str(args.sample),
+        "--draft",
+        str(draft),
+        "--draft",
+        str(untrained),
+        "--draft",
+        str(models / "head-large"),
+        "--draft",
+        str(head),
+        "--json",
+    )
+    report["tune"] = {
+        "recommended": tune.get("recommended"),
+        "noise": tune.get("noise"),
+        "lossless": tune.get("lossless"),
+        "wall_s": tune.get("wall_s"),
+        "rows": level_rows(tune, labels),
+    }
+    report["load_average"] = os.getloadavg()
+    print_report(report, args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
