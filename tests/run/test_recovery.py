@@ -29,6 +29,8 @@ pytestmark = pytest.mark.engine
 #: in flight, row groups being written), and a random moment after a shard's commit (others
 #: mid-way, committing).
 KILL_MOMENTS = ("start-up", "generating", "committing")
+#: Rows per input shard of the workload (four shards).
+ROWS = 24
 
 
 @pytest.fixture(scope="module")
@@ -36,9 +38,11 @@ def workload(tmp_path_factory, models):
     from demo_data import prompt_table
 
     root = tmp_path_factory.mktemp("recovery")
+    # four shards of 24 rows (three row groups each): several seconds of generating per run, so a
+    # kill or signal lands with requests in flight, row groups written and other shards mid-way
     for i in range(4):
         pq.write_table(
-            prompt_table(40, seed=500 + i, first_id=40 * i, max_tokens=(4, 40)),
+            prompt_table(ROWS, seed=500 + i, first_id=ROWS * i, max_tokens=(4, 40)),
             root / "in" / f"shard-{i}.parquet"
             if (root / "in").exists()
             else _mk(root / "in") / f"shard-{i}.parquet",
