@@ -607,20 +607,13 @@ def test_ngram_method(tmp_path_factory, inputs, plain_run, shared_engines):
     assert read_metadata(str(run.out / "part-0.parquet"))["speculative_method"] == "ngram"
 
 
-#: What every generated row of a speculative run has: acceptance and timing, per request.
-SPEC_AND_TIMING = (
-    "spec_num_steps",
-    "spec_num_draft_tokens",
-    "spec_num_accepted_tokens",
-    "spec_acceptance_rate",
-    "spec_mean_acceptance_length",
-    "spec_acceptance_histogram",
-    "time_queued_s",
-    "time_to_first_token_s",
-    "time_decode_s",
-    "time_e2e_s",
+#: What every generated row of a speculative run has: acceptance and timing, per request (the
+#: reasoning split's columns are a reasoning model's).
+SPEC_AND_TIMING = [
+    *(c for c in CONTRACT_SPEC_COLUMNS if not c.startswith("spec_reasoning_")),
+    *TIMING_COLUMNS,
     "output_tokens_per_s",
-)
+]
 
 
 def test_eagle3_head(tmp_path_factory, inputs, plain_run, shared_engines):
