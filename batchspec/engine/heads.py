@@ -20,6 +20,7 @@ from batchspec.spec.checkpoints import (
     HEAD_METHODS,
     aux_layer_ids,
     checkpoint_method,
+    config_problem,
     head_layer_config,
     read_config,
 )
@@ -34,9 +35,16 @@ def weight_shapes(directory: Path) -> dict[str, list[int]]:
     """Every tensor's shape in a directory's safetensors files, from their headers only."""
     shapes: dict[str, list[int]] = {}
     for file in sorted(directory.glob("*.safetensors")):
-        with open(file, "rb") as f:
-            (size,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(size))
+        try:
+            with open(file, "rb") as f:
+                (size,) = struct.unpack("<Q", f.read(8))
+                if size > 100 * 2**20:
+                    raise ValueError(f"a header of {size} bytes")
+                header = json.loads(f.read(size))
+            if not isinstance(header, dict):
+                raise ValueError("its header is not a JSON object")
+        except (OSError, ValueError, struct.error) as exc:
+            raise SpecError(None, f"{file.name} is not a readable safetensors file: {exc}") from exc
         for name, info in header.items():
             if name != "__metadata__" and isinstance(info, dict):
                 shapes[name] = list(info.get("shape") or ())
@@ -64,11 +72,14 @@ def check_speculative_model(
         return
     model = speculative.get("model")
     method = speculative.get("method")
+    named = where or f"{key}.model"
+    problem = config_problem(model)
+    if problem is not None:
+        raise SpecError(named, f"{model}: {problem}")
     config = read_config(model)
     if config is None:
         return
     found = checkpoint_method(config)
-    named = where or f"{key}.model"
     if method == "draft_model" and found in HEAD_METHODS:
         raise SpecError(
             f"{key}.method",
@@ -88,7 +99,12 @@ def check_speculative_model(
     target_config = read_config(target)
     if target_config is None:
         return
-    check_head_fits(Path(model).expanduser(), config, _text_config(target_config), method, named)
+    try:
+        check_head_fits(Path(model).expanduser(), config, _text_config(target_config), method, named)
+    except SpecError as exc:
+        if exc.key is not None:
+            raise
+        raise SpecError(named, f"{model}: {exc}") from exc
 
 
 def check_head_with_lora(has_lora: bool, method: str | None, key: str = "model.lora") -> None:
@@ -111,6 +127,10 @@ def check_head_with_lora(has_lora: bool, method: str | None, key: str = "model.l
 def check_head_fits(directory: Path, config: dict, target: dict, method: str, key: str) -> None:
     """The head at ``directory`` (its ``config``) against the target's config."""
     head = head_layer_config(config)
+    for name in ("hidden_size", "target_hidden_size", "vocab_size", "draft_vocab_size", "num_hidden_layers"):
+        value = head.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise SpecError(key, f"the head's {name} is {value!r}, not a positive whole number")
     t_hidden, t_vocab = target.get("hidden_size"), target.get("vocab_size")
     t_layers = target.get("num_hidden_layers")
     hidden = head.get("hidden_size")
@@ -170,6 +190,11 @@ def check_head_fits(directory: Path, config: dict, target: dict, method: str, ke
         )
     if method != "eagle3" or not isinstance(t_layers, int):
         return
+    given = head.get("eagle_aux_hidden_state_layer_ids")
+    if given is not None and not isinstance(given, (list, tuple)):
+        raise SpecError(
+            key, f"the head's eagle_aux_hidden_state_layer_ids is {given!r}, not a list of layer ids"
+        )
     ids = aux_layer_ids(head, t_layers)
     bad = [i for i in ids if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < t_layers]
     if bad:

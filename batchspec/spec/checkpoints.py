@@ -36,6 +36,23 @@ def read_config(model: Any) -> dict | None:
     return value if isinstance(value, dict) else None
 
 
+def config_problem(model: Any) -> str | None:
+    """What is wrong with a local model directory's ``config.json`` (not JSON, not an object),
+    or None (fine, or not a local directory)."""
+    path = _local_dir(model)
+    if path is None:
+        return None
+    try:
+        value = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        return f"its config.json cannot be read as JSON ({type(exc).__name__}: {exc})"
+    return (
+        None
+        if isinstance(value, dict)
+        else f"its config.json holds a JSON {type(value).__name__}, not an object"
+    )
+
+
 def checkpoint_method(config: dict) -> str:
     """``eagle3``, ``eagle`` or ``draft_model``: what a checkpoint's config says it is."""
     kind = config.get("speculators_model_type")
@@ -76,5 +93,5 @@ def aux_layer_ids(config: dict, target_layers: int) -> list[int]:
     if not ids and isinstance(config.get("eagle_config"), dict):
         ids = config["eagle_config"].get("eagle_aux_hidden_state_layer_ids")
     if ids:
-        return list(ids)
+        return list(ids) if isinstance(ids, (list, tuple)) else [ids]
     return [2, target_layers // 2, target_layers - 3]

@@ -188,3 +188,31 @@ def test_lora_adapters_beside_a_head_are_refused_naming_the_key(tmp_path, models
     with pytest.raises(SpecError) as err:
         check_candidate_models(build_spec(raw), [str(MODELS / "draft"), HEAD["model"]], "speculative.drafts")
     assert err.value.key == "speculative.drafts[1]"
+
+
+@pytest.mark.parametrize(
+    "bend, words",
+    [
+        (lambda h: (h / "config.json").write_text("{not json"), "cannot be read as JSON"),
+        (lambda h: (h / "config.json").write_text("[1, 2]"), "holds a JSON list, not an object"),
+        (lambda h: _bend(h, hidden_size="256"), "hidden_size is '256', not a positive whole number"),
+        (lambda h: _bend(h, draft_vocab_size=True), "draft_vocab_size is True"),
+        (lambda h: _bend(h, eagle_aux_hidden_state_layer_ids=3), "is 3, not a list of layer ids"),
+        (
+            lambda h: _bend(h, eagle_aux_hidden_state_layer_ids=[1, "2", None]),
+            "name layers the target does not",
+        ),
+        (lambda h: (h / "model.safetensors").write_bytes(b"\xff" * 16), "not a readable safetensors file"),
+        (
+            lambda h: (h / "model.safetensors").write_bytes(b"\x02\0\0\0\0\0\0\0[]"),
+            "not a readable safetensors",
+        ),
+    ],
+)
+def test_a_head_with_values_of_the_wrong_type_is_refused_naming_the_key(tmp_path, head_copy, bend, words):
+    """Every field of the head's config and its weight files' headers, mistyped or torn: exit 2
+    naming ``speculative.model``, never a crash."""
+    bend(head_copy)
+    with pytest.raises(SpecError) as err:
+        _check(tmp_path, {**HEAD, "model": str(head_copy)})
+    assert err.value.key == "speculative.model" and words in str(err.value), str(err.value)
