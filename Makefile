@@ -35,9 +35,11 @@ endif
 	$(BIN)/python -c "import vllm, transformers.models.llama, batchspec; print('vllm', vllm.__version__)"
 	touch $@
 
-models: setup $(MODELS)/target/.batchspec-complete $(MODELS)/draft-large/.batchspec-complete \
-        $(MODELS)/target-large/.batchspec-complete $(MODELS)/lora-upper/.batchspec-complete \
-        $(MODELS)/lora-comment/.batchspec-complete $(MODELS)/reasoner-draft/.batchspec-complete \
+# the longest build after the target first (the reasoning pair), so that `make -j3` starts it as
+# soon as the target is built
+models: setup $(MODELS)/target/.batchspec-complete $(MODELS)/reasoner-draft/.batchspec-complete \
+        $(MODELS)/draft-large/.batchspec-complete $(MODELS)/target-large/.batchspec-complete \
+        $(MODELS)/lora-upper/.batchspec-complete $(MODELS)/lora-comment/.batchspec-complete \
         $(MODELS)/head/batchspec-model.json $(MODELS)/head-large/batchspec-model.json
 
 # the tokenizer, the target and the draft (both cores)
