@@ -554,7 +554,7 @@ def _gate_setup(tmp_path, monkeypatch, old_rate: float, new_rate: float):
     old = tmp_path / "old-draft"
     old.mkdir()
 
-    def evaluate(spec, draft, rows, k, concurrency, say=None, counts=None):
+    def evaluate(spec, draft, rows, k, concurrency, say=None, counts=None, method="draft_model"):
         rate = old_rate if draft == str(old) else new_rate
         for i, row in enumerate(rows):
             counts[row.request_id] = (round((rate + (0.1 if i % 2 else -0.1)) * 1000), 1000)
