@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from batchspec.spec.checkpoints import head_layer_config
+from batchspec.spec.checkpoints import head_layer_config, text_config
 
 #: The weight file a head is written to.
 WEIGHTS = "model.safetensors"
@@ -381,13 +381,14 @@ def collect_features(
         for n, chunk in enumerate(chunks):
             path = directory / f"features-{n:05d}.safetensors"
             seqs = [[*r["prompt_token_ids"], *r["output_token_ids"]][:MAX_TOKENS] for r in chunk]
-            tokens_total += sum(len(s) for s in seqs)
             if path.is_file():
                 files.append(path)
+                tokens_total += sum(len(s) for s in seqs)
                 continue
             if deadline is not None and time.monotonic() > deadline:
                 say(f"--max-minutes reached: features of {n} of {len(chunks)} chunks collected")
                 break
+            tokens_total += sum(len(s) for s in seqs)
             if model is None:
                 model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
             width = max(len(s) for s in seqs)
@@ -467,8 +468,9 @@ def _take(chunk: dict, idx: list[int], span: int | None = None, rng: random.Rand
     }
 
 
-def step_losses(head, batch: dict, steps: int = TTT_STEPS) -> tuple[Any, list, list]:
-    """(the weighted loss, right-in-a-row counts per step, positions per step) of a batch."""
+def step_losses(head, batch: dict, steps: int = TTT_STEPS) -> tuple[Any, list, int]:
+    """(the weighted loss, right-in-a-row counts per step, the positions step 0 drafts at) of a
+    batch."""
     import torch
     import torch.nn.functional as F
 
@@ -476,12 +478,12 @@ def step_losses(head, batch: dict, steps: int = TTT_STEPS) -> tuple[Any, list, l
     length = tokens.shape[1]
     if length < 3:
         zero = head.fc.weight.sum() * 0.0
-        return zero, [0] * steps, [0] * steps
+        return zero, [0] * steps, 0
     logits = head.unroll(tokens, batch["aux"], steps)
     pos = torch.arange(length - 1)
     total, weight = 0.0, 0.0
     run = torch.ones(tokens.shape[0], length - 1, dtype=torch.bool)
-    right, counted = [], []
+    right, positions = [], 0
     for s, step_logits in enumerate(logits):
         where = pos + 1 + s
         valid = where.unsqueeze(0) < lengths.unsqueeze(1)
@@ -492,8 +494,9 @@ def step_losses(head, batch: dict, steps: int = TTT_STEPS) -> tuple[Any, list, l
             weight += STEP_DECAY**s
         run = run & (step_logits.argmax(-1) == label) & valid
         right.append(int(run.sum()))
-        counted.append(int(valid[:, :].sum()) if s == 0 else counted[0])
-    return total / max(weight, 1e-9), right, counted
+        if s == 0:
+            positions = int(valid.sum())
+    return total / max(weight, 1e-9), right, positions
 
 
 def expected_accepted(head, files: list[Path], batch_size: int = 16, steps: int = TTT_STEPS) -> float:
@@ -512,7 +515,7 @@ def expected_accepted(head, files: list[Path], batch_size: int = 16, steps: int 
                     head, _take(chunk, list(range(i, min(n, i + batch_size)))), steps
                 )
                 right_total += sum(right)
-                positions += counted[0]
+                positions += counted
     head.train()
     return right_total / positions if positions else 0.0
 
@@ -639,18 +642,6 @@ def train_head(
     )
 
 
-def parameters(head) -> int:
-    return sum(p.numel() for p in head.parameters())
-
-
 def target_config(target_dir: str) -> dict:
-    config = json.loads((Path(target_dir) / "config.json").read_text())
-    text = config.get("text_config")
-    return text if isinstance(text, dict) else config
-
-
-def check_aux_layers(ids: list[int], layers: int) -> None:
-    """ValueError unless every id is a layer the target has (0..layers - 1)."""
-    bad = [i for i in ids if not 0 <= i < layers]
-    if bad or not ids:
-        raise ValueError(f"auxiliary layer ids {ids}: the target has {layers} layers (ids 0..{layers - 1})")
+    """The target's (language model's) config."""
+    return text_config(json.loads((Path(target_dir) / "config.json").read_text()))

@@ -204,7 +204,7 @@ def _check_head_options(spec: JobSpec, opts: DistillOptions) -> None:
     from pathlib import Path
 
     from batchspec.engine.heads import check_head_fits
-    from batchspec.spec.checkpoints import checkpoint_method, read_config
+    from batchspec.spec.checkpoints import checkpoint_method, read_config, text_config
 
     if opts.draft:
         raise SpecError(
@@ -229,7 +229,7 @@ def _check_head_options(spec: JobSpec, opts: DistillOptions) -> None:
             f"{spec.model.target}: --method eagle3 reads the target's hidden states with its own "
             "forward pass, so the target must be a local model directory with a config.json",
         )
-    target = target.get("text_config") if isinstance(target.get("text_config"), dict) else target
+    target = text_config(target)
     layers = int(target.get("num_hidden_layers") or 0)
     if opts.head:
         config = read_config(opts.head)

@@ -23,12 +23,8 @@ from batchspec.spec.checkpoints import (
     config_problem,
     head_layer_config,
     read_config,
+    text_config,
 )
-
-
-def _text_config(config: dict) -> dict:
-    text = config.get("text_config")
-    return text if isinstance(text, dict) else config
 
 
 def weight_shapes(directory: Path) -> dict[str, list[int]]:
@@ -100,7 +96,7 @@ def check_speculative_model(
     if target_config is None:
         return
     try:
-        check_head_fits(Path(model).expanduser(), config, _text_config(target_config), method, named)
+        check_head_fits(Path(model).expanduser(), config, text_config(target_config), method, named)
     except SpecError as exc:
         if exc.key is not None:
             raise

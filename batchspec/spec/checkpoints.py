@@ -53,6 +53,12 @@ def config_problem(model: Any) -> str | None:
     )
 
 
+def text_config(config: dict) -> dict:
+    """The language model's part of a config (``text_config`` of a multimodal one, else itself)."""
+    text = config.get("text_config")
+    return text if isinstance(text, dict) else config
+
+
 def checkpoint_method(config: dict) -> str:
     """``eagle3``, ``eagle`` or ``draft_model``: what a checkpoint's config says it is."""
     kind = config.get("speculators_model_type")
