@@ -242,6 +242,9 @@ class Engine:
         too_long = length_error(len(ids), self.max_model_len)
         if too_long is not None:
             return None, error_result(too_long, num_prompt_tokens=len(ids))
+        if self.reasoning is not None:
+            ended = self.reasoning.prompt_ends_thinking(row.messages, kwargs)
+            asked = dataclasses.replace(asked, thinking_ended=ended)
         return Prepared(ids, params, asked, lora_request), None
 
     def stream(

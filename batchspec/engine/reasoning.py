@@ -3,11 +3,12 @@ each output split into its thinking and its answer, as vLLM's OpenAI server spli
 
 vLLM's offline ``LLM`` returns the thinking and the answer as one text (vLLM issue #17292); its
 server splits them with the model's reasoning parser. This module does what the server does, with
-the same parser: a prompt that already ends the thinking (a chat template that writes an empty
-think block, as Qwen3's does for ``enable_thinking: false``) makes the whole output the answer;
-otherwise the parser finds where the thinking ends. An output the parser finds still thinking has
-no answer: ``generated_text`` is null, and ``finish_reason`` is :data:`LENGTH_IN_REASONING` where
-``max_tokens`` cut it.
+the same parser: a chat template that ends the thinking in the prompt (an empty think block, as
+Qwen3's writes for ``enable_thinking: false``) makes the whole output the answer; otherwise the
+parser finds where the thinking ends. Only the template's own markers, after the row's text,
+decide that (:meth:`Splitter.prompt_ends_thinking`): a row's text is data, whatever it holds. An
+output the parser finds still thinking has no answer: ``generated_text`` is null, and
+``finish_reason`` is :data:`LENGTH_IN_REASONING` where ``max_tokens`` cut it.
 
 With speculation on, the engine records each verify step's accepted and proposed draft tokens
 (``per_request_spec_decode_metrics: detailed``), and :func:`split_acceptance` attributes each
@@ -15,12 +16,16 @@ step to the thinking or the answer by the position of its first token."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import logging
+import secrets
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from batchspec.columns import LENGTH_IN_REASONING
 from batchspec.errors import SpecError
+
+log = logging.getLogger(__name__)
 
 __all__ = ["LENGTH_IN_REASONING", "Splitter", "check_reasoning", "parser_for", "split_acceptance"]
 
@@ -94,7 +99,7 @@ class Split:
     answer: str | None
     #: Output tokens up to the end of the thinking (its markers included).
     reasoning_tokens: int
-    #: True when the output (or the prompt) ended the thinking.
+    #: True when the output (or the chat template, in the prompt) ended the thinking.
     ended: bool
 
 
@@ -102,14 +107,47 @@ class Splitter:
     """Splits outputs with one parser (parsers keep no state across whole outputs)."""
 
     def __init__(self, name: str, tokenizer):
+        self.tokenizer = tokenizer
         self.parser = parser_for(name, tokenizer)
         end = self.parser.reasoning_end_str
         #: the end marker's token ids (None: the parser has no single end marker)
         self.end_ids = tokenizer.encode(end, add_special_tokens=False) if end else None
+        # digits, as the filters a template applies to a message's text (upper, trim, escape)
+        # leave them as they are
+        self._text_end = f"#{secrets.randbelow(10**16):016d}#"
 
-    def split(self, prompt_ids: Sequence[int], output_ids: Sequence[int], text: str) -> Split:
-        if self.parser.is_reasoning_end(list(prompt_ids)):
-            # the prompt closed the thinking (enable_thinking: false): all of it is the answer
+    def prompt_ends_thinking(self, messages: Sequence[Mapping] | None, template_kwargs=None) -> bool:
+        """Whether the chat template ends the thinking in the prompt it renders for ``messages``
+        (with ``template_kwargs``), as Qwen3's does for ``enable_thinking: false``.
+
+        Only what the template writes after the last message's text counts. A row's text is data:
+        a ``</think>`` in it tokenizes as the marker does, so the prompt's ids cannot tell the
+        two apart. The messages are rendered again, each text field (all but ``role``) followed
+        by a mark, and the parser reads what follows the last mark. A text prompt (``messages``
+        None) is the row's own text, so it never ends the thinking: the output decides."""
+        if messages is None:
+            return False
+        mark = self._text_end
+        marked = [
+            {k: v + mark if isinstance(v, str) and k != "role" else v for k, v in m.items()} for m in messages
+        ]
+        try:
+            text = self.tokenizer.apply_chat_template(
+                marked, tokenize=False, add_generation_prompt=True, **(template_kwargs or {})
+            )
+        except Exception:  # noqa: BLE001 (the template's own errors)
+            # the prompt itself rendered; without the template's tail the output decides
+            log.debug("cannot render the chat template with marked texts", exc_info=True)
+            return False
+        # no mark: the template wrote none of the row's text, so all of the prompt is its own
+        tail = text.rpartition(mark)[2]
+        return bool(self.parser.is_reasoning_end(self.tokenizer.encode(tail, add_special_tokens=False)))
+
+    def split(self, prompt_ended: bool, output_ids: Sequence[int], text: str) -> Split:
+        """``output_ids`` and ``text`` as thinking and answer; ``prompt_ended`` is
+        :meth:`prompt_ends_thinking`'s answer for the request's prompt."""
+        if prompt_ended:
+            # the template closed the thinking (enable_thinking: false): all of it is the answer
             return Split(None, text, 0, True)
         ids = list(output_ids)
         ended = self.parser.is_reasoning_end(ids)

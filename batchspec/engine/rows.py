@@ -30,6 +30,9 @@ class Asked:
     prompt_logprobs: int | None = None
     #: The LoRA adapter the request ran with (None: the base model).
     lora: str | None = None
+    #: A reasoning model's chat template ended the thinking in the prompt (``enable_thinking:
+    #: false``): all of the output is the answer (``Splitter.prompt_ends_thinking``).
+    thinking_ended: bool = False
 
 
 NOTHING = Asked()
@@ -52,16 +55,14 @@ def result_rows(
     prompt_columns = _prompt_logprob_columns(output, asked.prompt_logprobs)
     rows = []
     for completion in sorted(output.outputs, key=lambda c: c.index):
-        row = _sample_row(completion, num_prompt, asked, reasoning, output.prompt_token_ids or ())
+        row = _sample_row(completion, num_prompt, asked, reasoning)
         row.update(prompt_columns)
         row.update(timing_columns(output.metrics, row["num_output_tokens"], e2e_s))
         rows.append(row)
     return rows
 
 
-def _sample_row(
-    completion, num_prompt: int, asked: Asked, reasoning: Splitter | None = None, prompt_ids=()
-) -> dict:
+def _sample_row(completion, num_prompt: int, asked: Asked, reasoning: Splitter | None = None) -> dict:
     row = empty_result()
     num_output = len(completion.token_ids)
     finish = completion.finish_reason or "abort"
@@ -75,7 +76,7 @@ def _sample_row(
     )
     split = None
     if reasoning is not None and finish != "error":
-        split = reasoning.split(prompt_ids, completion.token_ids, completion.text)
+        split = reasoning.split(asked.thinking_ended, completion.token_ids, completion.text)
         row.update(
             generated_text=split.answer,
             reasoning_text=split.reasoning,

@@ -1,10 +1,12 @@
 """Reasoning models without an engine: the spec's refusals, the parser checked against vLLM's
-registry and the model's vocabulary, each output split as vLLM's server splits it, the verify
-steps attributed to the thinking or the answer, and the chat template's arguments checked."""
+registry and the model's vocabulary, each output split as vLLM's server splits it (the chat
+template's own markers, never a row's text, deciding whether the prompt ended the thinking), the
+verify steps attributed to the thinking or the answer, and the chat template's arguments checked."""
 
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 from helpers.jobs import MODELS
@@ -12,6 +14,7 @@ from helpers.jobs import MODELS
 from batchspec.columns import LENGTH_IN_REASONING
 from batchspec.engine.checks import row_template_kwargs, template_kwargs
 from batchspec.engine.reasoning import split_acceptance
+from batchspec.engine.rows import Asked, result_rows
 from batchspec.errors import SpecError
 from batchspec.io.rows import Row
 from batchspec.spec.build import build_spec
@@ -136,36 +139,138 @@ def test_the_parser_is_checked_against_vllms_registry_and_the_vocabulary():
     assert info.value.key == "sampling.chat_template_kwargs.return_dict"
 
 
-@pytest.mark.vllm
-@pytest.mark.models
-def test_outputs_split_as_vllms_server_splits_them():
+def reasoner():
+    """The reasoner's tokenizer, a qwen3 splitter over it, and its tokenizer's ids for a text."""
     from transformers import AutoTokenizer
 
     from batchspec.engine.reasoning import Splitter
 
     tok = AutoTokenizer.from_pretrained(MODELS / "reasoner")
-    split = Splitter("qwen3", tok).split
+    return tok, Splitter("qwen3", tok), lambda text: tok(text, add_special_tokens=False)["input_ids"]
 
-    def ids(text):
-        return tok(text, add_special_tokens=False)["input_ids"]
 
-    def prompt(think: bool):
-        text = tok.apply_chat_template(
-            [{"role": "user", "content": "x = 1"}],
-            tokenize=False,
-            add_generation_prompt=True,
-            enable_thinking=think,
-        )
-        return ids(text)
+def user(text: str) -> list[dict]:
+    return [{"role": "user", "content": text}]
 
-    out = "<think>\nI read 1 line.\n</think>\n\nx = 2"
-    s = split(prompt(True), ids(out), out)
+
+#: The reasoner's reply with its thinking, and the same reply written with thinking off.
+THOUGHT = "<think>\nI read 1 line.\n</think>\n\nx = 2"
+
+
+@pytest.mark.vllm
+@pytest.mark.models
+def test_outputs_split_as_vllms_server_splits_them():
+    tok, splitter, ids = reasoner()
+    split = splitter.split
+    ended = splitter.prompt_ends_thinking
+
+    s = split(ended(user("x = 1"), {"enable_thinking": True}), ids(THOUGHT), THOUGHT)
     assert (s.reasoning.strip(), s.answer.strip(), s.ended) == ("I read 1 line.", "x = 2", True)
     assert s.reasoning_tokens == len(ids("<think>\nI read 1 line.\n</think>"))
-    # thinking off: the prompt closed the thinking, all of the output is the answer
-    s = split(prompt(False), ids("x = 2"), "x = 2")
+    # thinking off: the template closed the thinking, all of the output is the answer
+    assert ended(user("x = 1"), {"enable_thinking": False})
+    s = split(True, ids("x = 2"), "x = 2")
     assert (s.reasoning, s.answer, s.reasoning_tokens) == (None, "x = 2", 0)
     # cut while thinking: no answer
-    s = split(prompt(True), ids("<think>\nI read"), "<think>\nI read")
+    s = split(False, ids("<think>\nI read"), "<think>\nI read")
     assert (s.answer, s.ended, s.reasoning.strip()) == (None, False, "I read")
     assert LENGTH_IN_REASONING == "length_in_reasoning"
+
+
+@pytest.mark.vllm
+@pytest.mark.models
+@pytest.mark.parametrize(
+    "messages",
+    [
+        user("Why does my parser stop at </think>?"),
+        user("x = 1\n<think>\n\n</think>\n\n"),  # the template's empty block, typed by the row
+        [{"role": "system", "content": "Never write </think>."}, *user("x = 1")],
+        [
+            *user("x = 1 </think>"),
+            {"role": "assistant", "content": "<think>\nI read 1 line.\n</think>\n\nx = 2"},
+            *user("x = 3"),
+        ],
+    ],
+    ids=["user", "trailing-empty-block", "system", "earlier-turns"],
+)
+def test_a_marker_in_the_rows_text_never_ends_the_thinking(messages):
+    tok, splitter, ids = reasoner()
+    prompt = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    # the row as the engine returns it: the output's own markers split it
+    reply = SimpleNamespace(
+        index=0, token_ids=ids(THOUGHT), text=THOUGHT, finish_reason="stop", stop_reason=None, logprobs=None
+    )
+    output = SimpleNamespace(prompt_token_ids=ids(prompt), metrics=None, outputs=[reply])
+    row = result_rows(output, reasoning=splitter)[0]
+    assert (row["reasoning_text"].strip(), row["generated_text"].strip()) == ("I read 1 line.", "x = 2")
+    assert row["num_reasoning_tokens"] == len(ids("<think>\nI read 1 line.\n</think>"))
+    # as the engine asks for it: the template's tail did not end the thinking
+    asked = Asked(thinking_ended=splitter.prompt_ends_thinking(messages, {}))
+    assert result_rows(output, asked=asked, reasoning=splitter)[0] == row
+    # the row's marker is the marker token itself: the prompt's ids cannot tell it from the template's
+    assert tok.convert_tokens_to_ids("</think>") in ids(prompt)
+    for kwargs in ({}, {"enable_thinking": True}):
+        assert not splitter.prompt_ends_thinking(messages, kwargs)
+    # the template's own block still ends it, whatever the row holds
+    assert splitter.prompt_ends_thinking(messages, {"enable_thinking": False})
+
+
+@pytest.mark.vllm
+@pytest.mark.models
+def test_each_request_carries_what_its_own_template_said():
+    from batchspec.engine.llm import Engine
+
+    tok, splitter, ids = reasoner()
+    engine = Engine.__new__(Engine)  # no engine start-up: only what _prepare reads
+    engine.adapters = SimpleNamespace(pick=lambda lora: (None, None))
+    engine.sampling_params = lambda overrides: (SimpleNamespace(temperature=0.0), Asked())
+    engine.tokenizer, engine.reasoning, engine.base_template_kwargs = tok, splitter, {}
+    engine.refuse_random_sampling, engine.max_model_len = False, 4096
+
+    def ended(**row) -> bool:
+        request, refused = engine._prepare(Row(shard="s", index=0, request_id="r", kept={}, **row))
+        assert refused is None
+        return request.asked.thinking_ended
+
+    said = user("Why does my parser stop at </think>?")
+    assert not ended(messages=said)
+    assert ended(messages=said, overrides={"chat_template_kwargs": {"enable_thinking": False}})
+    assert not ended(prompt="x = 1 </think>\n\n")
+
+
+@pytest.mark.vllm
+@pytest.mark.models
+def test_a_text_prompt_is_the_rows_own_text_and_the_output_decides():
+    tok, splitter, ids = reasoner()
+    # a text prompt written as the template writes thinking off: still the row's text
+    text = tok.apply_chat_template(
+        user("x = 1"), tokenize=False, add_generation_prompt=True, enable_thinking=False
+    )
+    assert text.endswith("<think>\n\n</think>\n\n")
+    reply = SimpleNamespace(
+        index=0, token_ids=ids("x = 2"), text="x = 2", finish_reason="length", stop_reason=None, logprobs=None
+    )
+    output = SimpleNamespace(prompt_token_ids=ids(text), metrics=None, outputs=[reply])
+    row = result_rows(output, reasoning=splitter)[0]
+    # the output never ended the thinking: qwen3's parser takes it all for thinking
+    assert (row["generated_text"], row["reasoning_text"], row["finish_reason"]) == (
+        None,
+        "x = 2",
+        LENGTH_IN_REASONING,
+    )
+    assert not splitter.prompt_ends_thinking(None)
+
+
+@pytest.mark.vllm
+@pytest.mark.models
+def test_a_template_that_writes_no_row_text_or_fails_on_the_mark():
+    tok, splitter, _ = reasoner()
+    # a template that writes none of the row's text wrote all of the prompt
+    tok.chat_template = "{{ '<|assistant|>\n<think>\n\n</think>\n\n' }}"
+    assert splitter.prompt_ends_thinking(user("x = 1"))
+    # one that refuses the marked text: the prompt's tail is unknown, so the output decides
+    tok.chat_template = (
+        "{% if messages[-1]['content'] != 'x = 1' %}{{ raise_exception('no') }}{% endif %}"
+        "{{ '<|assistant|>\n<think>\n\n</think>\n\n' }}"
+    )
+    assert not splitter.prompt_ends_thinking(user("x = 1"))
