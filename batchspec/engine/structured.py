@@ -15,7 +15,7 @@ from __future__ import annotations
 import copy
 import functools
 import json
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from batchspec.errors import quoted
@@ -34,6 +34,11 @@ COLUMN_KEYS = ("structured_outputs", *FIELD_COLUMNS)
 #: The deepest a JSON schema may nest (objects and lists): deeper, its own check recurses past
 #: Python's limit (a 3 KB schema nested 100 deep did).
 MAX_SCHEMA_DEPTH = 64
+#: The most objects and arrays a JSON schema may hold once each ``$ref`` is replaced by what it
+#: points at, as the output check (jsonschema) and the typed answer column follow them. A
+#: definition that refers twice to the next doubles at each level: a 1 KB schema of 16 levels
+#: took 17 s to check one output against, 2 KB of 20 levels 35 s to type.
+MAX_SCHEMA_NODES = 20_000
 
 
 class ConstraintError(ValueError):
@@ -148,8 +153,9 @@ def from_row(base: Mapping[str, Any] | None, overrides: Mapping[str, Any]) -> di
 
 def _check_schema(schema: Mapping[str, Any]) -> None:
     """A schema batchspec can check outputs against, safely: at most :data:`MAX_SCHEMA_DEPTH`
-    deep, every ``$ref`` local and acyclic, every ``pattern`` an RE2 expression, and valid
-    under its own meta-schema."""
+    deep, every ``$ref`` local and acyclic, at most :data:`MAX_SCHEMA_NODES` objects and arrays
+    with every ``$ref`` followed, every ``pattern`` an RE2 expression, and valid under its own
+    meta-schema."""
     import jsonschema
 
     refs, patterns = _keywords(schema)
@@ -169,12 +175,12 @@ def _check_schema(schema: Mapping[str, Any]) -> None:
 _NAMED = ("properties", "$defs", "definitions")
 
 
-def _keywords(schema: Any) -> tuple[list[tuple[tuple, Any]], list[str]]:
+def _keywords(schema: Any) -> tuple[list[tuple[tuple, Mapping]], list[str]]:
     """One pass over a schema, with a stack of its own (never Python's): ConstraintError where
     it nests deeper than :data:`MAX_SCHEMA_DEPTH`; else each ``$ref`` (where it is, as a JSON
-    pointer's parts, and its value) and the regular expressions of ``pattern`` and
-    ``patternProperties``."""
-    refs: list[tuple[tuple, Any]] = []
+    pointer's parts, and the mapping that holds it) and the regular expressions of ``pattern``
+    and ``patternProperties``."""
+    refs: list[tuple[tuple, Mapping]] = []
     patterns: list[str] = []
     stack: list[tuple[tuple, Any]] = [((), schema)]
     while stack:
@@ -184,7 +190,7 @@ def _keywords(schema: Any) -> tuple[list[tuple[tuple, Any]], list[str]]:
         if isinstance(node, Mapping):
             if not path or path[-1] not in _NAMED:
                 if "$ref" in node:
-                    refs.append((path, node["$ref"]))
+                    refs.append((path, node))
                 if isinstance(node.get("pattern"), str):
                     patterns.append(node["pattern"])
                 if isinstance(node.get("patternProperties"), Mapping):
@@ -196,44 +202,69 @@ def _keywords(schema: Any) -> tuple[list[tuple[tuple, Any]], list[str]]:
     return refs, patterns
 
 
-def _check_refs(schema: Any, refs: list[tuple[tuple, Any]]) -> None:
+def _check_refs(schema: Any, refs: list[tuple[tuple, Mapping]]) -> None:
     """Every ``$ref`` (from :func:`_keywords`) is a JSON pointer into this schema (``#`` or
-    ``#/...``) that resolves, and no chain of them leads back into itself: a schema that refers
-    to the network, or to itself (``{"$ref": "#"}``), is refused."""
-    targets: list[tuple[tuple, tuple]] = []  # (where the $ref is, what it points at)
-    for path, ref in refs:
+    ``#/...``) that resolves, no chain of them leads back into itself, and the schema with them
+    followed stays within :data:`MAX_SCHEMA_NODES`: a schema that refers to the network, to
+    itself (``{"$ref": "#"}``) or to one definition along too many paths is refused."""
+    targets: dict[int, tuple[tuple, Any]] = {}  # id of a $ref's mapping: (target's path, target)
+    for path, holder in refs:
+        ref = holder["$ref"]
         where = "/".join(map(str, path)) or "(root)"
         if not isinstance(ref, str) or not (ref == "#" or ref.startswith("#/")):
             raise ConstraintError(
                 f"json: $ref {quoted(ref)} at {where}: only local references ('#/...') are supported"
             )
-        targets.append((path, _resolve(schema, ref, where)))
-    # a $ref at P pointing at T: following T's subtree may reach P's own subtree again
-    edges = {t: {t2 for p, t2 in targets if p[: len(t)] == t} for _, t in targets}
-    state: dict[tuple, int] = {}  # 1: on the path, 2: done
-    for start in edges:
-        if state.get(start):
-            continue
-        stack = [(start, iter(edges[start]))]
-        state[start] = 1
-        while stack:
-            node, children = stack[-1]
-            child = next(children, None)
-            if child is None:
-                state[node] = 2
-                stack.pop()
-            elif state.get(child) == 1:
-                raise ConstraintError(
-                    "json: $ref cycle through '#"
-                    + "".join(f"/{p}" for p in child)
-                    + "': recursive schemas are not supported"
-                )
-            elif not state.get(child):
-                state[child] = 1
-                stack.append((child, iter(edges.get(child, ()))))
+        targets[id(holder)] = _resolve(schema, ref, where)
+    _check_expanded(schema, targets)
 
 
-def _resolve(schema: Any, ref: str, where: str) -> tuple:
+def _check_expanded(schema: Any, targets: dict[int, tuple[tuple, Any]]) -> None:
+    """Count the objects and arrays of the schema with each ``$ref`` replaced by its target,
+    without replacing any: each node's count is kept (by identity), so a definition reached
+    along many paths is counted once and added at each. Linear in the schema's size, with a
+    stack of its own. ConstraintError on a cycle of references or past the limit."""
+    counts: dict[int, int] = {}
+
+    def children(node: Any) -> Iterator[tuple[tuple | None, Any]]:
+        values = node.values() if isinstance(node, Mapping) else node
+        yield from ((None, v) for v in values if isinstance(v, Mapping | list | tuple))
+        if id(node) in targets and isinstance(targets[id(node)][1], Mapping | list | tuple):
+            yield targets[id(node)]
+
+    on_path = {id(schema)}
+    stack = [[schema, children(schema), 1]]  # a node, its children left, its count so far
+    while stack:
+        frame = stack[-1]
+        target_path, child = next(frame[1], (None, None))
+        if child is None:
+            stack.pop()
+            on_path.discard(id(frame[0]))
+            counts[id(frame[0])] = frame[2]
+            if stack:
+                stack[-1][2] += frame[2]
+        elif id(child) in counts:
+            frame[2] += counts[id(child)]
+        elif id(child) in on_path:  # only a $ref leads back up the tree
+            raise ConstraintError(
+                "json: $ref cycle through '#"
+                + "".join(f"/{p}" for p in target_path or ())
+                + "': recursive schemas are not supported"
+            )
+        else:
+            on_path.add(id(child))
+            stack.append([child, children(child), 1])
+        # a count only grows on the way up: past the limit anywhere, past it at the root
+        if stack and stack[-1][2] > MAX_SCHEMA_NODES:
+            raise ConstraintError(
+                f"json: with each $ref replaced by what it points at, the schema holds more than "
+                f"{MAX_SCHEMA_NODES:,} objects and arrays (a $ref reached along many paths "
+                "multiplies: a definition that refers twice to the next doubles it at each level)"
+            )
+
+
+def _resolve(schema: Any, ref: str, where: str) -> tuple[tuple, Any]:
+    """What a local ``$ref`` points at: its path and the node there."""
     node, path = schema, []
     for raw in ref[2:].split("/") if ref != "#" else ():
         part = raw.replace("~1", "/").replace("~0", "~")
@@ -244,7 +275,7 @@ def _resolve(schema: Any, ref: str, where: str) -> tuple:
         else:
             raise ConstraintError(f"json: $ref {quoted(ref)} at {where} points at nothing in the schema")
         path.append(key)
-    return tuple(path)
+    return tuple(path), node
 
 
 def vllm_params(constraint: Mapping[str, Any]):

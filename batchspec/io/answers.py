@@ -15,6 +15,10 @@ query reads without parsing it again.
   text (``large_string``): rows of one file may answer to different schemas; a chosen label is
   a JSON string there.
 
+A local ``$ref`` gives the type of what it points at, built once however often it is met. A
+type of more than :data:`MAX_TYPE_NODES` fields (a ``$ref`` reached along many paths multiplies
+them) is refused, naming ``sampling.structured_outputs`` (exit 2).
+
 ``answer`` is null where ``structured_valid`` is not true (and for a per-row regex or grammar). A
 valid answer that does not fit its type (an integer beyond 64 bits) is null too, with
 ``structured_error`` saying why. The engine's result rows carry the parsed answer under
@@ -28,6 +32,8 @@ from typing import Any
 
 import pyarrow as pa
 
+from batchspec.errors import SpecError
+
 #: The column's name.
 ANSWER = "answer"
 #: Where a result row carries its parsed answer (not a column).
@@ -35,6 +41,12 @@ PARSED = "_answer"
 
 #: Schemas nest at most this deep (batchspec/engine/structured.py checks 64); deeper is JSON text.
 _MAX_DEPTH = 64
+
+#: The most fields ``answer``'s Arrow type may hold: every struct field and list item in it, and
+#: the column itself. An Arrow type is a tree: a definition that refers twice to the next doubles
+#: it at each level, and 26 levels would be 2**26 fields (batchspec/engine/structured.py refuses
+#: such a schema too, counting its objects and arrays).
+MAX_TYPE_NODES = 20_000
 
 _INT64 = (-(2**63), 2**63 - 1)
 
@@ -80,13 +92,28 @@ def _boolean(value: Any) -> bool | None:
 
 
 Convert = Callable[[Any], Any]
-_JSON_TEXT = (pa.string(), _json_text)
+#: An Arrow type, how a value becomes one, and how many fields it holds (itself included).
+_Typed = tuple[pa.DataType, Convert, int]
+_JSON_TEXT: _Typed = (pa.string(), _json_text, 1)
+_SIMPLE: dict[str, _Typed] = {
+    "string": (pa.string(), _string, 1),
+    "integer": (pa.int64(), _integer, 1),
+    "number": (pa.float64(), _number, 1),
+    "boolean": (pa.bool_(), _boolean, 1),
+}
+
+
+class TypeTooLarge(ValueError):
+    """A schema whose Arrow type would hold more than :data:`MAX_TYPE_NODES` fields."""
 
 
 def answer_type(schema: Any) -> tuple[pa.DataType, Convert]:
     """The Arrow type a JSON schema's values take as a column, and how a (valid) value
-    becomes one of that type (raising :class:`_NoFit` when it cannot)."""
-    return _node(schema, schema, 0)
+    becomes one of that type (raising :class:`_NoFit` when it cannot). :class:`TypeTooLarge`
+    past :data:`MAX_TYPE_NODES` fields, found without expanding the type: each subschema's
+    type is built once at each depth and shared where it recurs."""
+    arrow_type, convert, _ = _Types(schema).node(schema, 0)
+    return arrow_type, convert
 
 
 def _resolve(root: Any, ref: str) -> Any:
@@ -101,74 +128,92 @@ def _is_null(schema: Any) -> bool:
     return isinstance(schema, Mapping) and schema.get("type") == "null"
 
 
-def _node(schema: Any, root: Any, depth: int) -> tuple[pa.DataType, Convert]:
-    if depth > _MAX_DEPTH or not isinstance(schema, Mapping):
-        return _JSON_TEXT
-    if isinstance(schema.get("$ref"), str) and schema["$ref"].startswith("#"):
-        try:
-            return _node(_resolve(root, schema["$ref"]), root, depth + 1)
-        except (KeyError, IndexError, ValueError, TypeError):
+class _Types:
+    """The Arrow types of one schema's subschemas, each with its count of fields (itself and
+    those it holds), kept by (subschema, depth): a ``$ref`` target met again is not built
+    again, so the work is linear in the schema's size, whatever the type's."""
+
+    def __init__(self, root: Any):
+        self.root = root
+        self.done: dict[tuple[int, int], _Typed] = {}
+
+    def node(self, schema: Any, depth: int) -> _Typed:
+        if depth > _MAX_DEPTH or not isinstance(schema, Mapping):
             return _JSON_TEXT
-    if "enum" in schema or "const" in schema:
-        values = schema["enum"] if "enum" in schema else [schema["const"]]
-        texts = [v for v in values if v is not None]
-        if isinstance(values, list) and texts and all(isinstance(v, str) for v in texts):
-            return pa.string(), _string
-        return _JSON_TEXT
-    for key in ("anyOf", "oneOf"):
-        if key in schema:
-            options = schema[key] if isinstance(schema[key], list) else []
-            kinds = [o for o in options if not _is_null(o)]
-            if len(kinds) == 1 and not {"type", "properties", "items"} & set(schema):
-                return _node(kinds[0], root, depth + 1)
+        key = (id(schema), depth)
+        if key not in self.done:
+            typed = self._build(schema, depth)
+            if typed[2] > MAX_TYPE_NODES:
+                raise TypeTooLarge(
+                    f"json: the answer column's type would hold more than {MAX_TYPE_NODES:,} fields "
+                    "with each $ref replaced by what it points at (a $ref reached along many paths "
+                    "multiplies them)"
+                )
+            self.done[key] = typed
+        return self.done[key]
+
+    def _build(self, schema: Mapping, depth: int) -> _Typed:
+        if isinstance(schema.get("$ref"), str) and schema["$ref"].startswith("#"):
+            try:
+                target = _resolve(self.root, schema["$ref"])
+            except (KeyError, IndexError, ValueError, TypeError):
+                return _JSON_TEXT
+            return self.node(target, depth + 1)
+        if "enum" in schema or "const" in schema:
+            values = schema["enum"] if "enum" in schema else [schema["const"]]
+            texts = [v for v in values if v is not None]
+            if isinstance(values, list) and texts and all(isinstance(v, str) for v in texts):
+                return _SIMPLE["string"]
             return _JSON_TEXT
-    if {"allOf", "not", "if"} & set(schema):
-        return _JSON_TEXT
-    kind = schema.get("type")
-    if isinstance(kind, list):
-        kinds = [k for k in kind if k != "null"]
-        kind = kinds[0] if len(kinds) == 1 else None
+        for key in ("anyOf", "oneOf"):
+            if key in schema:
+                options = schema[key] if isinstance(schema[key], list) else []
+                kinds = [o for o in options if not _is_null(o)]
+                if len(kinds) == 1 and not {"type", "properties", "items"} & set(schema):
+                    return self.node(kinds[0], depth + 1)
+                return _JSON_TEXT
+        if {"allOf", "not", "if"} & set(schema):
+            return _JSON_TEXT
+        kind = schema.get("type")
+        if isinstance(kind, list):
+            kinds = [k for k in kind if k != "null"]
+            kind = kinds[0] if len(kinds) == 1 else None
+            if kind is None:
+                return _JSON_TEXT
         if kind is None:
-            return _JSON_TEXT
-    if kind is None:
-        kind = "object" if "properties" in schema else "array" if "items" in schema else None
-    simple = {
-        "string": (pa.string(), _string),
-        "integer": (pa.int64(), _integer),
-        "number": (pa.float64(), _number),
-        "boolean": (pa.bool_(), _boolean),
-    }
-    if kind in simple:
-        return simple[kind]
-    if kind == "array":
-        items = schema.get("items")
-        if not isinstance(items, Mapping) or "prefixItems" in schema:
-            return _JSON_TEXT
-        item_type, item = _node(items, root, depth + 1)
+            kind = "object" if "properties" in schema else "array" if "items" in schema else None
+        if kind in _SIMPLE:
+            return _SIMPLE[kind]
+        if kind == "array":
+            items = schema.get("items")
+            if not isinstance(items, Mapping) or "prefixItems" in schema:
+                return _JSON_TEXT
+            item_type, item, count = self.node(items, depth + 1)
 
-        def as_list(value: Any) -> list | None:
-            if value is None:
-                return None
-            if not isinstance(value, list):
-                raise _NoFit(f"expected an array, got {type(value).__name__}")
-            return [item(v) for v in value]
+            def as_list(value: Any) -> list | None:
+                if value is None:
+                    return None
+                if not isinstance(value, list):
+                    raise _NoFit(f"expected an array, got {type(value).__name__}")
+                return [item(v) for v in value]
 
-        return pa.list_(item_type), as_list
-    if kind == "object":
-        properties = schema.get("properties")
-        if not isinstance(properties, Mapping) or not properties:
-            return _JSON_TEXT
-        fields = {str(name): _node(sub, root, depth + 1) for name, sub in properties.items()}
+            return pa.list_(item_type), as_list, 1 + count
+        if kind == "object":
+            properties = schema.get("properties")
+            if not isinstance(properties, Mapping) or not properties:
+                return _JSON_TEXT
+            fields = {str(name): self.node(sub, depth + 1) for name, sub in properties.items()}
 
-        def as_struct(value: Any) -> dict | None:
-            if value is None:
-                return None
-            if not isinstance(value, dict):
-                raise _NoFit(f"expected an object, got {type(value).__name__}")
-            return {name: convert(value.get(name)) for name, (_, convert) in fields.items()}
+            def as_struct(value: Any) -> dict | None:
+                if value is None:
+                    return None
+                if not isinstance(value, dict):
+                    raise _NoFit(f"expected an object, got {type(value).__name__}")
+                return {name: convert(value.get(name)) for name, (_, convert, _) in fields.items()}
 
-        return pa.struct([pa.field(name, t) for name, (t, _) in fields.items()]), as_struct
-    return _JSON_TEXT
+            count = 1 + sum(n for _, _, n in fields.values())
+            return pa.struct([pa.field(name, t) for name, (t, _, _) in fields.items()]), as_struct, count
+        return _JSON_TEXT
 
 
 class AnswerColumn:
@@ -221,5 +266,8 @@ def answer_column(spec) -> AnswerColumn | None:
     constraint = _constraint(spec.sampling.get("structured_outputs"))
     if "choice" in constraint:
         return AnswerColumn(pa.string(), _string, typed=True)
-    arrow_type, convert = answer_type(constraint.get("json"))
+    try:
+        arrow_type, convert = answer_type(constraint.get("json"))
+    except TypeTooLarge as exc:
+        raise SpecError("sampling.structured_outputs", str(exc)) from exc
     return AnswerColumn(arrow_type, convert, typed=True)

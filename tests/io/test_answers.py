@@ -5,6 +5,9 @@ answers each row with JSON)."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+import time
 
 import polars as pl
 import pyarrow as pa
@@ -12,12 +15,12 @@ import pyarrow.parquet as pq
 import pytest
 from helpers.fake_runs import run
 from helpers.fakes import FakeEngine
-from helpers.jobs import write_parquet
+from helpers.jobs import ROOT, run_cli, write_job, write_parquet
 
 from batchspec.columns import empty_result, error_result
-from batchspec.engine.structured import check_answer, normalise
+from batchspec.engine.structured import MAX_SCHEMA_NODES, ConstraintError, check_answer, normalise
 from batchspec.errors import SpecError
-from batchspec.io.answers import answer_column, answer_type
+from batchspec.io.answers import MAX_TYPE_NODES, answer_column, answer_type
 from batchspec.spec.build import build_spec
 
 SCHEMA = {
@@ -262,3 +265,163 @@ def raw_spec_for_int() -> dict:
             "structured_outputs": {"json": {"type": "object", "properties": {"n": {"type": "integer"}}}}
         },
     }
+
+
+# ---------------------------------------------------------------------------- $ref diamonds
+
+
+def diamond(levels: int, via: str = "properties") -> dict:
+    """Each level's definition refers twice to the next: 2**levels paths to the last one, in
+    about 100 bytes a level. ``allOf`` applies both to the same value, as an output check does."""
+
+    def level(i: int) -> dict:
+        ref = {"$ref": f"#/$defs/d{i + 1}"}
+        if via == "allOf":
+            return {"allOf": [ref, dict(ref)]}
+        return {"type": "object", "properties": {"a": ref, "b": dict(ref)}}
+
+    defs = {f"d{i}": level(i) for i in range(levels)}
+    defs[f"d{levels}"] = {"type": "string"}
+    return {"$ref": "#/$defs/d0", "$defs": defs}
+
+
+#: Each check on a schema, in a fresh interpreter held to 2 GiB: a regression that expands the
+#: diamond fails on its limits instead of taking the machine's memory.
+_CHECKS = """
+import json, resource, sys
+resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))
+from batchspec.engine.checks import check_row
+from batchspec.engine.structured import normalise
+from batchspec.io.answers import answer_column, answer_type
+from batchspec.spec.build import build_spec
+schema, raw = json.load(sys.stdin)
+calls = {
+    "answer_type": lambda: answer_type(schema),
+    "answer_column": lambda: answer_column(build_spec(raw)),
+    "normalise": lambda: normalise({"json": schema}),
+    "row": lambda: check_row(None, {"structured_outputs.json": json.dumps(schema)}, 20),
+}
+for name, call in calls.items():
+    try:
+        call()
+        out = None
+    except Exception as exc:
+        out = [type(exc).__name__, getattr(exc, "key", None), str(exc)]
+    print(json.dumps([name, out]), flush=True)
+"""
+
+
+def _checked(schema: dict, raw: dict, timeout: float = 60) -> dict:
+    started = time.monotonic()
+    result = subprocess.run(
+        [sys.executable, "-c", _CHECKS],
+        input=json.dumps([schema, raw]),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert time.monotonic() - started < timeout / 2  # on a busy machine; seconds on an idle one
+    return dict(json.loads(line) for line in result.stdout.splitlines())
+
+
+def test_a_ref_diamond_is_refused_from_each_definitions_size_without_expanding_it(tmp_path):
+    # 40 levels, 4 KB: 2**40 fields once expanded. 20 levels took 35 s, 26 ran past 3 GB.
+    schema = diamond(40)
+    out = _checked(schema, raw_spec(tmp_path, {"structured_outputs": {"json": schema}}))
+    assert out["answer_type"][0] == "TypeTooLarge" and "more than 20,000" in out["answer_type"][2]
+    kind, key, message = out["answer_column"]
+    assert (kind, key) == ("SpecError", "sampling.structured_outputs") and "$ref" in message
+    assert out["normalise"][0] == "ConstraintError" and "$ref" in out["normalise"][2]
+    assert out["row"][0] == "ConstraintError"  # a per-row schema: that row's error
+
+
+def test_a_ref_diamond_the_output_check_would_follow_is_refused(tmp_path):
+    # the answer is JSON text (allOf), but jsonschema checks each output against both branches
+    # at every level: 16 levels took 17 s an output
+    schema = diamond(30, via="allOf")
+    out = _checked(schema, raw_spec(tmp_path, {"structured_outputs": {"json": schema}}))
+    assert out["answer_type"] is None and out["answer_column"] is None
+    assert out["normalise"][0] == "ConstraintError" and "$ref" in out["normalise"][2]
+    assert out["row"][0] == "ConstraintError"
+
+
+def test_a_small_ref_diamond_is_typed_and_checked():
+    schema = normalise({"json": diamond(3)})["json"]
+    arrow_type, convert = answer_type(schema)
+    leaf = pa.string()
+    for _ in range(3):
+        leaf = pa.struct([pa.field("a", leaf), pa.field("b", leaf)])
+    assert arrow_type == leaf
+    value = {"a": {"a": {"a": "x", "b": "y"}}}
+    assert check_answer({"json": schema}, json.dumps(value), "stop")[0] is True
+    typed = convert(value)
+    assert typed["a"]["a"] == {"a": "x", "b": "y"} and typed["b"] is None
+    assert pa.array([typed], arrow_type).to_pylist() == [convert(value)]
+
+
+def test_the_limits_are_on_the_expanded_size_and_a_diamond_under_them_is_quick():
+    # 12 levels: a type of 8,191 (2**13 - 1), built in milliseconds; 14 levels: 32,767
+    started = time.monotonic()
+    arrow_type, _ = answer_type(diamond(12))
+    assert arrow_type.num_fields == 2 and time.monotonic() - started < 5
+    with pytest.raises(ValueError, match="more than 20,000 fields"):
+        answer_type(diamond(14))
+    # the schema counts its objects and arrays, $defs included: 15,309 at 10 levels, 30,665 at 11
+    normalise({"json": diamond(10)})
+    with pytest.raises(ConstraintError, match=r"more than 20,000 objects and arrays"):
+        normalise({"json": diamond(11)})
+    assert MAX_SCHEMA_NODES == MAX_TYPE_NODES == 20_000  # as docs/templates.md and docs/requests.md say
+
+
+def test_the_limits_hold_exactly():
+    def shared(uses: int, extra: int = 0) -> dict:
+        """One definition of 100 objects (itself, its properties, 98 fields) used ``uses``
+        times: 3 + 101 * uses + 100 objects, the root, its properties and $defs included."""
+        fields = {f"q{j}": {"type": "string"} for j in range(98)}
+        properties = {f"p{i}": {"$ref": "#/$defs/x"} for i in range(uses)}
+        properties.update({f"z{i}": {"type": "string"} for i in range(extra)})
+        return {
+            "type": "object",
+            "properties": properties,
+            "$defs": {"x": {"type": "object", "properties": fields}},
+        }
+
+    normalise({"json": shared(197)})  # 20,000
+    with pytest.raises(ConstraintError, match="more than 20,000"):
+        normalise({"json": shared(197, extra=1)})
+
+    def flat(fields: int) -> dict:
+        return {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(fields)}}
+
+    assert answer_type(flat(MAX_TYPE_NODES - 1))[0].num_fields == MAX_TYPE_NODES - 1  # and the struct
+    with pytest.raises(ValueError, match="more than 20,000"):
+        answer_type(flat(MAX_TYPE_NODES))
+
+
+def test_many_refs_are_counted_in_linear_time():
+    # the cycle check compared every $ref with every other: 5,000 took 6.6 s, 15,000 about a minute
+    schema = {
+        "type": "object",
+        "properties": {f"p{i}": {"$ref": "#/$defs/label"} for i in range(15_000)},
+        "$defs": {"label": {"type": "string"}},
+    }
+    started = time.monotonic()
+    with pytest.raises(ConstraintError, match="more than 20,000"):
+        normalise({"json": schema})
+    assert time.monotonic() - started < 5
+
+
+@pytest.mark.vllm  # validate checks the sampling keys against vLLM's SamplingParams
+def test_validate_exits_2_naming_the_key_on_a_ref_diamond(tmp_path):
+    write_parquet(tmp_path / "in" / "a.parquet", {"prompt": ["x"]})
+    job = write_job(
+        tmp_path / "diamond.yaml",
+        input={"path": str(tmp_path / "in" / "*.parquet"), "prompt_column": "prompt"},
+        output={"path": str(tmp_path / "out"), "parse_json": True},
+        sampling={"temperature": 0.0, "structured_outputs": {"json": diamond(26)}},
+    )
+    result = run_cli("validate", str(job), timeout=180)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "sampling.structured_outputs: json: " in result.stderr and "$ref" in result.stderr
