@@ -26,6 +26,7 @@ from batchspec.io.tables import (
     check_output_schema,
     retry_commits,
     shard_of,
+    table_member,
 )
 from batchspec.io.urls import FAMILIES, open_url
 from batchspec.redact import sanitize_url
@@ -96,7 +97,23 @@ def object_store_options(url: str, options: dict) -> dict[str, str]:
         out.update({k: str(v) for k, v in pairs.items() if v})
         if str(options.get("blob_endpoint") or "").startswith("http://"):
             out["azure_allow_http"] = "true"
+    if family != "file":
+        out.update(_bounded_requests())
     return out
+
+
+def _bounded_requests() -> dict[str, str]:
+    """delta-rs's own retries bounded by batchspec's storage policy (:mod:`batchspec.io.retry`):
+    a store that does not answer ends the operation within :func:`retry.budget_s`, exit 1."""
+    from batchspec.io import retry
+
+    timeout = retry.REQUEST_TIMEOUT_S
+    return {
+        "timeout": f"{timeout:g}s",
+        "connect_timeout": f"{min(timeout, 10.0):g}s",
+        "max_retries": str(max(retry.ATTEMPTS - 1, 0)),
+        "retry_timeout": f"{max(retry.budget_s() - timeout, timeout):g}s",
+    }
 
 
 def table_uri(url: str) -> str:
@@ -121,6 +138,14 @@ def _open(url: str, options: dict, version: int | None = None):
         return DeltaTable(table_uri(url), version=version, storage_options=options)
     except TableNotFoundError:
         return None
+    except OSError as exc:  # delta-rs's object store gave up (its retries bounded by STORE_BUDGET)
+        raise RuntimeFailure(f"{sanitize_url(url)}: the store failed: {first_line(exc)}") from exc
+
+
+def first_line(exc: BaseException) -> str:
+    """delta-rs's message without the Rust backtrace some of its errors carry."""
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else type(exc).__name__
 
 
 class DeltaInput:
@@ -141,9 +166,13 @@ class DeltaInput:
     def _load(self, version: int | None):
         try:
             table = _open(self.url, self.options, version)
+        except RuntimeFailure:
+            raise
         except Exception as exc:  # delta-rs: a version that is not there, a log it cannot read
             what = f"version {version}" if version is not None else "the table"
-            raise InputDataError(self.shown, f"cannot read {what} of this Delta table: {exc}") from exc
+            raise InputDataError(
+                self.shown, f"cannot read {what} of this Delta table: {first_line(exc)}"
+            ) from exc
         if table is None:
             raise InputDataError(self.shown, "no Delta table here (no _delta_log)")
         return table
@@ -173,7 +202,7 @@ class DeltaInput:
         for row, kept in zip(rows_of, keep, strict=True):
             if not kept:
                 continue
-            relative = urllib.parse.unquote(row["path"])
+            relative = table_member(table.table_uri, row["path"], self.shown)
             rows = row.get("num_records")
             mtime = row.get("modification_time")
             mtime = int(mtime.timestamp() * 1000) if hasattr(mtime, "timestamp") else mtime
@@ -326,12 +355,13 @@ def table_state(out: OutputDir) -> TableState:
         return TableState(exists=False)
     files, others = {}, {}
     for path in table_paths(table):
-        name = shard_of(path)
-        url = f"{out.display_url}/{urllib.parse.unquote(path)}"
+        relative = table_member(table.table_uri, path, out.display_url)
+        name = shard_of(relative)
+        url = f"{out.display_url}/{relative}"
         if name is not None:
             files[name] = url
         else:
-            others[urllib.parse.unquote(path)] = url
+            others[relative] = url
     known: dict[str, bool] = {}
 
     def is_committed(name: str) -> bool:
@@ -378,7 +408,9 @@ def commit(
                 DeltaTable.create(uri, schema=schema, mode="ignore", storage_options=options)
             except Exception as exc:  # another writer created it first: read it
                 if _open(out.url, options) is None:
-                    raise RuntimeFailure(f"creating the Delta table {out.display_url} failed: {exc}") from exc
+                    raise RuntimeFailure(
+                        f"creating the Delta table {out.display_url} failed: {first_line(exc)}"
+                    ) from exc
             return None
         check_output_schema(pa_schema(table), schema, "output.path", out.display_url)
         already = [f.shard for f in files if table.transaction_version(app_id(f.shard)) is not None]

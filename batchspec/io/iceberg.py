@@ -14,6 +14,7 @@ appends respect the table's ``commit.manifest-merge.enabled``."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 from typing import TYPE_CHECKING, Any
 
@@ -28,6 +29,7 @@ from batchspec.io.tables import (
     check_output_schema,
     retry_commits,
     shard_of,
+    table_member,
 )
 from batchspec.redact import sanitize_url
 
@@ -37,6 +39,8 @@ if TYPE_CHECKING:
     from batchspec.io.listing import Shard
     from batchspec.io.output_dir import OutputDir
     from batchspec.spec.model import JobSpec
+
+log = logging.getLogger(__name__)
 
 ICEBERG_FILE = FileFormat("iceberg")
 #: Snapshot summary properties batchspec writes.
@@ -65,12 +69,8 @@ def _load_table(catalog, name: str):
         return None
 
 
-def _relative(table, path: str) -> str:
-    location = table.metadata.location.rstrip("/")
-    for prefix in (location, location.removeprefix("file://"), "file://" + location):
-        if path.startswith(prefix + "/"):
-            return path[len(prefix) + 1 :]
-    return path.split("://", 1)[-1].lstrip("/")
+def _relative(table, path: str, shown: str) -> str:
+    return table_member(table.metadata.location, path, shown)
 
 
 def _arrow(schema) -> pa.Schema:
@@ -127,7 +127,7 @@ class IcebergInput:
         shards = []
         for task in tasks:
             data = task.file
-            relative = _relative(table, data.file_path)
+            relative = _relative(table, data.file_path, self.shown)
             refused = None
             if any(d.content == DataFileContent.EQUALITY_DELETES for d in task.delete_files):
                 refused = (
@@ -206,7 +206,24 @@ def _committed(table) -> set[str]:
         summary = snapshot.summary
         value = summary.additional_properties.get(SHARDS_PROPERTY) if summary is not None else None
         if value:
-            names.update(json.loads(value))
+            names.update(_shard_names(value, snapshot.snapshot_id))
+    return names
+
+
+def _shard_names(value: str, snapshot_id: int) -> list[str]:
+    """The shards a snapshot's summary names; none where the property is not a JSON list of
+    names (another writer set it): those shards are not committed by it, and are done again."""
+    try:
+        names = json.loads(value)
+    except (ValueError, RecursionError):
+        names = None
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        log.warning(
+            "snapshot %s: its %s is not a JSON list of shard names (another writer's?): ignored",
+            snapshot_id,
+            SHARDS_PROPERTY,
+        )
+        return []
     return names
 
 
@@ -215,7 +232,7 @@ def _files(table, out: OutputDir) -> tuple[dict[str, str], dict[str, str]]:
     if table.current_snapshot() is None:
         return files, others
     for task in table.scan().plan_files():
-        relative = _relative(table, task.file.file_path)
+        relative = _relative(table, task.file.file_path, f"iceberg table {out.table}")
         name = shard_of(relative)
         url = f"{out.display_url}/{relative}"
         if name is not None:

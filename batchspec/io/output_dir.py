@@ -16,6 +16,7 @@ Every bookkeeping path is built here, on :class:`OutputDir`, under ``<output.pat
 from __future__ import annotations
 
 import json
+import logging
 import os
 import posixpath
 import re
@@ -26,15 +27,19 @@ from typing import TYPE_CHECKING
 
 from fsspec.core import url_to_fs
 
+from batchspec.errors import InputDataError, quoted
+from batchspec.io.contained import plain_relative
 from batchspec.io.host import pid_alive, this_host
 from batchspec.io.output_formats import OUTPUT_FORMATS, OutputFormat, all_suffixes
 from batchspec.io.retry import retry
 from batchspec.io.states import ShardState
-from batchspec.io.urls import full_url, is_local_fs, store_version
+from batchspec.io.urls import bound_requests, full_url, is_local_fs, store_version
 from batchspec.redact import sanitize_url
 
 if TYPE_CHECKING:
     from batchspec.io.listing import Shard
+
+log = logging.getLogger(__name__)
 
 #: The output's bookkeeping folder (see this module's docstring); never an output file.
 BOOKKEEPING_DIR = "_batchspec"
@@ -137,6 +142,15 @@ def same_input(recorded: dict | None, current: dict) -> bool:
     return {k: v for k, v in recorded.items() if k != "deletes"} == current
 
 
+def _manifest_shaped(record: dict) -> bool:
+    """Whether a manifest's fields that are read as objects are objects (or absent)."""
+    return all(
+        value is None or isinstance(value, dict)
+        for key, value in record.items()
+        if key in ("input_fingerprint", "spec_fingerprint", "metadata") or key.endswith("_info")
+    )
+
+
 class OutputDir:
     """The output directory and its bookkeeping, on any fsspec filesystem. ``output_format``
     (``output.format``) names the files a shard's results are in (:attr:`format`)."""
@@ -153,6 +167,7 @@ class OutputDir:
         self.storage_options = storage_options
         self.format: OutputFormat = OUTPUT_FORMATS[output_format]
         self.fs, self.path = url_to_fs(self.url, **storage_options)
+        bound_requests(self.fs)
         self.path = self.path.rstrip("/")
         self.display_url = full_url(self.fs, self.path)
         #: An Iceberg output: the table (``NAMESPACE.TABLE``) and its catalog's properties.
@@ -189,7 +204,17 @@ class OutputDir:
         return is_local_fs(self.fs)
 
     def join(self, *parts: str) -> str:
-        return posixpath.join(self.path, *parts)
+        """A path below the output, from relative ``parts`` (a shard's name among them). The
+        one gate of write containment: every path batchspec writes (outputs, manifests,
+        leases, temporary files) is built here, and a name that is not plain and relative
+        (``..``, absolute, another store, a NUL) is refused, exit 3, whatever made it."""
+        relative = "/".join(parts)
+        why = plain_relative(relative)
+        if why is not None:
+            raise InputDataError(
+                self.display_url, f"refused to use {quoted(relative)} below the output: {why}"
+            )
+        return posixpath.join(self.path, relative)
 
     def output_path(self, shard: Shard) -> str:
         """The shard's output file (its results file, where the format has more than one)."""
@@ -227,7 +252,7 @@ class OutputDir:
 
     def lock_path(self, shard_name: str) -> str:
         """A shard's lease."""
-        return posixpath.join(self.locks_dir(), shard_name + ".json")
+        return self.join(BOOKKEEPING_DIR, "locks", shard_name + ".json")
 
     def run_summary_path(self, run_id: str) -> str:
         """A run's summary."""
@@ -270,13 +295,24 @@ class OutputDir:
         if data is None:
             return None
         try:
-            return json.loads(data)
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            return None  # a torn record is no record
+            record = json.loads(data)
+        except (ValueError, UnicodeDecodeError, RecursionError):
+            record = None  # not JSON, too deep, an integer past Python's digit limit
+        if not isinstance(record, dict):
+            # a torn record is no record: what it stood for is done again
+            log.warning("%s is not a JSON object (torn, or written by another program): ignored", path)
+            return None
+        return record
 
     def read_manifest(self, shard_name: str) -> dict | None:
-        """The committed record of a shard, or None."""
-        return self.read_json(self.manifest_path(shard_name))
+        """The committed record of a shard, or None where there is none or it is not of the
+        shape batchspec writes (then the shard is done again)."""
+        path = self.manifest_path(shard_name)
+        record = self.read_json(path)
+        if record is not None and not _manifest_shaped(record):
+            log.warning("%s is not a manifest batchspec wrote (a field of another type): ignored", path)
+            return None
+        return record
 
     def invalidate_manifest(self, shard_name: str) -> None:
         """Remove a shard's manifest (if any) before its files are replaced: from the first

@@ -37,6 +37,18 @@ BACKOFF_S = float(os.environ.get("BATCHSPEC_STORAGE_BACKOFF_S", "0.5"))
 MAX_BACKOFF_S = 20.0
 
 
+#: Seconds one storage request may wait for an answer: a store that takes the connection and
+#: never answers costs this, not forever. Given to the clients that take it (delta-rs's).
+REQUEST_TIMEOUT_S = float(os.environ.get("BATCHSPEC_STORAGE_TIMEOUT_S", "30"))
+
+
+def budget_s() -> float:
+    """The longest a client that retries by itself may keep retrying one operation: the time
+    this module's own attempts would take at the most (each attempt's timeout, the backoffs)."""
+    backoffs = sum(min(MAX_BACKOFF_S, BACKOFF_S * 2**i) * 1.5 for i in range(ATTEMPTS - 1))
+    return ATTEMPTS * REQUEST_TIMEOUT_S + backoffs
+
+
 _PERMANENT = (
     FileNotFoundError,
     IsADirectoryError,

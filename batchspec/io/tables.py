@@ -21,6 +21,7 @@ whether a shard is committed (:class:`TableState`)."""
 from __future__ import annotations
 
 import datetime as dt
+import logging
 import random
 import time
 import urllib.parse
@@ -28,7 +29,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from batchspec.errors import InputDataError, RuntimeFailure, SpecError
+from batchspec.errors import InputDataError, RuntimeFailure, SpecError, quoted
+from batchspec.io.contained import table_relative
 from batchspec.redact import sanitize_url
 from batchspec.spec.model import TABLE_FORMATS
 
@@ -40,6 +42,8 @@ if TYPE_CHECKING:
     from batchspec.spec.model import JobSpec
 
 __all__ = ["TABLE_FORMATS"]
+
+log = logging.getLogger(__name__)
 
 #: Where a table output's data files go, under ``output.path``.
 DATA_DIR = "data"
@@ -67,6 +71,21 @@ class TableFile:
 
 
 # --------------------------------------------------------------------------------- input
+
+
+def table_member(root: str, path: str, shown: str) -> str:
+    """A data file the table's log or manifest names, relative to the table's root ``root``;
+    exit 3 naming the table (``shown``) and the path for one outside it (``..``, an absolute
+    path elsewhere, another bucket or scheme, a NUL). The log is someone else's data: a path
+    read from it never decides where batchspec reads or writes."""
+    relative, why = table_relative(root, path)
+    if relative is None:
+        raise InputDataError(
+            shown,
+            f"its log names the data file {quoted(sanitize_url(path))}, outside the table: {why}. "
+            "batchspec reads and writes a table's data files only below the table's root",
+        )
+    return relative
 
 
 def is_table(input_format: str | None) -> bool:
@@ -118,6 +137,10 @@ def choose_pin(
             {"format": source.format, "table": source.identity, key: asked, "chosen": "spec"},
         )
     earlier = out.read_json(path)
+    pinned_before = earlier.get(key) if earlier else None
+    if pinned_before is not None and (not isinstance(pinned_before, int) or isinstance(pinned_before, bool)):
+        log.warning("%s: its %s is not a number (edited?): ignored, the latest is read", path, key)
+        earlier = None
     if not fresh and earlier and earlier.get("table") == source.identity and earlier.get(key) is not None:
         try:
             shards = source.shards(earlier[key])

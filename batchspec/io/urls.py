@@ -52,10 +52,46 @@ def is_local_fs(fs) -> bool:
     return isinstance(fs, fsspec.implementations.local.LocalFileSystem)
 
 
+#: Calls that move a whole file, as long as its size needs: the clients' own per-request
+#: timeouts bound them, never a deadline for the whole call.
+_TRANSFERS = frozenset({"put_file", "get_file", "put", "get", "open", "open_async"})
+
+
+def bound_requests(fs):
+    """``fs`` with each call of an async fsspec filesystem (s3fs, gcsfs, adlfs) ended after
+    :data:`batchspec.io.retry.REQUEST_TIMEOUT_S` (a transient error, so retried within the
+    storage retries' budget): a store that takes the connection and never answers would
+    otherwise hold a run for as long as its client's own defaults (minutes, for Azure's)."""
+    import functools
+    import inspect
+
+    from fsspec.asyn import AsyncFileSystem, sync
+
+    from batchspec.io import retry
+
+    timeout_s = retry.REQUEST_TIMEOUT_S
+    if not isinstance(fs, AsyncFileSystem) or vars(fs).get("_batchspec_timeout_s") == timeout_s:
+        return fs
+    # each sync method whose coroutine ``_name`` exists calls it with a deadline (what
+    # fsspec's own wrappers and adlfs's hand-written ones do, less the deadline)
+    for name in sorted({n for n in dir(type(fs)) if not n.startswith("_")} - _TRANSFERS):
+        coro = getattr(fs, "_" + name, None)
+        if not inspect.iscoroutinefunction(coro):
+            continue
+
+        def timed(*args, _coro=coro, **kwargs):
+            return sync(fs.loop, _coro, *args, timeout=kwargs.pop("timeout", timeout_s), **kwargs)
+
+        setattr(fs, name, functools.wraps(coro)(timed))
+    fs._batchspec_timeout_s = timeout_s
+    return fs
+
+
 def open_url(url: str, storage_options: dict, key: str):
     """``(filesystem, path)`` of a URL; a SpecError naming ``key`` when it cannot be opened."""
     try:
-        return url_to_fs(url, **storage_options)
+        fs, path = url_to_fs(url, **storage_options)
+        return bound_requests(fs), path
     except ImportError as exc:
         raise SpecError(
             key,

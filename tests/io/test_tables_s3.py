@@ -140,3 +140,88 @@ def test_an_iceberg_table_with_its_warehouse_on_s3(tmp_path, bucket, crash):
         rerun = run_table_cli("run", str(job), "--no-progress")
         assert rerun.returncode == 0, rerun.stderr
     assert table_rows(spec) == expected_ids(spec) and len(table_rows(spec)) == 15
+
+
+# ------------------------------------------------------------------ write containment
+
+
+def _add_to_s3_delta_log(fs, table: str, path: str) -> None:
+    """One more commit in a Delta table's log on S3 (``table``: bucket/key), adding ``path``."""
+    import json
+    import time
+
+    logs = [p for p in fs.ls(f"{table}/_delta_log", refresh=True) if p.endswith(".json")]
+    version = max(int(p.rsplit("/", 1)[1].split(".")[0]) for p in logs) + 1
+    add = {
+        "path": path,
+        "size": 100,
+        "partitionValues": {},
+        "modificationTime": int(time.time() * 1000),
+        "dataChange": True,
+        "stats": json.dumps({"numRecords": 1}),
+    }
+    fs.pipe(f"{table}/_delta_log/{version:020d}.json", (json.dumps({"add": add}) + "\n").encode())
+
+
+@pytest.mark.parametrize("side", ["input", "output"])
+def test_a_delta_log_on_s3_never_steers_a_write_outside_the_table(tmp_path, bucket, side):
+    import s3fs
+
+    from batchspec.errors import InputDataError
+
+    name, _, options = bucket
+    fs = s3fs.S3FileSystem(**options, skip_instance_cache=True)
+    fs.pipe(f"{name}/victim/data.parquet", b"victim bytes")
+    delta_prompts(f"s3://{name}/in", files=2, storage_options=object_store_options("s3://x", options))
+    spec = build_spec(_delta_job(tmp_path, bucket))
+    if side == "output":
+        run(spec)
+        _add_to_s3_delta_log(fs, f"{name}/out", "data/../../victim/data~abc.parquet")
+    else:
+        _add_to_s3_delta_log(fs, f"{name}/in", "../victim/data.parquet")
+    with pytest.raises(InputDataError, match="outside the table") as caught:
+        run(spec)
+    assert caught.value.exit_code == 3 and f"s3://{name}/{'out' if side == 'output' else 'in'}" in str(
+        caught.value
+    )
+    assert fs.cat(f"{name}/victim/data.parquet") == b"victim bytes"
+    assert fs.ls(f"{name}/victim", refresh=True) == [f"{name}/victim/data.parquet"]
+
+
+def test_an_iceberg_manifest_on_s3_naming_another_bucket_is_exit_3(tmp_path, bucket):
+    import s3fs
+
+    from batchspec.errors import InputDataError
+
+    name, endpoint, options = bucket
+    fs = s3fs.S3FileSystem(**options, skip_instance_cache=True)
+    other = f"{name}-other"
+    fs.mkdir(other)
+    s3 = {
+        "s3.endpoint": endpoint,
+        "s3.access-key-id": S3_KEY,
+        "s3.secret-access-key": S3_SECRET,
+        "s3.region": "us-east-1",
+    }
+    catalog = iceberg_catalog(tmp_path, warehouse=f"s3://{name}/wh", **s3)
+    table = iceberg_prompts(catalog, files=1)
+    # a data file of the same schema in another bucket, registered as the table's own
+    import pyarrow.parquet as pq
+    from helpers.tables import prompts
+
+    with fs.open(f"{other}/victim/data.parquet", "wb") as f:
+        pq.write_table(prompts(9, 1), f)
+    table.add_files([f"s3://{other}/victim/data.parquet"])
+    before = fs.cat(f"{other}/victim/data.parquet")
+    raw = {
+        "name": "s3-iceberg",
+        "input": {"format": "iceberg", "table": "ns.prompts", "catalog": catalog, "prompt_column": "prompt"},
+        "output": {"path": f"s3://{name}/out", "storage_options": options},
+        "model": {"target": "unused"},
+        "sampling": {"temperature": 0.0, "max_tokens": 8},
+    }
+    with pytest.raises(InputDataError, match="outside the table") as caught:
+        run(build_spec(raw))
+    assert caught.value.exit_code == 3 and "ns.prompts" in str(caught.value)
+    assert fs.cat(f"{other}/victim/data.parquet") == before
+    assert not fs.exists(f"{name}/out/victim")
