@@ -43,7 +43,7 @@ def parser_for(name: str, tokenizer) -> Any:
     work with (its markers are not single tokens of the vocabulary)."""
     names = parser_names()
     if name not in names:
-        from batchspec.engine.checks import vllm_version
+        from batchspec.engine.vllm_info import vllm_version
 
         raise SpecError(
             "model.reasoning_parser",
