@@ -7,10 +7,10 @@ import datetime as dt
 import time
 from pathlib import Path
 
-from batchspec import __version__
 from batchspec.distill.options import DistillOptions
 from batchspec.redact import public_spec, sanitize_url
 from batchspec.spec.model import JobSpec
+from batchspec.version import __version__
 
 # --------------------------------------------------------------------------- the card
 

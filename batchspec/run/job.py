@@ -23,7 +23,6 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-import batchspec
 from batchspec.errors import BatchspecError, Interrupted, RuntimeFailure, SpecError
 from batchspec.io.host import this_host
 from batchspec.io.listing import Shard
@@ -36,6 +35,7 @@ from batchspec.run.executors.local import LocalExecutor
 from batchspec.run.outcome import RunOutcome, human_summary, summarise, write_summary
 from batchspec.run.stages import check_inputs, plan, stale_error
 from batchspec.spec.model import JobSpec
+from batchspec.version import __version__
 
 log = logging.getLogger(__name__)
 
@@ -196,7 +196,7 @@ class _Job:
             "run_id": run_id,
             "job": spec.name,
             "spec": spec.public(),
-            "versions": {"batchspec": batchspec.__version__},
+            "versions": {"batchspec": __version__},
             "worker": {"index": options.worker_index, "count": options.num_workers},
             "started_at": started_at.isoformat(),
         }

@@ -21,7 +21,6 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-import batchspec
 from batchspec.errors import InputDataError, SpecError
 from batchspec.io.answers import answer_column
 from batchspec.io.jsonl import JsonLinesReader
@@ -41,6 +40,7 @@ from batchspec.run.prefixes import prefix_order
 from batchspec.run.twins import Twins
 from batchspec.spec.model import JobSpec
 from batchspec.stats import request_totals
+from batchspec.version import __version__
 
 # ---------------------------------------------------------------------------- 1. plan shards
 
@@ -392,7 +392,7 @@ class ShardPipeline:
             "speculative_method": (spec.speculative or {}).get("method"),
             # speculative: auto chose the section above (the run summary names its record)
             "speculative_auto": True if spec.speculative_auto is not None else None,
-            "batchspec_version": batchspec.__version__,
+            "batchspec_version": __version__,
             "vllm_version": vllm_version,
         }
 

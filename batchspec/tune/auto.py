@@ -48,11 +48,11 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-import batchspec
 from batchspec.errors import SpecError
 from batchspec.io.output_dir import OutputDir
 from batchspec.redact import public_spec, scrub_text
 from batchspec.spec.model import JobSpec
+from batchspec.version import __version__
 
 #: Bump when the key covers something new or the record's shape changes: older records are
 #: then not reused.
@@ -337,7 +337,7 @@ def _measure(
             },
         },
         "measurements": {k: measured[k] for k in ("candidates", "noise", "prediction", "lossless", "notes")},
-        "batchspec_version": batchspec.__version__,
+        "batchspec_version": __version__,
     }
     if report.mismatches:  # lossless broken: never run a candidate that changed greedy text
         speculative, label = None, "off (a candidate's greedy text differed from off's)"
