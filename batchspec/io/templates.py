@@ -11,61 +11,55 @@ undefined name unless the template gives a default (``{{ x | default('n/a') }}``
 guard (:attr:`PromptTemplate.required`, found on the template's syntax tree by
 :func:`_unguarded`); one it guards may be missing.
 
+``x.name`` and ``x['name']`` read data, never a method: a struct's field (``meta.items`` is the
+field named ``items``, not ``dict.items``), an item, the loop's ``loop.index``; text has no
+fields. A method is only called (``body.strip()``, ``meta.get('k')``).
+
 A template cannot cost more than its bounds, whatever the row holds:
 
-- refused when the job is checked (exit 2, naming the key and the line): syntax errors, macros
-  and ``{% call %}``, ``include``/``import``/``extends``, recursive loops, the ``**`` operator,
-  a dunder attribute (``x.__class__``), the globals ``lipsum``, ``cycler``, ``joiner`` and
-  ``namespace``, every filter but :data:`FILTERS` (``map('name')`` included), and the filter
-  arguments whose cost is not linear: ``tojson``'s indent, ``sum``'s start (summing lists),
-  ``round`` to more than :data:`MAX_ROUND_DIGITS` digits (checked again when a filter is
+- refused when the job is checked (exit 2, naming the key and the line): syntax errors, tags
+  and expressions nested more than :data:`~batchspec.io.template_bounds.MAX_NESTING` deep,
+  macros and ``{% call %}``, ``include``/``import``/``extends``, recursive loops, the ``**``
+  operator, a dunder attribute (``x.__class__``), the globals ``lipsum``, ``cycler``, ``joiner``
+  and ``namespace``, every filter but :data:`FILTERS` (``map('name')`` included), and the
+  filter arguments whose cost is not linear: ``tojson``'s indent, ``sum``'s start (summing
+  lists), ``round`` to more than ``MAX_ROUND_DIGITS`` digits (checked again when a filter is
   named at render: ``map(f, ...)``);
-- bounded when a row renders (the row's error when exceeded): :data:`MAX_LOOP_ITERATIONS` loop
-  iterations in all (``range`` included, and nested loops counted together),
-  :data:`MAX_CHARS` characters (or items) for the output and for any value computed on the way
-  (checked before ``*``, ``+``, ``join`` and ``replace`` allocate and before a list or a
-  struct is written out as text, and after each filter, ``~`` and call),
-  :data:`MAX_INT_BITS` bits for an integer ``*`` builds, :data:`MAX_WORK` characters and items
-  handled by filters, methods and operators (each call's input with its nested items, its
-  arguments, once an item where it applies them to each (``select('in', other)``) or looks
-  each character up in them (``trim(chars)``), and what it builds), and only the methods of
-  :data:`METHODS` may be called (``x.upper()``; not ``'{}'.format``).
+- bounded when a row renders (the row's error when exceeded), by
+  :mod:`batchspec.io.template_bounds`: ``MAX_LOOP_ITERATIONS`` loop iterations in all,
+  ``MAX_CHARS`` characters (or items) for the output and for any value computed on the way
+  (a ``{% set %}`` block's body included), ``MAX_INT_BITS`` bits for an integer ``*`` builds,
+  and ``MAX_WORK``: every operation whose cost grows with a value's size counts it, so that a
+  row over it is its error within about a second. Only the methods of :data:`METHODS` may be
+  called (``x.upper()``; not ``'{}'.format``).
 
 A list or a struct printed as it is (``{{ labels }}``) renders as JSON; a null printed from
-inside one (a struct's null field) or a binary value is the row's error."""
+inside one (a struct's null field), a binary value or a function is the row's error."""
 
 from __future__ import annotations
 
 import functools
-import itertools
 import json
 import re
-import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from batchspec.errors import SpecError
+from batchspec.io import template_bounds as bounds
 from batchspec.io.rows import check_messages
-
-#: Loop iterations one row's render may take, all loops together (the sandbox's own ``range``
-#: limit, for every loop).
-MAX_LOOP_ITERATIONS = 100_000
-#: Characters (or items, for a list) the rendered text, and any value computed on the way, may
-#: have: 16 Mi, far above any context window.
-MAX_CHARS = 1 << 24
-#: Characters and items filters, methods and operators may handle in one row's render (each
-#: call counts its input, nested items included, its arguments and what it builds): what bounds
-#: the time a loop of filters takes.
-MAX_WORK = 1 << 26
-#: Bits an integer built by ``*`` may have (``{% set n = n * n %}`` squares its digits).
-MAX_INT_BITS = 1 << 16
-#: Digits ``round`` may round to (``round(1, 10**9, 'floor')`` computes ``10**10**9``).
-MAX_ROUND_DIGITS = 32
+from batchspec.io.template_bounds import (
+    MAX_CHARS,
+    MAX_NESTING,
+    MAX_ROUND_DIGITS,
+    RenderStopped,
+    TemplateBudget,
+)
 
 #: The filters a template may use: each takes time and space linear in its input and arguments
-#: (what :func:`_refused_arguments` refuses aside). Left out: those with a width or count
-#: argument that allocates at will (center, indent, format, wordwrap, batch, slice), random (a
-#: rerun would render other prompts), and the HTML ones (urlize, xmlattr).
+#: (what :func:`~batchspec.io.template_bounds.refused_arguments` refuses aside). Left out: those
+#: with a width or count argument that allocates at will (center, indent, format, wordwrap,
+#: batch, slice), random (a rerun would render other prompts), and the HTML ones (urlize,
+#: xmlattr).
 FILTERS = frozenset(
     {
         "abs",
@@ -154,12 +148,14 @@ METHODS = frozenset(
 
 #: Globals a template may not use (the rest of Jinja2's: ``range``, ``dict``).
 _REFUSED_GLOBALS = ("lipsum", "cycler", "joiner", "namespace")
-_HOOK_LOOP = "__batchspec_loop"
-_HOOK_CAP = "__batchspec_cap"
-
-
-class TemplateBudget(Exception):
-    """A row's render went over one of the bounds."""
+#: The hooks the compiled tree calls (a template cannot name them: :func:`_refuse`).
+_HOOKS = {
+    "__batchspec_loop": bounds.loop,
+    "__batchspec_cap": bounds.cap,
+    "__batchspec_counted": bounds.counted,
+    "__batchspec_text": lambda value: bounds.as_text(_printable(value)),
+    "__batchspec_method": lambda owner, name: _environment().method(owner, name),
+}
 
 
 class _NullValue(Exception):
@@ -170,223 +166,74 @@ class _Binary(Exception):
     """Binary data printed."""
 
 
-class _Spent(threading.local):
-    loops = 0
-    work = 0
-    #: id -> (list or struct, its size): what :func:`_deep` measured in this row's render
-    sizes: dict[int, tuple[Any, int]] = {}
+class _Callable(Exception):
+    """A function, a method or a class printed (``range``): never a prompt's text."""
 
 
-_spent = _Spent()
+def _printable(value: Any) -> Any:
+    if callable(value):
+        from jinja2 import Undefined
 
-
-def _size(value: Any) -> int:
-    if isinstance(value, str | bytes | list | tuple | dict):
-        return len(value)
-    return 0
-
-
-def _deep(value: Any, limit: int, why: str) -> int:
-    """``value``'s characters and items, nested ones included (a number counts its digits),
-    measured without building anything: TemplateBudget(``why``) once they pass ``limit``. A
-    list or a struct measured whole is remembered for the rest of the row's render, so a value
-    read again (in a loop, or one list repeated inside another) is not walked again; the walk
-    costs no more than ``limit`` steps. A generator is not walked (what it yields is counted
-    where it is built)."""
-    memo = _spent.sizes
-    total = 0
-    stack: list[tuple[Any, Any, int]] = [(None, iter((value,)), 0)]
-    while True:
-        container, items, began = stack[-1]
-        item = next(items, _END)
-        if item is _END:
-            stack.pop()
-            if not stack:
-                return total
-            if len(container) >= 16:
-                memo[id(container)] = (container, total - began)
-            continue
-        if isinstance(item, list | tuple | dict):
-            seen = memo.get(id(item))
-            if seen is not None and seen[0] is item:
-                total += seen[1]
-            else:
-                total += len(item)
-                children = (
-                    itertools.chain(item.keys(), item.values()) if isinstance(item, dict) else iter(item)
-                )
-                stack.append((item, children, total - len(item)))
-        elif isinstance(item, str | bytes | bytearray):
-            total += len(item)
-        elif isinstance(item, int) and not isinstance(item, bool):
-            total += item.bit_length() // 3 + 1
-        elif isinstance(item, float):
-            total += 24
-        else:
-            total += 1
-        if total > limit:
-            raise TemplateBudget(why)
-
-
-_END = object()
-
-
-def _cap(value: Any) -> Any:
-    """A computed value, refused when it is larger than :data:`MAX_CHARS`, and counted as work."""
-    size = _size(value)
-    if size > MAX_CHARS:
-        raise TemplateBudget(f"a value of more than {MAX_CHARS:,} characters or items")
-    _work(size)
+        if not isinstance(value, Undefined):  # which fails as itself when printed
+            raise _Callable()
     return value
 
 
-def _work(n: int) -> None:
-    _spent.work += n
-    if _spent.work > MAX_WORK:
-        raise TemplateBudget(_work_why())
-
-
-def _work_why() -> str:
-    return f"filters, methods and operators handled more than {MAX_WORK:,} characters or items"
-
-
-def _work_deep(value: Any) -> int:
-    """Count ``value``, nested items included, as work; its size."""
-    size = _deep(value, MAX_WORK - _spent.work, _work_why())
-    _work(size)
-    return size
-
-
-def _serializable(value: Any) -> None:
-    """A list or a struct about to be written out as text (JSON, ``str``): refused before it
-    is when its characters and items are over :data:`MAX_CHARS`."""
-    if isinstance(value, list | tuple | dict):
-        _deep(value, MAX_CHARS, f"a value of more than {MAX_CHARS:,} characters or items")
-
-
-def _loop(iterable: Any):
-    """Every ``for`` loop's iterable, counted against :data:`MAX_LOOP_ITERATIONS`."""
-    for item in iterable:
-        _spent.loops += 1
-        if _spent.loops > MAX_LOOP_ITERATIONS:
-            raise TemplateBudget(f"more than {MAX_LOOP_ITERATIONS:,} loop iterations")
-        yield item
-
-
-def _join_size(items: Sequence[Any], separator: Any) -> int:
-    return sum(len(str(i)) for i in items) + max(len(items) - 1, 0) * len(str(separator))
-
-
-def _replace_size(text: str, old: str, new: str, count: int | None = None) -> int:
-    found = text.count(old) if old else len(text) + 1
-    if count is not None and count >= 0:
-        found = min(found, count)
-    return len(text) + found * (len(new) - len(old))
-
-
-#: Filters that apply a test or a filter named by their argument to each item (the argument's
-#: cost paid once an item: ``select('in', other)``).
-_PER_ITEM = frozenset({"select", "reject", "selectattr", "rejectattr", "map"})
-
-
-def _refused_arguments(name: str, positional: int, keywords: set[str]) -> str | None:
-    """Why a filter called with these arguments (besides its input) is refused, or None: the
-    ones whose cost is not linear in their input."""
-    if name == "tojson" and (positional or keywords):
-        return "tojson takes no argument in a prompt template (indent= allocates at will)"
-    if name == "sum" and (positional >= 2 or "start" in keywords):
-        return "sum's start is not available in a prompt template (summing lists is quadratic)"
-    return None
-
-
-def _checked_filter(name: str, func):
-    """A filter whose input (nested items included) and arguments count against
-    :data:`MAX_WORK`, whose arguments are checked (:func:`_refused_arguments`, ``round``'s
-    precision), and whose result is capped and counted (``join``, ``replace``, ``string`` and
-    ``tojson`` checked before they allocate)."""
-    from jinja2.sandbox import SecurityError
-    from jinja2.utils import _PassArg
-
-    skip = 0 if _PassArg.from_obj(func) is None else 1
-
-    @functools.wraps(func)
-    def checked(*args, **kwargs):
-        value = args[skip] if len(args) > skip else None
-        rest = args[skip + 1 :]
-        why = _refused_arguments(name, len(rest), set(kwargs))
-        if why is not None:
-            raise SecurityError(why)
-        if name == "round":
-            precision = rest[0] if rest else kwargs.get("precision", 0)
-            if not isinstance(precision, int) or abs(precision) > MAX_ROUND_DIGITS:
-                raise TemplateBudget(f"round to more than {MAX_ROUND_DIGITS} digits")
-        size = _work_deep(value)
-        extra = _work_deep([*rest, *kwargs.values()]) if rest or kwargs else 0
-        if name in _PER_ITEM:
-            _work(_size(value) * extra)
-        elif name == "trim" and rest:  # str.strip(chars) looks each character up in chars
-            _work(size * _size(rest[0]))
-        if name in ("tojson", "string", "join"):
-            _serializable(value)
-        if name == "join" and isinstance(value, list | tuple | str):
-            separator = args[skip + 1] if len(args) > skip + 1 else kwargs.get("d", "")
-            _cap_size(_join_size(value, separator))
-        elif name == "replace" and isinstance(value, str) and len(args) > skip + 2:
-            old, new = str(args[skip + 1]), str(args[skip + 2])
-            count = args[skip + 3] if len(args) > skip + 3 else kwargs.get("count")
-            _cap_size(_replace_size(value, old, new, count))
-        return _cap(func(*args, **kwargs))
-
-    return checked
-
-
-def _cap_size(size: int) -> None:
-    if size > MAX_CHARS:
-        raise TemplateBudget(f"a value of more than {MAX_CHARS:,} characters or items")
-
-
 def _finalize(value: Any) -> Any:
-    """What a ``{{ ... }}`` prints: a list or a struct as JSON; a null or bytes refused."""
+    """What a ``{{ ... }}`` prints: a list or a struct as JSON; a null, bytes or a function
+    refused."""
     if value is None:
         raise _NullValue()
     if isinstance(value, bytes | bytearray | memoryview):
         raise _Binary()
     if isinstance(value, list | tuple | dict):
-        _serializable(value)
-        return json.dumps(value, ensure_ascii=False, default=str)
-    return value
+        bounds.serializable(value)
+        bounds.count_deep(value, per_item=bounds.ITEM_COST // 4)  # json.dumps: 100 ns or so an item
+        return json.dumps(value, ensure_ascii=False, default=lambda v: str(_printable(v)))
+    return _printable(value)
 
 
 @functools.cache
 def _environment():
-    from jinja2 import StrictUndefined, Undefined
+    from jinja2 import StrictUndefined, Undefined, pass_environment
     from jinja2.runtime import LoopContext
     from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
 
+    def data(env, owner, name, value):
+        # a bound method is no value: read as a field, it is a field that is not there
+        if callable(value) and not isinstance(value, Undefined):
+            return env.undefined(obj=owner, name=name)
+        return value
+
     class Sandbox(ImmutableSandboxedEnvironment):
-        # checked before they allocate: 'x' * 10**9, a + b; ** is refused when compiled,
-        # and % on text (printf formatting with a width)
-        intercepted_binops = frozenset({"*", "+", "%", "**"})
+        # checked before they run: 'x' * 10**9, a + b, big integers; ** is refused when
+        # compiled, and % on text (printf formatting with a width)
+        intercepted_binops = frozenset({"*", "+", "-", "/", "//", "%", "**"})
+        concat = staticmethod(bounds.concat)  # a {% set %} or {% filter %} block's body
+
+        def getattr(self, obj, attribute):
+            if isinstance(obj, dict):  # a struct: its field, never one of dict's methods
+                return obj[attribute] if attribute in obj else self.undefined(obj=obj, name=attribute)
+            return data(self, obj, attribute, super().getattr(obj, attribute))
+
+        def getitem(self, obj, argument):
+            return data(self, obj, argument, super().getitem(obj, argument))
+
+        def method(self, obj, name):
+            """``obj.name`` about to be called: the method, as Jinja2 looks it up."""
+            return super().getattr(obj, name)
 
         def call_binop(self, context, operator, left, right):
             if operator == "**":
                 raise SecurityError("the ** operator is not available in a prompt template")
             if operator == "%" and isinstance(left, str):
                 raise SecurityError("% formatting of text is not available in a prompt template")
-            if operator == "*":
-                for seq, n in ((left, right), (right, left)):
-                    if isinstance(seq, str | list | tuple) and isinstance(n, int):
-                        _cap_size(len(seq) * max(n, 0))
-                if isinstance(left, int) and isinstance(right, int):
-                    if left.bit_length() + right.bit_length() > MAX_INT_BITS:
-                        raise TemplateBudget(f"an integer of more than {MAX_INT_BITS:,} bits")
-            if operator == "+":
-                _cap_size(_size(left) + _size(right))
-            return _cap(super().call_binop(context, operator, left, right))
+            bounds.binop(operator, left, right)
+            return bounds.cap(super().call_binop(context, operator, left, right))
 
         def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 (Jinja2's own names)
-            if __obj is _loop or __obj is _cap:  # the hooks: counted where they run
-                return super().call(__context, __obj, *args, **kwargs)
+            if id(__obj) in _HOOK_IDS:  # counted where they run; Jinja2's own call costs more
+                return __obj(*args)
             owner = getattr(__obj, "__self__", None)
             name = getattr(__obj, "__name__", "")
             allowed = (
@@ -399,36 +246,46 @@ def _environment():
                 __obj._fail_with_undefined_error()
             if not allowed:
                 raise SecurityError(f"calling {name or type(__obj).__name__!r} is not available")
+            bounds.work(bounds.CALL_COST)
+            bounds.count_deep([*args, *kwargs.values()])
             if isinstance(owner, str | list | tuple | dict):
-                size = _work_deep(owner)
-                _work_deep([*args, *kwargs.values()])
-                if name in ("strip", "lstrip", "rstrip") and args and args[0] is not None:
-                    _work(size * _size(args[0]))  # each character looked up in the argument
-                if name == "join":
-                    items = list(args[0]) if args else []
-                    _cap_size(_join_size(items, owner))
-                    args = (items,)
-                elif name == "replace" and isinstance(owner, str) and len(args) >= 2:
-                    _cap_size(_replace_size(owner, str(args[0]), str(args[1]), *args[2:3]))
-            return _cap(super().call(__context, __obj, *args, **kwargs))
+                args = bounds.method_call(name, owner, args)
+            return bounds.cap(super().call(__context, __obj, *args, **kwargs))
+
+    @pass_environment
+    def attr(env, obj, name):  # Jinja2's reads Python's attribute first: a dict's method
+        return env.getattr(obj, str(name))
 
     env = Sandbox(undefined=StrictUndefined, autoescape=False, finalize=_finalize, keep_trailing_newline=True)
-    env.filters = {name: _checked_filter(name, f) for name, f in env.filters.items() if name in FILTERS}
+    env.filters["attr"] = attr
+    env.filters = {n: bounds.checked_filter(n, f) for n, f in env.filters.items() if n in FILTERS}
+    env.tests = {n: bounds.checked_test(f) for n, f in env.tests.items()}
     for name in _REFUSED_GLOBALS:
         env.globals.pop(name, None)
-    env.globals[_HOOK_LOOP] = _loop
-    env.globals[_HOOK_CAP] = _cap
+    env.globals.update(_HOOKS)
     _GLOBALS.update(env.globals)
     return env
 
 
 _GLOBALS: dict[str, Any] = {}
+_HOOK_IDS = frozenset(map(id, _HOOKS.values()))
 
 
 class _Compiled:
     """One template, compiled: what it renders and the columns it reads."""
 
     def __init__(self, source: str, key: str):
+        from jinja2 import TemplateSyntaxError
+
+        try:
+            self._compile(source, key)
+        except TemplateSyntaxError as exc:  # an unknown filter or test
+            raise SpecError(key, f"not a valid prompt template: line {exc.lineno}: {exc.message}") from exc
+        except (RecursionError, SyntaxError) as exc:  # Jinja2's parser or Python's compiler
+            raise SpecError(key, f"nested too deeply to compile: {_short(exc)}") from None
+        self.source = source
+
+    def _compile(self, source: str, key: str) -> None:
         from jinja2 import TemplateSyntaxError, meta, nodes
 
         env = _environment()
@@ -436,21 +293,17 @@ class _Compiled:
             tree = env.parse(source)
         except TemplateSyntaxError as exc:
             raise SpecError(key, f"not a valid Jinja2 template: line {exc.lineno}: {exc.message}") from exc
+        line = bounds.too_deep(tree)
+        if line is not None:
+            raise SpecError(key, f"line {line}: nested too deeply: more than {MAX_NESTING} levels")
         _refuse(tree, key)
         self.columns = frozenset(meta.find_undeclared_variables(tree) - set(env.globals))
         #: the columns it reads without a guard (``is defined``, ``default``): those an input
         #: must have
         self.required = frozenset(meta.find_undeclared_variables(_unguarded(env.parse(source), nodes)))
         self.required &= self.columns
-        # every loop's iterable counted, every concatenation capped
-        for loop in tree.find_all(nodes.For):
-            loop.iter = nodes.Call(nodes.Name(_HOOK_LOOP, "load"), [loop.iter], [], None, None)
-        _wrap_concat(tree, nodes)
-        try:
-            self.template = env.from_string(tree)
-        except TemplateSyntaxError as exc:  # an unknown filter or test
-            raise SpecError(key, f"not a valid prompt template: line {exc.lineno}: {exc.message}") from exc
-        self.source = source
+        _add_hooks(tree, nodes)
+        self.template = env.from_string(tree)
 
     def render(self, variables: dict[str, Any]) -> str:
         template = self.template
@@ -465,15 +318,43 @@ class _Compiled:
         return "".join(out)
 
 
-def _wrap_concat(tree, nodes) -> None:
-    """``a ~ b`` becomes a capped value (a Concat node inside the cap hook's call)."""
+def _add_hooks(tree, nodes) -> None:
+    """Make the tree call the bounds: each loop's iterable counted (its body's weight each
+    iteration), each comparison's operands, a slice's copy and ``a ~ b`` capped, the operands of
+    ``~`` measured before they are written out as text, and ``x.name(...)`` a method call
+    (any other ``x.name`` reads a field)."""
+
+    def hook(name, node, *args):
+        call = nodes.Call(nodes.Name(f"__batchspec_{name}", "load"), [node, *args], [], None, None)
+        call.set_lineno(node.lineno)
+        return call
+
+    for node in list(tree.find_all(nodes.Compare)):
+        node.expr = hook("counted", node.expr)
+        for operand in node.ops:
+            operand.expr = hook("counted", operand.expr)
+    for node in list(tree.find_all(nodes.Concat)):
+        node.nodes = [hook("text", n) for n in node.nodes]
+    for node in list(tree.find_all(nodes.Call)):
+        if isinstance(node.node, nodes.Getattr):
+            node.node = hook("method", node.node.node, nodes.Const(node.node.attr))
+
+    def swap(value):
+        if isinstance(value, nodes.Concat) or (
+            isinstance(value, nodes.Getitem) and isinstance(value.arg, nodes.Slice)
+        ):
+            return hook("cap", value)
+        return value
+
     for node in list(tree.find_all(nodes.Node)):
         for field in node.fields:
             value = getattr(node, field, None)
-            if isinstance(value, nodes.Concat):
-                setattr(node, field, _capped(value, nodes))
-            elif isinstance(value, list):
-                setattr(node, field, [_capped(v, nodes) if isinstance(v, nodes.Concat) else v for v in value])
+            if isinstance(value, list):
+                setattr(node, field, [swap(v) for v in value])
+            elif isinstance(value, nodes.Node):
+                setattr(node, field, swap(value))
+    for loop in list(tree.find_all(nodes.For)):  # last: the hooks in its body weigh too
+        loop.iter = hook("loop", loop.iter, nodes.Const(bounds.body_weight(loop, nodes)))
 
 
 def _defined(test, nodes, when: bool) -> set[str]:
@@ -542,12 +423,6 @@ def _blank(node, fields, names: set[str], nodes) -> None:
             todo.extend((c, c.fields) for c in children if isinstance(c, nodes.Node))
 
 
-def _capped(node, nodes):
-    call = nodes.Call(nodes.Name(_HOOK_CAP, "load"), [node], [], None, None)
-    call.set_lineno(node.lineno)
-    return call
-
-
 def _refuse(tree, key: str) -> None:
     """Refuse what no bound can make safe, naming the line (exit 2)."""
     from jinja2 import nodes
@@ -593,7 +468,7 @@ def _refuse(tree, key: str) -> None:
                 name, args = args[0].value, args[1:]
                 if name not in FILTERS:
                     refuse(node, f"filter {name!r} is not available in a prompt template")
-            why = _refused_arguments(name, len(args), {k.key for k in node.kwargs})
+            why = bounds.refused_arguments(name, len(args), {k.key for k in node.kwargs})
             if why is None and name == "round":
                 precision = (
                     args[0] if args else next((k.value for k in node.kwargs if k.key == "precision"), None)
@@ -645,8 +520,7 @@ class PromptTemplate:
                 return None, f"binary cell in column {column!r}: a template renders text"
             if value is not None:
                 variables[column] = value
-        _spent.loops = _spent.work = 0
-        _spent.sizes = {}
+        bounds.begin_row()
         try:
             if not self.messages:
                 return self.parts[0][1].render(variables), None
@@ -654,7 +528,7 @@ class PromptTemplate:
         except Exception as exc:  # noqa: BLE001 (whatever one row's render raises is its error)
             return None, self._why(exc, values)
         finally:
-            _spent.sizes = {}
+            bounds.end_row()
 
     def fill(self, row, values: Mapping[str, Any], where: str = "") -> None:
         """Render the row's prompt or messages from its ``values`` (column -> value) into
@@ -684,10 +558,14 @@ class PromptTemplate:
             return f"template refused: {_short(exc)}"
         if isinstance(exc, TemplateBudget):
             return f"template too costly: {exc}"
+        if isinstance(exc, RenderStopped):
+            return "template not rendered: the run is stopping"
         if isinstance(exc, _NullValue):
             return "template error: it prints a null value (a null field or item; give it a default)"
         if isinstance(exc, _Binary):
             return "template error: it prints binary data"
+        if isinstance(exc, _Callable):
+            return "template error: it prints a function or a method (a method is to be called)"
         return f"template error: {type(exc).__name__}: {_short(exc)}"
 
 

@@ -29,6 +29,7 @@ from batchspec.io.listing import Shard
 from batchspec.io.locations import check_no_overlap
 from batchspec.io.output_dir import OutputDir, remove_orphan_tmp_files
 from batchspec.io.states import ShardState
+from batchspec.io.template_bounds import interrupt_renders
 from batchspec.run.events import EventLog, Progress
 from batchspec.run.executors.base import Executor, RunContext
 from batchspec.run.executors.local import LocalExecutor
@@ -107,7 +108,15 @@ class StopFlag:
 
         for s in previous:
             signal.signal(s, handler)
-        return lambda: [signal.signal(s, h) for s, h in previous.items()]
+        # the rows read after a stop are dropped: a template's render in progress gives up
+        renders = interrupt_renders(self.__bool__)
+
+        def restore():
+            interrupt_renders(renders)
+            for s, h in previous.items():
+                signal.signal(s, h)
+
+        return restore
 
 
 def new_run_id() -> str:

@@ -15,7 +15,7 @@ from helpers.fake_runs import run
 from helpers.jobs import write_parquet
 
 from batchspec.errors import SpecError
-from batchspec.io import templates
+from batchspec.io import template_bounds
 from batchspec.io.templates import PromptTemplate
 from batchspec.spec.build import build_spec
 from batchspec.spec.fingerprint import spec_fingerprint
@@ -224,7 +224,7 @@ def test_a_loop_that_runs_for_ever_is_stopped():
         "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}", x=1
     )
     assert prompt is None and error == (
-        f"template too costly: more than {templates.MAX_LOOP_ITERATIONS:,} loop iterations"
+        f"template too costly: more than {template_bounds.MAX_LOOP_ITERATIONS:,} loop iterations"
     )
     prompt, error = render("{% for c in text %}{% for d in text %}{% endfor %}{% endfor %}", text="x" * 10**6)
     assert prompt is None and "loop iterations" in error
@@ -277,7 +277,7 @@ def test_a_template_that_builds_a_huge_string_is_stopped_before_it_allocates(sou
     ],
 )
 def test_work_counts_nested_items_arguments_and_what_is_built(monkeypatch, source, values):
-    monkeypatch.setattr(templates, "MAX_WORK", 10_000)
+    monkeypatch.setattr(template_bounds, "MAX_WORK", 10_000)
 
     prompt, error = render(source, **values)
     assert prompt is None and error.startswith("template too costly: "), error
@@ -286,7 +286,7 @@ def test_work_counts_nested_items_arguments_and_what_is_built(monkeypatch, sourc
 def test_a_list_or_struct_is_measured_before_it_is_written_out_as_text(monkeypatch):
     import tracemalloc
 
-    monkeypatch.setattr(templates, "MAX_CHARS", 1000)
+    monkeypatch.setattr(template_bounds, "MAX_CHARS", 1000)
     # 1,000 references to one 1,000-character list: a million characters once written out
     values = {"labels": ["x" * 1000]}
     for source in ("{% set y = [labels] * 1000 %}{{ y }}", "{{ ([labels] * 1000) | tojson | length }}"):
@@ -305,7 +305,7 @@ def test_a_list_or_struct_is_measured_before_it_is_written_out_as_text(monkeypat
 def test_integers_and_round_are_bounded():
     started = time.monotonic()
     prompt, error = render("{% set n = 10 %}" + "{% set n = n * n %}" * 20 + "{{ n | length }}", x=1)
-    assert error == f"template too costly: an integer of more than {templates.MAX_INT_BITS:,} bits"
+    assert error == f"template too costly: an integer of more than {template_bounds.MAX_INT_BITS:,} bits"
     prompt, error = render("{{ x | round(p, 'floor') }}", x=1.5, p=10**9)
     assert error == "template too costly: round to more than 32 digits"
     assert render("{{ x | round(2) }} {{ 12 * 12 }}", x=1.234) == ("1.23 144", None)
