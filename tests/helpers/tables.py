@@ -172,3 +172,27 @@ def run_table_cli(*args: str, **kw) -> subprocess.CompletedProcess:
 def write_job(path: Path, raw: dict) -> Path:
     path.write_text(yaml.safe_dump(raw, sort_keys=False))
     return path
+
+
+def lance_prompts(url: str, files: int = 3, rows: int = 5, storage_options=None, first: int = 0) -> None:
+    """A Lance dataset of prompts, one fragment per append (``prompt i-j``, ``k``)."""
+    import lance
+
+    for i in range(first, first + files):
+        exists = bool(i) or first > 0
+        lance.write_dataset(
+            prompts(i, rows), url, mode="append" if exists else "create", storage_options=storage_options
+        )
+
+
+def lance_rows(spec) -> list[str]:
+    """The ``request_id`` of every row the output Lance dataset holds, as a reader of it sees them."""
+    import lance
+
+    from batchspec.io.lance import dataset_uri, storage_options
+
+    out = spec.output
+    dataset = lance.dataset(
+        dataset_uri(out.path, "output.path"), storage_options=storage_options(out.path, out.storage_options)
+    )
+    return sorted(dataset.to_table(columns=["request_id"])["request_id"].to_pylist())
