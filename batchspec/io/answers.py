@@ -33,6 +33,7 @@ from typing import Any
 import pyarrow as pa
 
 from batchspec.errors import SpecError
+from batchspec.io.input_formats import input_format
 
 #: The column's name.
 ANSWER = "answer"
@@ -257,7 +258,7 @@ def answer_column(spec) -> AnswerColumn | None:
     ``output.parse_json``."""
     if not spec.output.parse_json:
         return None
-    per_row = spec.input.format == "openai" or any(
+    per_row = input_format(spec.input.format).self_describing or any(
         key == "structured_outputs" or key.startswith("structured_outputs.")
         for key in spec.input.sampling_columns
     )

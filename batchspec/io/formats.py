@@ -13,17 +13,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from batchspec.errors import SpecError
+from batchspec.io.input_formats import INPUT_FORMATS
 from batchspec.redact import sanitize_url
-from batchspec.spec.model import INPUT_FORMATS
 
 #: What ``input.format`` accepts.
-FORMATS = INPUT_FORMATS
-PARQUET, JSONL, OPENAI, DELTA, ICEBERG = FORMATS
+FORMATS = tuple(INPUT_FORMATS)
+#: The format a file no other format claims by its extension is read as.
+PARQUET = "parquet"
 #: The formats read as lines of JSON (compressed or not).
-LINE_FORMATS = (JSONL, OPENAI)
+LINE_FORMATS = tuple(f.name for f in INPUT_FORMATS.values() if f.lines)
 
 #: Extensions that name a format by themselves.
-_FORMAT_SUFFIXES = {".parquet": PARQUET, ".pq": PARQUET, ".jsonl": JSONL, ".ndjson": JSONL}
+_FORMAT_SUFFIXES = {suffix: f.name for f in INPUT_FORMATS.values() for suffix in f.suffixes}
 #: Extensions a shard may carry whatever its format says (``part-0.json`` with ``format: jsonl``).
 _OTHER_SUFFIXES = (".json",)
 #: Compression by extension, for JSON lines (Parquet compresses inside the file).
@@ -95,4 +96,9 @@ def is_input_file(path: str, declared: str | None) -> bool:
         return True
     if named is None or (named == PARQUET and compression is not None):
         return False
-    return declared is None or named == declared or (declared == OPENAI and named == JSONL)
+    # a self-describing format of lines (OpenAI's) is found under the JSON-lines extensions
+    return (
+        declared is None
+        or named == declared
+        or (INPUT_FORMATS[declared].self_describing and INPUT_FORMATS[named].lines)
+    )

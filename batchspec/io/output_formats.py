@@ -117,6 +117,12 @@ class OutputFormat:
     #: Whether shards are committed to a table (:mod:`batchspec.io.tables`) rather than by
     #: their files and manifests alone.
     table: ClassVar[bool] = False
+    #: ``output`` keys only some formats read: those this one reads.
+    keys: ClassVar[tuple[str, ...]] = ()
+    #: The library the format writes with (exit 2 naming ``output.format`` where it is absent).
+    library: ClassVar[str | None] = None
+    #: Whether the table is found through ``output.catalog`` and ``output.table``.
+    catalog: ClassVar[bool] = False
 
     @property
     def suffix(self) -> str:
@@ -236,6 +242,7 @@ class TableOutput(ParquetOutput):
 
     in_fingerprint = True
     table = True
+    keys = ("commit_shards", "commit_interval_s")
     #: The module of the table library's side (:mod:`batchspec.io.delta`, ``...iceberg``).
     module: ClassVar[str]
 
@@ -287,6 +294,7 @@ class DeltaOutput(TableOutput):
 
     name = "delta"
     module = "batchspec.io.delta"
+    library = "deltalake"
 
 
 class IcebergOutput(TableOutput):
@@ -296,6 +304,9 @@ class IcebergOutput(TableOutput):
 
     name = "iceberg"
     module = "batchspec.io.iceberg"
+    library = "pyiceberg"
+    keys = (*TableOutput.keys, "table", "catalog")
+    catalog = True
 
 
 class LanceOutput(TableOutput):
@@ -345,6 +356,13 @@ OUTPUT_FORMATS: dict[str, OutputFormat] = {
 assert tuple(OUTPUT_FORMATS) == FORMAT_NAMES, (
     "each format is a class here and a name in batchspec.spec.model.OutputFormatName"
 )
+
+
+#: The ``output`` keys only some formats read, and which ones.
+FORMAT_KEYS: dict[str, tuple[str, ...]] = {
+    key: tuple(f.name for f in OUTPUT_FORMATS.values() if key in f.keys)
+    for key in dict.fromkeys(k for f in OUTPUT_FORMATS.values() for k in f.keys)
+}
 
 
 def output_format(name: str) -> OutputFormat:

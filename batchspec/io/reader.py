@@ -11,22 +11,23 @@ mistyped column is an :class:`~batchspec.errors.InputDataError` naming shard and
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from batchspec.columns import OUTPUT_NAMES
 from batchspec.errors import InputDataError, SpecError
-from batchspec.io.formats import JSONL, OPENAI
-from batchspec.io.jsonl import JsonLinesReader
+from batchspec.io.input_formats import INPUT_FORMATS, input_format
 from batchspec.io.listing import Shard
-from batchspec.io.openai_batch import OpenAIBatchReader
 from batchspec.io.retry import Attempts, is_transient, retry
 from batchspec.io.rows import Row, check_messages
 from batchspec.io.templates import check_columns, prompt_template
 from batchspec.io.urls import is_local_fs
-from batchspec.spec.model import TABLE_FORMATS, InputSpec, JobSpec, OutputSpec
+from batchspec.spec.model import InputSpec, JobSpec, OutputSpec
+
+if TYPE_CHECKING:
+    from batchspec.io.jsonl import JsonLinesReader
 
 
 def _is_text(t: pa.DataType) -> bool:
@@ -361,15 +362,9 @@ class TableFileReader(ParquetReader):
 
 def open_reader(shard: Shard, spec: JobSpec) -> ParquetReader | JsonLinesReader:
     """The reader of ``shard``'s format (:mod:`batchspec.io.formats`), its columns checked."""
-    batch_rows = spec.execution.read_batch_rows
-    if shard.table is not None:  # a data file of a Delta or Iceberg table
+    if shard.table is not None:  # a data file of an input table
         return shard.table.source.reader(shard, spec)
-    if shard.format.name == OPENAI:
-        reader = OpenAIBatchReader(shard, spec, batch_rows)
-    elif shard.format.name == JSONL:
-        reader = JsonLinesReader(shard, spec.input, spec.output, batch_rows)
-    else:
-        reader = ParquetReader(shard, spec.input, spec.output, batch_rows)
+    reader = INPUT_FORMATS[shard.format.name].reader(shard, spec)
     if shard.kept_fields is not None:  # a table output's types (the check stage chose them)
         reader.conform(list(shard.kept_fields))
     return reader
@@ -388,11 +383,10 @@ def sample_rows(spec, n: int, seed: int, shards=None) -> tuple[list[Row], int]:
     from batchspec.io.listing import discover_shards
 
     rng = random.Random(seed)
-    if shards is None and spec.input.format in TABLE_FORMATS:  # the table's latest data files
-        from batchspec.io.tables import open_table_input, pin_key
-
-        source = open_table_input(spec)
-        pin = getattr(spec.input, pin_key(spec.input.format))
+    fmt = input_format(spec.input.format)
+    if shards is None and fmt.table:  # the table's data files at its pin, or the latest
+        source = fmt.open_source(spec)
+        pin = getattr(spec.input, fmt.pin_key)
         shards = source.shards(source.latest() if pin is None else pin)
     if shards is None:
         shards = discover_shards(

@@ -31,8 +31,8 @@ from typing import TYPE_CHECKING, Any
 
 from batchspec.errors import InputDataError, RuntimeFailure, SpecError, quoted
 from batchspec.io.contained import table_relative
+from batchspec.io.input_formats import input_format
 from batchspec.redact import sanitize_url
-from batchspec.spec.model import TABLE_FORMATS
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -40,8 +40,6 @@ if TYPE_CHECKING:
     from batchspec.io.listing import Shard
     from batchspec.io.output_dir import OutputDir
     from batchspec.spec.model import JobSpec
-
-__all__ = ["TABLE_FORMATS"]
 
 log = logging.getLogger(__name__)
 
@@ -88,26 +86,6 @@ def table_member(root: str, path: str, shown: str) -> str:
     return relative
 
 
-def is_table(input_format: str | None) -> bool:
-    return input_format in TABLE_FORMATS
-
-
-def open_table_input(spec: JobSpec):
-    """The input table of ``spec`` (``input.format`` delta or iceberg)."""
-    if spec.input.format == "delta":
-        from batchspec.io.delta import DeltaInput
-
-        return DeltaInput(spec)
-    from batchspec.io.iceberg import IcebergInput
-
-    return IcebergInput(spec)
-
-
-def pin_key(input_format: str) -> str:
-    """``version`` (Delta) or ``snapshot`` (Iceberg): the key that names a pin."""
-    return "version" if input_format == "delta" else "snapshot"
-
-
 def choose_pin(
     source,
     spec: JobSpec,
@@ -124,7 +102,7 @@ def choose_pin(
     it resumes read); else the latest, recorded for the runs that follow. ``fresh``
     (``--overwrite``) pins the latest. Only a run ``record``s its pin (``status`` and
     ``validate`` show what a run would read now)."""
-    key = pin_key(spec.input.format)
+    key = input_format(spec.input.format).pin_key
     asked = getattr(spec.input, key)
     path = out.input_pin_path()
     if asked is not None:

@@ -155,23 +155,9 @@ def _executor(spec: JobSpec, kind: str | None, ray_address: str | None, engine=N
     kind = kind or spec.executor.kind
     if kind not in EXECUTOR_KINDS:
         raise SpecError("executor.kind", f"expected one of {', '.join(EXECUTOR_KINDS)}, got {kind!r}")
-    if kind == "ray" and spec.speculative_auto is not None:
-        raise SpecError(
-            "speculative",
-            "auto measures its candidates on this process's own engine "
-            "before the shards run; with --executor ray, run `batchspec "
-            "tune` and set the speculative section it writes",
-        )
-    if kind == "ray":
-        from batchspec.spec.model import TABLE_FORMATS
+    from batchspec.spec.build import check_executor
 
-        for side, fmt in (("input", spec.input.format), ("output", spec.output.format)):
-            if fmt in TABLE_FORMATS:
-                raise SpecError(
-                    "--executor",
-                    f"{side}.format {fmt}: a table is read and committed by the local executor; "
-                    "run several workers with --worker-index/--num-workers instead of ray",
-                )
+    check_executor(spec, kind, "--executor")
     if kind == "local":
         return LocalExecutor(engine)
     from batchspec.run.executors.ray import RayExecutor

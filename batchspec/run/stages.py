@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 from batchspec.errors import InputDataError, SpecError
 from batchspec.io.answers import answer_column
+from batchspec.io.input_formats import input_format
 from batchspec.io.jsonl import JsonLinesReader
 from batchspec.io.listing import Shard, assign, check_worker, discover_shards
 from batchspec.io.locations import check_no_overlap, same_store
@@ -31,7 +32,7 @@ from batchspec.io.output_formats import ResultWriter
 from batchspec.io.reader import ParquetReader, Row, open_reader
 from batchspec.io.rows import id_digest
 from batchspec.io.states import ShardState
-from batchspec.io.tables import is_table, refused_error
+from batchspec.io.tables import refused_error
 from batchspec.leases.shard_leases import holder_text
 from batchspec.redact import sanitize_url, scrub_text
 from batchspec.run.events import EventLog
@@ -95,10 +96,11 @@ def plan(
         return inspected[s.name][1]
 
     pin = None
-    if is_table(spec.input.format):
-        from batchspec.io.tables import choose_pin, open_table_input
+    fmt = input_format(spec.input.format)
+    if fmt.table:
+        from batchspec.io.tables import choose_pin
 
-        source = open_table_input(spec)
+        source = fmt.open_source(spec)
         _, every, pin = choose_pin(
             source,
             spec,

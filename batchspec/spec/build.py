@@ -17,7 +17,6 @@ from batchspec.spec.checkpoints import method_of
 from batchspec.spec.model import (
     DEFAULT_JOB_NAME,
     ROW_OVERRIDABLE,
-    TABLE_FORMATS,
     AutoSpeculation,
     ExecutionSpec,
     ExecutorSpec,
@@ -29,6 +28,39 @@ from batchspec.spec.model import (
 )
 
 # --------------------------------------------------------------------------- validation
+
+
+def check_executor(spec: JobSpec, kind: str, key: str) -> None:
+    """Exit 2 naming ``key`` (``executor.kind`` or ``--executor``) where executor ``kind``
+    cannot run ``spec``: Ray measures no ``speculative: auto`` choice, and reads and commits
+    no table."""
+    if kind != "ray":
+        return
+    if spec.speculative_auto is not None:
+        raise SpecError(
+            "speculative",
+            "auto measures its candidates on this process's own engine before the shards run; "
+            f"with {'--executor' if key.startswith('--') else 'executor.kind'} ray, run "
+            "`batchspec tune` and set the speculative section it writes",
+        )
+    from batchspec.io.input_formats import input_format
+    from batchspec.io.output_formats import output_format
+
+    tables = [
+        f"{side}.format {fmt.name}"
+        for side, fmt in (
+            ("input", input_format(spec.input.format)),
+            ("output", output_format(spec.output.format)),
+        )
+        if fmt.table
+    ]
+    if tables:
+        raise SpecError(
+            key,
+            f"a table ({', '.join(tables)}) is read and committed by one local executor; "
+            "run several workers with --worker-index/--num-workers instead of ray",
+        )
+
 
 _TOP_KEYS = ("name", "input", "output", "model", "speculative", "sampling", "execution", "executor")
 
@@ -49,24 +81,7 @@ def build_spec(raw: dict[str, Any]) -> JobSpec:
         executor=_executor_spec(raw),
         speculative_auto=_auto_speculation(raw),
     )
-    if spec.speculative_auto is not None and spec.executor.kind == "ray":
-        raise SpecError(
-            "speculative",
-            "auto measures its candidates on this process's own engine "
-            "before the shards run; with executor.kind ray, run "
-            "`batchspec tune` and set the speculative section it writes",
-        )
-    tables = [
-        f"{side}.format {fmt}"
-        for side, fmt in (("input", spec.input.format), ("output", spec.output.format))
-        if fmt in TABLE_FORMATS
-    ]
-    if tables and spec.executor.kind == "ray":
-        raise SpecError(
-            "executor.kind",
-            f"a table ({', '.join(tables)}) is read and committed by one local executor; "
-            "run several workers with --worker-index/--num-workers instead of ray",
-        )
+    check_executor(spec, spec.executor.kind, "executor.kind")
     _check_reasoning(spec)
     if spec.input.lora_column and spec.model.lora is None:
         raise SpecError(
@@ -95,7 +110,7 @@ def _check_reasoning(spec: JobSpec) -> None:
             f"expected a mapping of the chat template's keyword arguments, got {type(kwargs).__name__}",
         )
     text = spec.input.prompt_column is not None or spec.input.prompt_template is not None
-    if spec.input.format != "openai" and text:
+    if not _self_describing(spec) and text:
         key = (
             "sampling.chat_template_kwargs"
             if kwargs is not None
@@ -138,7 +153,7 @@ def _parse_json(spec: JobSpec) -> JobSpec:
         except ValueError:
             constraint = None  # refused with its reason when the sampling is checked
     kinds = {k for k, v in constraint.items() if v is not None} if isinstance(constraint, dict) else set()
-    per_row = spec.input.format == "openai" or any(k in spec.input.sampling_columns for k in _ANSWER_COLUMNS)
+    per_row = _self_describing(spec) or any(k in spec.input.sampling_columns for k in _ANSWER_COLUMNS)
     if not per_row and not kinds & {"json", "choice"}:
         raise SpecError(
             "output.parse_json",
@@ -150,7 +165,7 @@ def _parse_json(spec: JobSpec) -> JobSpec:
     wide_choice = "choice" in kinds and not any(
         k in spec.input.sampling_columns for k in ("structured_outputs", "structured_outputs.json")
     )
-    if wide_choice and spec.input.format != "openai":
+    if wide_choice and not _self_describing(spec):
         return spec  # no JSON to make compact
     engine = _compact_json(spec.model.engine)
     if engine is spec.model.engine:
@@ -225,23 +240,24 @@ def _input_spec(raw: dict) -> InputSpec:
         keys=("path", *(f.name for f in dataclasses.fields(InputSpec) if f.name != "paths")),
     )
     input_format = inp.get("format", str)
-    table = _input_table(inp, input_format)
-    if input_format == "iceberg":
+    fmt = _input_format(input_format)
+    table = _input_table(inp, fmt)
+    if not fmt.takes_path:
         paths = []
     else:
         paths = inp.get("path", (str, list), required=True)
         paths = [paths] if isinstance(paths, str) else paths
         if not paths or not all(isinstance(p, str) and p.strip() for p in paths):
             raise SpecError("input.path", "expected a non-empty URL or glob, or a list of them")
-    if input_format == "delta" and (len(paths) != 1 or any(c in paths[0] for c in "*?[")):
+    if fmt.one_root and (len(paths) != 1 or any(c in paths[0] for c in "*?[")):
         raise SpecError(
-            "input.path", "format delta reads one table: give its root, one URL without wildcards"
+            "input.path", f"format {fmt.name} reads one table: give its root, one URL without wildcards"
         )
     prompt_column = inp.get("prompt_column", str)
     messages_column = inp.get("messages_column", str)
     prompt_template, messages_template = _templates(inp)
     sources = (prompt_column, messages_column, prompt_template, messages_template)
-    if input_format == "openai":
+    if fmt.self_describing:
         for key in (
             "prompt_column",
             "messages_column",
@@ -270,7 +286,7 @@ def _input_spec(raw: dict) -> InputSpec:
             "messages), input.prompt_template and input.messages_template (rendered from columns)"
             + (f"; got {' and '.join(given)}" if len(given) > 1 else ""),
         )
-    if input_format != "openai" and (prompt_template is not None or messages_template is not None):
+    if not fmt.self_describing and (prompt_template is not None or messages_template is not None):
         # compiled now (exit 2 naming the key and the line); io/templates.py imports jinja2 only
         from batchspec.io.templates import PromptTemplate
 
@@ -328,33 +344,38 @@ def _templates(inp: _Fields) -> tuple[str | None, tuple[dict[str, str], ...] | N
     return prompt, tuple({"role": m["role"], "content": m["content"]} for m in messages)
 
 
-#: The input keys that only a table format reads, and which one.
-_TABLE_INPUT_KEYS = {
-    "table": ("iceberg",),
-    "catalog": ("iceberg",),
-    "version": ("delta",),
-    "snapshot": ("iceberg",),
-    "filter": TABLE_FORMATS,
-}
+def _input_format(name: str | None):
+    # io/input_formats.py describes each format (imported here, not at the top, as io/ sits
+    # above spec/; it imports nothing heavy)
+    from batchspec.io.input_formats import input_format
+
+    return input_format(name)
 
 
-def _input_table(inp: _Fields, input_format: str | None) -> dict:
+def _self_describing(spec: JobSpec) -> bool:
+    """Whether the job's rows name their own requests (an OpenAI Batch request file)."""
+    return _input_format(spec.input.format).self_describing
+
+
+def _input_table(inp: _Fields, fmt) -> dict:
     """The table keys of ``input`` (``table``, ``catalog``, ``version``, ``snapshot``,
     ``filter``), each refused where ``input.format`` does not read it."""
-    for key, formats in _TABLE_INPUT_KEYS.items():
-        if inp.values.get(key) not in (None, {}) and input_format not in formats:
+    from batchspec.io.input_formats import FORMAT_KEYS
+
+    for key, formats in FORMAT_KEYS.items():
+        if inp.values.get(key) not in (None, {}) and fmt.name not in formats:
             raise SpecError(
                 f"input.{key}",
                 f"read only with input.format {' or '.join(formats)}, not "
-                f"{input_format or 'files'}; leave this key out",
+                f"{inp.values.get('format') or 'files'}; leave this key out",
             )
-    if input_format in TABLE_FORMATS:
-        _check_extra(f"input.format {input_format}", input_format)
-    if input_format == "iceberg":
+    if fmt.library is not None:
+        _check_extra(f"input.format {fmt.name}", fmt.library, fmt.name)
+    if not fmt.takes_path:
         if inp.values.get("path") is not None:
             raise SpecError(
                 "input.path",
-                "format iceberg finds the table through input.catalog: give input.table, not a path",
+                f"format {fmt.name} finds the table through input.catalog: give input.table, not a path",
             )
         _catalog_table(inp, "input")
     values = {
@@ -365,7 +386,7 @@ def _input_table(inp: _Fields, input_format: str | None) -> dict:
         "filter": inp.get("filter", str),
     }
     if values["filter"] is not None:
-        _check_filter(values["filter"], input_format)
+        _check_filter(values["filter"], fmt)
     return values
 
 
@@ -390,34 +411,25 @@ def _catalog_table(fields: _Fields, side: str) -> None:
         )
 
 
-def _check_extra(what: str, name: str) -> None:
-    """Exit 2 naming ``what`` when the library of table format ``name`` is not installed."""
+def _check_extra(what: str, module: str, name: str) -> None:
+    """Exit 2 naming ``what`` when ``module``, the library of format ``name``, is not
+    installed."""
     import importlib.util
 
-    module = {"delta": "deltalake", "iceberg": "pyiceberg"}[name]
     if importlib.util.find_spec(module) is None:
         raise SpecError(
             what.split(" ")[0], f"{what} needs {module}: install batchspec[{name}] (make setup does)"
         )
 
 
-def _check_filter(predicate: str, input_format: str) -> None:
+def _check_filter(predicate: str, fmt) -> None:
     """``input.filter`` parsed as the table library parses it: exit 2 before anything is read."""
     if not predicate.strip():
         raise SpecError("input.filter", "expected a predicate, got an empty string")
     try:
-        if input_format == "iceberg":
-            from pyiceberg.expressions.parser import parse
-
-            parse(predicate)
-        else:
-            import polars as pl
-
-            pl.sql_expr(predicate)
+        fmt.check_filter(predicate)
     except Exception as exc:
-        raise SpecError(
-            "input.filter", f"not a predicate {input_format} reads: {predicate!r}: {exc}"
-        ) from exc
+        raise SpecError("input.filter", f"not a predicate {fmt.name} reads: {predicate!r}: {exc}") from exc
 
 
 def _output_spec(raw: dict) -> OutputSpec:
@@ -436,16 +448,18 @@ def _output_spec(raw: dict) -> OutputSpec:
     for key in fmt.refused_keys:
         if key in out.values:
             raise SpecError(f"output.{key}", fmt.refused_why)
-    for key, formats in _TABLE_OUTPUT_KEYS.items():
-        if out.values.get(key) not in (None, {}) and output_format not in formats:
+    from batchspec.io.output_formats import FORMAT_KEYS
+
+    for key, formats in FORMAT_KEYS.items():
+        if out.values.get(key) not in (None, {}) and fmt.name not in formats:
             raise SpecError(
                 f"output.{key}",
                 f"read only with output.format {' or '.join(formats)}, not "
                 f"{output_format or 'parquet'}; leave this key out",
             )
-    if output_format in TABLE_FORMATS:
-        _check_extra(f"output.format {output_format}", output_format)
-    if output_format == "iceberg":
+    if fmt.library is not None:
+        _check_extra(f"output.format {fmt.name}", fmt.library, fmt.name)
+    if fmt.catalog:
         _catalog_table(out, "output")
     interval = out.get("commit_interval_s", (int, float))
     if isinstance(interval, bool) or not 0 < interval < float("inf"):
@@ -465,15 +479,6 @@ def _output_spec(raw: dict) -> OutputSpec:
         commit_interval_s=float(interval),
         parse_json=out.get("parse_json", bool),
     )
-
-
-#: The output keys that only a table format reads, and which one.
-_TABLE_OUTPUT_KEYS = {
-    "table": ("iceberg",),
-    "catalog": ("iceberg",),
-    "commit_shards": TABLE_FORMATS,
-    "commit_interval_s": TABLE_FORMATS,
-}
 
 
 def _model_spec(raw: dict) -> ModelSpec:

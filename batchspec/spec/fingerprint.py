@@ -301,7 +301,9 @@ def spec_fingerprint(spec: JobSpec) -> dict[str, str]:
         components["columns"]["parse_json"] = True
     if spec.input.filter is not None:  # a table's rows the job reads
         components["columns"]["filter"] = spec.input.filter
-    if spec.input.format == "openai":  # each line names its prompt, id and sampling itself
+    from batchspec.io.input_formats import input_format
+
+    if input_format(spec.input.format).self_describing:  # each line names its prompt, id, sampling
         components["columns"]["format"] = spec.input.format
         # and its model: the names the job serves decide which lines run and which are errors
         from batchspec.io.openai_batch import served_names

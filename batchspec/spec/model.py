@@ -12,9 +12,9 @@ from batchspec.redact import secret_values as _secret_values
 # Every choice a key offers is a Literal type on its field: spec/build.py checks each value
 # against its field's type, in one place.
 
-#: Input formats (``input.format``): files (batchspec/io/formats.py; ``openai``: OpenAI Batch
-#: request files, batchspec/io/openai_batch.py) or tables (``delta``, ``iceberg``:
-#: batchspec/io/tables.py).
+#: Input formats (``input.format``): files (``parquet``, ``jsonl``; ``openai``: OpenAI Batch
+#: request files) or tables (``delta``, ``iceberg``). Each one is a class in
+#: batchspec/io/input_formats.py.
 InputFormatName = Literal["parquet", "jsonl", "openai", "delta", "iceberg"]
 INPUT_FORMATS: tuple[InputFormatName, ...] = get_args(InputFormatName)
 #: Output formats (``output.format``): ``parquet`` (the contract's columns, one file a
@@ -23,9 +23,6 @@ INPUT_FORMATS: tuple[InputFormatName, ...] = get_args(InputFormatName)
 #: ``lance`` (Lance fragments appended to a dataset, batchspec/io/lance.py).
 #: Each one is a class in batchspec/io/output_formats.py.
 OutputFormatName = Literal["parquet", "openai", "delta", "iceberg", "lance"]
-#: The formats that are tables (input and output): their shards are data files, their commits
-#: table commits.
-TABLE_FORMATS = ("delta", "iceberg")
 OUTPUT_FORMATS: tuple[OutputFormatName, ...] = get_args(OutputFormatName)
 #: What a run does with an unreadable shard (``input.on_bad_shard``).
 OnBadShard = Literal["fail", "skip"]
