@@ -1,9 +1,87 @@
-"""Errors that end a job, each with the exit code the contract gives it."""
+"""Errors that end a job, each with the exit code the contract gives it, and the exit codes
+themselves: :data:`EXIT_CODES` is the one place they are written (the README's table is checked
+against it by tests/docs)."""
 
 from __future__ import annotations
 
 import reprlib
+import signal
+from dataclasses import dataclass
 from typing import Any
+
+# ---------------------------------------------------------------------------- exit codes
+
+EXIT_OK = 0
+EXIT_RUNTIME_FAILURE = 1
+EXIT_BAD_SPEC = 2
+EXIT_BAD_INPUT = 3
+EXIT_NOT_INSTALLED = 4
+#: A shell reports a process that a signal stopped as 128 + the signal's number.
+EXIT_SIGNALLED = 128
+EXIT_SIGINT = EXIT_SIGNALLED + signal.SIGINT.value
+EXIT_SIGTERM = EXIT_SIGNALLED + signal.SIGTERM.value
+
+
+@dataclass(frozen=True)
+class ExitCode:
+    """One row of the contract's exit codes."""
+
+    #: The codes the row covers (two for the signals).
+    codes: tuple[int, ...]
+    #: An error's :attr:`BatchspecError.kind`: what the code means in a few words (None: success).
+    kind: str | None
+    #: What it means to a scheduler, as the README's table says it (Markdown).
+    meaning: str
+
+
+#: Every exit code batchspec's commands end with.
+EXIT_CODES = (
+    ExitCode(
+        (EXIT_OK,),
+        None,
+        "every assigned shard is committed (rows with a per-row `error` still count as done)",
+    ),
+    ExitCode(
+        (EXIT_RUNTIME_FAILURE,),
+        "runtime failure",
+        "runtime failure: engine died, storage failed after retries, shards held by another live run, "
+        "a Ray shard failed on every try, `distill --out` held by another distill",
+    ),
+    ExitCode(
+        (EXIT_BAD_SPEC,),
+        "bad job spec",
+        "bad job spec or command line; the message names the key or option",
+    ),
+    ExitCode(
+        (EXIT_BAD_INPUT,),
+        "bad input data",
+        "bad input data (unreadable shard, missing or mistyped column); the message names the shard "
+        "and the column",
+    ),
+    ExitCode(
+        (EXIT_NOT_INSTALLED,),
+        "not installed",
+        "`distill`: the new drafter did not beat `--draft` (`--head`) on held-out prompts by more than "
+        "the noise; nothing installed (`--force` installs anyway)",
+    ),
+    ExitCode(
+        (EXIT_SIGINT, EXIT_SIGTERM),
+        "interrupted",
+        "stopped by SIGINT / SIGTERM: nothing partial committed, engine shut down, summary written",
+    ),
+)
+
+_KINDS = {code: row.kind for row in EXIT_CODES for code in row.codes if row.kind is not None}
+
+
+def exit_codes_markdown() -> str:
+    """:data:`EXIT_CODES` as the README's Markdown table."""
+    lines = ["| code | meaning |", "| --- | --- |"]
+    lines += [f"| {' / '.join(map(str, row.codes))} | {row.meaning} |" for row in EXIT_CODES]
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------------------- errors
 
 _REPR = reprlib.Repr()
 _REPR.maxstring = _REPR.maxother = 80
@@ -18,23 +96,19 @@ def quoted(value: Any) -> str:
 class BatchspecError(Exception):
     """Base class: a failure that ends the job with ``exit_code``."""
 
-    exit_code = 1
+    exit_code = EXIT_RUNTIME_FAILURE
 
     @property
     def kind(self) -> str:
         """What the exit code means, in words (docs/contract.md)."""
-        return {
-            1: "runtime failure",
-            2: "bad job spec",
-            3: "bad input data",
-            4: "not installed",
-        }.get(self.exit_code, "interrupted")
+        # any other code is 128 + the number of the signal that stopped the job
+        return _KINDS.get(self.exit_code, "interrupted")
 
 
 class RuntimeFailure(BatchspecError):
     """The engine died or storage failed after retries (exit 1)."""
 
-    exit_code = 1
+    exit_code = EXIT_RUNTIME_FAILURE
 
 
 class Interrupted(BatchspecError):
@@ -42,14 +116,14 @@ class Interrupted(BatchspecError):
     130 for SIGINT, 143 for SIGTERM, as shells report it)."""
 
     def __init__(self, message: str, signum: int = 15):
-        self.exit_code = 128 + signum
+        self.exit_code = EXIT_SIGNALLED + signum
         super().__init__(message)
 
 
 class SpecError(BatchspecError):
     """A bad job spec or command line (exit 2). ``key`` is the dotted spec key at fault."""
 
-    exit_code = 2
+    exit_code = EXIT_BAD_SPEC
 
     def __init__(self, key: str | None, message: str):
         self.key = key
@@ -59,7 +133,7 @@ class SpecError(BatchspecError):
 class InputDataError(BatchspecError):
     """Unreadable input or a missing/mistyped column (exit 3); names the shard and column."""
 
-    exit_code = 3
+    exit_code = EXIT_BAD_INPUT
 
     def __init__(self, shard: str, message: str, column: str | None = None):
         self.shard = shard
@@ -72,7 +146,7 @@ class NotInstalled(BatchspecError):
     by more than the noise (exit 4): the starting drafter stays, ``--out`` is left as it was.
     ``result`` holds the evaluation (before, after, the decision)."""
 
-    exit_code = 4
+    exit_code = EXIT_NOT_INSTALLED
 
     def __init__(self, message: str, result=None):
         self.result = result

@@ -11,7 +11,7 @@ import click
 from batchspec.distill.options import DistillOptions
 from batchspec.distill.outdir import OutLock
 from batchspec.distill.session import check_options, distill, render_table
-from batchspec.errors import NotInstalled
+from batchspec.errors import EXIT_SIGINT, NotInstalled
 
 # --------------------------------------------------------------------------- command line
 
@@ -247,7 +247,7 @@ def distill_command(
         result = distill(spec, opts, progress, lock=lock)
     except KeyboardInterrupt:
         print("batchspec: interrupted", file=stream)
-        sys.exit(130)
+        sys.exit(EXIT_SIGINT)
     except NotInstalled as exc:  # measured and not better: the figures still go to stdout
         refused, result = exc, exc.result
     except Exception as exc:

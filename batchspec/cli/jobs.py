@@ -9,7 +9,7 @@ import sys
 import click
 
 from batchspec.cli.common import engine_log_file, fail, load_job, quiet_vllm, set_option
-from batchspec.errors import BatchspecError, SpecError
+from batchspec.errors import EXIT_SIGINT, BatchspecError, SpecError
 from batchspec.run.events import LOG_FORMATS, EventLog
 
 
@@ -141,7 +141,7 @@ def run(
         )
     except KeyboardInterrupt:
         click.echo("batchspec: interrupted", err=True)
-        sys.exit(130)
+        sys.exit(EXIT_SIGINT)
     except Exception as exc:
         fail(exc, events)
 

@@ -9,7 +9,7 @@ import sys
 import click
 
 from batchspec.cli.common import engine_log_file, load_job, quiet_vllm
-from batchspec.errors import BatchspecError, RuntimeFailure
+from batchspec.errors import EXIT_SIGINT, BatchspecError, RuntimeFailure
 from batchspec.redact import scrub_text
 from batchspec.tune.model import DEFAULT_K, OBJECTIVES, TuneOptions, TuneReport
 from batchspec.tune.render import render_table
@@ -191,7 +191,7 @@ def tune(
         )
     except KeyboardInterrupt:
         print("batchspec: interrupted", file=stream)
-        sys.exit(130)
+        sys.exit(EXIT_SIGINT)
     except BatchspecError as exc:
         _fail_to(stream, exc, secrets)
     except Exception as exc:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from batchspec.columns import error_reason
 from batchspec.engine.checks import max_model_len
-from batchspec.errors import InputDataError
+from batchspec.errors import EXIT_BAD_INPUT, InputDataError
 from batchspec.io.reader import length_error, open_reader, prompt_token_ids
 from batchspec.io.states import ShardState
 from batchspec.run.stages import plan
@@ -95,7 +95,7 @@ def validate_job(spec: JobSpec, worker_index: int = 0, num_workers: int = 1) -> 
             reader = open_reader(shard, spec)
         except InputDataError as exc:
             check.problem = str(exc)
-            report.exit_code = 3
+            report.exit_code = EXIT_BAD_INPUT
             continue
         try:
             for row in reader.rows():
@@ -122,7 +122,7 @@ def validate_job(spec: JobSpec, worker_index: int = 0, num_workers: int = 1) -> 
                     check.bad_rows[key] = check.bad_rows.get(key, 0) + 1
         except InputDataError as exc:
             check.problem = str(exc)
-            report.exit_code = 3
+            report.exit_code = EXIT_BAD_INPUT
         finally:
             reader.close()
     return report

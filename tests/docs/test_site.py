@@ -26,6 +26,7 @@ from helpers.fakes import FakeEngine
 from helpers.jobs import ROOT
 
 from batchspec.columns import RESULT_NAMES
+from batchspec.errors import exit_codes_markdown
 from batchspec.spec import model
 
 pytestmark = pytest.mark.docs
@@ -98,6 +99,17 @@ def test_readme_is_a_front_door():
     first_code = lines.index("```bash")
     assert lines[first_code + 1].startswith("make demo") and lines[first_code + 2].startswith("make test")
     assert not any(line.startswith("## ") for line in lines[:first_code])
+
+
+def test_readme_exit_codes_are_errors_py():
+    """The README's table (which docs/contract.md includes) is batchspec/errors.py's EXIT_CODES,
+    the one place the codes are written."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    marker = "<!-- --8<-- [start:exit-codes] -->\n"
+    start = readme.index(marker) + len(marker)
+    table = readme[start : readme.index("\n\n", start) + 1]
+    # to write it again: python -c "from batchspec.errors import *; print(exit_codes_markdown())"
+    assert table == exit_codes_markdown()
 
 
 # ---- the build -------------------------------------------------------------------------------

@@ -40,7 +40,15 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from batchspec.errors import BatchspecError, InputDataError, RuntimeFailure, SpecError
+from batchspec.errors import (
+    EXIT_BAD_INPUT,
+    EXIT_BAD_SPEC,
+    EXIT_RUNTIME_FAILURE,
+    BatchspecError,
+    InputDataError,
+    RuntimeFailure,
+    SpecError,
+)
 from batchspec.io.listing import Shard
 from batchspec.io.output_dir import OutputDir
 from batchspec.redact import is_secret_key, sanitize_url
@@ -122,7 +130,7 @@ def _error_record(exc: BaseException) -> dict[str, Any]:
     return {
         "type": type(exc).__name__,
         "message": str(exc),
-        "exit_code": getattr(exc, "exit_code", 1),
+        "exit_code": getattr(exc, "exit_code", EXIT_RUNTIME_FAILURE),
         "shard": getattr(exc, "shard", None),
         "column": getattr(exc, "column", None),
     }
@@ -130,12 +138,12 @@ def _error_record(exc: BaseException) -> dict[str, Any]:
 
 def _rebuild(record: dict[str, Any]) -> BatchspecError:
     """The driver's exception for a replica's error record, with the same exit code."""
-    if record["exit_code"] == 3:
+    if record["exit_code"] == EXIT_BAD_INPUT:
         exc: BatchspecError = InputDataError("", "", record.get("column"))
         exc.shard = record.get("shard")
         exc.args = (record["message"],)
         return exc
-    if record["exit_code"] == 2:
+    if record["exit_code"] == EXIT_BAD_SPEC:
         return SpecError(None, record["message"])
     if record["type"] == "RuntimeFailure":
         return RuntimeFailure(record["message"])
@@ -668,7 +676,7 @@ class _Dispatch:
             except InputDataError as exc:
                 self.ctx.fatal.append(exc)
         err = data["error"]
-        if err is not None and err["exit_code"] == 1 and not self.stopping:
+        if err is not None and err["exit_code"] == EXIT_RUNTIME_FAILURE and not self.stopping:
             self.died(h, err["message"])  # its engine failed: the shard goes to another one
             return
         if err is not None:
