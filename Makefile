@@ -1,6 +1,6 @@
 # batchspec: one command for each thing a developer or a scheduled job needs.
-#   make demo    set up, build the tiny models, write sample shards, run jobs/demo.yaml
-#   make test    set up, build the tiny models, run the test suite (real vLLM engine)
+#   make demo    set up, build the tiny target and its draft, write sample shards, run jobs/demo.yaml
+#   make test    set up, build all the tiny models, run the test suite (real vLLM engine)
 #   make bench   benchmarks (see BENCHMARKS.md)
 #   make test-py313  the tests that need no vLLM, on Python 3.13 without the engine extra
 #   make docs    the docs site, built into site/ with mkdocs build --strict
@@ -35,15 +35,19 @@ endif
 	$(BIN)/python -c "import vllm, transformers.models.llama, batchspec; print('vllm', vllm.__version__)"
 	touch $@
 
-# the longest build after the target first (the reasoning pair), so that `make -j3` starts it as
-# soon as the target is built
-models: setup $(MODELS)/target/.batchspec-complete $(MODELS)/reasoner-draft/.batchspec-complete \
+# What jobs/demo.yaml runs on: the target and its draft, the only models `make demo` builds.
+DEMO_MODELS := $(MODELS)/target/.batchspec-complete $(MODELS)/draft/.batchspec-complete
+
+# every model the tests and benchmarks use. The longest build after the target first (the
+# reasoning pair), so that `make -j3` starts it as soon as the target is built
+models: setup $(DEMO_MODELS) $(MODELS)/reasoner-draft/.batchspec-complete \
         $(MODELS)/draft-large/.batchspec-complete $(MODELS)/target-large/.batchspec-complete \
         $(MODELS)/lora-upper/.batchspec-complete $(MODELS)/lora-comment/.batchspec-complete \
         $(MODELS)/head/batchspec-model.json $(MODELS)/head-large/batchspec-model.json
 
-# the tokenizer, the target and the draft (both cores)
-$(MODELS)/target/.batchspec-complete: tools/tiny_models.py | $(VENV)/.installed
+# the tokenizer, the target and the draft (both cores): one run makes both markers (grouped
+# targets, `&:`), so a build stopped after the target's marker still finishes the draft
+$(MODELS)/target/.batchspec-complete $(MODELS)/draft/.batchspec-complete &: tools/tiny_models.py | $(VENV)/.installed
 	$(BIN)/python tools/tiny_models.py --out $(MODELS) --only pair
 
 # the same builder, from the built target, on one thread: with -j it trains beside the LoRA
@@ -111,7 +115,7 @@ $(AIRFLOW_VENV)/.installed-$(AIRFLOW_VERSION):
 data: setup
 	@test -e data/prompts/part-00000.parquet || $(BIN)/python tools/demo_data.py data/prompts --shards 4 --rows 48
 
-demo: models data
+demo: setup $(DEMO_MODELS) data
 	$(BIN)/batchspec run jobs/demo.yaml
 	$(BIN)/batchspec report out/demo --html out/demo-report.html
 	@echo "run summary JSON: $$(ls -t out/demo/_batchspec/runs/*.json | head -1)"
