@@ -21,7 +21,7 @@ from batchspec.engine.reasoning import check_reasoning
 # call it, which is also where the tests' fake engine replaces it
 from batchspec.engine.vllm_info import vllm_version  # noqa: F401
 from batchspec.errors import SpecError, quoted
-from batchspec.spec.build import check_known_keys
+from batchspec.spec.fields import check_known_keys
 from batchspec.spec.model import JobSpec
 
 

@@ -45,3 +45,18 @@ def check_messages(messages: Any) -> str | None:
     if not any(m["content"].strip() for m in messages):
         return "empty messages"
     return None
+
+
+class SeenIds:
+    """Request ids seen in this run, across shards, as their :func:`id_digest`."""
+
+    def __init__(self):
+        self._seen: set[bytes] = set()
+
+    def add(self, request_id: str) -> bool:
+        """Record an id; True if it was seen before."""
+        key = id_digest(request_id)
+        if key in self._seen:
+            return True
+        self._seen.add(key)
+        return False

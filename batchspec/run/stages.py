@@ -30,7 +30,7 @@ from batchspec.io.locations import check_no_overlap, same_store
 from batchspec.io.output_dir import OutputDir
 from batchspec.io.output_formats import ResultWriter
 from batchspec.io.reader import ParquetReader, Row, open_reader
-from batchspec.io.rows import id_digest
+from batchspec.io.rows import SeenIds
 from batchspec.io.states import ShardState
 from batchspec.io.tables import refused_error
 from batchspec.leases.shard_leases import holder_text
@@ -320,21 +320,6 @@ class ShardRun:
 
 #: Result columns of free text, which pass the run summary's sanitiser before they are written.
 _FREE_TEXT = ("error", "structured_error")
-
-
-class SeenIds:
-    """Request ids seen in this run, across shards, as their :func:`id_digest`."""
-
-    def __init__(self):
-        self._seen: set[bytes] = set()
-
-    def add(self, request_id: str) -> bool:
-        """Record an id; True if it was seen before."""
-        key = id_digest(request_id)
-        if key in self._seen:
-            return True
-        self._seen.add(key)
-        return False
 
 
 class ShardPipeline:

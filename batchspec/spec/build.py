@@ -1,19 +1,24 @@
 """Build a :class:`JobSpec` from the parsed YAML: check every key and value, with errors that name
 the key (exit 2); defaults and choices come from the dataclasses in spec/model.py (a field typed
-with a ``Literal`` offers its values, checked in :meth:`_Fields.get`)."""
+with a ``Literal`` offers its values, checked in :meth:`Fields.get`)."""
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import functools
 import json
-import typing
-from types import UnionType
 from typing import Any
 
 from batchspec.errors import SpecError
 from batchspec.spec.checkpoints import method_of
+from batchspec.spec.fields import (
+    Fields,
+    check_keys,
+    check_known_keys,
+    get_value,
+    kind_of,
+    section,
+    suggest,
+)
 from batchspec.spec.model import (
     DEFAULT_JOB_NAME,
     ROW_OVERRIDABLE,
@@ -68,14 +73,14 @@ _TOP_KEYS = ("name", "input", "output", "model", "speculative", "sampling", "exe
 def build_spec(raw: dict[str, Any]) -> JobSpec:
     """Validate a resolved spec mapping and build the typed :class:`JobSpec`, section by section
     in the order of :data:`_TOP_KEYS` (the first error found is the one reported)."""
-    _check_keys(raw, _TOP_KEYS, "")
+    check_keys(raw, _TOP_KEYS, "")
     spec = JobSpec(
-        name=_get(raw, "name", str, "", default=DEFAULT_JOB_NAME),
+        name=get_value(raw, "name", str, "", default=DEFAULT_JOB_NAME),
         input=_input_spec(raw),
         output=_output_spec(raw),
         model=_model_spec(raw),
         speculative=None if _auto(raw) else _speculative(raw),
-        sampling=dict(_section(raw, "sampling", required=False)),
+        sampling=dict(section(raw, "sampling", required=False)),
         execution=_execution_spec(raw),
         raw=raw,
         executor=_executor_spec(raw),
@@ -194,45 +199,8 @@ def _compact_json(engine: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-class _Fields:
-    """One section of the spec and the dataclass that types it: each value checked with errors
-    naming ``<section>.<key>``, each default the one the dataclass declares."""
-
-    def __init__(self, raw: dict, name: str, cls: type, required: bool, keys=None):
-        self.values = _section(raw, name, required=required)
-        self.name, self.cls = name, cls
-        _check_keys(self.values, keys or [f.name for f in dataclasses.fields(cls)], name)
-
-    def get(self, key: str, types, required: bool = False) -> Any:
-        """The key's value (its default when absent), of ``types`` and, where the field's type
-        is a ``Literal``, one of its values."""
-        value = _get(self.values, key, types, self.name, required=required, default=self.default(key))
-        choices = _choices(self.cls).get(key)
-        if choices is not None and value is not None and value not in choices:
-            shown = " or ".join(filter(None, (", ".join(map(repr, choices[:-1])), repr(choices[-1]))))
-            optional = " (or no key)" if self.default(key) is None else ""
-            raise SpecError(_join(self.name, key), f"expected {shown}{optional}, got {value!r}")
-        return value
-
-    def positive(self, key: str) -> int:
-        return _positive(self.values, key, self.name, self.default(key))
-
-    def seconds(self, key: str, allow_zero: bool) -> float:
-        return _seconds(self.values, key, self.name, self.default(key), allow_zero=allow_zero)
-
-    def default(self, key: str) -> Any:
-        """The field's default as its dataclass declares it (a fresh copy for mutable ones);
-        None for a field without one."""
-        f = self.cls.__dataclass_fields__.get(key)
-        if f is None:
-            return None
-        if f.default_factory is not dataclasses.MISSING:
-            return f.default_factory()
-        return None if f.default is dataclasses.MISSING else f.default
-
-
 def _input_spec(raw: dict) -> InputSpec:
-    inp = _Fields(
+    inp = Fields(
         raw,
         "input",
         InputSpec,
@@ -296,7 +264,7 @@ def _input_spec(raw: dict) -> InputSpec:
         if k not in ROW_OVERRIDABLE:
             raise SpecError(
                 f"input.sampling_columns.{k}",
-                f"not a per-row SamplingParams field{_suggest(k, ROW_OVERRIDABLE)}; "
+                f"not a per-row SamplingParams field{suggest(k, ROW_OVERRIDABLE)}; "
                 f"one of: {', '.join(ROW_OVERRIDABLE)}",
             )
         if not isinstance(v, str) or not v:
@@ -321,7 +289,7 @@ def _input_spec(raw: dict) -> InputSpec:
     )
 
 
-def _templates(inp: _Fields) -> tuple[str | None, tuple[dict[str, str], ...] | None]:
+def _templates(inp: Fields) -> tuple[str | None, tuple[dict[str, str], ...] | None]:
     """``input.prompt_template`` (text) and ``input.messages_template`` (a list of ``{role,
     content}``, each content a template), their shapes checked (compiled by the caller)."""
     prompt = inp.get("prompt_template", str)
@@ -357,7 +325,7 @@ def _self_describing(spec: JobSpec) -> bool:
     return _input_format(spec.input.format).self_describing
 
 
-def _input_table(inp: _Fields, fmt) -> dict:
+def _input_table(inp: Fields, fmt) -> dict:
     """The table keys of ``input`` (``table``, ``catalog``, ``version``, ``snapshot``,
     ``filter``), each refused where ``input.format`` does not read it."""
     from batchspec.io.input_formats import FORMAT_KEYS
@@ -390,14 +358,14 @@ def _input_table(inp: _Fields, fmt) -> dict:
     return values
 
 
-def _version(fields: _Fields, key: str) -> int | None:
+def _version(fields: Fields, key: str) -> int | None:
     value = fields.get(key, int)
     if value is not None and value < 0:
         raise SpecError(f"{fields.name}.{key}", f"expected a {key} number, 0 or more, got {value}")
     return value
 
 
-def _catalog_table(fields: _Fields, side: str) -> None:
+def _catalog_table(fields: Fields, side: str) -> None:
     """``<side>.table`` (``NAMESPACE.TABLE``) and ``<side>.catalog`` (a mapping), both given."""
     table = fields.get("table", str, required=True)
     if "." not in table.strip(".") or any(not part.strip() for part in table.split(".")):
@@ -433,7 +401,7 @@ def _check_filter(predicate: str, fmt) -> None:
 
 
 def _output_spec(raw: dict) -> OutputSpec:
-    out = _Fields(raw, "output", OutputSpec, required=True)
+    out = Fields(raw, "output", OutputSpec, required=True)
     keep = out.get("keep_columns", list)
     if keep is not None and not all(isinstance(c, str) and c for c in keep):
         raise SpecError("output.keep_columns", "expected a list of column names")
@@ -482,7 +450,7 @@ def _output_spec(raw: dict) -> OutputSpec:
 
 
 def _model_spec(raw: dict) -> ModelSpec:
-    mod = _Fields(raw, "model", ModelSpec, required=True)
+    mod = Fields(raw, "model", ModelSpec, required=True)
     model_spec = ModelSpec(
         target=mod.get("target", str, required=True),
         engine=mod.get("engine", dict),
@@ -518,11 +486,11 @@ _ENGINE_RESERVED = {
 }
 
 
-def _lora_spec(mod: _Fields) -> LoraSpec | None:
+def _lora_spec(mod: Fields) -> LoraSpec | None:
     values = mod.get("lora", dict)
     if values is None:
         return None
-    lora = _Fields({"model.lora": values}, "model.lora", LoraSpec, required=True)
+    lora = Fields({"model.lora": values}, "model.lora", LoraSpec, required=True)
     adapters = lora.get("adapters", dict, required=True)
     if not adapters:
         raise SpecError(
@@ -547,7 +515,7 @@ def _lora_spec(mod: _Fields) -> LoraSpec | None:
         raise SpecError(
             "model.lora.adapter",
             f"{adapter!r} is not one of model.lora.adapters"
-            f"{_suggest(adapter, adapters)}: "
+            f"{suggest(adapter, adapters)}: "
             f"{', '.join(adapters)}",
         )
     return LoraSpec(
@@ -589,7 +557,7 @@ def _auto_speculation(raw: dict) -> AutoSpeculation | None:
         return None
     if raw["speculative"] == "auto":
         return AutoSpeculation()
-    auto = _Fields(
+    auto = Fields(
         raw,
         "speculative",
         AutoSpeculation,
@@ -627,7 +595,7 @@ def _auto_speculation(raw: dict) -> AutoSpeculation | None:
     )
 
 
-def _positive_ints(fields: _Fields, key: str) -> list[int]:
+def _positive_ints(fields: Fields, key: str) -> list[int]:
     value = fields.get(key, (list, tuple, int))
     values = [value] if isinstance(value, int) and not isinstance(value, bool) else list(value)
     if any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in values):
@@ -636,7 +604,7 @@ def _positive_ints(fields: _Fields, key: str) -> list[int]:
 
 
 def _execution_spec(raw: dict) -> ExecutionSpec:
-    exe = _Fields(raw, "execution", ExecutionSpec, required=False)
+    exe = Fields(raw, "execution", ExecutionSpec, required=False)
     return ExecutionSpec(
         max_in_flight=exe.positive("max_in_flight"),
         max_n=exe.positive("max_n"),
@@ -650,11 +618,11 @@ def _execution_spec(raw: dict) -> ExecutionSpec:
     )
 
 
-def _dedupe_window(exe: _Fields) -> int:
+def _dedupe_window(exe: Fields) -> int:
     return _window(exe, "dedupe_window", "0: every row generated")
 
 
-def _dedupe_max_bytes(exe: _Fields) -> int:
+def _dedupe_max_bytes(exe: Fields) -> int:
     value = exe.get("dedupe_max_bytes", int)
     if isinstance(value, bool) or value < 0:
         raise SpecError(
@@ -664,7 +632,7 @@ def _dedupe_max_bytes(exe: _Fields) -> int:
     return value
 
 
-def _window(exe: _Fields, key: str, zero: str) -> int:
+def _window(exe: Fields, key: str, zero: str) -> int:
     value = exe.get(key, int)
     if isinstance(value, bool) or value < 0:
         raise SpecError(f"execution.{key}", f"expected a number of rows, 0 or more ({zero}), got {value!r}")
@@ -672,7 +640,7 @@ def _window(exe: _Fields, key: str, zero: str) -> int:
 
 
 def _executor_spec(raw: dict) -> ExecutorSpec:
-    ex = _Fields(raw, "executor", ExecutorSpec, required=False)
+    ex = Fields(raw, "executor", ExecutorSpec, required=False)
     kind = ex.get("kind", str)
     resources = ex.get("resources_per_replica", dict)
     for key, value in resources.items():
@@ -693,97 +661,3 @@ def _executor_spec(raw: dict) -> ExecutorSpec:
         ray_address=ex.get("ray_address", str),
         max_shard_attempts=ex.positive("max_shard_attempts"),
     )
-
-
-@functools.cache
-def _choices(cls: type) -> dict[str, tuple]:
-    """Each field of a spec dataclass typed with a ``Literal`` (or an optional one): its values."""
-    out = {}
-    for name, tp in typing.get_type_hints(cls).items():
-        if typing.get_origin(tp) in (typing.Union, UnionType):
-            tp = next((a for a in typing.get_args(tp) if a is not type(None)), tp)
-        if typing.get_origin(tp) is typing.Literal:
-            out[name] = typing.get_args(tp)
-    return out
-
-
-def _section(raw: dict, key: str, required: bool) -> dict:
-    value = raw.get(key)
-    if value is None:
-        if required:
-            raise SpecError(key, "missing required section")
-        return {}
-    if not isinstance(value, dict):
-        raise SpecError(key, f"expected a mapping, got {kind_of(value)}")
-    return value
-
-
-def _check_keys(section: dict, allowed, where: str) -> None:
-    allowed = tuple(allowed)
-    for key in section:
-        if key not in allowed:
-            raise SpecError(
-                _join(where, key),
-                f"unknown key{_suggest(str(key), allowed)}; allowed here: {', '.join(allowed)}",
-            )
-
-
-def _get(section: dict, key: str, types, where: str, required: bool = False, default=None):
-    value = section.get(key)
-    if value is None:
-        if required:
-            raise SpecError(_join(where, key), "missing required key")
-        return default
-    if isinstance(value, bool) and bool not in (types if isinstance(types, tuple) else (types,)):
-        raise SpecError(_join(where, key), f"expected {_type_names(types)}, got a boolean")
-    if not isinstance(value, types):
-        raise SpecError(_join(where, key), f"expected {_type_names(types)}, got {kind_of(value)}")
-    return value
-
-
-def _positive(section: dict, key: str, where: str, default: int) -> int:
-    value = _get(section, key, int, where, default=default)
-    if value <= 0:
-        raise SpecError(_join(where, key), f"expected a positive integer, got {value}")
-    return value
-
-
-def _seconds(section: dict, key: str, where: str, default: float, allow_zero: bool) -> float:
-    value = float(_get(section, key, (int, float), where, default=default))
-    if not value < float("inf") or value < 0 or (value == 0 and not allow_zero):
-        bound = "zero or more" if allow_zero else "more than zero"
-        raise SpecError(_join(where, key), f"expected a number of seconds, {bound}, got {value:g}")
-    return value
-
-
-def check_known_keys(values: dict, known, where: str) -> None:
-    """Raise a SpecError naming the first key of ``values`` not in ``known``, with a suggestion."""
-    known = tuple(known)
-    for key in values:
-        if key not in known:
-            raise SpecError(_join(where, key), f"unknown key{_suggest(str(key), known)}")
-
-
-def _suggest(key: str, choices) -> str:
-    close = difflib.get_close_matches(key, [str(c) for c in choices], n=1, cutoff=0.6)
-    return f" (did you mean {close[0]!r}?)" if close else ""
-
-
-def _join(where: str, key) -> str:
-    return f"{where}.{key}" if where else str(key)
-
-
-def kind_of(value) -> str:
-    return {
-        dict: "a mapping",
-        list: "a list",
-        str: "a string",
-        bool: "a boolean",
-        int: "an integer",
-        float: "a number",
-    }.get(type(value), type(value).__name__)
-
-
-def _type_names(types) -> str:
-    types = types if isinstance(types, tuple) else (types,)
-    return " or ".join(kind_of(t()) if t is not type(None) else "null" for t in types)

@@ -16,7 +16,8 @@ import yaml
 from yaml.nodes import MappingNode, ScalarNode, SequenceNode
 
 from batchspec.errors import SpecError
-from batchspec.spec.build import build_spec, kind_of
+from batchspec.spec.build import build_spec
+from batchspec.spec.fields import kind_of
 from batchspec.spec.model import JobSpec
 
 _VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
