@@ -137,6 +137,17 @@ class IcebergFormat(InputFormat):
         parse(predicate)
 
 
+class LanceFormat(InputFormat):
+    """A Lance dataset (pylance): its data fragments at a version."""
+
+    name = "lance"
+    pin_key = "version"
+    library = "lance"
+    source = "batchspec.io.lance:LanceInput"
+    keys = ("version", "filter")
+    one_root = True
+
+
 #: Every input format by name.
 INPUT_FORMATS: dict[str, InputFormat] = {
     f.name: f
@@ -146,6 +157,7 @@ INPUT_FORMATS: dict[str, InputFormat] = {
         OpenAIBatchFormat(),
         DeltaFormat(),
         IcebergFormat(),
+        LanceFormat(),
     )
 }
 assert tuple(INPUT_FORMATS) == FORMAT_NAMES, (

@@ -350,8 +350,7 @@ class LanceOutput(TableOutput):
 
 #: Every output format by name, in the order ``batchspec report`` looks for their files.
 OUTPUT_FORMATS: dict[str, OutputFormat] = {
-    f.name: f
-    for f in (ParquetOutput(), OpenAIOutput(), DeltaOutput(), IcebergOutput(), LanceOutput())
+    f.name: f for f in (ParquetOutput(), OpenAIOutput(), DeltaOutput(), IcebergOutput(), LanceOutput())
 }
 assert tuple(OUTPUT_FORMATS) == FORMAT_NAMES, (
     "each format is a class here and a name in batchspec.spec.model.OutputFormatName"

@@ -13,9 +13,9 @@ from batchspec.redact import secret_values as _secret_values
 # against its field's type, in one place.
 
 #: Input formats (``input.format``): files (``parquet``, ``jsonl``; ``openai``: OpenAI Batch
-#: request files) or tables (``delta``, ``iceberg``). Each one is a class in
+#: request files) or tables (``delta``, ``iceberg``, ``lance``). Each one is a class in
 #: batchspec/io/input_formats.py.
-InputFormatName = Literal["parquet", "jsonl", "openai", "delta", "iceberg"]
+InputFormatName = Literal["parquet", "jsonl", "openai", "delta", "iceberg", "lance"]
 INPUT_FORMATS: tuple[InputFormatName, ...] = get_args(InputFormatName)
 #: Output formats (``output.format``): ``parquet`` (the contract's columns, one file a
 #: shard), ``openai`` (OpenAI Batch result and error files, batchspec/io/openai_results.py),

@@ -13,9 +13,9 @@ import pyarrow as pa
 import pytest
 from helpers.fake_runs import run, shards
 from helpers.jobs import write_parquet
-from helpers.tables import lance_rows, run_table_cli, table_cli, write_job
+from helpers.tables import lance_prompts, lance_rows, prompts, run_table_cli, table_cli, write_job
 
-from batchspec.errors import SpecError
+from batchspec.errors import InputDataError, Interrupted, SpecError
 from batchspec.run.status import job_status
 from batchspec.spec.build import build_spec
 
@@ -261,6 +261,183 @@ def test_output_compression_is_refused_for_lance(tmp_path):
         build_spec(_files_job(tmp_path, compression="zstd"))
 
 
+# ---------------------------------------------------------------------------------- input
+
+
+def _lance_job(tmp_path, url: str | None = None, options=None, out_fmt: str = "lance", **output) -> dict:
+    """The Lance dataset of prompts (``tmp_path/in.lance``) into ``out_fmt`` at ``tmp_path/out``."""
+    inp = {"path": url or str(tmp_path / "in.lance"), "format": "lance", "prompt_column": "prompt"}
+    if options:
+        inp["storage_options"] = options
+    return {
+        "name": "lance-in",
+        "input": inp,
+        "output": {"path": str(tmp_path / "out"), "format": out_fmt, **output},
+        "model": {"target": "unused"},
+        "sampling": {"temperature": 0.0, "max_tokens": 8},
+        "execution": {"max_in_flight": 4, "read_batch_rows": 3},
+    }
+
+
+def _ids(spec) -> list[str]:
+    """The request id every input row gets (``<shard>/<row>``), from the input's fragments."""
+    from batchspec.run.stages import plan
+
+    return sorted(f"{s.name}/{j}" for s in plan(spec).shards for j in range(s.table.rows))
+
+
+def test_a_lance_dataset_in_and_out_holds_every_input_row_once(tmp_path):
+    lance_prompts(str(tmp_path / "in.lance"), files=3, rows=5)
+    spec = build_spec(_lance_job(tmp_path, commit_shards=2))
+    result, _ = run(spec)
+    ids = _ids(spec)
+    assert len(ids) == 15 and lance_rows(spec) == ids
+    assert [i.split("/")[0] for i in ids[::5]] == ["fragment-000000", "fragment-000001", "fragment-000002"]
+    pin = result.summary["input_pin"]
+    assert pin["chosen"] == "latest" and pin["format"] == "lance" and pin["version"] == 3
+    # the kept column is in, typed as the input has it
+    table = _dataset(spec).to_table()
+    assert table.schema.field("k").type == pa.int64() and sorted(table["k"].to_pylist()) == sorted(
+        list(range(5)) * 3
+    )
+    assert [s["state"] for s in job_status(spec)["shards"]] == ["committed"] * 3
+    _, events = run(spec)
+    assert [e for e, _ in events if e.startswith("shard_")] == ["shard_skipped"] * 3
+    assert lance_rows(spec) == ids
+
+
+def test_a_lance_input_into_parquet_files(tmp_path):
+    from helpers.fake_runs import outputs
+
+    lance_prompts(str(tmp_path / "in.lance"), files=2, rows=3)
+    spec = build_spec(_lance_job(tmp_path, out_fmt="parquet"))
+    run(spec)
+    got = outputs(tmp_path)
+    assert sorted(got) == ["fragment-000000", "fragment-000001"]
+    assert sorted(r for t in got.values() for r in t["request_id"].to_pylist()) == _ids(spec)
+
+
+def test_a_rerun_reads_the_pin_until_done_then_only_the_new_fragments(tmp_path, monkeypatch):
+    """Stopped after its first group commit; the dataset grows; the rerun reads the version the
+    run it resumes read; the next run pins the latest and answers only the new fragment."""
+    from batchspec.io.output_formats import TableOutput
+
+    lance_prompts(str(tmp_path / "in.lance"), files=3, rows=5)
+    spec = build_spec(_lance_job(tmp_path, commit_shards=1))
+    commit = TableOutput.commit_table
+    calls = []
+
+    def once(self, *args, **kw):
+        calls.append(1)
+        if len(calls) > 1:
+            raise KeyboardInterrupt  # stopped before its second commit
+        return commit(self, *args, **kw)
+
+    monkeypatch.setattr(TableOutput, "commit_table", once)
+    with pytest.raises(Interrupted):
+        run(spec)
+    monkeypatch.undo()
+    assert len(lance_rows(spec)) == 5
+    lance_prompts(str(tmp_path / "in.lance"), files=1, rows=5, first=3)  # the dataset grows
+    result, _ = run(spec)
+    assert result.summary["input_pin"] | {"pinned_at": None} == result.summary["input_pin"] | {
+        "pinned_at": None,
+        "chosen": "resumed",
+        "version": 3,
+    }
+    assert len(lance_rows(spec)) == 15
+    result, events = run(spec)
+    assert result.summary["input_pin"]["chosen"] == "latest" and result.summary["input_pin"]["version"] == 4
+    assert [e for e, _ in events if e == "shard_committed"] == ["shard_committed"]
+    assert len(lance_rows(spec)) == 20
+
+
+@pytest.mark.parametrize("crash", ["before", "after"])
+def test_a_sigkill_around_a_commit_from_a_lance_input_leaves_every_row_once(tmp_path, crash):
+    lance_prompts(str(tmp_path / "in.lance"), files=3, rows=5)
+    raw = _lance_job(tmp_path, commit_shards=2)
+    spec = build_spec(raw)
+    job = write_job(tmp_path / "job.yaml", raw)
+    killed = run_table_cli("run", str(job), "--no-progress", crash=crash)
+    assert killed.returncode == -9, killed.stderr
+    states = sorted(s["state"] for s in job_status(spec)["shards"])
+    assert states == (["pending"] * 3 if crash == "before" else ["committed", "committed", "pending"])
+    rerun = run_table_cli("run", str(job), "--no-progress")
+    assert rerun.returncode == 0, rerun.stderr
+    assert lance_rows(spec) == _ids(spec) and len(lance_rows(spec)) == 15
+
+
+def test_input_version_pins_the_dataset(tmp_path):
+    from helpers.fake_runs import outputs
+
+    lance_prompts(str(tmp_path / "in.lance"), files=3, rows=2)
+    raw = _lance_job(tmp_path, out_fmt="parquet")
+    raw["input"]["version"] = 2
+    spec = build_spec(raw)
+    result, _ = run(spec)
+    assert result.summary["input_pin"]["version"] == 2 and result.summary["input_pin"]["chosen"] == "spec"
+    assert sorted(outputs(tmp_path)) == ["fragment-000000", "fragment-000001"]
+    raw["input"]["version"] = 9
+    with pytest.raises(InputDataError, match="version 9") as caught:
+        run(build_spec(raw))
+    assert caught.value.exit_code == 3
+
+
+def test_a_fragment_with_deleted_rows_is_read_without_them_and_a_filter_applies(tmp_path):
+    import lance
+
+    lance_prompts(str(tmp_path / "in.lance"), files=2, rows=4)
+    lance.dataset(str(tmp_path / "in.lance")).delete("k = 0")
+    raw = _lance_job(tmp_path)
+    raw["input"]["filter"] = "k < 3"
+    spec = build_spec(raw)
+    run(spec)
+    table = _dataset(spec).to_table()
+    assert sorted(table["k"].to_pylist()) == [1, 1, 2, 2]
+
+
+def test_a_fragment_outside_the_dataset_is_exit_3(tmp_path):
+    """A dataset may keep data files in other bases (another folder, another bucket): batchspec
+    reads a dataset's files only below its root."""
+    import lance
+    from lance import DatasetBasePath
+
+    victim = tmp_path / "victim"
+    lance.write_dataset(
+        prompts(0, 3),
+        str(tmp_path / "in.lance"),
+        initial_bases=[DatasetBasePath(path=str(victim), name="elsewhere")],
+        target_bases=["elsewhere"],
+    )
+    before = sorted(p.name for p in victim.iterdir())
+    with pytest.raises(InputDataError, match="outside the table") as caught:
+        run(build_spec(_lance_job(tmp_path)))
+    assert caught.value.exit_code == 3 and str(tmp_path / "in.lance") in str(caught.value)
+    assert sorted(p.name for p in victim.iterdir()) == before
+    assert not (tmp_path / "out").exists() or not list((tmp_path / "out").rglob("*.lance"))
+
+
+def test_no_dataset_is_exit_3_and_allow_empty_runs_nothing(tmp_path):
+    with pytest.raises(InputDataError, match="no Lance dataset") as caught:
+        run(build_spec(_lance_job(tmp_path)))
+    assert caught.value.exit_code == 3
+    raw = _lance_job(tmp_path)
+    raw["input"]["allow_empty"] = True
+    result, _ = run(build_spec(raw))
+    assert result.summary["input_pin"]["version"] is None
+
+
+def test_lance_keys_are_checked(tmp_path):
+    raw = _lance_job(tmp_path)
+    raw["input"]["snapshot"] = 3
+    with pytest.raises(SpecError, match="input.snapshot"):
+        build_spec(raw)
+    raw = _lance_job(tmp_path)
+    raw["input"]["path"] = [str(tmp_path / "a.lance"), str(tmp_path / "b.lance")]
+    with pytest.raises(SpecError, match="reads one table"):
+        build_spec(raw)
+
+
 # ------------------------------------------------------------------------------------ S3
 
 
@@ -289,3 +466,18 @@ def test_a_sigkill_around_a_lance_commit_on_s3_leaves_every_row_once(tmp_path, b
     rerun = run_table_cli("run", str(job), "--no-progress")
     assert rerun.returncode == 0, rerun.stderr
     assert lance_rows(spec) == _file_ids(3, 4)
+
+
+def test_a_lance_dataset_on_s3_in_and_out(tmp_path, bucket):
+    from batchspec.io.lance import storage_options
+
+    name, _, options = bucket
+    url = f"s3://{name}/in.lance"
+    lance_prompts(url, files=3, rows=4, storage_options=storage_options(url, options))
+    raw = _lance_job(tmp_path, url, options, commit_shards=2)
+    raw["output"].update(path=f"s3://{name}/out.lance", storage_options=options)
+    spec = build_spec(raw)
+    result, _ = run(spec)
+    assert result.summary["input_pin"]["version"] == 3
+    assert lance_rows(spec) == _ids(spec) and len(lance_rows(spec)) == 12
+    assert [s["state"] for s in job_status(spec)["shards"]] == ["committed"] * 3
