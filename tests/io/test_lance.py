@@ -481,3 +481,22 @@ def test_a_lance_dataset_on_s3_in_and_out(tmp_path, bucket):
     assert result.summary["input_pin"]["version"] == 3
     assert lance_rows(spec) == _ids(spec) and len(lance_rows(spec)) == 12
     assert [s["state"] for s in job_status(spec)["shards"]] == ["committed"] * 3
+
+
+def test_two_workers_committing_at_once_to_a_lance_dataset_on_s3(tmp_path, bucket):
+    """Lance's commit on S3 is a conditional put of the next manifest, which moto honours: two
+    processes' commits never overwrite each other."""
+    name, _, options = bucket
+    shards(tmp_path, n=6, rows=2)
+    raw = _files_job(tmp_path, f"s3://{name}/out.lance", options, commit_shards=1)
+    spec = build_spec(raw)
+    job = write_job(tmp_path / "job.yaml", raw)
+    workers = [
+        table_cli("run", str(job), "--no-progress", "--worker-index", str(i), "--num-workers", "2")
+        for i in range(2)
+    ]
+    for w in workers:
+        _, stderr = w.communicate(timeout=180)
+        assert w.returncode == 0, stderr
+    assert lance_rows(spec) == _file_ids(6, 2)
+    assert [s["state"] for s in job_status(spec)["shards"]] == ["committed"] * 6
