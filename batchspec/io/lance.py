@@ -429,23 +429,32 @@ def _output(out: OutputDir):
         ) from exc
 
 
-#: Per dataset URI: the last version whose transaction was read, and what the transactions up to
-#: it record (shard -> lineage). A version's transaction never changes once written.
-_RECORDED: dict[str, tuple[int, dict[str, dict]]] = {}
+#: Per dataset URI: the last version whose transaction was read, that transaction's uuid, and
+#: what the transactions up to it record (shard -> lineage). A version's transaction never
+#: changes once written; the uuid tells a dataset made again at the same location.
+_RECORDED: dict[str, tuple[int, str | None, dict[str, dict]]] = {}
+
+
+def _uuid(dataset, version: int) -> str | None:
+    try:
+        transaction = dataset.read_transaction(version)
+    except (ValueError, OSError):  # the version was cleaned up
+        return None
+    return None if transaction is None else transaction.uuid
 
 
 def recorded(dataset) -> dict[str, dict]:
     """The shards the dataset's transactions record (each one's lineage), from the versions
-    still there; those read before are not read again."""
-    seen, names = _RECORDED.get(dataset.uri, (0, {}))
-    if dataset.version < seen:  # the dataset was made again at this location
+    still there; those this process read before are not read again."""
+    seen, uuid, names = _RECORDED.get(dataset.uri, (0, None, {}))
+    if seen and (dataset.version < seen or uuid is None or _uuid(dataset, seen) != uuid):
         seen, names = 0, {}
     names = dict(names)
     if dataset.version > seen:
         for transaction in dataset.get_transactions(dataset.version - seen):
             if transaction is not None:
                 names.update(_shards_of(transaction.transaction_properties or {}))
-    _RECORDED[dataset.uri] = (dataset.version, names)
+    _RECORDED[dataset.uri] = (dataset.version, _uuid(dataset, dataset.version), names)
     return names
 
 
