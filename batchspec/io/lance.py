@@ -75,7 +75,8 @@ def storage_options(url: str, options: dict) -> dict[str, str]:
 
 
 def dataset_uri(url: str, key: str) -> str:
-    """The dataset's URL as Lance takes it: local paths absolute, ``az`` as ``az``."""
+    """The dataset's URL as Lance takes it: local paths absolute, a store's other spellings as
+    its family's (``s3a`` as ``s3``, ``abfs`` as ``az``)."""
     if "://" not in url or url.startswith("file://"):
         return os.path.abspath(url.removeprefix("file://"))
     scheme, rest = url.split("://", 1)
@@ -398,6 +399,7 @@ def _name_after(out: OutputDir, shard_name: str, fragments: list) -> list[str]:
     """Each fragment's data file moved to a name of the shard's own (Lance's writer chooses a
     random one), the fragment's metadata changed to it; the names, below ``data/``. A file
     moved and then not committed is named by no manifest."""
+    from batchspec.io.output_dir import replace_durably
     from batchspec.io.retry import retry
 
     token = os.urandom(6).hex()
@@ -406,8 +408,8 @@ def _name_after(out: OutputDir, shard_name: str, fragments: list) -> list[str]:
         for j, data in enumerate(fragment.files):
             name = data_file_name(shard_name, f"{token}{'' if i == j == 0 else f'-{i}-{j}'}")
             src, dst = out.join(DATA_DIR, data.path), out.join(DATA_DIR, name)
-            if out.is_local:
-                os.replace(src, dst)
+            if out.is_local:  # on disk before a manifest names it, whatever the power does
+                replace_durably(src, dst)
             else:
                 retry(lambda s=src, d=dst: out.fs.mv(s, d), f"naming {sanitize_url(dst)}")
             data._path = name  # pylance's DataFile keeps its path in _path, with no setter
