@@ -123,6 +123,9 @@ class OutputFormat:
     library: ClassVar[str | None] = None
     #: Whether the table is found through ``output.catalog`` and ``output.table``.
     catalog: ClassVar[bool] = False
+    #: A table's folder that says a URL holds one of this format's tables (``batchspec report
+    #: URL`` finds the format by it); None: not found so.
+    marker: ClassVar[str | None] = None
 
     @property
     def suffix(self) -> str:
@@ -295,6 +298,7 @@ class DeltaOutput(TableOutput):
     name = "delta"
     module = "batchspec.io.delta"
     library = "deltalake"
+    marker = "_delta_log"
 
 
 class IcebergOutput(TableOutput):
@@ -307,6 +311,7 @@ class IcebergOutput(TableOutput):
     library = "pyiceberg"
     keys = (*TableOutput.keys, "table", "catalog")
     catalog = True
+    marker = "metadata"
 
 
 class LanceOutput(TableOutput):
@@ -317,6 +322,7 @@ class LanceOutput(TableOutput):
     name = "lance"
     module = "batchspec.io.lance"
     library = "lance"
+    marker = "_versions"
     refused_keys = ("compression",)
     refused_why = (
         "a Parquet option: output.format lance writes Lance files, which choose their own "

@@ -327,6 +327,8 @@ def _plain(t):
         return pa.binary()
     if pa.types.is_list(t) or pa.types.is_large_list(t):
         return pa.list_(_plain(t.value_type))
+    if pa.types.is_fixed_size_list(t):  # a vector column
+        return pa.list_(_plain(t.value_type), t.list_size)
     if pa.types.is_struct(t):
         return pa.struct([pa.field(f.name, _plain(f.type)) for f in t])
     if pa.types.is_timestamp(t):

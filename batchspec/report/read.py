@@ -148,7 +148,8 @@ def load_output(url: str, storage_options: dict | None = None, output=None) -> O
     from nested inputs; never ``_batchspec/``): their schema and metadata (Parquet footers, the
     manifests of other formats) and the run summaries are read now, rows later. A Delta table
     (``_delta_log/``) is read as its log says: its current data files; an Iceberg table through
-    its catalog, which a job's ``output`` (an ``OutputSpec``) names.
+    its catalog, which a job's ``output`` (an ``OutputSpec``) names; a Lance dataset by its
+    ``_versions/``.
 
     Raises :class:`InputDataError` (exit 3) when there are none, or one is unreadable or not a
     batchspec output file."""
@@ -182,18 +183,27 @@ def load_output(url: str, storage_options: dict | None = None, output=None) -> O
 
 
 def _table_output(url: str, storage_options: dict, output) -> OutputDir | None:
-    """The table at ``url``, if it is one: Delta by its log; Iceberg by the job's catalog."""
-    if output is not None and output.format == "iceberg" and output.path.rstrip("/") == url.rstrip("/"):
+    """The table at ``url``, if it is one: found by its format's marker folder (a Delta log, a
+    Lance dataset's versions); a catalog's table (Iceberg) through the job's catalog."""
+    from batchspec.io.output_formats import OUTPUT_FORMATS
+
+    same = output is not None and output.path.rstrip("/") == url.rstrip("/")
+    if same and OUTPUT_FORMATS[output.format].catalog:
         return OutputDir.of(output)
-    out = OutputDir(url, storage_options, "delta")
-    if out.exists(out.join("_delta_log")):
-        return out
-    if out.exists(out.join("metadata")) and out.exists(out.join("_batchspec")):
-        raise InputDataError(
-            sanitize_url(url),
-            "an Iceberg table batchspec wrote: its catalog says which files are in it; "
-            "report it with --job JOB.yaml",
-        )
+    for fmt in OUTPUT_FORMATS.values():
+        if fmt.marker is None:
+            continue
+        out = OutputDir(url, storage_options, fmt.name)
+        if not out.exists(out.join(fmt.marker)):
+            continue
+        if not fmt.catalog:
+            return out
+        if out.exists(out.join("_batchspec")):
+            raise InputDataError(
+                sanitize_url(url),
+                f"a {fmt.name} table batchspec wrote: its catalog says which files are in it; "
+                "report it with --job JOB.yaml",
+            )
     return None
 
 
