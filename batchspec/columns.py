@@ -4,6 +4,8 @@ it."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import pyarrow as pa
 
 #: The ``input.id_column`` value (an OpenAI Batch line's ``custom_id``), or
@@ -127,11 +129,12 @@ LENGTH_IN_REASONING = "length_in_reasoning"
 FINISH_REASONS = ("stop", "length", "abort", "error", LENGTH_IN_REASONING)
 
 
-def output_schema(kept: list[pa.Field]) -> pa.Schema:
+def output_schema(kept: list[pa.Field], result_fields: Sequence[pa.Field] | None = None) -> pa.Schema:
     """The schema of an output shard: request_id, the kept input columns (chosen by
     :class:`batchspec.io.reader.ParquetReader`, never clashing with ``OUTPUT_NAMES``), the result
-    columns."""
-    return pa.schema([pa.field(REQUEST_ID, pa.string()), *kept, *RESULT_FIELDS])
+    columns: its task's (:attr:`batchspec.tasks.Task.result_fields`), generation's by default."""
+    results = RESULT_FIELDS if result_fields is None else result_fields
+    return pa.schema([pa.field(REQUEST_ID, pa.string()), *kept, *results])
 
 
 def error_reason(message: str) -> str:

@@ -8,6 +8,7 @@ shard boundaries: one slow request never holds back the next batch."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import logging
 import os
@@ -33,10 +34,11 @@ from batchspec.engine.checks import (
 from batchspec.engine.lora import Adapters, check_lora
 from batchspec.engine.pacing import PrefixPacer
 from batchspec.engine.reasoning import Splitter
-from batchspec.engine.rows import Asked, result_rows
+from batchspec.engine.rows import Asked
 from batchspec.errors import RuntimeFailure, SpecError
 from batchspec.io.reader import Row, length_error, prompt_token_ids
 from batchspec.spec.model import JobSpec
+from batchspec.tasks import GENERATE
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +109,13 @@ _PREFIX_COUNTERS = ("prefix_cache_queries", "prefix_cache_hits")
 
 class Engine:
     """One vLLM engine, reused for every shard of the process."""
+
+    #: What the job asks of each row (generation today): the rows of its outputs come from it.
+    task = GENERATE
+
+    @functools.cached_property
+    def _task_rows(self):
+        return self.task.row_maker()
 
     def __init__(self, spec: JobSpec):
         check_vllm_keys(spec)
@@ -416,9 +425,10 @@ class Engine:
     # ------------------------------------------------------------------ results
 
     def result(self, output, e2e_s: float | None = None, asked: Asked | None = None) -> list[dict]:
-        """A finished RequestOutput as result rows (see :func:`result_rows`); what :meth:`stream`
-        yields, so a subclass can add what it needs from the output (distill keeps token ids)."""
-        return result_rows(output, e2e_s, asked or Asked(), self.reasoning)
+        """A finished RequestOutput as result rows, made by the job's task (generation's:
+        :func:`~batchspec.engine.rows.result_rows`); what :meth:`stream` yields, so a subclass
+        can add what it needs from the output (distill keeps token ids)."""
+        return self._task_rows(output, e2e_s, asked or Asked(), self.reasoning)
 
     def reset_prefix_cache(self) -> bool:
         """Empty vLLM's prefix cache (nothing may be in flight): the next requests prefill their
