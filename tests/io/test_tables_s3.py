@@ -225,3 +225,51 @@ def test_an_iceberg_manifest_on_s3_naming_another_bucket_is_exit_3(tmp_path, buc
     assert caught.value.exit_code == 3 and "ns.prompts" in str(caught.value)
     assert fs.cat(f"{other}/victim/data.parquet") == before
     assert not fs.exists(f"{name}/out/victim")
+
+
+def test_an_iceberg_output_manifest_on_s3_naming_another_bucket_is_exit_3(tmp_path, bucket):
+    import pyarrow.parquet as pq
+    import s3fs
+
+    from batchspec.errors import InputDataError
+    from batchspec.io.iceberg import load_catalog
+
+    name, endpoint, options = bucket
+    fs = s3fs.S3FileSystem(**options, skip_instance_cache=True)
+    other = f"{name}-victim"
+    fs.mkdir(other)
+    s3 = {
+        "s3.endpoint": endpoint,
+        "s3.access-key-id": S3_KEY,
+        "s3.secret-access-key": S3_SECRET,
+        "s3.region": "us-east-1",
+    }
+    catalog = iceberg_catalog(tmp_path, warehouse=f"s3://{name}/wh", **s3)
+    iceberg_prompts(catalog, files=1)
+    raw = {
+        "name": "s3-iceberg-out",
+        "input": {"format": "iceberg", "table": "ns.prompts", "catalog": catalog, "prompt_column": "prompt"},
+        "output": {
+            "path": f"s3://{name}/out",
+            "format": "iceberg",
+            "table": "ns.results",
+            "catalog": catalog,
+            "storage_options": options,
+        },
+        "model": {"target": "unused"},
+        "sampling": {"temperature": 0.0, "max_tokens": 8},
+    }
+    spec = build_spec(raw)
+    run(spec)
+    # another writer registers a file of the output's own shape, in another bucket, as the table's
+    results = load_catalog(catalog, "output.catalog").load_table("ns.results")
+    with fs.open(f"{other}/data~abc.parquet", "wb") as f:
+        pq.write_table(results.scan(limit=1).to_arrow(), f)
+    before = fs.cat(f"{other}/data~abc.parquet")
+    results.add_files([f"s3://{other}/data~abc.parquet"])
+    iceberg_prompts(catalog, files=1, first=1)
+    with pytest.raises(InputDataError, match="outside the table") as caught:
+        run(spec)
+    assert caught.value.exit_code == 3 and "ns.results" in str(caught.value)
+    assert fs.cat(f"{other}/data~abc.parquet") == before
+    assert fs.ls(other, refresh=True) == [f"{other}/data~abc.parquet"]
