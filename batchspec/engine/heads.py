@@ -7,72 +7,234 @@ vLLM checks little of this before it loads the weights, and what it misses fails
 its model runner. :func:`check_speculative_model` reads both configs (JSON, and the weight files'
 headers only) and refuses a mismatch with exit 2 naming the key, before any weights load.
 
-What a checkpoint is comes from :mod:`batchspec.spec.checkpoints`."""
+A head's files are untrusted input: its config.json is read and its fields' types checked by
+:func:`batchspec.spec.checkpoints.load_config`; its weight files' headers are read here within
+:data:`MAX_HEADER_BYTES` in all, one file at a time, and every entry checked the way the
+safetensors library checks it when vLLM loads the file. What a checkpoint is comes from
+:mod:`batchspec.spec.checkpoints`."""
 
 from __future__ import annotations
 
-import json
+import os
 import struct
+from dataclasses import dataclass
 from pathlib import Path
 
-from batchspec.errors import SpecError
+from batchspec.errors import SpecError, quoted
 from batchspec.spec.checkpoints import (
     HEAD_METHODS,
     aux_layer_ids,
     checkpoint_method,
     config_problem,
     head_layer_config,
-    read_config,
+    load_config,
+    open_regular,
+    parse_json,
     text_config,
 )
 
+#: The most header bytes read from a head's weight files, all of them together. A head's
+#: header is a few kB (a dozen tensors); a large model's shard headers are tens to hundreds of
+#: kB. Parsed, a header takes up to about 20 times its bytes, and one file's is dropped before
+#: the next is read, so this bounds the check's memory to about 200 MB whatever files claim.
+MAX_HEADER_BYTES = 8 * 2**20
 
-def weight_shapes(directory: Path) -> dict[str, list[int]]:
-    """Every tensor's shape in a directory's safetensors files, from their headers only."""
-    shapes: dict[str, list[int]] = {}
+#: Bytes per element of safetensors' dtypes (those that pack elements within a byte left out:
+#: their sizes are the library's to check).
+DTYPE_BYTES = {
+    "BOOL": 1,
+    "U8": 1,
+    "I8": 1,
+    "F8_E5M2": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2FNUZ": 1,
+    "F8_E4M3FNUZ": 1,
+    "F8_E8M0": 1,
+    "I16": 2,
+    "U16": 2,
+    "F16": 2,
+    "BF16": 2,
+    "I32": 4,
+    "U32": 4,
+    "F32": 4,
+    "I64": 8,
+    "U64": 8,
+    "F64": 8,
+    "C64": 8,
+}
+#: The dtypes a d2t mapping may have (token id offsets are whole numbers), as struct formats.
+INT_FORMATS = {"I8": "b", "U8": "B", "I16": "h", "U16": "H", "I32": "i", "U32": "I", "I64": "q", "U64": "Q"}
+#: The tensors the checks read, of all a head's weight files hold.
+CHECKED_TENSORS = ("d2t", "lm_head.weight", "fc.weight")
+#: safetensors' sizes and offsets are 64-bit: a larger number cannot be loaded.
+_U64 = 2**64
+
+
+#: Bytes of a d2t mapping read at a time (a multiple of every integer width).
+_CHUNK = 2**20
+
+
+@dataclass(frozen=True)
+class Tensor:
+    """One tensor's entry in a safetensors header: where its bytes are in ``file``."""
+
+    file: Path
+    dtype: str
+    shape: tuple[int, ...]
+    #: From the file's start.
+    offset: int
+    nbytes: int
+
+
+def _shown(name: str) -> str:
+    return name if len(name) <= 100 and name.isprintable() else quoted(name)
+
+
+def _whole(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < _U64
+
+
+def _entry(file: Path, name: str, info, data_start: int, data_len: int) -> Tensor:
+    """A header entry checked: its fields' types, its bytes within the file and as many as its
+    shape and dtype make. ValueError says what is wrong."""
+    if not isinstance(info, dict):
+        raise ValueError(f"{_shown(name)} is {quoted(info)}, not an object")
+    dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+    if not isinstance(dtype, str):
+        raise ValueError(f"{_shown(name)}'s dtype is {quoted(dtype)}, not a string")
+    if not isinstance(shape, list) or not all(_whole(n) for n in shape):
+        raise ValueError(f"{_shown(name)}'s shape is {quoted(shape)}, not a list of sizes")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_whole(o) for o in offsets)) or (
+        offsets[0] > offsets[1]
+    ):
+        raise ValueError(f"{_shown(name)}'s data_offsets are {quoted(offsets)}, not [begin, end]")
+    if offsets[1] > data_len:
+        raise ValueError(f"{_shown(name)}'s data runs past the end of the file (torn?)")
+    per = DTYPE_BYTES.get(dtype)
+    if per is not None:
+        # stop once past the bytes there are: a long shape of huge sizes stays cheap
+        size = per
+        for n in shape:
+            size *= n
+            if size > data_len:
+                break
+        if size != offsets[1] - offsets[0]:
+            raise ValueError(
+                f"{_shown(name)}'s data_offsets hold {offsets[1] - offsets[0]} bytes and its shape "
+                f"and dtype make {size if size <= data_len else f'over {data_len}'}"
+            )
+    return Tensor(file, dtype, tuple(shape), data_start + offsets[0], offsets[1] - offsets[0])
+
+
+def _read_header(file: Path, budget: int, wanted: set[str]) -> tuple[dict[str, Tensor], int]:
+    """The wanted tensors of one safetensors file, and its header's length. The header is
+    parsed and dropped here; only its offsets are kept, to check that the tensors' bytes
+    follow each other from the header to the end of the file, as safetensors requires."""
+    with os.fdopen(open_regular(file), "rb") as f:
+        length = os.fstat(f.fileno()).st_size
+        prefix = f.read(8)
+        if len(prefix) < 8:
+            raise ValueError("torn: it ends inside its header's length")
+        (size,) = struct.unpack("<Q", prefix)
+        if size > budget:
+            raise ValueError(
+                f"a header of {size} bytes, over the {MAX_HEADER_BYTES // 2**20} MiB batchspec "
+                "reads of a head's weight files' headers, all files together (a head's are a few kB)"
+            )
+        raw = f.read(size)
+    if len(raw) < size:
+        raise ValueError(f"torn: its header of {size} bytes ends after {len(raw)}")
+    header = parse_json(raw)
+    del raw
+    if not isinstance(header, dict):
+        raise ValueError("its header is not a JSON object")
+    data_start, data_len = 8 + size, length - 8 - size
+    found: dict[str, Tensor] = {}
+    spans: list[tuple[int, int]] = []
+    for name, info in header.items():
+        if name == "__metadata__":
+            if not isinstance(info, dict) or not all(isinstance(v, str) for v in info.values()):
+                raise ValueError(f"__metadata__ is {quoted(info)}, not an object of strings")
+            continue
+        tensor = _entry(file, name, info, data_start, data_len)
+        begin = tensor.offset - data_start
+        spans.append((begin, begin + tensor.nbytes))
+        if name in wanted:
+            found[name] = tensor
+    end = 0
+    for begin, stop in sorted(spans):
+        if begin != end:
+            raise ValueError(
+                f"its tensors' data do not follow each other: one starts at byte {begin} of the data, "
+                f"the one before it ends at {end}"
+            )
+        end = stop
+    if end != data_len:
+        raise ValueError(f"its tensors take {end} bytes and {data_len} follow its header")
+    return found, size
+
+
+def weight_tensors(directory: Path, key: str | None, names=CHECKED_TENSORS) -> dict[str, Tensor]:
+    """The named tensors' entries in a directory's safetensors files, from their headers only.
+    Every entry of every header is checked (a torn file, a mistyped entry, headers over
+    :data:`MAX_HEADER_BYTES` in all are refused naming ``key``), and one file's header is
+    dropped before the next is read."""
+    wanted, found, budget = set(names), {}, MAX_HEADER_BYTES
     for file in sorted(directory.glob("*.safetensors")):
         try:
-            with open(file, "rb") as f:
-                (size,) = struct.unpack("<Q", f.read(8))
-                if size > 100 * 2**20:
-                    raise ValueError(f"a header of {size} bytes")
-                header = json.loads(f.read(size))
-            if not isinstance(header, dict):
-                raise ValueError("its header is not a JSON object")
-        except (OSError, ValueError, struct.error) as exc:
-            raise SpecError(None, f"{file.name} is not a readable safetensors file: {exc}") from exc
-        for name, info in header.items():
-            if name != "__metadata__" and isinstance(info, dict):
-                shapes[name] = list(info.get("shape") or ())
-    return shapes
+            tensors, used = _read_header(file, budget, wanted)
+        except (OSError, ValueError) as exc:
+            raise SpecError(key, f"{file.name} is not a readable safetensors file: {exc}") from exc
+        budget -= used
+        found.update(tensors)
+    return found
 
 
-def _read_tensor(directory: Path, name: str):
-    from safetensors import safe_open
-
-    for file in sorted(directory.glob("*.safetensors")):
-        with safe_open(str(file), "pt") as f:
-            if name in f.keys():
-                return f.get_tensor(name)
-    return None
+def _d2t_ids(tensor: Tensor, key: str | None) -> tuple[int, int]:
+    """The lowest and highest target id a d2t mapping gives (draft id ``i`` goes to
+    ``i + d2t[i]``), read a chunk at a time from the tensor's bytes."""
+    fmt = INT_FORMATS.get(tensor.dtype)
+    if fmt is None:
+        raise SpecError(
+            key,
+            f"the head's d2t holds {_shown(tensor.dtype)} values, not token ids (an integer type: "
+            f"{', '.join(INT_FORMATS)})",
+        )
+    width = struct.calcsize("<" + fmt)
+    low = high = None
+    index, left = 0, tensor.nbytes
+    try:
+        with os.fdopen(open_regular(tensor.file), "rb") as f:
+            f.seek(tensor.offset)
+            while left:
+                chunk = f.read(min(left, _CHUNK))
+                if not chunk or len(chunk) % width:
+                    raise ValueError("d2t's data ends before its header says (torn?)")
+                left -= len(chunk)
+                values = struct.unpack(f"<{len(chunk) // width}{fmt}", chunk)
+                ids = [value + i for i, value in enumerate(values, index)]
+                index += len(values)
+                low = min(ids) if low is None else min(low, min(ids))
+                high = max(ids) if high is None else max(high, max(ids))
+    except (OSError, ValueError) as exc:
+        raise SpecError(key, f"{tensor.file.name} is not a readable safetensors file: {exc}") from exc
+    return (0, 0) if low is None else (low, high)
 
 
 def check_speculative_model(
     target: str, speculative: dict | None, key: str = "speculative", where: str | None = None
 ) -> None:
     """Refuse, with SpecError naming ``key``'s fields, a speculative model that cannot serve
-    ``target``: a head given as a draft model or a draft model given as a head, and a head whose
-    width, vocabulary or auxiliary layers do not fit the target. Only what can be read
+    ``target``: a head given as a draft model or a draft model given as a head, a local path
+    that is no model directory or whose config.json is no config, and a head whose width,
+    vocabulary, auxiliary layers or weight files do not fit the target. Only what can be read
     locally is checked (a hub id or a URL goes to vLLM as it is)."""
     if not speculative or not isinstance(speculative, dict):
         return
     model = speculative.get("model")
     method = speculative.get("method")
     named = where or f"{key}.model"
-    problem = config_problem(model)
-    if problem is not None:
-        raise SpecError(named, f"{model}: {problem}")
-    config = read_config(model)
+    config = load_config(model, named, gguf=method not in HEAD_METHODS)
     if config is None:
         return
     found = checkpoint_method(config)
@@ -85,14 +247,14 @@ def check_speculative_model(
     if method in HEAD_METHODS and found == "draft_model":
         raise SpecError(
             f"{key}.method",
-            f"{model} is a draft model (architectures {config.get('architectures')}), not an "
-            f"{method.upper()} head: use method: draft_model",
+            f"{model} is a draft model (architectures {quoted(config.get('architectures'))}), not "
+            f"an {method.upper()} head: use method: draft_model",
         )
     if method in HEAD_METHODS and found in HEAD_METHODS and found != method:
         raise SpecError(f"{key}.method", f"{model} is an {found.upper()} head: use method: {found}")
     if method not in HEAD_METHODS:
         return
-    target_config = read_config(target)
+    target_config = load_config(target, "model.target", gguf=True)
     if target_config is None:
         return
     try:
@@ -121,12 +283,16 @@ def check_head_with_lora(has_lora: bool, method: str | None, key: str = "model.l
 
 
 def check_head_fits(directory: Path, config: dict, target: dict, method: str, key: str) -> None:
-    """The head at ``directory`` (its ``config``) against the target's config."""
+    """The head at ``directory`` (its ``config``) against the target's config. Both configs'
+    fields are type-checked here too, for callers that read them leniently (distill's
+    ``--head``); the head's faults name ``key``, the target's ``model.target``."""
+    problem = config_problem(config)
+    if problem is not None:
+        raise SpecError(key, f"{directory}: {problem}")
+    problem = config_problem(target)
+    if problem is not None:
+        raise SpecError("model.target", problem)
     head = head_layer_config(config)
-    for name in ("hidden_size", "target_hidden_size", "vocab_size", "draft_vocab_size", "num_hidden_layers"):
-        value = head.get(name)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise SpecError(key, f"the head's {name} is {value!r}, not a positive whole number")
     t_hidden, t_vocab = target.get("hidden_size"), target.get("vocab_size")
     t_layers = target.get("num_hidden_layers")
     hidden = head.get("hidden_size")
@@ -152,7 +318,8 @@ def check_head_fits(directory: Path, config: dict, target: dict, method: str, ke
             "target's own token ids, so the vocabularies must be the same",
         )
     draft_vocab = head.get("draft_vocab_size") or vocab
-    shapes = weight_shapes(directory)
+    tensors = weight_tensors(directory, key)
+    d2t = tensors.get("d2t")
     if draft_vocab is not None and t_vocab is not None and draft_vocab != t_vocab:
         if draft_vocab > t_vocab:
             raise SpecError(
@@ -160,24 +327,22 @@ def check_head_fits(directory: Path, config: dict, target: dict, method: str, ke
                 f"the head's draft_vocab_size ({draft_vocab}) is larger than the target's "
                 f"vocabulary ({t_vocab})",
             )
-        if shapes.get("d2t") != [draft_vocab]:
+        if d2t is None or d2t.shape != (draft_vocab,):
             raise SpecError(
                 key,
                 f"the head's draft vocabulary ({draft_vocab} tokens) is smaller than the "
                 f"target's ({t_vocab}), and its weights hold no d2t mapping of {draft_vocab} "
-                f"entries (found {shapes.get('d2t')}): vLLM could not map its tokens to the target's",
+                f"entries (found {None if d2t is None else list(d2t.shape)}): vLLM could not map "
+                "its tokens to the target's",
             )
-        import torch
-
-        d2t = _read_tensor(directory, "d2t")
-        ids = d2t + torch.arange(draft_vocab, dtype=d2t.dtype)
-        if int(ids.min()) < 0 or int(ids.max()) >= t_vocab:
+        low, high = _d2t_ids(d2t, key)
+        if low < 0 or high >= t_vocab:
             raise SpecError(
                 key,
                 f"the head's d2t mapping sends draft tokens to ids outside the target's "
                 f"vocabulary (0..{t_vocab - 1})",
             )
-    lm_head = shapes.get("lm_head.weight")
+    lm_head = tensors["lm_head.weight"].shape if "lm_head.weight" in tensors else None
     if lm_head and draft_vocab is not None and lm_head[0] != draft_vocab:
         raise SpecError(
             key,
@@ -186,21 +351,16 @@ def check_head_fits(directory: Path, config: dict, target: dict, method: str, ke
         )
     if method != "eagle3" or not isinstance(t_layers, int):
         return
-    given = head.get("eagle_aux_hidden_state_layer_ids")
-    if given is not None and not isinstance(given, (list, tuple)):
-        raise SpecError(
-            key, f"the head's eagle_aux_hidden_state_layer_ids is {given!r}, not a list of layer ids"
-        )
     ids = aux_layer_ids(head, t_layers)
     bad = [i for i in ids if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < t_layers]
     if bad:
         raise SpecError(
             key,
-            f"the head's eagle_aux_hidden_state_layer_ids {ids} name layers the target does not "
+            f"the head's eagle_aux_hidden_state_layer_ids {quoted(ids)} name layers the target does not "
             f"have: it has {t_layers} (ids 0..{t_layers - 1})"
             + ("" if head.get("eagle_aux_hidden_state_layer_ids") else " (vLLM's default: none set)"),
         )
-    fc = shapes.get("fc.weight")
+    fc = tensors["fc.weight"].shape if "fc.weight" in tensors else None
     if fc and t_hidden and len(fc) == 2 and fc[1] != len(ids) * t_hidden:
         raise SpecError(
             key,
