@@ -17,13 +17,10 @@ import urllib.parse
 from typing import TYPE_CHECKING, Any
 
 from batchspec.errors import InputDataError, RuntimeFailure, SpecError
-from batchspec.io.formats import FileFormat, output_stem
+from batchspec.io.formats import output_stem
+from batchspec.io.records import CommitResult, FileFormat, Shard, ShardFile, TableFile, TableState
+from batchspec.io.table_schema import check_output_schema
 from batchspec.io.tables import (
-    CommitResult,
-    ShardFile,
-    TableFile,
-    TableState,
-    check_output_schema,
     retry_commits,
     shard_of,
     table_member,
@@ -34,7 +31,6 @@ from batchspec.redact import sanitize_url
 if TYPE_CHECKING:
     import pyarrow as pa
 
-    from batchspec.io.listing import Shard
     from batchspec.io.output_dir import OutputDir
     from batchspec.spec.model import JobSpec
 
@@ -186,8 +182,6 @@ class DeltaInput:
         """The data files at ``version``; with ``input.filter``, those whose partition values
         it rules out are left out (:func:`partition_keep`)."""
         import pyarrow as pa
-
-        from batchspec.io.listing import Shard
 
         table = self._load(version)
         self._table = table

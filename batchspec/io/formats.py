@@ -10,10 +10,9 @@ key) is a spec error naming ``input.format``."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from batchspec.errors import SpecError
 from batchspec.io.input_formats import INPUT_FORMATS
+from batchspec.io.records import FileFormat
 from batchspec.redact import sanitize_url
 
 #: What ``input.format`` accepts.
@@ -29,16 +28,6 @@ _FORMAT_SUFFIXES = {suffix: f.name for f in INPUT_FORMATS.values() for suffix in
 _OTHER_SUFFIXES = (".json",)
 #: Compression by extension, for JSON lines (Parquet compresses inside the file).
 COMPRESSIONS = {".gz": "gzip", ".zst": "zstd", ".zstd": "zstd"}
-
-
-@dataclass(frozen=True)
-class FileFormat:
-    """How one input file is read."""
-
-    #: ``parquet`` or ``jsonl``.
-    name: str
-    #: ``gzip``, ``zstd`` or None (JSON lines only).
-    compression: str | None = None
 
 
 def _split(name: str) -> tuple[str, str | None, str | None]:

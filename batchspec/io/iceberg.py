@@ -19,14 +19,11 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from batchspec.errors import InputDataError, SpecError
-from batchspec.io.formats import FileFormat, output_stem
+from batchspec.io.formats import output_stem
 from batchspec.io.reader import ParquetReader
+from batchspec.io.records import CommitResult, FileFormat, Shard, ShardFile, TableFile, TableState
+from batchspec.io.table_schema import check_output_schema
 from batchspec.io.tables import (
-    CommitResult,
-    ShardFile,
-    TableFile,
-    TableState,
-    check_output_schema,
     retry_commits,
     shard_of,
     table_member,
@@ -36,7 +33,6 @@ from batchspec.redact import sanitize_url
 if TYPE_CHECKING:
     import pyarrow as pa
 
-    from batchspec.io.listing import Shard
     from batchspec.io.output_dir import OutputDir
     from batchspec.spec.model import JobSpec
 
@@ -110,8 +106,6 @@ class IcebergInput:
         ``input.filter``)."""
         from pyiceberg.expressions import AlwaysTrue
         from pyiceberg.manifest import DataFileContent
-
-        from batchspec.io.listing import Shard
 
         if snapshot_id is None:
             return []

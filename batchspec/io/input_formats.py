@@ -20,14 +20,15 @@ from batchspec.errors import SpecError
 from batchspec.spec.model import INPUT_FORMATS as FORMAT_NAMES
 
 if TYPE_CHECKING:
-    from batchspec.io.listing import Shard
+    from batchspec.io.records import Shard
     from batchspec.spec.model import JobSpec
 
 
 def named(ref: str):
-    """The class ``module:Class`` names. Formats name their readers and sources rather than
-    import them: this module sits below them all (``io/formats.py`` and ``spec/`` read it), and
-    a format's own module imports the rest of ``io/``."""
+    """The class (or function) ``module:Class`` names. Formats name their readers, sources and
+    writers rather than import them: this module and ``io/output_formats.py`` sit below them all
+    (``io/formats.py``, the output directory and ``spec/`` read them), and a format's own module
+    imports the rest of ``io/``."""
     module, _, name = ref.partition(":")
     return getattr(importlib.import_module(module), name)
 

@@ -27,7 +27,7 @@ import pyarrow as pa
 
 from batchspec.columns import OUTPUT_NAMES
 from batchspec.errors import InputDataError, SpecError
-from batchspec.io.listing import Shard
+from batchspec.io.records import Shard
 from batchspec.io.retry import Attempts, is_transient, retry
 from batchspec.io.rows import Row, check_messages
 from batchspec.io.templates import check_columns, prompt_template
@@ -162,8 +162,8 @@ class JsonLinesReader:
     def conform(self, target: list[pa.Field]) -> None:
         """Write the kept keys as a table output has them (``target``), each value checked
         against its type as it is read (one that is not: the row's error); InputDataError
-        naming the key where its type cannot be (:func:`batchspec.io.tables.conform_kept`)."""
-        from batchspec.io.tables import conform_kept
+        naming the key where its type cannot be (:func:`batchspec.io.table_schema.conform_kept`)."""
+        from batchspec.io.table_schema import conform_kept
 
         self.kept_fields = conform_kept(self.kept_fields, target, self.untyped, self.shard.url, True)
         self._types = {f.name: f.type for f in self.kept_fields}

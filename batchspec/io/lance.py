@@ -24,15 +24,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from batchspec.errors import InputDataError, RuntimeFailure, SpecError
-from batchspec.io.formats import FileFormat
 from batchspec.io.reader import ParquetReader
+from batchspec.io.records import CommitResult, FileFormat, Shard, ShardFile, TableFile, TableState
+from batchspec.io.table_schema import check_output_schema
 from batchspec.io.tables import (
     DATA_DIR,
-    CommitResult,
-    ShardFile,
-    TableFile,
-    TableState,
-    check_output_schema,
     retry_commits,
     table_member,
 )
@@ -43,7 +39,6 @@ from batchspec.redact import sanitize_url
 if TYPE_CHECKING:
     import pyarrow as pa
 
-    from batchspec.io.listing import Shard
     from batchspec.io.output_dir import OutputDir
     from batchspec.spec.model import JobSpec
 
@@ -184,7 +179,6 @@ class LanceInput:
         one's rows and data files fingerprint it. Its deletion file is not part of it, as an
         Iceberg data file's delete files are not: rows deleted after a fragment was answered
         stay answered, and a fragment not yet answered is read with the version's deletions."""
-        from batchspec.io.listing import Shard
 
         if version is None:
             return []

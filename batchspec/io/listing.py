@@ -8,15 +8,14 @@ import hashlib
 import os
 import posixpath
 import re
-from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
 from fsspec.core import split_protocol
 
 from batchspec.errors import InputDataError, SpecError
-from batchspec.io.formats import PARQUET, FileFormat, file_format, is_input_file, output_stem
-from batchspec.io.output_dir import BOOKKEEPING_DIR
+from batchspec.io.formats import file_format, is_input_file, output_stem
+from batchspec.io.records import BOOKKEEPING_DIR, PARQUET_FILE, FileFormat, Shard
 from batchspec.io.retry import retry
 from batchspec.io.urls import (
     FAMILIES,
@@ -31,32 +30,6 @@ from batchspec.io.urls import (
     unwrap,
 )
 from batchspec.redact import sanitize_url
-
-PARQUET_FILE = FileFormat(PARQUET)
-
-
-@dataclass(frozen=True)
-class Shard:
-    """One input file and the output name it maps to."""
-
-    #: Full fsspec URL of the input file.
-    url: str
-    #: Path on ``fs`` (protocol stripped).
-    path: str
-    #: Unique output stem: the output files are named from it (OutputDir.output_path).
-    name: str
-    fs: Any
-    #: Size, modification time or ETag: changes when the input file changes.
-    fingerprint: dict
-    #: How the file is read (``input.format`` or its extension).
-    format: FileFormat = PARQUET_FILE
-    #: A data file of an input table: what the table's log or manifest says of it
-    #: (:class:`batchspec.io.tables.TableFile`); None for a file.
-    table: Any = None
-    #: A table output: the kept columns as the table has them (pyarrow fields), which the
-    #: shard's own are cast to (:func:`batchspec.io.tables.conform_kept`), set by the check
-    #: stage; None: the shard's own.
-    kept_fields: tuple | None = field(default=None, compare=False)
 
 
 def fingerprint(info: dict) -> dict:

@@ -35,7 +35,7 @@ import pyarrow as pa
 
 from batchspec.errors import quoted
 from batchspec.io.jsonl import BadLine, JsonLinesReader, cut_text, unreadable
-from batchspec.io.listing import Shard
+from batchspec.io.records import Shard
 from batchspec.io.rows import Row, check_messages, id_digest
 from batchspec.redact import sanitize_url
 from batchspec.spec.model import JobSpec

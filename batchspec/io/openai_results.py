@@ -40,9 +40,9 @@ import time
 from typing import Any
 
 from batchspec.columns import ERROR, LENGTH_IN_REASONING, REQUEST_ID, RESULT_NAMES, error_reason
-from batchspec.io.listing import Shard
 from batchspec.io.openai_batch import CHAT, NO_CUSTOM_ID
 from batchspec.io.output_dir import OutputDir, tmp_file_name
+from batchspec.io.records import Shard
 from batchspec.io.rows import Row
 from batchspec.io.writer import committed_info
 from batchspec.redact import sanitize_url

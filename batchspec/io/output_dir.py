@@ -23,7 +23,6 @@ import re
 import shutil
 import stat
 import tempfile
-from typing import TYPE_CHECKING
 
 from fsspec.core import url_to_fs
 
@@ -31,18 +30,13 @@ from batchspec.errors import InputDataError, quoted
 from batchspec.io.contained import plain_relative
 from batchspec.io.host import pid_alive, this_host
 from batchspec.io.output_formats import OUTPUT_FORMATS, OutputFormat, all_suffixes
+from batchspec.io.records import BOOKKEEPING_DIR, Shard, TableState
 from batchspec.io.retry import retry
 from batchspec.io.states import ShardState
 from batchspec.io.urls import bound_requests, full_url, is_local_fs, store_version
 from batchspec.redact import sanitize_url
 
-if TYPE_CHECKING:
-    from batchspec.io.listing import Shard
-
 log = logging.getLogger(__name__)
-
-#: The output's bookkeeping folder (see this module's docstring); never an output file.
-BOOKKEEPING_DIR = "_batchspec"
 
 _TMP_NAME = re.compile(
     r"^(?P<shard>.+)~(?P<host>[^~]+)~(?P<pid>\d+)~[0-9a-f]+"
@@ -186,8 +180,8 @@ class OutputDir:
         self._table_state = None
 
     @property
-    def table_state(self):
-        """What a table output holds (:class:`batchspec.io.tables.TableState`), read once."""
+    def table_state(self) -> TableState:
+        """What a table output holds, read once."""
         if self._table_state is None:
             self._table_state = self.format.table_state(self)
         return self._table_state

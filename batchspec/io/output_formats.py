@@ -7,7 +7,10 @@ A format is one class here, named in :data:`OUTPUT_FORMATS` and in
 ``spec/fingerprint.py`` (whether the fingerprint names it) and ``report/read.py`` (its rows).
 
 This module imports no pyarrow or polars until a writer or a read asks for them: ``spec/``
-consults it while a job loads."""
+consults it while a job loads. It sits below the output directory, which holds its format, and
+below the writers, which write into one: a format's methods take the output as an
+:class:`~batchspec.io.records.OutputLocation` and name their writers by ``module:Class``
+(:func:`~batchspec.io.input_formats.named`), as the input formats name their readers."""
 
 from __future__ import annotations
 
@@ -16,14 +19,14 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from batchspec.errors import InputDataError
+from batchspec.io.input_formats import named
+from batchspec.io.records import METADATA_KEY, CommitResult, OutputLocation, Shard, ShardFile, TableState
 from batchspec.spec.model import OUTPUT_FORMATS as FORMAT_NAMES
 
 if TYPE_CHECKING:
     import polars as pl
     import pyarrow as pa
 
-    from batchspec.io.listing import Shard
-    from batchspec.io.output_dir import OutputDir
     from batchspec.io.rows import Row
     from batchspec.spec.model import OutputSpec
 
@@ -60,7 +63,7 @@ class CommittedShard:
 
 
 def committed_footer(
-    out: OutputDir, path: str, shown: str, what: str, strict_metadata: bool
+    out: OutputLocation, path: str, shown: str, what: str, strict_metadata: bool
 ) -> tuple[pa.Schema, dict[str, Any]]:
     """The schema and the ``batchspec`` lineage of a committed Parquet file, from its footer
     alone: the columns every output has are checked before any row is read (InputDataError
@@ -71,7 +74,6 @@ def committed_footer(
 
     from batchspec.columns import BASE_RESULT_NAMES, REQUEST_ID
     from batchspec.io.arrow_fs import arrow_fs
-    from batchspec.io.writer import METADATA_KEY
 
     # local footers through pyarrow's own filesystem, others without fsspec's read-ahead
     filesystem = None if out.is_local else arrow_fs(out.fs)
@@ -133,18 +135,23 @@ class OutputFormat:
         return next(iter(self.parts.values()))
 
     def writer(
-        self, out: OutputDir, shard: Shard, output: OutputSpec, kept_fields: list, metadata: dict[str, Any]
+        self,
+        out: OutputLocation,
+        shard: Shard,
+        output: OutputSpec,
+        kept_fields: list,
+        metadata: dict[str, Any],
     ) -> ResultWriter:
         """The writer of one shard's results (``kept_fields``: the input columns kept)."""
         raise NotImplementedError
 
-    def open_shard(self, out: OutputDir, name: str) -> CommittedShard:
+    def open_shard(self, out: OutputLocation, name: str) -> CommittedShard:
         """A committed shard's files, schema and lineage, read from storage now (its rows are
         not); :class:`InputDataError` (exit 3) naming the file when it is not one batchspec
         wrote."""
         raise NotImplementedError
 
-    def scan(self, out: OutputDir, shard: CommittedShard) -> pl.LazyFrame:
+    def scan(self, out: OutputLocation, shard: CommittedShard) -> pl.LazyFrame:
         """A committed shard's rows as the contract's columns, lazily where the format allows."""
         raise NotImplementedError
 
@@ -158,9 +165,8 @@ class ParquetOutput(OutputFormat):
     unreadable = "unreadable Parquet"
 
     def writer(self, out, shard, output, kept_fields, metadata):
-        from batchspec.io.writer import ParquetWriter
-
-        return ParquetWriter(out, shard, kept_fields, metadata, output.row_group_rows, output.compression)
+        writer = named("batchspec.io.writer:ParquetWriter")
+        return writer(out, shard, kept_fields, metadata, output.row_group_rows, output.compression)
 
     def open_shard(self, out, name):
         path = out.join(name + self.suffix)
@@ -198,9 +204,7 @@ class OpenAIOutput(OutputFormat):
     refused_why = "a Parquet option: output.format openai writes JSON lines; leave this key out"
 
     def writer(self, out, shard, output, kept_fields, metadata):
-        from batchspec.io.openai_results import OpenAIResultWriter
-
-        return OpenAIResultWriter(out, shard, metadata)
+        return named("batchspec.io.openai_results:OpenAIResultWriter")(out, shard, metadata)
 
     def open_shard(self, out, name):
         from batchspec.columns import output_schema
@@ -219,8 +223,7 @@ class OpenAIOutput(OutputFormat):
             import polars as pl
             import pyarrow as pa
 
-            from batchspec.io.openai_results import line_rows
-
+            line_rows = named("batchspec.io.openai_results:line_rows")
             rows = []
             for part, path in shard.paths.items():
                 with out.fs.open(path, "rb") as f:
@@ -255,24 +258,24 @@ class TableOutput(ParquetOutput):
         return importlib.import_module(self.module)
 
     def writer(self, out, shard, output, kept_fields, metadata):
-        from batchspec.io.writer import TableFileWriter
+        writer = named("batchspec.io.writer:TableFileWriter")
+        return writer(out, shard, kept_fields, metadata, output.row_group_rows, output.compression)
 
-        return TableFileWriter(out, shard, kept_fields, metadata, output.row_group_rows, output.compression)
-
-    def table_state(self, out: OutputDir):
-        """What the table holds now (:class:`batchspec.io.tables.TableState`)."""
+    def table_state(self, out: OutputLocation) -> TableState:
+        """What the table holds now."""
         return self._lib().table_state(out)
 
-    def check_schema(self, out: OutputDir, schema: pa.Schema) -> None:
+    def check_schema(self, out: OutputLocation, schema: pa.Schema) -> None:
         """Exit 2 naming the column where an existing table and ``schema`` differ."""
         self._lib().check_schema(out, schema)
 
-    def commit_table(self, out: OutputDir, files: list, schema: pa.Schema, metadata: dict[str, Any]):
-        """Append the shards' ``files`` in one idempotent commit (a
-        :class:`batchspec.io.tables.CommitResult`)."""
+    def commit_table(
+        self, out: OutputLocation, files: list[ShardFile], schema: pa.Schema, metadata: dict[str, Any]
+    ) -> CommitResult:
+        """Append the shards' ``files`` in one idempotent commit."""
         return self._lib().commit(out, files, schema, metadata)
 
-    def report_names(self, out: OutputDir) -> list[str]:
+    def report_names(self, out: OutputLocation) -> list[str]:
         """Every current data file of the table: batchspec's by shard, others by path."""
         state = out.table_state
         return sorted(state.files) + sorted(state.other_files)

@@ -19,7 +19,7 @@ import pyarrow.parquet as pq
 from batchspec.columns import OUTPUT_NAMES
 from batchspec.errors import InputDataError, SpecError
 from batchspec.io.input_formats import INPUT_FORMATS, input_format
-from batchspec.io.listing import Shard
+from batchspec.io.records import Shard
 from batchspec.io.retry import Attempts, is_transient, retry
 from batchspec.io.rows import Row, check_messages
 from batchspec.io.templates import check_columns, prompt_template
@@ -64,8 +64,8 @@ class ParquetReader:
 
     def conform(self, target: list[pa.Field]) -> None:
         """Write the kept columns as a table output has them (``target``); InputDataError
-        naming the column where one cannot be (:func:`batchspec.io.tables.conform_kept`)."""
-        from batchspec.io.tables import conform_kept
+        naming the column where one cannot be (:func:`batchspec.io.table_schema.conform_kept`)."""
+        from batchspec.io.table_schema import conform_kept
 
         self.kept_fields = conform_kept(self.kept_fields, target, self.untyped, self.shard.url, False)
 

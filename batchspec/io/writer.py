@@ -17,13 +17,11 @@ import pyarrow.parquet as pq
 
 from batchspec.columns import output_schema
 from batchspec.errors import RuntimeFailure
-from batchspec.io.listing import Shard
 from batchspec.io.output_dir import OutputDir, tmp_file_name
+from batchspec.io.records import METADATA_KEY, Shard, ShardFile
 from batchspec.io.rows import Row
 from batchspec.io.urls import full_url
 from batchspec.redact import sanitize_url
-
-METADATA_KEY = b"batchspec"
 
 
 class ParquetWriter:
@@ -114,7 +112,7 @@ class TableFileWriter(ParquetWriter):
     folder, where no reader looks until a table commit names it."""
 
     def commit(self) -> dict[str, Any]:
-        from batchspec.io.tables import ShardFile, data_file_path
+        from batchspec.io.tables import data_file_path
 
         self.flush()
         self._writer.close()

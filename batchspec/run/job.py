@@ -25,9 +25,9 @@ from typing import Any
 
 from batchspec.errors import BatchspecError, Interrupted, RuntimeFailure, SpecError
 from batchspec.io.host import this_host
-from batchspec.io.listing import Shard
 from batchspec.io.locations import check_no_overlap
 from batchspec.io.output_dir import OutputDir, remove_orphan_tmp_files
+from batchspec.io.records import Shard
 from batchspec.io.states import ShardState
 from batchspec.io.template_bounds import interrupt_renders
 from batchspec.run.events import EventLog, Progress

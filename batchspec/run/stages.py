@@ -25,11 +25,12 @@ from batchspec.errors import InputDataError, SpecError
 from batchspec.io.answers import answer_column
 from batchspec.io.input_formats import input_format
 from batchspec.io.jsonl import JsonLinesReader
-from batchspec.io.listing import Shard, assign, check_worker, discover_shards
+from batchspec.io.listing import assign, check_worker, discover_shards
 from batchspec.io.locations import check_no_overlap, same_store
 from batchspec.io.output_dir import OutputDir
 from batchspec.io.output_formats import ResultWriter
 from batchspec.io.reader import ParquetReader, Row, open_reader
+from batchspec.io.records import Shard
 from batchspec.io.rows import SeenIds
 from batchspec.io.states import ShardState
 from batchspec.io.tables import refused_error
@@ -204,7 +205,7 @@ def _conform_to_table(
     import pyarrow as pa
 
     from batchspec.columns import output_schema
-    from batchspec.io.tables import conform_kept, kept_target
+    from batchspec.io.table_schema import conform_kept, kept_target
 
     table = out.table_state.schema if out.table_state.exists else None
     ours = set(output_schema(output_fields(spec, [])).names)

@@ -17,9 +17,9 @@ from helpers.tables import iceberg_catalog, make_input, run_table_cli, table_job
 
 from batchspec.errors import InputDataError
 from batchspec.io.contained import plain_relative, table_relative
-from batchspec.io.listing import Shard
 from batchspec.io.output_dir import OutputDir
 from batchspec.io.output_formats import OUTPUT_FORMATS
+from batchspec.io.records import Shard
 from batchspec.spec.build import build_spec
 
 pytestmark = pytest.mark.vllm

@@ -15,10 +15,11 @@ import pytest
 from helpers.jobs import DRAFT, ENGINE, MODELS, read_output
 
 from batchspec.errors import InputDataError, SpecError
-from batchspec.io.formats import FileFormat, file_format, is_input_file, output_stem
+from batchspec.io.formats import file_format, is_input_file, output_stem
 from batchspec.io.jsonl import JsonLinesReader
 from batchspec.io.listing import discover_shards
 from batchspec.io.reader import ParquetReader, open_reader
+from batchspec.io.records import FileFormat
 from batchspec.spec.build import build_spec
 from batchspec.spec.model import OutputSpec
 

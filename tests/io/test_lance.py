@@ -132,9 +132,8 @@ def test_two_workers_committing_at_once_to_a_lance_dataset(tmp_path):
 
 def _written(out, name: str, rows: int):
     """A shard's fragments written to ``out`` (a LanceShardFile), not committed."""
-    from batchspec.io.formats import FileFormat
     from batchspec.io.lance import LanceFragmentWriter
-    from batchspec.io.listing import Shard
+    from batchspec.io.records import FileFormat, Shard
 
     shard = Shard(url=name, path=name, name=name, fs=None, fingerprint={}, format=FileFormat("parquet"))
     writer = LanceFragmentWriter(out, shard, [], {"run_id": "test"})

@@ -516,7 +516,7 @@ def test_two_commits_of_one_shard_from_one_table_version_commit_it_once(tmp_path
     import importlib
 
     from batchspec.io.output_dir import OutputDir
-    from batchspec.io.tables import ShardFile
+    from batchspec.io.records import ShardFile
 
     make_input(tmp_path, fmt, files=2, rows=3)
     spec = build_spec(table_job(tmp_path, fmt, output={"commit_shards": 1}))

@@ -11,7 +11,7 @@ import pytest
 from helpers.fake_runs import make_spec, run, shards
 
 from batchspec.errors import InputDataError
-from batchspec.io.listing import Shard
+from batchspec.io.records import Shard
 from batchspec.run.events import EventLog
 from batchspec.run.executors.base import RunContext
 from batchspec.run.outcome import RunOutcome, ShardStats

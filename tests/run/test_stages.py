@@ -13,7 +13,7 @@ from helpers.fakes import FakeEngine
 from helpers.jobs import write_parquet
 
 from batchspec.errors import InputDataError
-from batchspec.io.listing import Shard
+from batchspec.io.records import Shard
 from batchspec.leases.shard_leases import ShardLeases
 from batchspec.run.events import EventLog, Progress
 from batchspec.run.outcome import RunOutcome, summarise

@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from batchspec.errors import InputDataError
-from batchspec.io.listing import Shard
 from batchspec.io.output_dir import OutputDir
+from batchspec.io.records import Shard
 from batchspec.run.events import EventLog, Progress
 from batchspec.run.outcome import RunOutcome
 from batchspec.spec.model import JobSpec

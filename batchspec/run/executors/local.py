@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from batchspec.io.listing import Shard
+from batchspec.io.records import Shard
 from batchspec.leases.shard_leases import ShardLeases
 from batchspec.redact import sanitize_url
 from batchspec.run.executors.base import RunContext

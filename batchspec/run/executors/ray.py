@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from batchspec.errors import EXIT_RUNTIME_FAILURE, InputDataError, RuntimeFailure, SpecError
-from batchspec.io.listing import Shard
+from batchspec.io.records import Shard
 from batchspec.redact import is_secret_key, sanitize_url
 from batchspec.run.executors.base import RunContext
 from batchspec.run.executors.ray_replica import Replica, rebuild_error

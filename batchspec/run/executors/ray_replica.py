@@ -20,8 +20,8 @@ from batchspec.errors import (
     RuntimeFailure,
     SpecError,
 )
-from batchspec.io.listing import Shard
 from batchspec.io.output_dir import OutputDir
+from batchspec.io.records import Shard
 from batchspec.run.outcome import RunOutcome
 from batchspec.run.stages import ShardPipeline
 from batchspec.spec.model import JobSpec
