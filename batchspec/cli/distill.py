@@ -12,6 +12,7 @@ from batchspec.distill.options import DistillOptions
 from batchspec.distill.outdir import OutLock
 from batchspec.distill.session import check_options, distill, render_table
 from batchspec.errors import EXIT_SIGINT, NotInstalled
+from batchspec.spec.methods import DRAFT_MODEL, TRAINABLE
 
 # --------------------------------------------------------------------------- command line
 
@@ -33,8 +34,8 @@ from batchspec.errors import EXIT_SIGINT, NotInstalled
 )
 @click.option(
     "--method",
-    type=click.Choice(["draft_model", "eagle3"]),
-    default="draft_model",
+    type=click.Choice(list(TRAINABLE)),
+    default=DRAFT_MODEL.name,
     show_default=True,
     help="What to train: a draft model, or an EAGLE-3 head on the target's hidden states.",
 )

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from batchspec.distill.options import DistillOptions
 from batchspec.redact import public_spec, sanitize_url
+from batchspec.spec.methods import reads_hidden_states
 from batchspec.spec.model import JobSpec
 from batchspec.version import __version__
 
@@ -82,7 +83,8 @@ def build_card(
     job = public_job(spec, opts.job_path, opts.overrides)
     model = job.get("model") if isinstance(job.get("model"), dict) else {}
     return {
-        "role": "head" if opts.method == "eagle3" else "draft",
+        # what the drafter is beside the target (batchspec.spec.methods): a head or a draft
+        "role": "head" if reads_hidden_states(opts.method) else "draft",
         "method": opts.method,
         "parent_draft": public_path(opts.start) if opts.init == "draft" else None,
         "init": opts.init,

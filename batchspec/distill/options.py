@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from batchspec.spec.methods import DRAFT_MODEL, reads_hidden_states
 from batchspec.spec.model import JobSpec
 
 #: Speculative tokens per step when the job names no draft.
@@ -20,7 +21,7 @@ class DistillOptions:
     draft: str | None = None
     #: What to train: ``draft_model`` (a small model) or ``eagle3`` (a head on the target's
     #: hidden states, batchspec/distill/eagle3.py).
-    method: str = "draft_model"
+    method: str = DRAFT_MODEL.name
     #: The EAGLE-3 head to start from (and to compare against) with ``method: eagle3``; None:
     #: a new head.
     head: str | None = None
@@ -60,11 +61,11 @@ class DistillOptions:
     @property
     def start(self) -> str | None:
         """The drafter a new one starts from and must beat: ``--head`` for a head, else ``--draft``."""
-        return self.head if self.method == "eagle3" else self.draft
+        return self.head if reads_hidden_states(self.method) else self.draft
 
     @property
     def start_key(self) -> str:
-        return "--head" if self.method == "eagle3" else "--draft"
+        return "--head" if reads_hidden_states(self.method) else "--draft"
 
 
 @dataclass

@@ -49,6 +49,7 @@ from batchspec.errors import InputDataError, NotInstalled, SpecError
 from batchspec.io.locations import location_overlap, store_location
 from batchspec.io.reader import Row
 from batchspec.redact import sanitize_url
+from batchspec.spec.methods import DRAFT_MODEL, METHODS, TRAINABLE
 from batchspec.spec.model import JobSpec
 from batchspec.stats import acceptance_rate, mean_acceptance_length, request_totals
 
@@ -152,18 +153,11 @@ def check_options(spec: JobSpec, opts: DistillOptions) -> None:
     draft's vocabulary against the target's (SpecError, exit 2)."""
     from batchspec.distill.train import check_vocabulary
 
-    if opts.method not in ("draft_model", "eagle3"):
-        raise SpecError("--method", f"expected 'draft_model' or 'eagle3', got {opts.method!r}")
+    if opts.method not in TRAINABLE:
+        raise SpecError("--method", f"expected {' or '.join(map(repr, TRAINABLE))}, got {opts.method!r}")
     if opts.init not in ("draft", "target"):
         raise SpecError("--init", f"expected 'draft' or 'target', got {opts.init!r}")
-    if opts.method == "eagle3":
-        _check_head_options(spec, opts)
-    else:
-        for name, given in (("--head", opts.head), ("--aux-layers", opts.aux_layers)):
-            if given:
-                raise SpecError(name, "applies to --method eagle3 (an EAGLE-3 head) only")
-        if opts.init == "draft" and not opts.draft:
-            raise SpecError("--draft", "give the draft to start from, or --init target --layers N")
+    METHODS[opts.method].trainer().check(spec, opts)
     if opts.max_minutes is not None and not opts.max_minutes > 0:
         raise SpecError("--max-minutes", f"expected minutes > 0, got {opts.max_minutes}")
     for name, value in (
@@ -196,60 +190,6 @@ def check_options(spec: JobSpec, opts: DistillOptions) -> None:
     check_out(spec, opts)
     if opts.draft:
         check_vocabulary(spec.model.target, opts.draft)
-
-
-def _check_head_options(spec: JobSpec, opts: DistillOptions) -> None:
-    """What ``--method eagle3`` refuses: the draft model's options, a ``--head`` that is not an
-    EAGLE-3 head fitting the target, auxiliary layers the target does not have."""
-    from pathlib import Path
-
-    from batchspec.engine.heads import check_head_fits
-    from batchspec.spec.checkpoints import checkpoint_method, read_config, text_config
-
-    if opts.draft:
-        raise SpecError(
-            "--draft",
-            "--method eagle3 trains a head: give the head to start from with --head (none: a new head)",
-        )
-    if opts.init != "draft" or opts.layers != 1:
-        raise SpecError(
-            "--init" if opts.init != "draft" else "--layers",
-            "applies to draft models: a head is one decoder layer on the target's hidden states",
-        )
-    if opts.logprobs:
-        raise SpecError(
-            "--logprobs",
-            "a head learns the target's greedy token from the target's own forward pass (its "
-            "full logits, no top-K needed): leave --logprobs out with --method eagle3",
-        )
-    target = read_config(spec.model.target)
-    if target is None:
-        raise SpecError(
-            "model.target",
-            f"{spec.model.target}: --method eagle3 reads the target's hidden states with its own "
-            "forward pass, so the target must be a local model directory with a config.json",
-        )
-    target = text_config(target)
-    layers = int(target.get("num_hidden_layers") or 0)
-    if opts.head:
-        config = read_config(opts.head)
-        if config is None:
-            raise SpecError("--head", f"{opts.head}: not a local model directory with a config.json")
-        if checkpoint_method(config) != "eagle3":
-            raise SpecError(
-                "--head",
-                f"{opts.head} is not an EAGLE-3 head (its config.json says {checkpoint_method(config)})",
-            )
-        if opts.aux_layers:
-            raise SpecError("--aux-layers", "--head has its own auxiliary layers: leave --aux-layers out")
-        check_head_fits(Path(opts.head).expanduser(), config, target, "eagle3", "--head")
-    if opts.aux_layers is not None:
-        bad = [i for i in opts.aux_layers if not 0 <= i < layers]
-        if bad or not opts.aux_layers:
-            raise SpecError(
-                "--aux-layers",
-                f"{list(opts.aux_layers)}: the target has {layers} layers (ids 0..{layers - 1})",
-            )
 
 
 # --------------------------------------------------------------------------- the whole run
@@ -291,13 +231,6 @@ def _distill(spec: JobSpec, opts: DistillOptions, say: Callable[[str], None]) ->
         validation_size,
     )
     from batchspec.distill.gate import decide
-    from batchspec.distill.train import (
-        draft_from_target,
-        load_draft,
-        save_draft,
-        tokenizer_vocab,
-        train_draft,
-    )
 
     started = time.monotonic()
     out = out_dir(opts.out)
@@ -327,29 +260,8 @@ def _distill(spec: JobSpec, opts: DistillOptions, say: Callable[[str], None]) ->
     )
 
     # the model first: its size is part of how much data it needs
-    if opts.method == "eagle3":
-        from batchspec.distill import eagle3
-
-        if opts.head:
-            say(f"head: continuing {public_path(opts.head)}")
-            draft = eagle3.load_head(opts.head, spec.model.target)
-        else:
-            config = eagle3.head_config(
-                eagle3.target_config(spec.model.target),
-                list(opts.aux_layers) if opts.aux_layers else None,
-                k=job_k(spec),
-                verifier=public_path(spec.model.target) or "",
-            )
-            say(
-                "new EAGLE-3 head on the target's layers "
-                f"{config['eagle_aux_hidden_state_layer_ids']} (its output layer copied from the target)"
-            )
-            draft = eagle3.new_head(spec.model.target, config, seed=opts.seed)
-    elif opts.init == "target":
-        say(f"new draft: the target's embeddings, first {opts.layers} layer(s) and head")
-        draft = draft_from_target(spec.model.target, opts.layers)
-    else:
-        draft = load_draft(opts.draft)
+    trainer = METHODS[opts.method].trainer()
+    draft = trainer.start(spec, opts, say)
     parameters = sum(p.numel() for p in draft.parameters())
     window = job_window(spec)
     plan = plan_data(opts.steps, opts.batch_size, window, len(sample.train), parameters)
@@ -391,26 +303,18 @@ def _distill(spec: JobSpec, opts: DistillOptions, say: Callable[[str], None]) ->
         )
     data = {**plan.as_json(), "train_tokens": tokens, "train_windows": windows, "steps_supported": steps}
 
-    if opts.method == "eagle3":
-        features = work / f"features-{key}"
-        trained = _train_head(spec, opts, draft, examples, validation, steps, features, say, deadline)
-    else:
-        _, special = tokenizer_vocab(spec.model.target)
-        pad_id = next((v for v in (special["pad"], special["eos"], 0) if v is not None), 0)
-        trained = train_draft(
-            draft,
-            examples,
-            steps,
-            opts.lr,
-            opts.batch_size,
-            opts.seed,
-            pad_id,
-            progress=say,
-            window=window,
-            validation=validation,
-            patience=opts.patience,
-            deadline=deadline,
-        )
+    trained = trainer.train(
+        spec,
+        opts,
+        draft,
+        examples,
+        validation,
+        steps,
+        window=window,
+        features=work / f"features-{key}",
+        say=say,
+        deadline=deadline,
+    )
     if baseline and opts.init == "draft" and trained.best_step == 0 and not opts.force:
         decision = decide(None, None, force=False)
         decision.reason = (
@@ -421,14 +325,7 @@ def _distill(spec: JobSpec, opts: DistillOptions, say: Callable[[str], None]) ->
         raise NotInstalled(_refusal(opts, decision), result)
     built = build_dir(out)
     try:
-        if opts.method == "eagle3":
-            eagle3.save_head(draft, built)
-            layers = 1
-            say(f"built the new head ({parameters / 1e6:.2f}M parameters)")
-        else:
-            save_draft(draft, spec.model.target, built)
-            layers = draft.config.num_hidden_layers
-            say(f"built the new draft ({parameters / 1e6:.2f}M parameters, {layers} layers)")
+        layers = trainer.save(draft, spec, built, parameters, say)
         del draft
 
         before = after = None
@@ -487,40 +384,9 @@ def _distill(spec: JobSpec, opts: DistillOptions, say: Callable[[str], None]) ->
     finally:
         if built.exists():
             shutil.rmtree(built, ignore_errors=True)
-    say(f"the new {'head' if opts.method == 'eagle3' else 'draft'} is in {opts.out}")
+    say(f"the new {METHODS[opts.method].role} is in {opts.out}")
     return DistillResult(
         out=str(opts.out), before=before, after=after, card=card, decision=decision.as_json()
-    )
-
-
-def _train_head(spec, opts, head, examples, validation, steps, features, say, deadline):
-    """The target's hidden states for the training and validation rows (streamed to chunk files
-    under ``features``), then the head trained on them (batchspec/distill/eagle3.py)."""
-    from batchspec.distill import eagle3
-
-    aux = list(head.config["eagle_aux_hidden_state_layer_ids"])
-    tag = "-".join(map(str, aux))
-    say(f"features: the target's hidden states at layers {aux}, from its own forward pass")
-    train = eagle3.collect_features(
-        spec.model.target, examples, aux, features / f"train-{tag}", say=say, deadline=deadline
-    )
-    held = eagle3.collect_features(
-        spec.model.target, validation, aux, features / f"validation-{tag}", say=say, deadline=deadline
-    )
-    if not train.files:
-        raise SpecError("--max-minutes", "no time was left to train the head: give it more minutes")
-    say(f"training the head on {train.sequences} sequences ({train.tokens} tokens)")
-    return eagle3.train_head(
-        head,
-        train.files,
-        held.files,
-        steps,
-        opts.lr,
-        opts.batch_size,
-        opts.seed,
-        say=say,
-        patience=opts.patience,
-        deadline=deadline,
     )
 
 
@@ -548,7 +414,7 @@ def evaluate(
     concurrency: int | None,
     progress: Callable[[str], None] | None = None,
     counts: dict | None = None,
-    method: str = "draft_model",
+    method: str = DRAFT_MODEL.name,
 ) -> dict:
     """Acceptance and output tok/s of ``draft`` on ``rows`` with the job's sampling, speculation
     on (``draft_model``, ``k`` tokens): a fresh engine, shut down before this returns.

@@ -22,6 +22,7 @@ from batchspec.engine.reasoning import check_reasoning
 from batchspec.engine.vllm_info import vllm_version  # noqa: F401
 from batchspec.errors import SpecError, quoted
 from batchspec.spec.fields import check_known_keys
+from batchspec.spec.methods import method
 from batchspec.spec.model import JobSpec
 
 
@@ -262,22 +263,20 @@ def row_template_kwargs(base: dict[str, Any], row) -> dict[str, Any]:
     return {**base, **template_kwargs(own)}
 
 
-#: What vLLM's ``method: suffix`` imports, and the package that provides it.
-SUFFIX_MODULE, SUFFIX_PACKAGE = "arctic_inference", "arctic-inference"
-
-
 def check_speculative_method(speculative: dict, key: str = "speculative.method") -> None:
-    """Refuse a method this installation cannot run before vLLM would fail on it mid-start:
-    ``suffix`` without the package that implements it (docs/speculation.md says why batchspec's
-    set-up does not build it)."""
+    """Refuse a method this installation cannot run before vLLM would fail on it mid-start: one
+    whose package (:class:`batchspec.spec.methods.Package`; ``suffix``'s) is not installed
+    (docs/speculation.md says why batchspec's set-up does not build it)."""
     import importlib.util
 
-    if speculative.get("method") == "suffix" and importlib.util.find_spec(SUFFIX_MODULE) is None:
+    known = method(speculative.get("method"))
+    package = known.package if known is not None else None
+    if package is not None and importlib.util.find_spec(package.module) is None:
         raise SpecError(
             key,
-            f"method: suffix needs the {SUFFIX_PACKAGE} package (suffix decoding's index), which "
-            f"is not installed here: pip install {SUFFIX_PACKAGE} (a source build: C++20, cmake, "
-            "nanobind), or choose ngram, which also drafts from text already seen",
+            f"method: {known.name} needs the {package.name} package ({package.what}), which "
+            f"is not installed here: pip install {package.name} ({package.build}), or choose "
+            f"{package.instead}",
         )
 
 

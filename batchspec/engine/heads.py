@@ -22,9 +22,7 @@ from pathlib import Path
 
 from batchspec.errors import SpecError, quoted
 from batchspec.spec.checkpoints import (
-    HEAD_METHODS,
     aux_layer_ids,
-    checkpoint_method,
     config_problem,
     head_layer_config,
     load_config,
@@ -32,6 +30,8 @@ from batchspec.spec.checkpoints import (
     parse_json,
     text_config,
 )
+from batchspec.spec.methods import DRAFT_MODEL, detect, reads_hidden_states
+from batchspec.spec.methods import method as method_named
 
 #: The most header bytes read from a head's weight files, all of them together. A head's
 #: header is a few kB (a dozen tensors); a large model's shard headers are tens to hundreds of
@@ -234,25 +234,26 @@ def check_speculative_model(
     model = speculative.get("model")
     method = speculative.get("method")
     named = where or f"{key}.model"
-    config = load_config(model, named, gguf=method not in HEAD_METHODS)
+    head = reads_hidden_states(method)
+    config = load_config(model, named, gguf=not head)
     if config is None:
         return
-    found = checkpoint_method(config)
-    if method == "draft_model" and found in HEAD_METHODS:
+    found = detect(config)
+    if method_named(method) is DRAFT_MODEL and reads_hidden_states(found):
         raise SpecError(
             f"{key}.method",
             f"{model} is an {found.upper()} head (its config.json says so), not a draft model: "
             f"use method: {found}",
         )
-    if method in HEAD_METHODS and found == "draft_model":
+    if head and method_named(found) is DRAFT_MODEL:
         raise SpecError(
             f"{key}.method",
             f"{model} is a draft model (architectures {quoted(config.get('architectures'))}), not "
             f"an {method.upper()} head: use method: draft_model",
         )
-    if method in HEAD_METHODS and found in HEAD_METHODS and found != method:
+    if head and reads_hidden_states(found) and found != method:
         raise SpecError(f"{key}.method", f"{model} is an {found.upper()} head: use method: {found}")
-    if method not in HEAD_METHODS:
+    if not head:
         return
     target_config = load_config(target, "model.target", gguf=True)
     if target_config is None:
@@ -272,7 +273,7 @@ def check_head_with_lora(has_lora: bool, method: str | None, key: str = "model.l
     draft step then runs it with the target's token-to-adapter mapping and the engine fails
     (``einsum(): subscript b has size ...``, seen on the CPU build with the adapters of
     ``make models``). Refused before any weights load, naming ``key``."""
-    if has_lora and method in HEAD_METHODS:
+    if has_lora and reads_hidden_states(method):
         raise SpecError(
             key,
             f"LoRA adapters cannot run beside an {method.upper()} head on vLLM 0.32: the head shares "
@@ -349,7 +350,8 @@ def check_head_fits(directory: Path, config: dict, target: dict, method: str, ke
             f"the head's lm_head has {lm_head[0]} rows and its config a draft vocabulary of "
             f"{draft_vocab}: the checkpoint does not match its own config",
         )
-    if method != "eagle3" or not isinstance(t_layers, int):
+    known = method_named(method)
+    if known is None or not known.aux_layers or not isinstance(t_layers, int):
         return
     ids = aux_layer_ids(head, t_layers)
     bad = [i for i in ids if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < t_layers]

@@ -22,9 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from batchspec.errors import SpecError, quoted
-
-#: The methods whose model reads the target's hidden states.
-HEAD_METHODS = ("eagle", "eagle3")
+from batchspec.spec.methods import DRAFT_MODEL, detect
 
 #: The most bytes of a config.json read. Real ones are a few kB (a multimodal model's, with its
 #: vision and text configs, some tens of kB); this is a hundredfold margin.
@@ -213,18 +211,10 @@ def text_config(config: dict) -> dict:
 
 
 def checkpoint_method(config: dict) -> str:
-    """``eagle3``, ``eagle`` or ``draft_model``: what a checkpoint's config says it is. Takes a
-    config whose fields have any type (a mistyped one is :func:`load_config`'s to refuse)."""
-    kind = config.get("speculators_model_type")
-    if isinstance(kind, str) and kind:
-        return {"peagle": "eagle3"}.get(kind, kind)
-    archs = config.get("architectures")
-    archs = [a for a in archs if isinstance(a, str)] if isinstance(archs, list) else []
-    if any("eagle3" in a.lower() for a in archs):
-        return "eagle3"
-    if any("eagle" in a.lower() for a in archs) or config.get("model_type") == "eagle":
-        return "eagle"
-    return "draft_model"
+    """``eagle3``, ``eagle`` or ``draft_model``: what a checkpoint's config says it is, as each
+    method describes itself (:func:`batchspec.spec.methods.detect`). Takes a config whose fields
+    have any type (a mistyped one is :func:`load_config`'s to refuse)."""
+    return detect(config)
 
 
 def method_of(model: str) -> str:
@@ -232,7 +222,7 @@ def method_of(model: str) -> str:
     batchspec cannot read before vLLM does, and for a config it cannot read, which the checks
     then refuse naming the key)."""
     config = read_config(model)
-    return "draft_model" if config is None else checkpoint_method(config)
+    return DRAFT_MODEL.name if config is None else checkpoint_method(config)
 
 
 def head_layer_config(config: dict) -> dict:

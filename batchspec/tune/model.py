@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from batchspec.redact import public_spec
+from batchspec.spec.methods import NGRAM
 
 #: num_speculative_tokens tried for each draft model unless ``--k`` says otherwise.
 DEFAULT_K = (1, 2, 3, 4, 5, 6)
@@ -18,7 +19,7 @@ NGRAM_K = (2, 4)
 
 
 #: The n-gram speculative config, without its k.
-NGRAM_BASE = {"method": "ngram", "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+NGRAM_BASE = {"method": NGRAM.name, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
 
 
 #: The smallest relative noise the recommendation rule uses: two or three repeats can agree by

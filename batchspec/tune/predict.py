@@ -10,6 +10,7 @@ import statistics
 
 import yaml
 
+from batchspec.spec.methods import method
 from batchspec.tune.model import (
     MIN_NOISE,
     OBJECTIVES,
@@ -186,7 +187,8 @@ def batch_size_schedule(levels: dict[int, tuple[dict | None, int]], max_num_seqs
         for cfg, _ in levels.values()
     }
     configs = [cfg for cfg, _ in levels.values()]
-    if len(bases) != 1 or configs[0].get("method") != "draft_model":
+    known = method(configs[0].get("method"))
+    if len(bases) != 1 or known is None or not known.batch_size_k:
         return None  # two different drafts, or a method the CPU check did not cover
     ks = {c: k for c, (_, k) in levels.items()}
     if len(set(ks.values())) == 1:

@@ -10,6 +10,7 @@ from pathlib import Path
 from batchspec.redact import sanitize_url
 from batchspec.spec.build import build_spec
 from batchspec.spec.checkpoints import method_of
+from batchspec.spec.methods import NGRAM, family_label
 from batchspec.spec.model import JobSpec
 from batchspec.tune.model import (
     NGRAM_BASE,
@@ -23,7 +24,7 @@ def draft_label(model: str, taken: set[str]) -> str:
     path where two share one, numbered where even that is taken. URLs pass through the
     sanitiser ``run`` uses (no ``user:password@``, no query such as ``?sig=``)."""
     shown = sanitize_url(str(model)).rstrip("/") or sanitize_url(str(model))
-    reserved = {"off", "ngram", *taken}
+    reserved = {"off", NGRAM.name, *taken}
     name = Path(shown).name or shown
     if name in reserved:
         name = shown
@@ -47,8 +48,9 @@ def candidates(
     ``eagle3``/``eagle`` for a head: batchspec.spec.checkpoints)."""
     fixed = [Candidate("off", None, "off")]
     job = dict(spec.speculative) if spec.speculative else None
-    if ngram or (job and job.get("method") == "ngram"):
-        base = job if job and job.get("method") == "ngram" else NGRAM_BASE
+    job_ngram = bool(job) and job.get("method") == NGRAM.name
+    if ngram or job_ngram:
+        base = job if job_ngram else NGRAM_BASE
         ngram_ks = sorted(
             set(NGRAM_K)
             | ({job["num_speculative_tokens"]} if base is job and "num_speculative_tokens" in job else set())
@@ -56,11 +58,15 @@ def candidates(
         for k in ngram_ks:
             fixed.append(
                 Candidate(
-                    f"ngram k={k}", {**base, "num_speculative_tokens": k}, "ngram", k, from_job=base is job
+                    f"{NGRAM.name} k={k}",
+                    {**base, "num_speculative_tokens": k},
+                    NGRAM.name,
+                    k,
+                    from_job=base is job,
                 )
             )
     bases: list[dict] = []
-    if job and job.get("method") != "ngram":
+    if job and not job_ngram:
         bases.append(job)
     for path in drafts:
         if any(b.get("model") == path for b in bases):
@@ -70,9 +76,9 @@ def candidates(
     families: dict[str, list[Candidate]] = {}
     for base in bases:
         name = draft_label(base.get("model") or base.get("method", "draft"), set(families))
-        if base.get("method") not in (None, "draft_model"):
-            method = sanitize_url(str(base["method"]))
-            name = _unique(f"{method}:{name}" if base.get("model") else method, set(families))
+        labelled = family_label(base.get("method"), name, bool(base.get("model")))
+        if labelled != name:
+            name = _unique(labelled, set(families))
         families[name] = [
             Candidate(f"{name} k={k}", {**base, "num_speculative_tokens": k}, name, k, from_job=base is job)
             for k in sorted(set(ks))

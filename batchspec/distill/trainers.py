@@ -1,0 +1,225 @@
+"""distill's trainers, one per method it trains: what differs between training a draft model
+and an EAGLE-3 head, and nothing else (:mod:`batchspec.distill.session` runs the steps they
+share: the sample, the target's text, the evaluation, the install decision, the card).
+
+Each method's object (:mod:`batchspec.spec.methods`) names its trainer here by
+``"module:name"``; :meth:`batchspec.spec.methods.Method.trainer` imports it on first use. A
+trainer:
+
+- ``check(spec, opts)``: the options it refuses before any work (SpecError, exit 2);
+- ``start(spec, opts, say)``: the model to train (its size is part of how much data it needs);
+- ``train(spec, opts, model, examples, validation, steps, ...)``: the training, its result a
+  :class:`batchspec.distill.train.TrainResult` (or EAGLE-3's own, with the same fields);
+- ``save(model, spec, built, parameters, say)``: the model as vLLM loads it, into ``built``,
+  returning its layers for the card.
+
+torch, transformers and the trainers' own modules are imported inside each call, so that
+checking the options imports none of them."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from batchspec.distill.card import public_path
+from batchspec.distill.options import DistillOptions, job_k
+from batchspec.errors import SpecError
+from batchspec.spec.methods import DRAFT_MODEL, EAGLE3
+from batchspec.spec.model import JobSpec
+
+Say = Callable[[str], None]
+
+
+class DraftModelTrainer:
+    """A small model of its own, started from ``--draft`` or from the target's first layers,
+    trained on the target's tokens (batchspec/distill/train.py)."""
+
+    method = DRAFT_MODEL
+
+    def check(self, spec: JobSpec, opts: DistillOptions) -> None:
+        for name, given in (("--head", opts.head), ("--aux-layers", opts.aux_layers)):
+            if given:
+                raise SpecError(name, "applies to --method eagle3 (an EAGLE-3 head) only")
+        if opts.init == "draft" and not opts.draft:
+            raise SpecError("--draft", "give the draft to start from, or --init target --layers N")
+
+    def start(self, spec: JobSpec, opts: DistillOptions, say: Say) -> Any:
+        from batchspec.distill import train
+
+        if opts.init == "target":
+            say(f"new draft: the target's embeddings, first {opts.layers} layer(s) and head")
+            return train.draft_from_target(spec.model.target, opts.layers)
+        return train.load_draft(opts.draft)
+
+    def train(
+        self,
+        spec: JobSpec,
+        opts: DistillOptions,
+        draft: Any,
+        examples: list[dict],
+        validation: list[dict],
+        steps: int,
+        *,
+        window: int,
+        features: Path,
+        say: Say,
+        deadline: float | None,
+    ) -> Any:
+        from batchspec.distill import train
+
+        _, special = train.tokenizer_vocab(spec.model.target)
+        pad_id = next((v for v in (special["pad"], special["eos"], 0) if v is not None), 0)
+        return train.train_draft(
+            draft,
+            examples,
+            steps,
+            opts.lr,
+            opts.batch_size,
+            opts.seed,
+            pad_id,
+            progress=say,
+            window=window,
+            validation=validation,
+            patience=opts.patience,
+            deadline=deadline,
+        )
+
+    def save(self, draft: Any, spec: JobSpec, built: Path, parameters: int, say: Say) -> int:
+        from batchspec.distill import train
+
+        train.save_draft(draft, spec.model.target, built)
+        layers = draft.config.num_hidden_layers
+        say(f"built the new draft ({parameters / 1e6:.2f}M parameters, {layers} layers)")
+        return layers
+
+
+class Eagle3Trainer:
+    """An EAGLE-3 head on the target's hidden states, new or continued from ``--head``, trained on
+    features from the target's own forward pass (batchspec/distill/eagle3.py)."""
+
+    method = EAGLE3
+
+    def check(self, spec: JobSpec, opts: DistillOptions) -> None:
+        """What ``--method eagle3`` refuses: the draft model's options, a ``--head`` that is not
+        an EAGLE-3 head fitting the target, auxiliary layers the target does not have."""
+        from batchspec.engine.heads import check_head_fits
+        from batchspec.spec.checkpoints import read_config, text_config
+        from batchspec.spec.methods import detect
+
+        if opts.draft:
+            raise SpecError(
+                "--draft",
+                "--method eagle3 trains a head: give the head to start from with --head (none: a new head)",
+            )
+        if opts.init != "draft" or opts.layers != 1:
+            raise SpecError(
+                "--init" if opts.init != "draft" else "--layers",
+                "applies to draft models: a head is one decoder layer on the target's hidden states",
+            )
+        if opts.logprobs:
+            raise SpecError(
+                "--logprobs",
+                "a head learns the target's greedy token from the target's own forward pass (its "
+                "full logits, no top-K needed): leave --logprobs out with --method eagle3",
+            )
+        target = read_config(spec.model.target)
+        if target is None:
+            raise SpecError(
+                "model.target",
+                f"{spec.model.target}: --method eagle3 reads the target's hidden states with its own "
+                "forward pass, so the target must be a local model directory with a config.json",
+            )
+        target = text_config(target)
+        layers = int(target.get("num_hidden_layers") or 0)
+        if opts.head:
+            config = read_config(opts.head)
+            if config is None:
+                raise SpecError("--head", f"{opts.head}: not a local model directory with a config.json")
+            found = detect(config)
+            if found != self.method.name:
+                raise SpecError(
+                    "--head", f"{opts.head} is not an EAGLE-3 head (its config.json says {found})"
+                )
+            if opts.aux_layers:
+                raise SpecError("--aux-layers", "--head has its own auxiliary layers: leave --aux-layers out")
+            check_head_fits(Path(opts.head).expanduser(), config, target, self.method.name, "--head")
+        if opts.aux_layers is not None:
+            bad = [i for i in opts.aux_layers if not 0 <= i < layers]
+            if bad or not opts.aux_layers:
+                raise SpecError(
+                    "--aux-layers",
+                    f"{list(opts.aux_layers)}: the target has {layers} layers (ids 0..{layers - 1})",
+                )
+
+    def start(self, spec: JobSpec, opts: DistillOptions, say: Say) -> Any:
+        from batchspec.distill import eagle3
+
+        if opts.head:
+            say(f"head: continuing {public_path(opts.head)}")
+            return eagle3.load_head(opts.head, spec.model.target)
+        config = eagle3.head_config(
+            eagle3.target_config(spec.model.target),
+            list(opts.aux_layers) if opts.aux_layers else None,
+            k=job_k(spec),
+            verifier=public_path(spec.model.target) or "",
+        )
+        say(
+            "new EAGLE-3 head on the target's layers "
+            f"{config['eagle_aux_hidden_state_layer_ids']} (its output layer copied from the target)"
+        )
+        return eagle3.new_head(spec.model.target, config, seed=opts.seed)
+
+    def train(
+        self,
+        spec: JobSpec,
+        opts: DistillOptions,
+        head: Any,
+        examples: list[dict],
+        validation: list[dict],
+        steps: int,
+        *,
+        window: int,
+        features: Path,
+        say: Say,
+        deadline: float | None,
+    ) -> Any:
+        """The target's hidden states for the training and validation rows (streamed to chunk
+        files under ``features``), then the head trained on them."""
+        from batchspec.distill import eagle3
+
+        aux = list(head.config["eagle_aux_hidden_state_layer_ids"])
+        tag = "-".join(map(str, aux))
+        say(f"features: the target's hidden states at layers {aux}, from its own forward pass")
+        train = eagle3.collect_features(
+            spec.model.target, examples, aux, features / f"train-{tag}", say=say, deadline=deadline
+        )
+        held = eagle3.collect_features(
+            spec.model.target, validation, aux, features / f"validation-{tag}", say=say, deadline=deadline
+        )
+        if not train.files:
+            raise SpecError("--max-minutes", "no time was left to train the head: give it more minutes")
+        say(f"training the head on {train.sequences} sequences ({train.tokens} tokens)")
+        return eagle3.train_head(
+            head,
+            train.files,
+            held.files,
+            steps,
+            opts.lr,
+            opts.batch_size,
+            opts.seed,
+            say=say,
+            patience=opts.patience,
+            deadline=deadline,
+        )
+
+    def save(self, head: Any, spec: JobSpec, built: Path, parameters: int, say: Say) -> int:
+        from batchspec.distill import eagle3
+
+        eagle3.save_head(head, built)
+        say(f"built the new head ({parameters / 1e6:.2f}M parameters)")
+        return 1
+
+
+DRAFT_MODEL_TRAINER = DraftModelTrainer()
+EAGLE3_TRAINER = Eagle3Trainer()
