@@ -117,7 +117,7 @@ def choose_speculation(
     if not (remeasure or auto.remeasure):
         record = out.read_json(path)
         if record is None and out.exists(path):
-            chosen, why = None, "it is not readable as JSON (torn, or null)"
+            chosen, why = None, "it is not a JSON object (torn, null, or of another shape)"
         elif record is None:
             chosen, why = None, None
         else:
