@@ -165,6 +165,10 @@ class IcebergFileReader(ParquetReader):
 
     def rows(self):
         import pyarrow as pa
+
+        # pyiceberg's public ArrowScan.to_record_batches makes a list of each data file's
+        # batches before it yields one: a shard whole in memory. These two are the streaming
+        # path it calls itself; no public name reads one file's batches as they come.
         from pyiceberg.io.pyarrow import ArrowScan, _read_all_delete_files
 
         scan, task = self.source._scan, self.shard.table.task

@@ -61,6 +61,8 @@ def _exclusion(fs, exclude: str) -> frozenset | None:
     if protocol:
         if FAMILIES.get(protocol, protocol) != store_family(fs):
             return None
+        # a URL as this filesystem's path: fsspec's API reference documents _strip_protocol
+        # for it, and has no name without the underscore
         path = fs._strip_protocol(last)
     elif store_family(fs) in OBJECT_FAMILIES and os.path.isabs(exclude):
         return None  # a local output path: bucket keys never start with /

@@ -283,7 +283,8 @@ class TableOutput(ParquetOutput):
     def open_shard(self, out, name):
         """One of the table's current data files (batchspec's by shard, others by path)."""
         url = out.table_state.files.get(name) or out.table_state.other_files[name]
-        path = out.fs._strip_protocol(url) if "://" in url else url
+        # the table's URLs are the output's display URL (``protocol://path``) and a relative path
+        path = url.split("://", 1)[1] if "://" in url else url
         committed = self._footer(out, path, url)
         committed.name = name
         return committed

@@ -38,15 +38,38 @@ class FileFormat:
 PARQUET_FILE = FileFormat("parquet")
 
 
+class TableSource(Protocol):
+    """An input table at one pin (:class:`batchspec.io.delta.DeltaInput`, ``...IcebergInput``,
+    ``...LanceInput``): what planning, sampling and reading ask of it."""
+
+    #: The ``input.format`` it reads.
+    format: str
+    #: The table as messages name it (no credentials).
+    shown: str
+    #: What the input pin records as the table's identity.
+    identity: str
+
+    def latest(self) -> int | None:
+        """The latest version (snapshot); None for an empty table allowed by the spec."""
+
+    def shards(self, pin: int | None) -> list[Shard]:
+        """The data files at ``pin``, as shards."""
+
+    def arrow_schema(self) -> pa.Schema:
+        """The table's columns at the pin the last :meth:`shards` read."""
+
+    def reader(self, shard: Shard, spec: Any) -> Any:
+        """The reader of one of its data files."""
+
+
 @dataclass
 class TableFile:
     """What a shard of an input table carries beside its URL: the log's or manifest's numbers."""
 
     #: Rows, from the log's statistics or the manifest (None where the log has no statistics).
     rows: int | None
-    #: The table source it comes from (:class:`batchspec.io.delta.DeltaInput`, ``...IcebergInput``,
-    #: ``...LanceInput``).
-    source: Any
+    #: The table source it comes from.
+    source: TableSource
     #: Delta: the file's partition values (strings, as the log has them).
     partition: dict[str, Any] = field(default_factory=dict)
     #: Iceberg: the scan task (the data file and its delete files).
