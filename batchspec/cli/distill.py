@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -12,9 +13,52 @@ from batchspec.distill.options import DistillOptions
 from batchspec.distill.outdir import OutLock
 from batchspec.distill.session import check_options, distill, render_table
 from batchspec.errors import EXIT_SIGINT, NotInstalled
-from batchspec.spec.methods import DRAFT_MODEL, TRAINABLE
 
 # --------------------------------------------------------------------------- command line
+
+
+class _LayerIds(click.ParamType):
+    """``I,J,K``: the target's layer ids, as a tuple."""
+
+    name = "I,J,K"
+
+    def convert(self, value, param, ctx):
+        if value is None or isinstance(value, tuple):
+            return value
+        try:
+            return tuple(int(i) for i in str(value).split(",") if i.strip())
+        except ValueError:
+            self.fail(f"expected layer ids like 1,2,3, got {value!r}", param, ctx)
+
+
+def _options_of(cls):
+    """``click.option`` for each field of ``cls`` that :func:`batchspec.distill.options.option`
+    describes, in field order: its flag, default and help are the field's."""
+
+    def apply(command):
+        for f in reversed(dataclasses.fields(cls)):
+            cli = f.metadata.get("cli")
+            if cli is None:
+                continue
+            cli = dict(cli)
+            flag = cli.pop("flag", None) or "--" + f.name.replace("_", "-")
+            kwargs = {"default": f.default, "help": cli.pop("help")}
+            if cli.pop("path", False):
+                kwargs["type"] = click.Path(file_okay=False)
+            if cli.pop("layer_ids", False):
+                kwargs["type"] = _LayerIds()
+            choices = cli.pop("choices", None)
+            if choices is not None:
+                kwargs["type"] = click.Choice(list(choices))
+            if "type" not in kwargs and "type" not in cli and not cli.get("is_flag") and "/" not in flag:
+                kwargs["type"] = type(f.default)
+            if f.default is not None and not cli.get("is_flag"):
+                kwargs["show_default"] = True
+            kwargs.update(cli)
+            command = click.option(*flag.split(" "), f.name, **kwargs)(command)
+        return command
+
+    return apply
 
 
 @click.command("distill")
@@ -26,132 +70,7 @@ from batchspec.spec.methods import DRAFT_MODEL, TRAINABLE
     metavar="KEY=VALUE",
     help="Override a spec key (dotted; value parsed as YAML). Repeatable.",
 )
-@click.option(
-    "--draft",
-    type=click.Path(file_okay=False),
-    default=None,
-    help="The draft to start from (and to compare against); its tokenizer must be the target's.",
-)
-@click.option(
-    "--method",
-    type=click.Choice(list(TRAINABLE)),
-    default=DRAFT_MODEL.name,
-    show_default=True,
-    help="What to train: a draft model, or an EAGLE-3 head on the target's hidden states.",
-)
-@click.option(
-    "--head",
-    type=click.Path(file_okay=False),
-    default=None,
-    help="With --method eagle3: the head to continue from (and to compare against); none: a new head.",
-)
-@click.option(
-    "--aux-layers",
-    default=None,
-    metavar="I,J,K",
-    help="With --method eagle3 and no --head: the target's layers whose hidden states the new "
-    "head reads (default: 1, the middle one, the last).",
-)
-@click.option(
-    "--max-minutes",
-    type=float,
-    default=None,
-    help="Bound the data and the training to this many minutes (the evaluation then runs to its end).",
-)
-@click.option(
-    "--out",
-    type=click.Path(file_okay=False),
-    required=True,
-    help="Directory for the new draft or head (weights, config, batchspec-model.json), "
-    "replaced whole when distill ends; .NAME.batchspec-distill/ beside it keeps "
-    "the generated data for a restart.",
-)
-@click.option(
-    "--init",
-    type=click.Choice(["draft", "target"]),
-    default="draft",
-    show_default=True,
-    help="draft: train --draft further; target: a new draft from the target's own "
-    "embeddings, first --layers layers and head.",
-)
-@click.option(
-    "--layers", type=int, default=1, show_default=True, help="Layers of the new draft with --init target."
-)
-@click.option(
-    "--sample",
-    type=int,
-    default=2000,
-    show_default=True,
-    help="Prompts drawn from the job's input (seeded), held-out ones included.",
-)
-@click.option(
-    "--holdout",
-    "heldout",
-    type=int,
-    default=200,
-    show_default=True,
-    help="Prompts of the sample kept for evaluation (at most half of it).",
-)
-@click.option(
-    "--logprobs",
-    type=int,
-    default=0,
-    show_default=True,
-    metavar="K",
-    help="Keep the target's top-K log-probabilities per token and add a KL term.",
-)
-@click.option("--steps", type=int, default=300, show_default=True)
-@click.option("--lr", type=float, default=2e-3, show_default=True)
-@click.option("--batch-size", type=int, default=16, show_default=True)
-@click.option(
-    "--seed", type=int, default=0, show_default=True, help="Seeds the sample, the split and the training."
-)
-@click.option(
-    "--k",
-    type=int,
-    default=None,
-    help="Speculative tokens per step in the evaluation (default: the job's, else 4).",
-)
-@click.option(
-    "--eval-concurrency",
-    type=int,
-    default=None,
-    help="Requests in flight in the evaluation (default: execution.max_in_flight).",
-)
-@click.option(
-    "--eval/--no-eval",
-    "evaluate_",
-    default=True,
-    show_default=True,
-    help="Measure acceptance before and after on the held-out prompts.",
-)
-@click.option(
-    "--force",
-    is_flag=True,
-    help="Install the new draft even where its held-out acceptance does not beat --draft's by "
-    "more than the noise (or was not measured: --no-eval).",
-)
-@click.option(
-    "--validation",
-    type=int,
-    default=None,
-    help="Prompts of the sample whose continuations judge the training as it goes, never "
-    "trained on (default: a tenth of the rest, 2 to 200; none below 10).",
-)
-@click.option(
-    "--patience",
-    type=int,
-    default=3,
-    show_default=True,
-    help="Evaluations of held-out top-1 agreement without a new best before training stops.",
-)
-@click.option(
-    "--chunk-rows",
-    type=int,
-    default=128,
-    show_default=True,
-    help="Generated rows per committed chunk: a killed run loses at most this many.",
-)
+@_options_of(DistillOptions)
 @click.option(
     "--json",
     "as_json",
@@ -159,34 +78,7 @@ from batchspec.spec.methods import DRAFT_MODEL, TRAINABLE
     help="Print {before, after, out, decision} as one JSON object on stdout.",
 )
 @click.option("-v", "--verbose", is_flag=True, help="Show vLLM's own logs.")
-def distill_command(
-    job,
-    overrides,
-    draft,
-    method,
-    head,
-    aux_layers,
-    max_minutes,
-    out,
-    init,
-    layers,
-    sample,
-    heldout,
-    logprobs,
-    steps,
-    lr,
-    batch_size,
-    seed,
-    k,
-    eval_concurrency,
-    evaluate_,
-    force,
-    validation,
-    patience,
-    chunk_rows,
-    as_json,
-    verbose,
-):
+def distill_command(job, overrides, as_json, verbose, **options):
     """Fine-tune a draft (or train an EAGLE-3 head: --method eagle3) on the target's own outputs
     for JOB's prompts, and measure acceptance before and after on held-out prompts."""
     import os
@@ -196,36 +88,8 @@ def distill_command(
 
     quiet_vllm(verbose)
     spec = load_job(job, overrides)
-    try:
-        aux = None if aux_layers is None else tuple(int(i) for i in aux_layers.split(",") if i.strip())
-    except ValueError:
-        fail_usage = f"--aux-layers: expected layer ids like 1,2,3, got {aux_layers!r}"
-        raise click.BadParameter(fail_usage, param_hint="--aux-layers") from None
     opts = DistillOptions(
-        out=Path(out),
-        draft=draft,
-        method=method,
-        head=head,
-        aux_layers=aux,
-        max_minutes=max_minutes,
-        init=init,
-        layers=layers,
-        sample=sample,
-        heldout=heldout,
-        logprobs=logprobs,
-        steps=steps,
-        lr=lr,
-        batch_size=batch_size,
-        seed=seed,
-        k=k,
-        eval_concurrency=eval_concurrency,
-        evaluate=evaluate_,
-        force=force,
-        validation=validation,
-        patience=patience,
-        chunk_rows=chunk_rows,
-        job_path=job,
-        overrides=tuple(overrides),
+        **{**options, "out": Path(options["out"])}, job_path=job, overrides=tuple(overrides)
     )
     try:
         # before the log redirection: refusals reach the terminal as is, before any engine

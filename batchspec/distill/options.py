@@ -6,54 +6,98 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from batchspec.spec.methods import DRAFT_MODEL, reads_hidden_states
+from batchspec.spec.methods import DRAFT_MODEL, TRAINABLE, reads_hidden_states
 from batchspec.spec.model import JobSpec
 
 #: Speculative tokens per step when the job names no draft.
 DEFAULT_K = 4
 
 
+def option(default: Any = None, help: str = "", flag: str | None = None, **click_kwargs: Any) -> Any:
+    """A field of :class:`DistillOptions` and its command-line option, described once: the
+    default and the help are the field's; ``flag`` is the option's name where it is not the
+    field's (``--holdout``); ``click_kwargs`` go to ``click.option`` (a type, choices, a
+    metavar). ``batchspec distill``'s options and the CLI reference are made from these."""
+    return field(default=default, metadata={"cli": {"help": help, "flag": flag, **click_kwargs}})
+
+
 @dataclass
 class DistillOptions:
-    """What ``batchspec distill`` was asked to do (its command-line options)."""
+    """What ``batchspec distill`` was asked to do: each field one command-line option
+    (``cli/distill.py`` builds them from :func:`option`), in the order ``--help`` lists them."""
 
-    out: Path
-    draft: str | None = None
-    #: What to train: ``draft_model`` (a small model) or ``eagle3`` (a head on the target's
-    #: hidden states, batchspec/distill/eagle3.py).
-    method: str = DRAFT_MODEL.name
-    #: The EAGLE-3 head to start from (and to compare against) with ``method: eagle3``; None:
-    #: a new head.
-    head: str | None = None
-    #: The target's layers whose hidden states a new head reads (None: eagle3.default_aux_layers).
-    aux_layers: tuple[int, ...] | None = None
-    #: Wall-clock minutes for the data and the training (the evaluation that follows runs to
-    #: its end); None: no bound.
-    max_minutes: float | None = None
-    #: "draft": start from ``draft``; "target": a new draft from the target's first ``layers``.
-    init: str = "draft"
-    layers: int = 1
-    sample: int = 2000
-    heldout: int = 200
-    #: Keep the target's top-K log-probabilities per token for the KL term (0: cross-entropy only).
-    logprobs: int = 0
-    steps: int = 300
-    lr: float = 2e-3
-    batch_size: int = 16
-    seed: int = 0
-    #: Speculative tokens per step in the evaluation (None: the job's, else DEFAULT_K).
-    k: int | None = None
-    #: Requests in flight during the evaluation (None: the job's execution.max_in_flight).
-    eval_concurrency: int | None = None
-    evaluate: bool = True
-    #: Install the new drafter even where it does not beat the starting one by more than the noise.
-    force: bool = False
-    #: Prompts of the sample whose continuations judge the training (None: validation_size's default).
-    validation: int | None = None
-    #: Evaluations of held-out agreement without a new best before training stops.
-    patience: int = 3
-    #: Generated rows per committed chunk (what a killed run can lose).
-    chunk_rows: int = 128
+    out: Path = option(
+        help="Directory for the new draft or head (weights, config, batchspec-model.json), "
+        "replaced whole when distill ends; .NAME.batchspec-distill/ beside it keeps "
+        "the generated data for a restart.",
+        path=True,
+        required=True,
+    )
+    draft: str | None = option(
+        help="The draft to start from (and to compare against); its tokenizer must be the target's.",
+        path=True,
+    )
+    method: str = option(
+        DRAFT_MODEL.name,
+        "What to train: a draft model, or an EAGLE-3 head on the target's hidden states.",
+        choices=TRAINABLE,
+    )
+    head: str | None = option(
+        help="With --method eagle3: the head to continue from (and to compare against); none: a new head.",
+        path=True,
+    )
+    aux_layers: tuple[int, ...] | None = option(
+        help="With --method eagle3 and no --head: the target's layers whose hidden states the new "
+        "head reads (default: 1, the middle one, the last).",
+        metavar="I,J,K",
+        layer_ids=True,
+    )
+    max_minutes: float | None = option(
+        help="Bound the data and the training to this many minutes (the evaluation then runs to its end).",
+        type=float,
+    )
+    init: str = option(
+        "draft",
+        "draft: train --draft further; target: a new draft from the target's own "
+        "embeddings, first --layers layers and head.",
+        choices=("draft", "target"),
+    )
+    layers: int = option(1, "Layers of the new draft with --init target.")
+    sample: int = option(2000, "Prompts drawn from the job's input (seeded), held-out ones included.")
+    heldout: int = option(200, "Prompts of the sample kept for evaluation (at most half of it).", "--holdout")
+    logprobs: int = option(
+        0, "Keep the target's top-K log-probabilities per token and add a KL term.", metavar="K"
+    )
+    steps: int = option(300, "Training steps.")
+    lr: float = option(2e-3, "Learning rate.")
+    batch_size: int = option(16, "Sequences per training step.")
+    seed: int = option(0, "Seeds the sample, the split and the training.")
+    k: int | None = option(
+        help=f"Speculative tokens per step in the evaluation (default: the job's, else {DEFAULT_K}).",
+        type=int,
+    )
+    eval_concurrency: int | None = option(
+        help="Requests in flight in the evaluation (default: execution.max_in_flight).", type=int
+    )
+    evaluate: bool = option(
+        True, "Measure acceptance before and after on the held-out prompts.", "--eval/--no-eval"
+    )
+    force: bool = option(
+        False,
+        "Install the new draft even where its held-out acceptance does not beat --draft's by "
+        "more than the noise (or was not measured: --no-eval).",
+        is_flag=True,
+    )
+    validation: int | None = option(
+        help="Prompts of the sample whose continuations judge the training as it goes, never "
+        "trained on (default: a tenth of the rest, 2 to 200; none below 10).",
+        type=int,
+    )
+    patience: int = option(
+        3, "Evaluations of held-out top-1 agreement without a new best before training stops."
+    )
+    chunk_rows: int = option(128, "Generated rows per committed chunk: a killed run loses at most this many.")
+    #: The job file, as given (the card names it); the command's argument, not an option.
     job_path: str | None = None
     #: The ``--set`` overrides, as given (the card shows them as written).
     overrides: tuple[str, ...] = ()
