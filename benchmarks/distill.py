@@ -60,7 +60,7 @@ def write_job(
 
 def large_tier(job: Path, models: Path, distilled: Path, args: argparse.Namespace) -> dict:
     """Starting vs distilled draft on the large target at concurrency 1 (held-out prompts)."""
-    from batchspec.distill.data import sample_rows
+    from batchspec.distill.data import draw_sample
     from batchspec.distill.session import evaluate
     from batchspec.spec.load import load_spec
 
@@ -68,7 +68,7 @@ def large_tier(job: Path, models: Path, distilled: Path, args: argparse.Namespac
     large = dataclasses.replace(
         spec, model=dataclasses.replace(spec.model, target=str(models / "target-large"))
     )
-    heldout = sample_rows(spec, args.sample, args.holdout, seed=0).heldout[: args.large]
+    heldout = draw_sample(spec, args.sample, args.holdout, seed=0).heldout[: args.large]
     before = evaluate(large, str(models / "draft"), heldout, 4, 1)
     after = evaluate(large, str(distilled), heldout, 4, 1)
     keys = ("acceptance_rate", "mean_acceptance_length", "output_tokens_per_s", "output_tokens")

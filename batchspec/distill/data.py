@@ -135,7 +135,7 @@ def split_validation(sample: Sample, size: int) -> Sample:
     )
 
 
-def sample_rows(spec: JobSpec, size: int, heldout: int, seed: int) -> Sample:
+def draw_sample(spec: JobSpec, size: int, heldout: int, seed: int) -> Sample:
     """Draw ``size`` rows from the job's input (``prompts.sample_rows``: seeded, one pass, memory
     for ``size`` rows only), then hold ``heldout`` of them out. Rows the runner would refuse
     (empty prompt, malformed messages) are left out."""

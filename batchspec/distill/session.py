@@ -221,11 +221,11 @@ def _distill(spec: JobSpec, opts: DistillOptions, say: Callable[[str], None]) ->
         MAX_EPOCHS,
         PARAMS_PER_TOKEN,
         data_fingerprint,
+        draw_sample,
         generate,
         generation_key,
         job_window,
         plan_data,
-        sample_rows,
         split_validation,
         supported_steps,
         validation_size,
@@ -239,7 +239,7 @@ def _distill(spec: JobSpec, opts: DistillOptions, say: Callable[[str], None]) ->
     baseline = bool(opts.start)  # the drafter a new one must beat
     deadline = None if opts.max_minutes is None else started + 60 * opts.max_minutes
 
-    sample = sample_rows(spec, opts.sample, opts.heldout, opts.seed)
+    sample = draw_sample(spec, opts.sample, opts.heldout, opts.seed)
     if not sample.train:
         raise InputDataError(
             ", ".join(spec.input.paths), "no prompts to sample: the input has no row that can be sent"

@@ -35,8 +35,9 @@ from batchspec.engine.lora import Adapters, check_lora
 from batchspec.engine.pacing import PrefixPacer
 from batchspec.engine.reasoning import Splitter
 from batchspec.engine.rows import Asked
+from batchspec.engine.tokens import length_error, prompt_token_ids
 from batchspec.errors import RuntimeFailure, SpecError
-from batchspec.io.reader import Row, length_error, prompt_token_ids
+from batchspec.io.reader import Row
 from batchspec.spec.model import JobSpec
 from batchspec.tasks import GENERATE
 

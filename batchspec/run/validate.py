@@ -11,8 +11,9 @@ from dataclasses import dataclass, field
 
 from batchspec.columns import error_reason
 from batchspec.engine.checks import max_model_len
+from batchspec.engine.tokens import length_error, prompt_token_ids
 from batchspec.errors import EXIT_BAD_INPUT, InputDataError
-from batchspec.io.reader import length_error, open_reader, prompt_token_ids
+from batchspec.io.reader import open_reader
 from batchspec.io.states import ShardState
 from batchspec.run.stages import plan
 from batchspec.spec.model import JobSpec

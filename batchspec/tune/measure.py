@@ -23,7 +23,7 @@ from batchspec.tune.model import (
 # --------------------------------------------------------------------------- sampling
 
 
-def sample_rows(spec: JobSpec, n: int, seed: int, shards=None) -> tuple[list[Row], int]:
+def sample_prompts(spec: JobSpec, n: int, seed: int, shards=None) -> tuple[list[Row], int]:
     """``prompts.sample_rows`` (seeded, uniform over every shard or over ``shards``, error rows
     left out), and bad input (exit 3) when there is nothing to sample."""
     from batchspec.io import reader as prompts

@@ -42,7 +42,7 @@ from batchspec.spec.model import JobSpec
 from batchspec.tune.measure import (
     measure_candidate,
     row_temperatures,
-    sample_rows,
+    sample_prompts,
 )
 from batchspec.tune.model import (
     OBJECTIVES,
@@ -196,7 +196,7 @@ class _Session:
             cand.label: candidate_spec(spec, cand.speculative, self.max_num_seqs)
             for cand in self.every_candidate()
         }
-        self.rows, self.seen = sample_rows(spec, options.sample, options.seed, shards)
+        self.rows, self.seen = sample_prompts(spec, options.sample, options.seed, shards)
         temps = row_temperatures(spec, self.rows)
         self.greedy = {rid for rid, t in temps.items() if t == 0}
         self.sampled = any(t is not None and t > 0 for t in temps.values())

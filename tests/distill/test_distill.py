@@ -397,7 +397,7 @@ def fake_pipeline(monkeypatch):
     rows = [SimpleNamespace(request_id=f"r{i}") for i in range(4)]
     monkeypatch.setattr(
         distill_data,
-        "sample_rows",
+        "draw_sample",
         lambda spec, size, heldout, seed: distill_data.Sample(train=rows, heldout=[], population=4),
     )
 
@@ -548,7 +548,7 @@ def _gate_setup(tmp_path, monkeypatch, old_rate: float, new_rate: float):
     train = [SimpleNamespace(request_id=f"r{i}") for i in range(4)]
     monkeypatch.setattr(
         distill_data,
-        "sample_rows",
+        "draw_sample",
         lambda spec, size, heldout_n, seed: distill_data.Sample(train=train, heldout=heldout, population=24),
     )
     old = tmp_path / "old-draft"
@@ -935,7 +935,7 @@ def test_distill_trains_on_an_openai_batch_jobs_lines_with_their_own_sampling(tm
         sampling={"temperature": 0.0, "max_tokens": 8},
     )
     spec = load_spec(job)
-    sample = distill_data.sample_rows(spec, size=20, heldout=2, seed=5)
+    sample = distill_data.draw_sample(spec, size=20, heldout=2, seed=5)
     rows = sample.train + sample.heldout
     assert sample.population == 8 and len(sample.heldout) == 2
     assert sorted(r.request_id for r in rows) == [f"c{i}" for i in range(8)]

@@ -718,7 +718,7 @@ def test_tune_measures_an_openai_batch_jobs_lines_and_writes_its_formats_back(
     run (not the refused one), each with its own body's sampling, and ``--write`` keeps
     ``input.format`` and ``output.format``; the written spec validates."""
     from batchspec.spec.load import load_spec
-    from batchspec.tune.measure import sample_rows
+    from batchspec.tune.measure import sample_prompts
 
     monkeypatch.setattr(FakeTuneEngine, "speedup", 4.0)
     monkeypatch.setenv("VLLM_LOGGING_LEVEL", "WARNING")
@@ -750,7 +750,7 @@ def test_tune_measures_an_openai_batch_jobs_lines_and_writes_its_formats_back(
     raw["output"] = {"path": str(tmp_path / "results"), "format": "openai"}
     job = tmp_path / "openai.yaml"
     job.write_text(yaml.safe_dump(raw))
-    rows, seen = sample_rows(load_spec(job), 20, seed=1)
+    rows, seen = sample_prompts(load_spec(job), 20, seed=1)
     assert seen == 9 and sorted(r.request_id for r in rows) == [f"c{i}" for i in range(9)]
     assert {r.request_id: r.overrides["max_tokens"] for r in rows}["c4"] == 12
     result = _tune_cli(
