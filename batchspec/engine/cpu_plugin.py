@@ -41,7 +41,9 @@ All act only on vLLM's CPU build and on the vLLM versions they were checked agai
 Drop this module and its entry point once the vLLM version batchspec pins has the upstream fix
 (vLLM issue #55005, PR #55006).
 
-The batchspec process asks :func:`active` whether engines it starts get the fixes."""
+The batchspec process asks :func:`active` whether engines it starts get the fixes. On every
+platform, the plugin also makes each engine process die with its parent
+(:mod:`batchspec.engine.lifeline`)."""
 
 from __future__ import annotations
 
@@ -136,6 +138,11 @@ def active() -> bool:
 
 def register() -> None:
     """The entry point vLLM calls in each of its processes; may be called more than once."""
+    if "lifeline" not in _applied:  # on every platform: not a fix of the CPU build's
+        from batchspec.engine.lifeline import hold
+
+        hold()
+        _applied.add("lifeline")
     reason = _gate()
     if reason is not None:
         log.debug("batchspec vLLM plugin does nothing: %s", reason)

@@ -31,6 +31,7 @@ from batchspec.engine.checks import (
     row_template_kwargs,
     template_kwargs,
 )
+from batchspec.engine.lifeline import arm
 from batchspec.engine.lora import Adapters, check_lora
 from batchspec.engine.pacing import PrefixPacer
 from batchspec.engine.reasoning import Splitter
@@ -142,6 +143,7 @@ class Engine:
             # a seeded request whose prompt is split across steps kills this engine (see
             # batchspec.engine.cpu_plugin); without the plugin's fix, prompts are prefilled whole
             kwargs.setdefault("enable_chunked_prefill", False)
+        arm()  # the engine's processes die with this one (batchspec/engine/lifeline.py)
         try:
             self.llm = LLM(model=spec.model.target, **kwargs)
         except _bad_value_errors() as exc:
