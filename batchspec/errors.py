@@ -120,6 +120,19 @@ class Interrupted(BatchspecError):
         super().__init__(message)
 
 
+def interrupted_within(exc: BaseException | None) -> Interrupted | None:
+    """The :class:`Interrupted` a signal raised, where ``exc`` is it or was raised from it
+    (vLLM's start-up and batchspec's own wrappers wrap what interrupts them): None for any
+    other failure. A stop is never taken for an engine that failed."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, Interrupted):
+            return exc
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
 class SpecError(BatchspecError):
     """A bad job spec or command line (exit 2). ``key`` is the dotted spec key at fault."""
 

@@ -37,7 +37,7 @@ from batchspec.engine.pacing import PrefixPacer
 from batchspec.engine.reasoning import Splitter
 from batchspec.engine.rows import Asked
 from batchspec.engine.tokens import length_error, prompt_token_ids
-from batchspec.errors import RuntimeFailure, SpecError
+from batchspec.errors import Interrupted, RuntimeFailure, SpecError, interrupted_within
 from batchspec.io.reader import Row
 from batchspec.spec.model import JobSpec
 from batchspec.tasks import GENERATE
@@ -150,6 +150,9 @@ class Engine:
             # vLLM validates its configs here: a bad engine or speculative value is a spec error.
             raise SpecError("model", f"vLLM refused the engine configuration: {exc}") from exc
         except Exception as exc:
+            stop = interrupted_within(exc)
+            if stop is not None:  # a signal during start-up: a stop, not an engine that failed
+                raise stop from exc
             raise RuntimeFailure(f"could not start the vLLM engine: {exc}") from exc
         self.engine = self.llm.llm_engine
         self.tokenizer = self.llm.get_tokenizer()
@@ -401,6 +404,8 @@ class Engine:
         output never ends the run."""
         try:
             return self.result(output, e2e_s, request.asked)
+        except Interrupted:
+            raise  # a signal while this output was read: the run's stop, not the row's error
         except Exception as exc:  # noqa: BLE001
             log.warning("cannot read the output of request %s", output.request_id, exc_info=True)
             why = f"cannot read the engine's output: {type(exc).__name__}: {exc}"

@@ -33,7 +33,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from batchspec.errors import RuntimeFailure, SpecError
+from batchspec.errors import RuntimeFailure, SpecError, interrupted_within
 from batchspec.redact import (
     scrub_text,
     secret_values,
@@ -279,6 +279,9 @@ class _Session:
         except RuntimeFailure as exc:
             if cand.speculative is None:
                 raise
+            stop = interrupted_within(exc)
+            if stop is not None:  # a signal, not this candidate's engine: the tune ends
+                raise stop from exc
             raise SkipCandidate(f"the engine failed: {exc}") from exc
         for c, lv in levels.items():
             refused = {

@@ -1006,3 +1006,35 @@ def test_a_level_too_quick_to_time_is_timed_on_more_rows_and_every_candidate_use
     second, _ = measure.measure_candidate(spec, rows, [1, 16], 1, None, sizes)
     assert second[1].rows == sizes[1][0] and set(second[1].texts) == set(first[1].texts)
     assert second[16].passes == first[16].passes
+
+
+@pytest.mark.vllm
+def test_a_stop_while_a_candidates_engine_starts_ends_the_tune_not_the_candidate(fake_job, monkeypatch):
+    """A SIGTERM raised while vLLM starts a candidate's engine reaches tune wrapped (vLLM's
+    start-up, then batchspec's RuntimeFailure): it is the run's stop, never that candidate's
+    failed engine, and no later candidate's engine starts."""
+    from batchspec.errors import Interrupted, RuntimeFailure
+    from batchspec.spec.load import load_spec
+    from batchspec.tune.session import run_tune
+
+    class Stopped(FakeTuneEngine):
+        def __init__(self, spec):
+            if spec.speculative is not None:
+                FakeTuneEngine.started.append(spec.speculative)
+                try:
+                    try:
+                        raise Interrupted("stopped by SIGTERM", signum=15)
+                    except Interrupted as exc:
+                        raise RuntimeError("Engine core initialization failed") from exc
+                except RuntimeError as exc:
+                    raise RuntimeFailure(f"could not start the vLLM engine: {exc}") from exc
+            super().__init__(spec)
+
+    import batchspec.engine.llm
+
+    monkeypatch.setattr(batchspec.engine.llm, "Engine", Stopped)
+    FakeTuneEngine.started.clear()
+    with pytest.raises(Interrupted) as caught:
+        run_tune(load_spec(fake_job), TuneOptions(sample=8, concurrency=[1], ks=[1, 2, 3], ngram=False))
+    assert caught.value.exit_code == 143
+    assert len([s for s in FakeTuneEngine.started if s is not None]) == 1
