@@ -27,6 +27,9 @@ SNIPPETS = [
     "for i in range(10):\n    total += i",
 ]
 OFF = json.dumps({"enable_thinking": False})
+#: Room for the reasoner's longest thinking and answer: a reasoner `make models` built replied to
+#: the second snippet in 109 greedy tokens, which 96 cut short.
+MAX_TOKENS = 192
 #: request id -> (snippet, chat_template_kwargs, thinking_token_budget, max_tokens)
 ROWS = {
     "think-0": (0, None, None, None),
@@ -68,7 +71,7 @@ def _job(tmp_path, name: str, speculative: dict | None):
         output={"path": str(tmp_path / name), "keep_columns": ["id"]},
         model=REASONER,
         speculative=speculative,
-        sampling={"temperature": 0.0, "max_tokens": 96},
+        sampling={"temperature": 0.0, "max_tokens": MAX_TOKENS},
     )
 
 
@@ -136,7 +139,11 @@ SCHEMA = {
 def test_answer_only_schema_and_openai_reasoning_field(tmp_path, shared_engines):
     lines = []
     for i, snippet in enumerate(SNIPPETS):
-        body = {"model": "reasoner", "messages": [{"role": "user", "content": snippet}], "max_tokens": 96}
+        body = {
+            "model": "reasoner",
+            "messages": [{"role": "user", "content": snippet}],
+            "max_tokens": MAX_TOKENS,
+        }
         if i == 3:
             body["chat_template_kwargs"] = {"enable_thinking": False}
         lines.append({"custom_id": f"c{i}", "method": "POST", "url": "/v1/chat/completions", "body": body})
