@@ -119,6 +119,9 @@ class OutputFormat:
     #: Whether shards are committed to a table (:mod:`batchspec.io.tables`) rather than by
     #: their files and manifests alone.
     table: ClassVar[bool] = False
+    #: Why ``output.parse_json`` (the typed ``answer`` column) is refused with this format;
+    #: None: the format writes it.
+    no_typed_answer: ClassVar[str | None] = None
     #: ``output`` keys only some formats read: those this one reads.
     keys: ClassVar[tuple[str, ...]] = ()
     #: The library the format writes with (exit 2 naming ``output.format`` where it is absent).
@@ -202,6 +205,10 @@ class OpenAIOutput(OutputFormat):
     )
     refused_keys = ("keep_columns", "row_group_rows", "compression")
     refused_why = "a Parquet option: output.format openai writes JSON lines; leave this key out"
+    no_typed_answer = (
+        "output.format openai writes OpenAI's result lines, whose message content is the "
+        "answer's JSON already; the typed answer column is for Parquet output"
+    )
 
     def writer(self, out, shard, output, kept_fields, metadata):
         return named("batchspec.io.openai_results:OpenAIResultWriter")(out, shard, metadata)

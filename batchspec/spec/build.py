@@ -143,12 +143,11 @@ def _parse_json(spec: JobSpec) -> JobSpec:
     ``model.engine.structured_outputs_config`` says otherwise."""
     if not spec.output.parse_json:
         return spec
-    if spec.output.format == "openai":
-        raise SpecError(
-            "output.parse_json",
-            "output.format openai writes OpenAI's result lines, whose message content is the "
-            "answer's JSON already; the typed answer column is for Parquet output",
-        )
+    from batchspec.io.output_formats import output_format
+
+    refused = output_format(spec.output.format).no_typed_answer
+    if refused is not None:
+        raise SpecError("output.parse_json", refused)
     if spec.output.keep_columns is not None and "answer" in spec.output.keep_columns:
         raise SpecError("output.keep_columns", "'answer' clashes with the column output.parse_json writes")
     constraint = spec.sampling.get("structured_outputs")
