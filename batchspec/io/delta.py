@@ -17,6 +17,7 @@ import urllib.parse
 from typing import TYPE_CHECKING, Any
 
 from batchspec.errors import InputDataError, RuntimeFailure, SpecError
+from batchspec.io.contained import table_relative
 from batchspec.io.formats import output_stem
 from batchspec.io.records import CommitResult, FileFormat, Shard, ShardFile, TableFile, TableState
 from batchspec.io.table_schema import check_output_schema
@@ -269,12 +270,9 @@ class DeltaInput:
 def relative_path(table_uri: str, uri: str) -> str:
     """A data file's path relative to the table's root (not %-encoded), from its full URI or
     local path, or from a path the log gives relative already."""
-    path = urllib.parse.unquote(uri)
-    root = urllib.parse.unquote(table_uri).rstrip("/")
-    for prefix in (root, root.removeprefix("file://"), "file://" + root.removeprefix("file://")):
-        if prefix and path.startswith(prefix + "/"):
-            return path[len(prefix) + 1 :]
-    return path
+    relative, _ = table_relative(table_uri, uri)
+    # a file outside the table matches none of the shards (table_member refuses those)
+    return relative if relative is not None else urllib.parse.unquote(uri)
 
 
 def check_filter(predicate: str, schema: pa.Schema, shown: str):
