@@ -8,15 +8,8 @@ target's width; one decoder layer reads the next token's embedding (the target's
 stored in the head) beside that fused state, with rotary positions; ``norm`` and ``lm_head`` give
 the proposal. Its later draft steps feed the layer's own pre-norm output back as the hidden state.
 
-**The features** come from the target's own forward pass in transformers
-(``output_hidden_states``), not from vLLM's hidden-state extraction: vLLM 0.32 extracts hidden
-states only as a speculative method of its own that hands them to a KV connector, one engine at
-a time beside the generating one, while the target's forward pass over the prompt and the
-continuation it already generated gives the same states (vLLM's auxiliary state at layer ``i`` is
-the residual stream entering layer ``i``, transformers' ``hidden_states[i]``) and its logits,
-whose argmax are the labels. They stream to disk in chunks of ``chunk_rows`` sequences
-(float16, safetensors); training reads one chunk at a time, so memory is bounded by a chunk
-whatever the sample.
+**The features** (the target's hidden states at the auxiliary layers and its greedy next
+token) come from the target's own forward pass: :mod:`batchspec.distill.features`.
 
 **Training** unrolls ``steps`` draft steps per position (EAGLE-3's training-time test): step 0
 reads the target's fused state, step ``s`` reads step ``s - 1``'s output at the same position,
@@ -28,7 +21,6 @@ tokens the head gets right in a row (:func:`expected_accepted`), which early sto
 from __future__ import annotations
 
 import json
-import os
 import random
 import time
 from collections.abc import Callable, Iterator
@@ -44,8 +36,6 @@ WEIGHTS = "model.safetensors"
 TTT_STEPS = 3
 #: Weight of draft step s's loss: STEP_DECAY ** s.
 STEP_DECAY = 0.8
-#: Tokens of a sequence (prompt and continuation) kept for training.
-MAX_TOKENS = 512
 #: Tokens of a sequence one training example holds: a random span of each sequence per batch
 #: (rotary attention depends on distances only, so a span trains like the same tokens in place;
 #: the cost of a step grows with its tokens).
@@ -344,81 +334,7 @@ def load_head(path: str, target_dir: str):
     return head
 
 
-# --------------------------------------------------------------------------- features
-
-
-@dataclass
-class Features:
-    """The chunk files of one sample's features, and what they hold."""
-
-    files: list[Path]
-    sequences: int
-    tokens: int
-
-
-def collect_features(
-    target_dir: str,
-    rows: list[dict],
-    aux_layers: list[int],
-    directory: Path,
-    chunk_rows: int = 32,
-    say: Callable[[str], None] | None = None,
-    deadline: float | None = None,
-) -> Features:
-    """The target's hidden states at ``aux_layers`` and its greedy next token, at every position
-    of each row's prompt and continuation, written as chunk files into ``directory`` (kept, and
-    reused by a restart with the same rows). One chunk in memory at a time."""
-    import torch
-    from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM
-
-    say = say or (lambda msg: None)
-    directory.mkdir(parents=True, exist_ok=True)
-    chunks = [rows[i : i + chunk_rows] for i in range(0, len(rows), chunk_rows)]
-    files, tokens_total, model = [], 0, None
-    started = time.monotonic()
-    try:
-        for n, chunk in enumerate(chunks):
-            path = directory / f"features-{n:05d}.safetensors"
-            seqs = [[*r["prompt_token_ids"], *r["output_token_ids"]][:MAX_TOKENS] for r in chunk]
-            if path.is_file():
-                files.append(path)
-                tokens_total += sum(len(s) for s in seqs)
-                continue
-            if deadline is not None and time.monotonic() > deadline:
-                say(f"--max-minutes reached: features of {n} of {len(chunks)} chunks collected")
-                break
-            tokens_total += sum(len(s) for s in seqs)
-            if model is None:
-                model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
-            width = max(len(s) for s in seqs)
-            ids = torch.zeros(len(seqs), width, dtype=torch.long)
-            mask = torch.zeros(len(seqs), width, dtype=torch.long)
-            for i, s in enumerate(seqs):
-                ids[i, : len(s)] = torch.tensor(s)
-                mask[i, : len(s)] = 1
-            with torch.no_grad():
-                out = model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
-            aux = torch.cat([out.hidden_states[i] for i in aux_layers], dim=-1)
-            tensors = {
-                "tokens": ids.to(torch.int32),
-                "lengths": mask.sum(1).to(torch.int32),
-                "labels": out.logits.argmax(-1).to(torch.int32),
-                "aux": aux.to(torch.float16).contiguous(),
-            }
-            tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
-            save_file(tensors, str(tmp))
-            os.replace(tmp, path)
-            files.append(path)
-            done = n + 1
-            elapsed = time.monotonic() - started
-            say(
-                f"features: chunk {done}/{len(chunks)} ({elapsed:.0f}s, about "
-                f"{elapsed / done * (len(chunks) - done):.0f}s left)"
-            )
-    finally:
-        del model
-    return Features(files=files, sequences=sum(len(c) for c in chunks[: len(files)]), tokens=tokens_total)
+# --------------------------------------------------------------------------- training
 
 
 def _load_chunk(path: Path) -> dict:
@@ -480,9 +396,9 @@ def step_losses(head, batch: dict, steps: int = TTT_STEPS) -> tuple[Any, list, i
         zero = head.fc.weight.sum() * 0.0
         return zero, [0] * steps, 0
     logits = head.unroll(tokens, batch["aux"], steps)
-    pos = torch.arange(length - 1)
+    pos = torch.arange(length - 1, device=tokens.device)
     total, weight = 0.0, 0.0
-    run = torch.ones(tokens.shape[0], length - 1, dtype=torch.bool)
+    run = torch.ones(tokens.shape[0], length - 1, dtype=torch.bool, device=tokens.device)
     right, positions = [], 0
     for s, step_logits in enumerate(logits):
         where = pos + 1 + s
@@ -499,20 +415,29 @@ def step_losses(head, batch: dict, steps: int = TTT_STEPS) -> tuple[Any, list, i
     return total / max(weight, 1e-9), right, positions
 
 
+def _on(batch: dict, device: str) -> dict:
+    """A batch's tensors on ``device``."""
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
 def expected_accepted(head, files: list[Path], batch_size: int = 16, steps: int = TTT_STEPS) -> float:
     """Mean over held-out positions of the tokens the head gets right in a row, up to
-    ``steps``: the tokens a greedy verification would accept per step beyond the target's own."""
+    ``steps``: the tokens a greedy verification would accept per step beyond the target's own.
+    On the head's device, in bf16 autocast there where it is CUDA (as it trains)."""
     import torch
 
+    from batchspec.distill.device import autocast
+
+    device = head.fc.weight.device.type
     right_total, positions = 0, 0
     head.eval()
-    with torch.no_grad():
+    with torch.no_grad(), autocast(device):
         for path in files:
             chunk = _load_chunk(path)
             n = chunk["tokens"].shape[0]
             for i in range(0, n, batch_size):
                 _, right, counted = step_losses(
-                    head, _take(chunk, list(range(i, min(n, i + batch_size)))), steps
+                    head, _on(_take(chunk, list(range(i, min(n, i + batch_size)))), device), steps
                 )
                 right_total += sum(right)
                 positions += counted
@@ -552,17 +477,21 @@ def train_head(
     patience: int = 3,
     deadline: float | None = None,
     interval_s: float = 10.0,
+    device: str | None = None,
 ) -> HeadTrainResult:
     """Train ``head`` in place (AdamW, warm-up then cosine); keep the weights with the best
     held-out :func:`expected_accepted`, measured about 20 times over the run, and stop after
-    ``patience`` measurements without a new best, or at ``deadline`` (time.monotonic)."""
+    ``patience`` measurements without a new best, or at ``deadline`` (time.monotonic).
+    ``device``: as the draft trainer's (:func:`batchspec.distill.train.train_draft`): bf16
+    autocast with fp32 master weights on CUDA, fp32 on at most MAX_TORCH_THREADS threads on
+    the CPU; None: CUDA where present. The head is back on the CPU when this returns."""
     import torch
 
+    from batchspec.distill import device as devices
     from batchspec.distill.train import MAX_TORCH_THREADS, EarlyStop, eval_interval, lr_at
 
     say = say or (lambda msg: None)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(max(1, min(MAX_TORCH_THREADS, threads)))
+    device = device or devices.resolve("auto")
     torch.manual_seed(seed)
     rng = random.Random(seed)
     started = last = time.monotonic()
@@ -577,13 +506,14 @@ def train_head(
         value = expected_accepted(head, validation, batch_size)
         history.append((step, round(value, 4)))
         if watch.record(step, value):
-            best_state = {k: v.detach().clone() for k, v in head.state_dict().items()}
+            best_state = {k: v.detach().to("cpu", copy=True) for k, v in head.state_dict().items()}
         say(
             f"held-out tokens right in a row at step {step}: {value:.3f} (best {watch.best:.3f} at "
             f"step {watch.best_step})"
         )
 
-    try:
+    with devices.cpu_threads(device, MAX_TORCH_THREADS):
+        head.to(device)
         head.train()
         params = [p for p in head.parameters() if p.requires_grad]
         opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, betas=(0.9, 0.95))
@@ -596,7 +526,8 @@ def train_head(
                 by_time = True
                 say(f"--max-minutes reached: training stopped at step {run} of {steps}")
                 break
-            loss, _, _ = step_losses(head, next(batches))
+            with devices.autocast(device):
+                loss, _, _ = step_losses(head, _on(next(batches), device))
             for group in opt.param_groups:
                 group["lr"] = lr_at(step, steps, lr, warmup)
             opt.zero_grad(set_to_none=True)
@@ -627,8 +558,9 @@ def train_head(
             if watch.best_step != run:
                 say(f"kept the weights of step {watch.best_step} (held-out {watch.best:.3f})")
         head.eval()
-    finally:
-        torch.set_num_threads(threads)
+        head.to("cpu")
+    if device == "cuda":
+        devices.release_gpu()
     return HeadTrainResult(
         steps=run,
         loss=loss_value,
@@ -639,6 +571,7 @@ def train_head(
         stopped_early=bool(validation) and run < steps and not by_time,
         stopped_by_time=by_time,
         history=history,
+        device=device,
     )
 
 

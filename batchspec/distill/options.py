@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from batchspec.distill.device import DEVICES
 from batchspec.spec.methods import DRAFT_MODEL, TRAINABLE, reads_hidden_states
 from batchspec.spec.model import JobSpec
 
@@ -72,6 +73,13 @@ class DistillOptions:
     lr: float = option(2e-3, "Learning rate.")
     batch_size: int = option(16, "Sequences per training step.")
     seed: int = option(0, "Seeds the sample, the split and the training.")
+    device: str = option(
+        "auto",
+        "Where the training and the target's forward pass for a head's features run: auto (CUDA "
+        "where torch.cuda.is_available(), else the CPU), cpu, or cuda (refused where there is none). "
+        "On CUDA in bf16 (training: autocast, fp32 master weights), on the CPU in fp32.",
+        choices=DEVICES,
+    )
     k: int | None = option(
         help=f"Speculative tokens per step in the evaluation (default: the job's, else {DEFAULT_K}).",
         type=int,

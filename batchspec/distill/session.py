@@ -151,6 +151,7 @@ def check_out(spec: JobSpec, opts: DistillOptions) -> None:
 def check_options(spec: JobSpec, opts: DistillOptions) -> None:
     """Everything that can be refused before any work: options, the output directory and the
     draft's vocabulary against the target's (SpecError, exit 2)."""
+    from batchspec.distill.device import resolve as resolve_device
     from batchspec.distill.train import check_vocabulary
 
     if opts.method not in TRAINABLE:
@@ -158,6 +159,8 @@ def check_options(spec: JobSpec, opts: DistillOptions) -> None:
     if opts.init not in ("draft", "target"):
         raise SpecError("--init", f"expected 'draft' or 'target', got {opts.init!r}")
     METHODS[opts.method].trainer().check(spec, opts)
+    if opts.device != "auto":  # auto needs no check (nor torch): it takes what there is
+        resolve_device(opts.device)
     if opts.max_minutes is not None and not opts.max_minutes > 0:
         raise SpecError("--max-minutes", f"expected minutes > 0, got {opts.max_minutes}")
     for name, value in (

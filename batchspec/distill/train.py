@@ -98,9 +98,9 @@ def draft_from_target(target_dir: str, layers: int):
     total = getattr(config, "num_hidden_layers", None)
     if total is None or not 1 <= layers <= total:
         raise SpecError("--layers", f"expected 1 to {total} (the target's layers), got {layers}")
-    target = AutoModelForCausalLM.from_pretrained(target_dir, torch_dtype=torch.float32)
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
     config.num_hidden_layers = layers
-    draft = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    draft = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     init_draft_from_target(draft, target)
     return draft
 
@@ -296,6 +296,7 @@ def train_draft(
     patience: int = PATIENCE,
     eval_every: int | None = None,
     deadline: float | None = None,
+    device: str | None = None,
 ) -> TrainResult:
     """Train ``draft`` in place on the target's continuations (cut into ``window``-token
     windows): cross-entropy on the target's tokens plus ``kl_weight`` x KL(target top-K ||
@@ -304,19 +305,17 @@ def train_draft(
     :func:`eval_interval`); training stops after ``patience`` evaluations without a new best,
     and the best weights (the starting ones included) are what the draft holds at the end.
     Training also stops at ``deadline`` (``time.monotonic()``), where given.
-    bf16 on CUDA when present, fp32 on the CPU (at most :data:`MAX_TORCH_THREADS` threads)."""
+    ``device``: ``"cuda"`` trains in bf16 autocast with fp32 master weights, ``"cpu"`` in fp32
+    with at most :data:`MAX_TORCH_THREADS` threads; None: CUDA where present
+    (:func:`batchspec.distill.device.resolve`)."""
     import torch
     import torch.nn.functional as F
 
+    from batchspec.distill import device as devices
+
     say = progress or (lambda msg: None)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(max(1, min(MAX_TORCH_THREADS, threads)))
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    autocast = (
-        torch.autocast("cuda", dtype=torch.bfloat16)
-        if device == "cuda"
-        else torch.autocast("cpu", enabled=False)
-    )
+    device = device or devices.resolve("auto")
+    autocast = devices.autocast(device)
     started = last = time.monotonic()
     loss_value = agree = None
     held = prepare_examples(validation, window) if validation else []
@@ -337,7 +336,7 @@ def train_draft(
             f"{watch.best_step})"
         )
 
-    try:
+    with devices.cpu_threads(device, MAX_TORCH_THREADS):
         torch.manual_seed(seed)
         gen = torch.Generator().manual_seed(seed)
         draft.to(device)
@@ -396,8 +395,8 @@ def train_draft(
                 say(f"kept the weights of step {watch.best_step} (held-out agreement {watch.best:.3f})")
         draft.eval()
         draft.to("cpu")
-    finally:
-        torch.set_num_threads(threads)
+    if device == "cuda":
+        devices.release_gpu()
     return TrainResult(
         steps=run,
         loss=loss_value,
@@ -428,4 +427,4 @@ def load_draft(path: str):
     import torch
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32)
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)

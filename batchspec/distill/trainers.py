@@ -66,10 +66,18 @@ class DraftModelTrainer:
         say: Say,
         deadline: float | None,
     ) -> Any:
+        from batchspec.distill import device as devices
         from batchspec.distill import train
 
         _, special = train.tokenizer_vocab(spec.model.target)
         pad_id = next((v for v in (special["pad"], special["eos"], 0) if v is not None), 0)
+        device = devices.resolve(opts.device)
+        if device == "cuda":
+            # fp32 weights, their gradients and AdamW's two moments: 16 bytes a parameter
+            parameters = sum(p.numel() for p in draft.parameters())
+            devices.wait_for_gpu_memory(
+                16 * parameters + devices.FORWARD_RESERVE, "the draft to train (fp32 master weights)", say
+            )
         return train.train_draft(
             draft,
             examples,
@@ -83,6 +91,7 @@ class DraftModelTrainer:
             validation=validation,
             patience=opts.patience,
             deadline=deadline,
+            device=device,
         )
 
     def save(self, draft: Any, spec: JobSpec, built: Path, parameters: int, say: Say) -> int:
@@ -185,18 +194,38 @@ class Eagle3Trainer:
         deadline: float | None,
     ) -> Any:
         """The target's hidden states for the training and validation rows (streamed to chunk
-        files under ``features``), then the head trained on them."""
+        files under ``features``; the target loaded once, on ``--device``), then the head
+        trained on them there."""
+        from batchspec.distill import device as devices
         from batchspec.distill import eagle3
+        from batchspec.distill import features as feats
 
+        device = devices.resolve(opts.device)
         aux = list(head.config["eagle_aux_hidden_state_layer_ids"])
         tag = "-".join(map(str, aux))
-        say(f"features: the target's hidden states at layers {aux}, from its own forward pass")
-        train = eagle3.collect_features(
-            spec.model.target, examples, aux, features / f"train-{tag}", say=say, deadline=deadline
-        )
-        held = eagle3.collect_features(
-            spec.model.target, validation, aux, features / f"validation-{tag}", say=say, deadline=deadline
-        )
+        say(f"features: the target's hidden states at layers {aux}, from its own forward pass on {device}")
+        target = feats.Target(spec.model.target, device, say)
+        try:
+            train = feats.collect_features(
+                spec.model.target,
+                examples,
+                aux,
+                features / f"train-{tag}",
+                say=say,
+                deadline=deadline,
+                target=target,
+            )
+            held = feats.collect_features(
+                spec.model.target,
+                validation,
+                aux,
+                features / f"validation-{tag}",
+                say=say,
+                deadline=deadline,
+                target=target,
+            )
+        finally:
+            target.close()
         if not train.files:
             raise SpecError("--max-minutes", "no time was left to train the head: give it more minutes")
         say(f"training the head on {train.sequences} sequences ({train.tokens} tokens)")
@@ -211,6 +240,7 @@ class Eagle3Trainer:
             say=say,
             patience=opts.patience,
             deadline=deadline,
+            device=device,
         )
 
     def save(self, head: Any, spec: JobSpec, built: Path, parameters: int, say: Say) -> int:

@@ -21,6 +21,7 @@ from domain_data import write_shards
 from helpers.jobs import ENGINE, MODELS, run_cli, write_job
 
 from batchspec.distill import eagle3
+from batchspec.distill import features as features_mod
 from batchspec.distill.options import DistillOptions
 from batchspec.distill.session import check_options
 from batchspec.errors import SpecError
@@ -65,7 +66,7 @@ def _rows(n: int, length: int, seed: int = 0) -> list[dict]:
 
 
 def test_features_stream_in_chunks_and_training_holds_one_at_a_time(tmp_path, models, monkeypatch):
-    features = eagle3.collect_features(
+    features = features_mod.collect_features(
         str(MODELS / "target"), _rows(10, 20), [1, 2, 3], tmp_path / "f", chunk_rows=4
     )
     assert [p.name for p in features.files] == [f"features-{i:05d}.safetensors" for i in range(3)]
@@ -74,7 +75,7 @@ def test_features_stream_in_chunks_and_training_holds_one_at_a_time(tmp_path, mo
     assert chunk["aux"].shape == (4, 29, 3 * 256) and str(chunk["aux"].dtype) == "torch.float16"
     # a restart with the same rows reuses the files; nothing is computed again
     monkeypatch.setattr("transformers.AutoModelForCausalLM.from_pretrained", None)
-    again = eagle3.collect_features(
+    again = features_mod.collect_features(
         str(MODELS / "target"), _rows(10, 20), [1, 2, 3], tmp_path / "f", chunk_rows=4
     )
     assert again.files == features.files
@@ -92,7 +93,9 @@ def test_features_stream_in_chunks_and_training_holds_one_at_a_time(tmp_path, mo
 
 def test_max_minutes_stops_training(tmp_path, random_head, models):
     head = eagle3.load_head(str(random_head), str(MODELS / "target"))
-    files = eagle3.collect_features(str(MODELS / "target"), _rows(4, 12), [1, 2, 3], tmp_path / "f").files
+    files = features_mod.collect_features(
+        str(MODELS / "target"), _rows(4, 12), [1, 2, 3], tmp_path / "f"
+    ).files
     result = eagle3.train_head(head, files, files, 50, 1e-3, 2, 0, deadline=time.monotonic() - 1)
     assert result.stopped_by_time and result.steps == 0 and not result.stopped_early
 

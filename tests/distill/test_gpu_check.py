@@ -1,0 +1,41 @@
+"""``tools/gpu_check.py`` on the CPU, with tiny sizes: distill's draft and head trainers run
+without vLLM and the script prints one JSON line with each one's device, wall time, held-out
+figure before and after, and peak GPU memory (null here). On a GPU machine the same script,
+with its default sizes, gives the figures for BENCHMARKS.md (docs/development.md)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from helpers.jobs import ROOT
+
+pytestmark = pytest.mark.vllm
+
+
+def test_gpu_check_runs_both_trainers_on_the_cpu_and_prints_one_json_line(models):
+    tiny = ["--sequences", "24", "--heldout", "8", "--prompt-tokens", "24", "--new-tokens", "16"]
+    steps = ["--draft-steps", "10", "--head-steps", "12", "--batch-size", "4"]
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "gpu_check.py"), "--device", "cpu", *tiny, *steps],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=ROOT,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert len(lines) == 1, done.stdout
+    report = json.loads(lines[0])
+    assert report["device"] == "cpu" and report["gpu"] is None and report["sequences"] == 24
+    for name, steps_run in (("draft", 10), ("head", 12)):
+        part = report[name]
+        assert part["device"] == "cpu" and part["peak_gpu_mib"] is None, part
+        assert part["wall_s"] > 0 and part["steps"] == steps_run, part
+        assert 0 <= part["heldout_before"] <= part["heldout_after"], part
+    assert report["draft"]["heldout_after"] <= 1 and report["head"]["heldout_after"] <= 3
+    # a new head starts from nothing: a few steps already get tokens right
+    assert report["head"]["heldout_after"] > report["head"]["heldout_before"]
+    assert report["head"]["features_s"] <= report["head"]["wall_s"]

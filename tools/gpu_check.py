@@ -1,0 +1,200 @@
+"""Run distill's training functions, the draft's and the head's, on whatever device is here, and
+print ONE JSON line: for each, the device, the wall time, the held-out figure before and after,
+and the peak GPU memory (null on the CPU). No vLLM: the target's greedy continuations are made
+with transformers (on the CPU; they are the data, not what is measured).
+
+Usage: ``python tools/gpu_check.py [--device auto|cpu|cuda] [--sequences 224] [--heldout 32]
+[--prompt-tokens 48] [--new-tokens 64] [--draft-steps 300] [--head-steps 150] [--batch-size 16]``
+(the defaults are the sizes of the measurements in the issue "GPU and gain"). Progress goes to
+stderr. The tiny models (``.models/target``, ``.models/draft``) come from ``make models``.
+
+- **draft**: ``train_draft`` on the continuations (one window each), held-out figure: top-1
+  agreement with the target on the held-out continuations, before training and of the weights
+  kept;
+- **head**: a new EAGLE-3 head for the target, the target's features (``collect_features``, on the
+  device: bf16 on CUDA, in passes sized to the free memory) then ``train_head``; held-out figure:
+  tokens right in a row, of 3 draft steps. ``wall_s`` is both; ``features_s`` the first."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tools"))
+
+
+def log(msg: str) -> None:
+    print(f"gpu_check: {msg}", file=sys.stderr, flush=True)
+
+
+def continuations(target_dir: Path, sequences: int, prompt_tokens: int, new_tokens: int, seed: int):
+    """``sequences`` rows of the target's greedy continuations (``new_tokens``) of windows of
+    ``prompt_tokens`` tokens of code the tiny models never saw, all in one batch."""
+    import torch
+    from tiny_models import encode_corpus, held_out_snippets
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    corpus = encode_corpus(tokenizer, held_out_snippets(max(64, sequences * 2), seed=seed))
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    gen = torch.Generator().manual_seed(seed)
+    starts = torch.randint(0, len(corpus) - prompt_tokens - 1, (sequences,), generator=gen).tolist()
+    ids = torch.stack([corpus[s : s + prompt_tokens] for s in starts])
+    tokens = [ids]
+    with torch.no_grad():
+        out = model(input_ids=ids, use_cache=True)
+        for _ in range(new_tokens):
+            tokens.append(out.logits[:, -1:].argmax(-1))
+            out = model(input_ids=tokens[-1], past_key_values=out.past_key_values, use_cache=True)
+    seqs = torch.cat(tokens, dim=1).tolist()
+    return [{"prompt_token_ids": s[:prompt_tokens], "output_token_ids": s[prompt_tokens:]} for s in seqs]
+
+
+def _peak_reset(device: str) -> None:
+    if device == "cuda":
+        import torch
+
+        torch.cuda.reset_peak_memory_stats()
+
+
+def _peak_mib(device: str) -> float | None:
+    if device != "cuda":
+        return None
+    import torch
+
+    return round(torch.cuda.max_memory_allocated() / (1 << 20), 1)
+
+
+def check_draft(args, device: str, train_rows: list[dict], held_rows: list[dict]) -> dict:
+    from batchspec.distill import train
+
+    draft = train.load_draft(str(args.draft))
+    _, special = train.tokenizer_vocab(str(args.target))
+    pad_id = next((v for v in (special["pad"], special["eos"], 0) if v is not None), 0)
+    _peak_reset(device)
+    started = time.monotonic()
+    result = train.train_draft(
+        draft,
+        train_rows,
+        args.draft_steps,
+        2e-3,
+        args.batch_size,
+        args.seed,
+        pad_id,
+        progress=log,
+        window=args.new_tokens,
+        validation=held_rows,
+        patience=args.patience,
+        device=device,
+    )
+    return {
+        "device": result.device,
+        "wall_s": round(time.monotonic() - started, 2),
+        "steps": result.steps,
+        "metric": "held-out top-1 agreement",
+        "heldout_before": result.start_validation_agreement,
+        "heldout_after": result.validation_agreement,
+        "peak_gpu_mib": _peak_mib(device),
+    }
+
+
+def check_head(args, device: str, train_rows: list[dict], held_rows: list[dict], work: Path) -> dict:
+    from batchspec.distill import eagle3, features
+
+    target_dir = str(args.target)
+    config = eagle3.head_config(eagle3.target_config(target_dir), k=3)
+    head = eagle3.new_head(target_dir, config, seed=args.seed)
+    aux = config["eagle_aux_hidden_state_layer_ids"]
+    _peak_reset(device)
+    started = time.monotonic()
+    target = features.Target(target_dir, device, log)
+    try:
+        train = features.collect_features(target_dir, train_rows, aux, work / "train", say=log, target=target)
+        held = features.collect_features(target_dir, held_rows, aux, work / "held", say=log, target=target)
+    finally:
+        target.close()
+    features_s = time.monotonic() - started
+    result = eagle3.train_head(
+        head,
+        train.files,
+        held.files,
+        args.head_steps,
+        1e-3,
+        args.batch_size,
+        args.seed,
+        say=log,
+        patience=args.patience,
+        device=device,
+    )
+    return {
+        "device": result.device,
+        "wall_s": round(time.monotonic() - started, 2),
+        "features_s": round(features_s, 2),
+        "steps": result.steps,
+        "metric": result.metric,
+        "heldout_before": result.start_validation_agreement,
+        "heldout_after": result.validation_agreement,
+        "peak_gpu_mib": _peak_mib(device),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    parser.add_argument("--target", type=Path, default=ROOT / ".models" / "target")
+    parser.add_argument("--draft", type=Path, default=ROOT / ".models" / "draft")
+    parser.add_argument("--sequences", type=int, default=224, help="held-out ones included")
+    parser.add_argument("--heldout", type=int, default=32)
+    parser.add_argument("--prompt-tokens", type=int, default=48)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--draft-steps", type=int, default=300)
+    parser.add_argument("--head-steps", type=int, default=150)
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument(
+        "--patience",
+        type=int,
+        default=1000,
+        help="held-out checks without a new best before training stops (default: never, so that "
+        "every device runs the same steps)",
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+
+    import torch
+
+    from batchspec.distill.device import resolve
+    from batchspec.errors import SpecError
+
+    try:
+        device = resolve(args.device)
+    except SpecError as exc:
+        print(f"gpu_check: {exc}", file=sys.stderr)
+        return 2
+    if not 0 < args.heldout < args.sequences:
+        parser.error("--heldout must be at least 1 and fewer than --sequences")
+    log(f"device {device}; the target's greedy continuations on the CPU ({args.sequences} sequences)")
+    rows = continuations(args.target, args.sequences, args.prompt_tokens, args.new_tokens, args.seed)
+    train_rows, held_rows = rows[args.heldout :], rows[: args.heldout]
+    with tempfile.TemporaryDirectory(prefix="gpu-check-") as work:
+        report = {
+            "device": device,
+            "gpu": torch.cuda.get_device_name(0) if device == "cuda" else None,
+            "torch": torch.__version__,
+            "sequences": args.sequences,
+            "heldout": args.heldout,
+            "tokens": [args.prompt_tokens, args.new_tokens],
+            "draft": check_draft(args, device, train_rows, held_rows),
+            "head": check_head(args, device, train_rows, held_rows, Path(work)),
+        }
+    print(json.dumps(report), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
