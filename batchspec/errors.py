@@ -44,8 +44,8 @@ EXIT_CODES = (
     ExitCode(
         (EXIT_RUNTIME_FAILURE,),
         "runtime failure",
-        "runtime failure: engine died, storage failed after retries, shards held by another live run, "
-        "a Ray shard failed on every try, `distill --out` held by another distill",
+        "runtime failure: engine died past its restarts, storage failed after retries, shards held by "
+        "another live run, a Ray shard failed on every try, `distill --out` held by another distill",
     ),
     ExitCode(
         (EXIT_BAD_SPEC,),
@@ -106,7 +106,7 @@ class BatchspecError(Exception):
 
 
 class RuntimeFailure(BatchspecError):
-    """The engine died or storage failed after retries (exit 1)."""
+    """The engine died (past ``execution.engine_restarts``) or storage failed after retries (exit 1)."""
 
     exit_code = EXIT_RUNTIME_FAILURE
 

@@ -62,6 +62,7 @@ STEPS = [
     ["benchmarks/tables.py", "plan", "--files", "1000", "--json", str(OUT / "tables-plan.json")],
     ["benchmarks/batching.py", "--json", str(OUT / "batching.json")],
     ["benchmarks/auto.py", "--json", str(OUT / "auto.json")],
+    ["benchmarks/supervision.py", "--json", str(OUT / "supervision.json")],
 ]
 
 

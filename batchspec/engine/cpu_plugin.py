@@ -43,7 +43,8 @@ Drop this module and its entry point once the vLLM version batchspec pins has th
 
 The batchspec process asks :func:`active` whether engines it starts get the fixes. On every
 platform, the plugin also makes each engine process die with its parent
-(:mod:`batchspec.engine.lifeline`)."""
+(:mod:`batchspec.engine.lifeline`), and installs the tests' fault (:mod:`batchspec.engine.faults`:
+nothing unless its variable is set)."""
 
 from __future__ import annotations
 
@@ -143,6 +144,11 @@ def register() -> None:
 
         hold()
         _applied.add("lifeline")
+    if "fault" not in _applied:  # test-only, off unless its variable is set
+        from batchspec.engine.faults import install
+
+        install()
+        _applied.add("fault")
     reason = _gate()
     if reason is not None:
         log.debug("batchspec vLLM plugin does nothing: %s", reason)

@@ -36,6 +36,7 @@ from batchspec.engine.lora import Adapters, check_lora
 from batchspec.engine.pacing import PrefixPacer
 from batchspec.engine.reasoning import Splitter
 from batchspec.engine.rows import Asked
+from batchspec.engine.supervise import EngineDied, add_counters, death_note
 from batchspec.engine.tokens import length_error, prompt_token_ids
 from batchspec.errors import Interrupted, RuntimeFailure, SpecError, interrupted_within
 from batchspec.io.reader import Row
@@ -124,7 +125,7 @@ class Engine:
         lora_args = check_lora(spec)
         self.refuse_random_sampling = refuses_random_sampling(spec)
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-        from vllm import LLM, SamplingParams
+        from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
         self._SamplingParams = SamplingParams
@@ -143,17 +144,11 @@ class Engine:
             # a seeded request whose prompt is split across steps kills this engine (see
             # batchspec.engine.cpu_plugin); without the plugin's fix, prompts are prefilled whole
             kwargs.setdefault("enable_chunked_prefill", False)
-        arm()  # the engine's processes die with this one (batchspec/engine/lifeline.py)
-        try:
-            self.llm = LLM(model=spec.model.target, **kwargs)
-        except _bad_value_errors() as exc:
-            # vLLM validates its configs here: a bad engine or speculative value is a spec error.
-            raise SpecError("model", f"vLLM refused the engine configuration: {exc}") from exc
-        except Exception as exc:
-            stop = interrupted_within(exc)
-            if stop is not None:  # a signal during start-up: a stop, not an engine that failed
-                raise stop from exc
-            raise RuntimeFailure(f"could not start the vLLM engine: {exc}") from exc
+        #: what :meth:`restart` starts again: the model and vLLM's arguments
+        self._launch_args = (spec.model.target, kwargs)
+        #: counters of the engines this one replaced (:meth:`restart`)
+        self._carried: dict[str, Any] = {}
+        self.llm = self._launch()
         self.engine = self.llm.llm_engine
         self.tokenizer = self.llm.get_tokenizer()
         self.max_model_len = self.engine.model_config.max_model_len
@@ -172,6 +167,47 @@ class Engine:
         )
         self._use(spec)
         self._ids = itertools.count()
+        self._closed = threading.Event()
+        self._start_watchdog()
+
+    def _launch(self):
+        """vLLM's ``LLM``, started as :attr:`_launch_args` say; keeps the processes it started
+        (:attr:`processes`, with their names) for the watchdog and :meth:`restart`."""
+        from vllm import LLM
+
+        model, kwargs = self._launch_args
+        arm()  # the engine's processes die with this one (batchspec/engine/lifeline.py)
+        before = child_pids()
+        try:
+            llm = LLM(model=model, **kwargs)
+        except _bad_value_errors() as exc:
+            # vLLM validates its configs here: a bad engine or speculative value is a spec error.
+            raise SpecError("model", f"vLLM refused the engine configuration: {exc}") from exc
+        except Exception as exc:
+            stop = interrupted_within(exc)
+            if stop is not None:  # a signal during start-up: a stop, not an engine that failed
+                raise stop from exc
+            raise RuntimeFailure(f"could not start the vLLM engine: {exc}") from exc
+        self.processes = _engine_processes(before)
+        return llm
+
+    def restart(self) -> None:
+        """A new vLLM engine in place of this one's, which died, with the same configuration
+        (batchspec/engine/supervise.py). What is left of the old one is shut down and its
+        processes killed first; its counters carry over (:meth:`spec_counters`). RuntimeFailure
+        where the new one cannot start (what it started is killed too)."""
+        if self.llm is not None:  # (None: after a restart whose start failed)
+            self._carried = self.spec_counters()
+            self.shutdown()
+            self.llm = None
+        _kill([p for p, _ in self.processes])
+        before = child_pids()
+        try:
+            self.llm = self._launch()
+        except BaseException:
+            kill_new_children(before)
+            raise
+        self.engine = self.llm.llm_engine
         self._closed = threading.Event()
         self._start_watchdog()
 
@@ -312,10 +348,7 @@ class Engine:
                 )
             except Exception as exc:  # refused: empty, too long, a bad grammar, a bad value...
                 if _engine_dead(exc):
-                    raise RuntimeFailure(
-                        f"the vLLM engine failed: {type(exc).__name__}: {exc}"
-                        f"{_suspects([*sent_since_step, row])}"
-                    ) from exc
+                    raise died(exc, [*sent_since_step, row], [row, *(h.row for h in held)]) from exc
                 return [
                     error_result(str(exc) or type(exc).__name__, num_prompt_tokens=len(request.token_ids))
                 ]
@@ -323,6 +356,17 @@ class Engine:
             sequences["in_flight"] += request.sequences
             sent_since_step.append(row)
             return None
+
+        def died(exc: Exception, suspects: list[Row], unsent: list[Row]) -> EngineDied:
+            """The engine is dead: the rows it had and those taken but not sent go with the
+            error (batchspec/engine/supervise.py sends them again)."""
+            # which process died, and how, says more than vLLM's "EngineCore encountered an issue"
+            note = death_note(getattr(self.engine, "engine_core", None), getattr(self, "processes", ()))
+            reason = f"{type(exc).__name__}: {note or exc}"
+            in_engine = [row for row, _, _ in in_flight.values()]
+            return EngineDied(
+                f"the vLLM engine failed: {reason}{_suspects(suspects)}", reason, in_engine, unsent
+            )
 
         def forget(request_id: str) -> tuple[Row, Prepared, float] | None:
             entry = in_flight.pop(request_id, None)
@@ -384,9 +428,7 @@ class Engine:
                 try:
                     outputs = self.engine.step()
                 except Exception as exc:
-                    raise RuntimeFailure(
-                        f"the vLLM engine failed: {type(exc).__name__}: {exc}{_suspects(sent_since_step)}"
-                    ) from exc
+                    raise died(exc, sent_since_step, [h.row for h in held]) from exc
                 steps += 1
                 sent_since_step.clear()
                 for output in outputs:
@@ -448,7 +490,11 @@ class Engine:
 
     def spec_counters(self) -> dict[str, Any]:
         """Engine-lifetime speculative-decoding and prefix-cache totals from vLLM's own metrics
-        (``spec_decode_*``, ``prefix_cache_queries`` and ``prefix_cache_hits``)."""
+        (``spec_decode_*``, ``prefix_cache_queries`` and ``prefix_cache_hits``), the engines it
+        replaced (:meth:`restart`) counted in."""
+        return add_counters(self._carried, self._own_counters())
+
+    def _own_counters(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
         try:
             metrics = self.llm.get_metrics()
@@ -477,11 +523,7 @@ class Engine:
         outputs = getattr(core, "outputs_queue", None)
         if outputs is None:
             return  # in-process engine: a crash raises directly
-        watched = [
-            p
-            for p in psutil.Process().children(recursive=True)
-            if "EngineCore" in p.name() or "Worker" in p.name()
-        ]
+        watched, closed = self.processes, self._closed
 
         def alive(p) -> bool:
             try:
@@ -490,14 +532,15 @@ class Engine:
                 return False
 
         def watch() -> None:
-            while not self._closed.wait(0.5):
+            while not closed.wait(0.5):
                 resources = getattr(core, "resources", None)
-                if getattr(resources, "engine_dead", False) or not all(map(alive, watched)):
-                    if self._closed.is_set():
+                if getattr(resources, "engine_dead", False) or not all(alive(p) for p, _ in watched):
+                    if closed.is_set():
                         return
                     from vllm.v1.engine.exceptions import EngineDeadError
 
-                    outputs.put_nowait(EngineDeadError("an engine process died"))
+                    note = death_note(core, watched) or "an engine process died"
+                    outputs.put_nowait(EngineDeadError(note))
                     return
 
         threading.Thread(target=watch, name="batchspec-engine-watchdog", daemon=True).start()
@@ -537,15 +580,36 @@ def child_pids() -> set[int]:
     return {p.pid for p in psutil.Process().children(recursive=True)}
 
 
-def kill_new_children(before: set[int]) -> None:
-    """Kill processes started since ``before``: what an engine left behind after its shutdown
-    or a failed or interrupted start-up, so that the next engine has the machine to itself."""
+def _engine_processes(before: set[int]) -> list[tuple[Any, str]]:
+    """The engine processes (EngineCore, workers) started since ``before``, with their names."""
     import psutil
 
-    procs = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
+    found = []
+    for p in psutil.Process().children(recursive=True):
+        try:
+            name = p.name()
+        except psutil.Error:
+            continue
+        if p.pid not in before and ("EngineCore" in name or "Worker" in name):
+            found.append((p, name))
+    return found
+
+
+def _kill(procs: list) -> None:
+    """SIGKILL these processes (psutil's: a pid reused since is left alone) and reap them."""
+    import psutil
+
     for p in procs:
         try:
             p.kill()
         except psutil.Error:
             pass
     psutil.wait_procs(procs, timeout=10)
+
+
+def kill_new_children(before: set[int]) -> None:
+    """Kill processes started since ``before``: what an engine left behind after its shutdown
+    or a failed or interrupted start-up, so that the next engine has the machine to itself."""
+    import psutil
+
+    _kill([p for p in psutil.Process().children(recursive=True) if p.pid not in before])

@@ -386,6 +386,23 @@ def summed_acceptance_per_position(runs: list[dict], run_ids: list[str]) -> dict
     }
 
 
+def summed_supervision(runs: list[dict], run_ids: list[str]) -> dict[str, Any] | None:
+    """The engine starts after a death (batchspec/engine/supervise.py) and the requests
+    quarantined, over the run summaries of the runs that wrote these files; None when their
+    engines never died."""
+    picked = [r for r in runs if r.get("run_id") in run_ids]
+    restarts = [x for r in picked for x in r.get("engine_restarts") or () if isinstance(x, dict)]
+    quarantined = [x for r in picked for x in r.get("quarantined_requests") or () if isinstance(x, dict)]
+    if not restarts and not quarantined:
+        return None
+    return {
+        "restarts": sum(x.get("attempts") or 1 for x in restarts),
+        "search_restarts": sum(x.get("attempts") or 1 for x in restarts if x.get("search")),
+        "seconds": round(sum(x.get("seconds") or 0.0 for x in restarts), 3),
+        "quarantined": len(quarantined),
+    }
+
+
 def summarize(output: Output) -> dict[str, Any]:
     """The report of one loaded output: lineage, overall and per-shard metrics."""
     lin = lineage(output.metadata)
@@ -398,6 +415,7 @@ def summarize(output: Output) -> dict[str, Any]:
         "shards": {s: {"run_id": output.metadata[s].get("run_id"), **m} for s, m in shards.items()},
         "lora_adapters": adapters,
         "acceptance_per_position": summed_acceptance_per_position(output.runs, lin["run_id"]),
+        "engine_restarts": summed_supervision(output.runs, lin["run_id"]),
     }
 
 

@@ -106,7 +106,15 @@ def _summary_rows(report: dict) -> list[list[str]]:
             else []
         ),
         *(_reasoning_rows(m["reasoning"]) if m.get("reasoning") else []),
+        *([["engine restarts", _restarts(r)]] if (r := report.get("engine_restarts")) else []),
     ]
+
+
+def _restarts(r: dict) -> str:
+    """The engine's restarts after deaths, and the requests quarantined (batchspec/engine/supervise.py)."""
+    searches = f" ({r['search_restarts']:,} in quarantine searches)" if r["search_restarts"] else ""
+    quarantined = f"; {r['quarantined']:,} requests quarantined" if r["quarantined"] else ""
+    return f"{r['restarts']:,}{searches}, {r['seconds']:.1f}s{quarantined}"
 
 
 def _reasoning_rows(r: dict) -> list[list[str]]:

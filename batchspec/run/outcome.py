@@ -94,6 +94,11 @@ class RunOutcome:
     failed: dict[str, str] = field(default_factory=dict)
     #: the executor's own section of the summary (Ray: replicas and their deaths) -> ``executor``
     executor: dict[str, Any] | None = None
+    #: each time the engine was brought up again (batchspec/engine/supervise.py's ``Restart``)
+    #: -> ``engine_restarts``
+    engine_restarts: list[dict[str, Any]] = field(default_factory=list)
+    #: requests that killed the engine, written as error rows -> ``quarantined_requests``
+    quarantined: list[dict[str, Any]] = field(default_factory=list)
 
     def merge_settled(self, other: RunOutcome) -> None:
         """Take in what another outcome (a Ray replica's task) settled: committed, bad, lost and
@@ -103,6 +108,8 @@ class RunOutcome:
         self.bad.update(other.bad)
         self.lost.update(other.lost)
         self.failed.update(other.failed)
+        self.engine_restarts.extend(other.engine_restarts)
+        self.quarantined.extend(other.quarantined)
 
     def take_busy(self) -> dict[str, str]:
         """The busy shards recorded so far (shard -> holder), removed from this outcome."""
@@ -136,6 +143,10 @@ class RunOutcome:
             sections["executor"] = self.executor
         if self.failed:
             sections["failed_shards"] = self.failed
+        if self.engine_restarts:
+            sections["engine_restarts"] = self.engine_restarts
+        if self.quarantined:
+            sections["quarantined_requests"] = self.quarantined
         return sections
 
     def totals(self, wall_s: float, generation_wall_s: float) -> dict[str, Any]:
@@ -192,4 +203,40 @@ def human_summary(summary: dict) -> str:
         parts.append(f"{len(summary['bad_shards'])} bad shards skipped")
     if summary.get("failed_shards"):
         parts.append(f"{len(summary['failed_shards'])} shards failed")
+    if summary.get("engine_restarts"):
+        parts.append(f"{len(summary['engine_restarts'])} engine restarts")
+    if summary.get("quarantined_requests"):
+        parts.append(f"{len(summary['quarantined_requests'])} requests quarantined")
     return ", ".join(parts)
+
+
+class SupervisionLog:
+    """What the run's engine supervisor (batchspec/engine/supervise.py) reports, into the run's
+    outcome (the summary) and its events: ``engine_restarted`` for each engine brought up again,
+    ``request_quarantined`` for each request that killed it, written as an error row."""
+
+    def __init__(self, events, outcome: RunOutcome):
+        self.events, self.outcome = events, outcome
+
+    def restarted(self, restart) -> None:
+        record = restart.as_dict()
+        self.outcome.engine_restarts.append(record)
+        what = "for a quarantine search" if restart.search else f"{restart.restarts_left} restarts left"
+        self.events.emit(
+            "engine_restarted",
+            f"the vLLM engine died ({restart.reason}) and was started again in "
+            f"{record['seconds']:.1f}s ({what}); the {restart.in_flight} requests it had go to the new one",
+            level="warning",
+            **record,
+        )
+
+    def quarantined(self, row, deaths: int, reason: str) -> None:
+        record = {"shard": row.shard, "request_id": row.request_id, "deaths": deaths, "reason": reason}
+        self.outcome.quarantined.append(record)
+        self.events.emit(
+            "request_quarantined",
+            f"request {row.request_id!r} of shard {row.shard} killed the engine on its own "
+            f"({deaths} deaths): written as an error row",
+            level="warning",
+            **record,
+        )

@@ -348,11 +348,12 @@ class ShardPipeline:
         stop: Callable[[], bool],
         grace_s: float,
         bad_shard: Callable[[Shard, InputDataError], None],
+        supervisor=None,  # streams through the engine's deaths (batchspec/engine/supervise.py)
     ):
         self.spec, self.run_id, self.out, self.leases = spec, run_id, out, leases
         self.events, self.progress, self.outcome = events, progress, outcome
         self.spec_fingerprint, self.overwrite, self.stop = spec_fingerprint, overwrite, stop
-        self.grace_s, self.bad_shard = grace_s, bad_shard
+        self.grace_s, self.bad_shard, self.supervisor = grace_s, bad_shard, supervisor
         self.runs: list[ShardRun] = []
         self.secrets = spec.secret_values()
         self.fatal: list[BaseException] = []
@@ -529,7 +530,7 @@ class ShardPipeline:
 
         try:
             while rows is not None:
-                stream = engine.stream(
+                stream = (self.supervisor or engine).stream(
                     rows, self.spec.execution.max_in_flight, stop=self.stop, grace_s=self.grace_s, keep=keep
                 )
                 try:

@@ -614,7 +614,19 @@ def _execution_spec(raw: dict) -> ExecutionSpec:
         dedupe_window=_dedupe_window(exe),
         dedupe_max_bytes=_dedupe_max_bytes(exe),
         prefix_window=_window(exe, "prefix_window", "0: file order"),
+        engine_restarts=_engine_restarts(exe),
     )
+
+
+def _engine_restarts(exe: Fields) -> int:
+    value = exe.get("engine_restarts", int)
+    if isinstance(value, bool) or value < 0:
+        raise SpecError(
+            "execution.engine_restarts",
+            f"expected a number of restarts, 0 or more (0: the engine's first death ends the run), "
+            f"got {value!r}",
+        )
+    return value
 
 
 def _dedupe_window(exe: Fields) -> int:

@@ -258,6 +258,12 @@ class ExecutionSpec:
     #: them; the engine holds a request whose first cache block another request is computing
     #: until that one's prefill ran. 0: file order, no holding (batchspec/run/prefixes.py).
     prefix_window: int = 1024
+    #: Times the engine may be started again in one run (per Ray replica) after it died (a
+    #: process killed, a fault in vLLM): the requests it had are sent again to the new one, and
+    #: a request that kills it twice is found and written as an error row (quarantine searches
+    #: cost restarts beyond these: [What is guaranteed](../guarantees.md#an-engine-that-dies-is-restarted)).
+    #: One death more ends the run (exit 1); 0: the first death does.
+    engine_restarts: int = 3
 
 
 @dataclass(frozen=True)

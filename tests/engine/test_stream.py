@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import pytest
 
 from batchspec.engine.llm import Engine
+from batchspec.engine.supervise import EngineDied
 from batchspec.errors import RuntimeFailure
 from batchspec.io.rows import Row
 from batchspec.spec.build import build_spec
@@ -183,3 +184,8 @@ def test_an_engine_that_dies_anyway_names_the_rows_it_was_just_handed():
     assert "manual_seed expected a long" in str(err.value)
     assert "'r0' (shard s)" in str(err.value) and "'r1' (shard s)" in str(err.value)
     assert "'r2'" not in str(err.value)
+    # what a supervisor (batchspec/engine/supervise.py) sends again: the rows it had, none
+    # taken and left unsent here
+    assert isinstance(err.value, EngineDied)
+    assert [r.request_id for r in err.value.in_flight] == ["r0", "r1"] and err.value.unsent == []
+    assert err.value.reason == "RuntimeError: manual_seed expected a long"

@@ -173,3 +173,60 @@ def run_fake_cli(*args: str, env: dict | None = None, timeout: float = 300) -> s
         env={**os.environ, **(env or {})},
         cwd=Path(__file__).resolve().parents[2],
     )
+
+
+class DyingEngine(FakeEngine):
+    """The fake engine that dies as vLLM's does (batchspec/engine/supervise.py's EngineDied,
+    with the rows in flight and those not sent): whenever a row whose prompt holds ``poison`` is
+    among those in flight, and after each of the ``deaths_after`` numbers of finished requests
+    (once each). It fills up to ``max_in_flight`` before each step and finishes the oldest
+    request first. ``restart()`` starts it again; the first ``failed_starts`` starts fail."""
+
+    def __init__(self, poison: str | None = None, deaths_after=(), failed_starts: int = 0):
+        super().__init__()
+        self.poison = poison
+        self.deaths_after = list(deaths_after)
+        self.failed_starts = failed_starts
+        self.starts = 1
+        #: the rows in flight at each death
+        self.deaths: list[list[str]] = []
+        #: the request ids sent, in order, over every engine
+        self.sent: list[str] = []
+
+    def restart(self):
+        self.starts += 1
+        if self.failed_starts:
+            from batchspec.errors import RuntimeFailure
+
+            self.failed_starts -= 1
+            raise RuntimeFailure("could not start the vLLM engine: killed while starting")
+
+    def stream(self, rows, max_in_flight, stop=None, grace_s=0.0, keep=None):
+        from batchspec.engine.supervise import EngineDied
+
+        in_flight = []
+        while True:
+            while len(in_flight) < max_in_flight:
+                row = next(rows, None)
+                if row is None:
+                    break
+                if row.error is not None:
+                    yield row, [error_result(row.error)]
+                    continue
+                in_flight.append(row)
+                self.sent.append(row.request_id)
+            if not in_flight:
+                return
+            poisoned = self.poison is not None and any(self.poison in r.prompt for r in in_flight)
+            scheduled = bool(self.deaths_after) and self.finished >= self.deaths_after[0]
+            if poisoned or scheduled:
+                if scheduled and not poisoned:
+                    self.deaths_after.pop(0)
+                self.deaths.append([r.request_id for r in in_flight])
+                why = "poisoned" if poisoned else "killed"
+                raise EngineDied(f"the vLLM engine failed: {why}", f"EngineDeadError: {why}", in_flight)
+            row = in_flight.pop(0)
+            self.finished += 1
+            result = empty_result()
+            result.update(generated_text=row.prompt.upper(), finish_reason="stop", num_output_tokens=1)
+            yield row, [result]

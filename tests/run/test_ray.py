@@ -10,8 +10,9 @@ ending a CLI run with exit 2. Before them, the driver's scheduling with
 a stand-in engine (seconds, no vLLM), on local disk and on S3 (dead and live lease holders,
 credentials kept out of Ray's runtime_env), and a replica's successive tasks without Ray.
 
-Engine starts: 1 local, 2 replicas, 1 to replace the killed one, 1 in the CLI's replica, 1
-refused (replacements started for the poison shard's victims are stopped when the run ends).
+Engine starts: 1 local, 2 replicas, 1 to replace the killed one, 2 in the CLI's replica (its
+EngineCore killed once), 1 refused (replacements started for the poison shard's victims are
+stopped when the run ends).
 """
 
 from __future__ import annotations
@@ -24,10 +25,21 @@ import sys
 import time
 import uuid
 
+import psutil
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from helpers.jobs import DRAFT, ENGINE, INLINE_ENGINE, MODELS, read_output, run_cli, write_job
+from helpers.jobs import (
+    DRAFT,
+    ENGINE,
+    INLINE_ENGINE,
+    MODELS,
+    SEPARATE_ENGINE,
+    read_output,
+    run_cli,
+    write_job,
+)
+from helpers.recovery import Job
 
 from batchspec.errors import BatchspecError, SpecError
 from batchspec.io.output_dir import OutputDir
@@ -697,6 +709,18 @@ def test_shard_that_kills_every_replica_fails_after_bounded_tries(
     assert len(texts) == (SHARDS - 1) * ROWS
 
 
+def _engine_cores(known: set[int]) -> list[psutil.Process]:
+    """EngineCore processes below this one (Ray's workers are) that are not in ``known``."""
+    found = []
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if p.pid not in known and "EngineCore" in p.name():
+                found.append(p)
+        except psutil.Error:
+            continue
+    return found
+
+
 @pytest.mark.engine
 def test_cli_executor_ray_finishes_the_failed_run(
     replicas, ray_cluster, inputs, local_texts, poisoned_out, tmp_path
@@ -704,28 +728,29 @@ def test_cli_executor_ray_finishes_the_failed_run(
     """`batchspec run JOB --executor ray --ray-address ADDR`, as a scheduler's retry would: it
     joins the running cluster (its CPUs freed first: the shared replicas stop), redoes only the
     shard the failed run left, and the output is then what the local run wrote, every row once.
-    `--ray-address` without Ray is a command-line error."""
+    Its replica's engine runs in processes of its own, and its EngineCore is killed (SIGKILL)
+    once the replica is up: the replica starts its engine again in place and finishes the shard
+    (batchspec/engine/supervise.py). `--ray-address` without Ray is a command-line error."""
     replicas.shutdown()
     address = ray_cluster.get_runtime_context().gcs_address
     job = _cli_job(tmp_path / "job.yaml", inputs, poisoned_out)
     bad = run_cli("run", str(job), "--ray-address", address, "--no-progress")
     assert bad.returncode == 2 and "--ray-address" in bad.stderr, bad.stderr
-    done = run_cli(
-        "run",
-        str(job),
-        "--executor",
-        "ray",
-        "--ray-address",
-        address,
-        "--no-progress",
-        "--log-format",
-        "json",
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    events = _json_events(done.stderr)
-    assert any(e["event"] == "replicas_started" for e in events)
+    before = {p.pid for p in _engine_cores(set())}
+    run = Job(job, "--executor", "ray", "--ray-address", address, env=SEPARATE_ENGINE)
+    assert run.wait_for("replicas_started", timeout=300) is not None, run.stderr[-3000:]
+    cores = _engine_cores(before)
+    assert len(cores) == 1, [p.name() for p in cores]
+    cores[0].kill()
+    assert run.wait(timeout=400) == 0, run.stderr[-3000:]
+    events = run.records()
     assert [e["shard"] for e in events if e["event"] == "shard_started"] == ["s3"]
     assert sorted(e["shard"] for e in events if e["event"] == "shard_skipped") == ["s0", "s1", "s2"]
+    (restarted,) = [e for e in events if e["event"] == "engine_restarted"]
+    assert "killed by SIGKILL" in restarted["reason"] and restarted["replica"] is not None, restarted
+    assert not [e for e in events if e["event"] == "replica_died"]  # restarted in place
+    (finished,) = [e for e in events if e["event"] == "run_finished"]
+    assert len(json.loads(open(finished["summary"]).read())["engine_restarts"]) == 1
     assert _texts(poisoned_out) == local_texts
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 from batchspec.io.records import Shard
@@ -9,6 +10,7 @@ from batchspec.leases.shard_leases import ShardLeases
 from batchspec.redact import sanitize_url
 from batchspec.run.executors.base import RunContext
 from batchspec.run.lease_wait import LeaseWait
+from batchspec.run.outcome import SupervisionLog
 from batchspec.run.stages import ShardPipeline
 from batchspec.stats import acceptance_per_position, prefix_cache
 
@@ -86,6 +88,7 @@ class LocalExecutor:
             stop=lambda: bool(ctx.stop),
             grace_s=ctx.grace_s,
             bad_shard=ctx.bad_shard,
+            supervisor=self.supervisor(ctx),
         )
         lease_wait = LeaseWait(spec.execution.lease_s, ctx.outcome, ctx.events, progress, row_counts)
         by_name = {s.name: s for s in shards}
@@ -104,6 +107,23 @@ class LocalExecutor:
                 self.pipeline.generate(self.engine, [by_name[n] for n in retry], row_counts)
         finally:
             ctx.fatal.extend(self.pipeline.fatal)
+
+    def supervisor(self, ctx: RunContext):
+        """The run's engine supervisor (batchspec/engine/supervise.py): a dead engine is started
+        again, ``execution.engine_restarts`` times, a signal ending a start at once as at the first."""
+        from batchspec.engine.supervise import supervise
+
+        @contextlib.contextmanager
+        def starting():
+            ctx.stop.raise_now = True
+            try:
+                yield
+            finally:
+                ctx.stop.raise_now = False
+
+        return supervise(
+            self.engine, ctx.spec.execution.engine_restarts, SupervisionLog(ctx.events, ctx.outcome), starting
+        )
 
     def acceptance_per_position(self) -> dict | None:
         if self.engine is None:

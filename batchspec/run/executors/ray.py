@@ -11,10 +11,13 @@ on more than one machine, that means object storage (or a shared filesystem).
 Progress and events stream back to the driver (it polls each busy replica), which keeps the one
 progress bar and writes the one run summary.
 
-A replica that dies (actor killed, node lost, its engine failed) loses only its in-flight shard:
-its uncommitted temporary file is never committed, and the shard goes back to the front of the
-queue for another replica; a replacement replica is started while work remains. A shard whose
-replica died on each of ``executor.max_shard_attempts`` tries is reported failed (exit 1).
+A replica whose engine dies starts it again in place and goes on with its shard, as a local run
+does (batchspec/engine/supervise.py: ``execution.engine_restarts`` per replica and run). A
+replica that dies (actor killed, node lost, its engine dead past those restarts) loses only its
+in-flight shard: its uncommitted temporary file is never committed, and the shard goes back to
+the front of the queue for another replica; a replacement replica is started while work
+remains. A shard whose replica died on each of ``executor.max_shard_attempts`` tries is reported
+failed (exit 1).
 
 A shard a replica finds held by another process (on object stores: a replica of this run that
 died holding it, a crashed earlier run, or a live other run) waits as in a local run

@@ -22,7 +22,7 @@ from batchspec.errors import (
 )
 from batchspec.io.output_dir import OutputDir
 from batchspec.io.records import Shard
-from batchspec.run.outcome import RunOutcome
+from batchspec.run.outcome import RunOutcome, SupervisionLog
 from batchspec.run.stages import ShardPipeline
 from batchspec.spec.model import JobSpec
 
@@ -110,6 +110,8 @@ class Replica:
         self.buffer: _ReplicaOutbox | None = None
         self._stop = threading.Event()
         self.counters_before: dict = {}
+        #: the engine's supervisor for the run it works for (execution.engine_restarts a run)
+        self.supervisor, self._supervised_run = None, None
         try:
             from batchspec.engine.checks import vllm_version
             from batchspec.engine.llm import Engine
@@ -156,6 +158,13 @@ class Replica:
             "replica": self.index,
         }
         outcome = RunOutcome()
+        if self._supervised_run != task["run_id"]:
+            from batchspec.engine.supervise import supervise
+
+            self.supervisor = supervise(self.engine, spec.execution.engine_restarts)
+            self._supervised_run = task["run_id"]
+        if self.supervisor is not None:  # this shard's outcome and events hear of its restarts
+            self.supervisor.report = SupervisionLog(buffer, outcome)
         bad: list[tuple[str, dict]] = []
         leases = ShardLeases(out, owner, spec.execution.lease_s)
         for name, observation in (task.get("seen") or {}).items():
@@ -174,6 +183,7 @@ class Replica:
             stop=self._stop.is_set,
             grace_s=task["grace_s"],
             bad_shard=lambda s, exc: bad.append((s.name, error_record(exc))),
+            supervisor=self.supervisor,
         )
         error = None
         with leases:
