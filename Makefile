@@ -43,7 +43,8 @@ DEMO_MODELS := $(MODELS)/target/.batchspec-complete $(MODELS)/draft/.batchspec-c
 models: setup $(DEMO_MODELS) $(MODELS)/reasoner-draft/.batchspec-complete \
         $(MODELS)/draft-large/.batchspec-complete $(MODELS)/target-large/.batchspec-complete \
         $(MODELS)/lora-upper/.batchspec-complete $(MODELS)/lora-comment/.batchspec-complete \
-        $(MODELS)/head/batchspec-model.json $(MODELS)/head-large/batchspec-model.json
+        $(MODELS)/head/batchspec-model.json $(MODELS)/head-large/batchspec-model.json \
+        $(MODELS)/classifier/.batchspec-complete
 
 # the tokenizer, the target and the draft (both cores): one run makes both markers (grouped
 # targets, `&:`), so a build stopped after the target's marker still finishes the draft
@@ -79,6 +80,11 @@ $(MODELS)/head/batchspec-model.json: batchspec/distill/eagle3.py tools/head-job.
 
 $(MODELS)/head-large/batchspec-model.json: tools/grow_model.py $(MODELS)/head/batchspec-model.json $(MODELS)/target-large/.batchspec-complete
 	$(BIN)/python tools/grow_model.py --head $(MODELS)/head --target $(MODELS)/target-large --out $(MODELS)/head-large
+
+# a sequence classifier of the target (a linear head on its last token's state: python, json or
+# prose), for `task: classify`; seconds, see tools/tiny_classifier.py
+$(MODELS)/classifier/.batchspec-complete: tools/tiny_classifier.py $(MODELS)/target/.batchspec-complete | $(VENV)/.installed
+	$(BIN)/python tools/tiny_classifier.py --target $(MODELS)/target --out $(MODELS)/classifier
 
 # two LoRA adapters of the target in PEFT's format, for jobs that route rows to adapters
 # (model.lora); one thread each, so with -j they train side by side; see tools/tiny_lora.py

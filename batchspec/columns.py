@@ -117,10 +117,54 @@ RESULT_FIELDS: list[pa.Field] = [
     pa.field(ERROR, pa.string()),
 ]
 
+#: The columns of a pooling task's output (``task: embed``, ``classify``, ``score``) that every
+#: one of them has, after its own.
+POOLING_FIELDS: list[pa.Field] = [
+    #: Tokens in the prompt (both sides' for ``score``).
+    pa.field("num_prompt_tokens", pa.int32()),
+    #: Arrival to finish, measured by batchspec from handing the request to the engine to receiving
+    #: its end (``score``: the later of its two sides).
+    pa.field("time_e2e_s", pa.float64()),
+    #: The ``request_id`` of an identical request whose result this row was given instead of being
+    #: computed again (``execution.dedupe_window``); its ``time_*`` columns are then null.
+    pa.field("twin_of", pa.string()),
+    #: ``stop`` for a result; ``error`` for an error row.
+    pa.field("finish_reason", pa.string()),
+    #: Null when the row succeeded; otherwise why (``empty prompt``, ``prompt too long: ...``).
+    pa.field(ERROR, pa.string()),
+]
+
+#: ``task: embed``: the result columns.
+EMBED_FIELDS: list[pa.Field] = [
+    #: The prompt's embedding, of the model's dimensions (``pooling.dimensions`` where given):
+    #: ``fixed_size_list<float32>[N]`` in Parquet and Lance, which polars, DuckDB and Lance read as a
+    #: vector; a list of float32 in Delta and Iceberg, which have no fixed-size list.
+    pa.field("embedding", pa.list_(pa.float32())),
+    *POOLING_FIELDS,
+]
+
+#: ``task: classify``: the result columns.
+CLASSIFY_FIELDS: list[pa.Field] = [
+    #: The most likely class: its name in the model's ``id2label``.
+    pa.field("label", pa.string()),
+    #: Each class's probability, in the order of the model's ``id2label``.
+    pa.field("probs", pa.list_(pa.float32())),
+    *POOLING_FIELDS,
+]
+
+#: ``task: score``: the result columns.
+SCORE_FIELDS: list[pa.Field] = [
+    #: The pair's score: the cosine of its two embeddings (an embedding model).
+    pa.field("score", pa.float32()),
+    *POOLING_FIELDS,
+]
+
 RESULT_NAMES = [f.name for f in RESULT_FIELDS]
 FEATURE_NAMES = [f.name for f in FEATURE_FIELDS]
 #: The columns every output file has had since the first release.
 BASE_RESULT_NAMES = [name for name in RESULT_NAMES if name not in FEATURE_NAMES]
+#: The columns every task's output files have (what a committed file is checked for).
+COMMON_RESULT_NAMES = [name for name in BASE_RESULT_NAMES if name in {f.name for f in POOLING_FIELDS}]
 SPEC_COLUMNS = [name for name in RESULT_NAMES if name.startswith("spec_")]
 #: Names an input column kept in the output may not have (checked where kept columns are chosen).
 OUTPUT_NAMES = frozenset({REQUEST_ID, *RESULT_NAMES})

@@ -47,6 +47,7 @@ STEPS = [
     ["benchmarks/step_cost.py", "--json", str(OUT / "step-cost.json")],
     ["benchmarks/step_cost.py", "--kernel", "--json", str(OUT / "step-cost-kernel.json")],
     ["benchmarks/structured.py"],
+    ["benchmarks/pooling.py", "--json", str(OUT / "pooling.json")],
     ["benchmarks/templates.py", "--throughput", "--json", str(OUT / "templates.json")],
     [
         "benchmarks/reasoning.py",

@@ -153,7 +153,11 @@ def check_options(spec: JobSpec, opts: DistillOptions) -> None:
     draft's vocabulary against the target's (SpecError, exit 2)."""
     from batchspec.distill.device import resolve as resolve_device
     from batchspec.distill.train import check_vocabulary
+    from batchspec.tasks import refuse_speculation_tools
 
+    refused = refuse_speculation_tools(spec.task, "batchspec distill")
+    if refused is not None:
+        raise SpecError("task", refused)
     if opts.method not in TRAINABLE:
         raise SpecError("--method", f"expected {' or '.join(map(repr, TRAINABLE))}, got {opts.method!r}")
     if opts.init not in ("draft", "target"):

@@ -24,6 +24,7 @@ from batchspec.errors import SpecError, quoted
 from batchspec.spec.fields import check_known_keys
 from batchspec.spec.methods import method
 from batchspec.spec.model import JobSpec
+from batchspec.tasks import TASKS
 
 
 def _bad_value_errors() -> tuple[type[BaseException], ...]:
@@ -322,6 +323,7 @@ def check_vllm_keys(spec: JobSpec) -> None:
         )
     check_lora(spec)
     check_reasoning(spec)
+    check_pooling(spec)
 
 
 def check_constraint(constraint, key: str) -> dict:
@@ -425,3 +427,26 @@ def sampling_temperature(params: dict) -> float:
     from vllm import SamplingParams
 
     return SamplingParams(**params).temperature
+
+
+def check_pooling(spec: JobSpec) -> None:
+    """``pooling`` against vLLM's ``PoolingParams`` (its keys, the ones this task takes, their
+    values), so that a typo exits 2 naming the key before any weights load."""
+    from vllm import PoolingParams
+
+    task = TASKS[spec.task]
+    if task.pooling_task is None:
+        return
+    allowed = PoolingParams().valid_parameters[task.pooling_task]
+    for key, value in spec.pooling.items():
+        if key not in allowed:
+            known = PoolingParams().all_parameters
+            why = (
+                f"not a parameter of task {spec.task} "
+                f"(vLLM's PoolingParams takes {', '.join(allowed)} for it)"
+                if key in known
+                else f"unknown key; vLLM's PoolingParams takes {', '.join(allowed)} for task {spec.task}"
+            )
+            raise SpecError(f"pooling.{key}", why)
+        if key == "use_activation" and not isinstance(value, bool):
+            raise SpecError(f"pooling.{key}", f"expected true or false, got {value!r}")

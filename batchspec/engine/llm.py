@@ -41,7 +41,7 @@ from batchspec.engine.tokens import length_error, prompt_token_ids
 from batchspec.errors import Interrupted, RuntimeFailure, SpecError, interrupted_within
 from batchspec.io.reader import Row
 from batchspec.spec.model import JobSpec
-from batchspec.tasks import GENERATE
+from batchspec.tasks import GENERATE, TASKS
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +73,7 @@ def _serves(spec: JobSpec) -> tuple:
         dict(spec.speculative) if spec.speculative is not None else None,
         _lora_engine(spec),
         spec.model.reasoning_parser,
+        spec.task,
     )
 
 
@@ -93,7 +94,7 @@ class Prepared(NamedTuple):
     @property
     def sequences(self) -> int:
         """Sequences the engine runs for it: its ``n`` samples."""
-        return max(1, int(self.params.n))
+        return max(1, int(getattr(self.params, "n", 1)))  # PoolingParams: one
 
 
 @dataclasses.dataclass
@@ -122,7 +123,6 @@ class Engine:
 
     def __init__(self, spec: JobSpec):
         check_vllm_keys(spec)
-        lora_args = check_lora(spec)
         self.refuse_random_sampling = refuses_random_sampling(spec)
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
         from vllm import SamplingParams
@@ -131,21 +131,8 @@ class Engine:
         self._SamplingParams = SamplingParams
         self._final_only = RequestOutputKind.FINAL_ONLY
         self.spec_enabled = spec.speculative is not None
-        kwargs = {**ENGINE_DEFAULTS, **spec.model.engine, **lora_args, **_STATS_ON}
-        if spec.model.reasoning_parser is not None:
-            # the answer is constrained, and the thinking budget counted, by vLLM's parser
-            kwargs["reasoning_parser"] = spec.model.reasoning_parser
-        if self.spec_enabled:
-            kwargs["speculative_config"] = dict(spec.speculative)
-            # each verify step's acceptance, to split a reasoning output's between its parts
-            detail = "detailed" if spec.model.reasoning_parser is not None else "summary"
-            kwargs.setdefault("per_request_spec_decode_metrics", detail)
-        if _seeded_chunks_crash(spec):
-            # a seeded request whose prompt is split across steps kills this engine (see
-            # batchspec.engine.cpu_plugin); without the plugin's fix, prompts are prefilled whole
-            kwargs.setdefault("enable_chunked_prefill", False)
         #: what :meth:`restart` starts again: the model and vLLM's arguments
-        self._launch_args = (spec.model.target, kwargs)
+        self._launch_args = (spec.model.target, self._llm_kwargs(spec))
         #: counters of the engines this one replaced (:meth:`restart`)
         self._carried: dict[str, Any] = {}
         self.llm = self._launch()
@@ -211,13 +198,30 @@ class Engine:
         self._closed = threading.Event()
         self._start_watchdog()
 
+    def _llm_kwargs(self, spec: JobSpec) -> dict[str, Any]:
+        """vLLM's ``LLM`` arguments for this job's engine (a pooling task's engine has its own)."""
+        kwargs = {**ENGINE_DEFAULTS, **spec.model.engine, **check_lora(spec), **_STATS_ON}
+        if spec.model.reasoning_parser is not None:
+            # the answer is constrained, and the thinking budget counted, by vLLM's parser
+            kwargs["reasoning_parser"] = spec.model.reasoning_parser
+        if self.spec_enabled:
+            kwargs["speculative_config"] = dict(spec.speculative)
+            # each verify step's acceptance, to split a reasoning output's between its parts
+            detail = "detailed" if spec.model.reasoning_parser is not None else "summary"
+            kwargs.setdefault("per_request_spec_decode_metrics", detail)
+        if _seeded_chunks_crash(spec):
+            # a seeded request whose prompt is split across steps kills this engine (see
+            # batchspec.engine.cpu_plugin); without the plugin's fix, prompts are prefilled whole
+            kwargs.setdefault("enable_chunked_prefill", False)
+        return kwargs
+
     def bind(self, spec: JobSpec) -> None:
         """Generate for ``spec`` from now on (``run_job(spec, engine=...)`` reuses an engine across
         jobs): its sampling and refusals. A spec for another model, engine arguments or
         speculative config is a spec error: this engine cannot run it."""
         wanted = _serves(spec)
         for key, (have, want) in zip(
-            ("model.target", "model.engine", "speculative", "model.lora", "model.reasoning_parser"),
+            ("model.target", "model.engine", "speculative", "model.lora", "model.reasoning_parser", "task"),
             zip(self.serves, wanted, strict=True),
             strict=True,
         ):
@@ -613,3 +617,10 @@ def kill_new_children(before: set[int]) -> None:
     import psutil
 
     _kill([p for p in psutil.Process().children(recursive=True) if p.pid not in before])
+
+
+def engine_for(spec: JobSpec) -> Engine:
+    """A started engine for the job's task: :class:`Engine` for generation, the class the task
+    names for another (``batchspec.engine.pooling.PoolingEngine``)."""
+    cls = TASKS[spec.task].engine_class()
+    return Engine(spec) if cls is None else cls(spec)

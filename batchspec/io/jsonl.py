@@ -29,7 +29,7 @@ from batchspec.columns import OUTPUT_NAMES
 from batchspec.errors import InputDataError, SpecError
 from batchspec.io.records import Shard
 from batchspec.io.retry import Attempts, is_transient, retry
-from batchspec.io.rows import Row, check_messages
+from batchspec.io.rows import Row, check_messages, pair_error
 from batchspec.io.templates import check_columns, prompt_template
 from batchspec.io.urls import is_local_fs
 from batchspec.spec.model import InputSpec, OutputSpec
@@ -308,7 +308,8 @@ class JsonLinesReader:
                 column=spec.text_column,
             )
         if output_spec.keep_columns is None:
-            names = [k for k in keys if k != spec.text_column and k not in OUTPUT_NAMES]
+            texts = {spec.text_column, *(spec.pair_columns or ())}
+            names = [k for k in keys if k not in texts and k not in OUTPUT_NAMES]
         else:
             for column in output_spec.keep_columns:
                 if column in OUTPUT_NAMES:
@@ -401,6 +402,11 @@ class JsonLinesReader:
                 errors.append(f"prompt is no text: line {number} has a JSON {type(text).__name__}")
             elif not text.strip():
                 errors.append(f"empty prompt: line {number}")
+            if spec.pair_columns:
+                pair = record.get(spec.pair_columns[1])
+                row.pair = pair if isinstance(pair, str) else None
+                problem = pair_error(pair, spec.pair_columns[1])
+                errors.append(problem and f"{problem}: line {number}")
         else:
             if text is not None and not (isinstance(text, list) and all(isinstance(m, dict) for m in text)):
                 errors.append(f"bad messages: line {number} has no list of {{role, content}} objects")

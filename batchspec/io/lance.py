@@ -316,8 +316,10 @@ class LanceFragmentWriter(ParquetWriter):
     dataset is created (empty, with the job's columns) by the first shard that needs it: a
     fragment's columns are the dataset's field ids."""
 
-    def __init__(self, out, shard, kept, metadata, row_group_rows=1024, compression="zstd"):
-        super().__init__(out, shard, kept, metadata, row_group_rows, compression)
+    def __init__(
+        self, out, shard, kept, metadata, row_group_rows=1024, compression="zstd", result_fields=None
+    ):
+        super().__init__(out, shard, kept, metadata, row_group_rows, compression, result_fields)
         self.lineage = metadata
 
     def commit(self) -> dict[str, Any]:

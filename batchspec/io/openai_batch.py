@@ -6,7 +6,10 @@ Each line is one request as OpenAI's Batch API takes it::
      "body": {"model": "NAME", "messages": [...], "max_tokens": 64, ...}}
 
 ``/v1/chat/completions`` renders ``body.messages`` with the target's chat template;
-``/v1/completions`` sends ``body.prompt`` as text. ``custom_id`` is the row's request id.
+``/v1/completions`` sends ``body.prompt`` as text; with ``task: embed``, ``/v1/embeddings``
+embeds ``body.input`` (one string a line; ``encoding_format`` ``float`` or ``base64``, and
+``dimensions`` where it is the job's), and is the one URL such a job runs. ``custom_id`` is the
+row's request id.
 ``body.model`` must be a name the job serves (:func:`served_names`): the target, or
 ``model.engine.served_model_name``, or a LoRA adapter's name in ``model.lora.adapters`` (the
 line then runs with that adapter); any other name is an error line, never a silent substitution.
@@ -15,8 +18,9 @@ The body's sampling fields become the row's SamplingParams overrides (:data:`CHA
 
 Every problem of a line is an error row naming the line and the field: not JSON (or nested
 deeper, or longer, than :mod:`batchspec.io.jsonl` reads), no ``custom_id``, a ``custom_id`` an
-earlier line of the file has, a method other than POST, a URL batchspec does not run
-(``/v1/embeddings``), an unknown or unsupported body field, a value of the wrong JSON type. No line
+earlier line of the file has, a method other than POST, a URL the job's task does not run
+(``/v1/embeddings`` in a generation job, a chat line in an embedding job), an unknown or
+unsupported body field, a value of the wrong JSON type. No line
 raises out of the reader. The rest of the file runs. The output keeps ``url`` and ``model`` of
 each line.
 
@@ -42,6 +46,11 @@ from batchspec.spec.model import JobSpec
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
+EMBEDDINGS = "/v1/embeddings"
+#: The URLs each task runs.
+TASK_URLS = {"generate": (CHAT, COMPLETIONS), "embed": (EMBEDDINGS,)}
+#: Embeddings body fields batchspec runs (beside ``model`` and ``input``).
+EMBEDDING_FIELDS = ("encoding_format", "dimensions")
 
 #: Body fields of both endpoints that map to a SamplingParams field of the same meaning.
 _SAMPLING = {
@@ -120,6 +129,8 @@ class OpenAIBatchReader(JsonLinesReader):
 
     def __init__(self, shard: Shard, spec: JobSpec, batch_rows: int = 1024):
         self.served = served_names(spec)
+        self.urls = TASK_URLS.get(spec.task, ())
+        self.dimensions = spec.dimensions
         # custom_id's 8-byte digest -> the line that had it first
         self._first_line: dict[bytes, int] = {}
         super().__init__(shard, spec.input, spec.output, batch_rows)
@@ -167,9 +178,9 @@ class OpenAIBatchReader(JsonLinesReader):
             raise _LineError(f"unsupported method: line {number}, {quoted(record.get('method'))} (POST only)")
         url = record.get("url")
         row.kept["url"] = url if isinstance(url, str) else None
-        if url not in (CHAT, COMPLETIONS):
+        if url not in self.urls:
             raise _LineError(
-                f"unsupported url: line {number}, {quoted(url)} (batchspec runs {CHAT} and {COMPLETIONS})"
+                f"unsupported url: line {number}, {quoted(url)} (this job runs {' and '.join(self.urls)})"
             )
         body = record.get("body")
         if not isinstance(body, dict):
@@ -188,6 +199,9 @@ class OpenAIBatchReader(JsonLinesReader):
                 f"job serves ({', '.join(repr(sanitize_url(n)) for n in self.served)})"
             )
         row.lora = self.served[model]
+        if url == EMBEDDINGS:
+            self._embedding(row, number, body)
+            return
         if url == CHAT:
             row.messages = _messages(body.get("messages"), number)
             fields = CHAT_FIELDS
@@ -210,6 +224,35 @@ class OpenAIBatchReader(JsonLinesReader):
                     f"batchspec runs: {', '.join(fields)})"
                 )
             _sampling(row.overrides, key, value, body, number, chat=url == CHAT)
+
+    def _embedding(self, row: Row, number: int, body: dict) -> None:
+        text = body.get("input")
+        if isinstance(text, list):
+            raise _LineError(
+                f"bad input: line {number}, body.input is a list (batchspec embeds one string a line)"
+            )
+        if not isinstance(text, str):
+            raise _LineError(f"bad input: line {number}, body.input must be one string")
+        if not text.strip():
+            raise _LineError(f"empty prompt: line {number}")
+        row.prompt = text
+        for key, value in body.items():
+            if key in ("model", "input", *_NO_EFFECT) or value is None:
+                continue
+            if key not in EMBEDDING_FIELDS:
+                raise _LineError(
+                    f"unsupported field: line {number}, body.{key} ({EMBEDDINGS} fields "
+                    f"batchspec runs: {', '.join(EMBEDDING_FIELDS)})"
+                )
+            if key == "encoding_format" and value not in ("float", "base64"):
+                raise _LineError(f"bad value: line {number}, body.encoding_format must be float or base64")
+            if key == "dimensions" and value != self.dimensions:
+                raise _LineError(
+                    f"bad value: line {number}, body.dimensions {quoted(value)}: this job embeds "
+                    f"{self.dimensions} dimensions (pooling.dimensions)"
+                )
+        # how the result line gives the vector (io/openai_results.py)
+        row.overrides["encoding_format"] = body.get("encoding_format") or "float"
 
 
 def _messages(messages: Any, number: int) -> list[dict[str, str]]:

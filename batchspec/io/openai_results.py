@@ -11,7 +11,9 @@ manifest, as OpenAI's Batch API returns them:
      "batchspec": {"samples": [{"spec_acceptance_rate": 0.8, "time_e2e_s": 0.2, ...}]}}
 
   ``body`` is a ``chat.completion`` (``/v1/chat/completions``) or a ``text_completion``
-  (``/v1/completions``) object with one choice per sample (``n``), each with its
+  (``/v1/completions``) object with one choice per sample (``n``), or (``/v1/embeddings``, a
+  job of ``task: embed``) a ``list`` of one ``embedding`` (floats, or base64 of little-endian
+  float32 where the line asked ``encoding_format: base64``) and its ``usage``, each with its
   ``finish_reason`` and, where the line asked, its ``logprobs`` in that endpoint's shape.
   ``batchspec`` is a field OpenAI's format does not have (its readers ignore unknown fields): the
   per-sample columns of docs/contract.md that the body has no place for (speculative decoding,
@@ -40,7 +42,7 @@ import time
 from typing import Any
 
 from batchspec.columns import ERROR, LENGTH_IN_REASONING, REQUEST_ID, RESULT_NAMES, error_reason
-from batchspec.io.openai_batch import CHAT, NO_CUSTOM_ID
+from batchspec.io.openai_batch import CHAT, EMBEDDINGS, NO_CUSTOM_ID
 from batchspec.io.output_dir import OutputDir, tmp_file_name
 from batchspec.io.records import Shard
 from batchspec.io.rows import Row
@@ -96,6 +98,9 @@ class OpenAIResultWriter:
         key = (self.run_id, row.shard, str(row.index))
         if failed is not None:
             line, name = error_line(row.request_id, row.kept, failed, key), "errors"
+        elif row.kept.get("url") == EMBEDDINGS:
+            encoding = row.overrides.get("encoding_format", "float")
+            line, name = embedding_line(row.request_id, row.kept, results[0], key, encoding), "output"
         else:
             line, name = result_line(row.request_id, row.kept, results, key, self.created), "output"
         self._files[name].write(json.dumps(line, ensure_ascii=False, allow_nan=False).encode() + b"\n")
@@ -177,6 +182,33 @@ def result_line(
         "response": {"status_code": 200, "request_id": "req_" + _digest(*key, "r"), "body": body},
         "error": None,
         EXTRA: _extra(results),
+    }
+
+
+def embedding_line(
+    request_id: str, kept: dict, result: dict, key: tuple[str, ...], encoding: str
+) -> dict[str, Any]:
+    """The result line of an embedding request (OpenAI's ``CreateEmbeddingResponse`` body)."""
+    vector = result["embedding"]
+    if encoding == "base64":
+        import base64
+        import struct
+
+        vector = base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode()
+    tokens = result.get("num_prompt_tokens") or 0
+    body = {
+        "object": "list",
+        "data": [{"object": "embedding", "index": 0, "embedding": vector}],
+        "model": kept.get("model"),
+        "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+    }
+    extra = {k: result.get(k) for k in ("time_e2e_s", "twin_of")}
+    return {
+        "id": "batch_req_" + _digest(*key),
+        "custom_id": request_id,
+        "response": {"status_code": 200, "request_id": "req_" + _digest(*key, "r"), "body": body},
+        "error": None,
+        EXTRA: {"samples": [extra]},
     }
 
 

@@ -186,12 +186,12 @@ class OutputDir:
             self._table_state = self.format.table_state(self)
         return self._table_state
 
-    def check_table_schema(self, fields: list) -> None:
+    def check_table_schema(self, fields: list, result_fields: list | None = None) -> None:
         """Exit 2 naming the column where an existing table's schema and this job's columns
-        (``fields``: the kept input columns) differ."""
+        (``fields``: the kept input columns; ``result_fields``: its task's) differ."""
         from batchspec.columns import output_schema
 
-        self.format.check_schema(self, output_schema(fields))
+        self.format.check_schema(self, output_schema(fields, result_fields))
 
     @property
     def is_local(self) -> bool:

@@ -72,7 +72,7 @@ def committed_footer(
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from batchspec.columns import BASE_RESULT_NAMES, REQUEST_ID
+    from batchspec.columns import COMMON_RESULT_NAMES, REQUEST_ID
     from batchspec.io.arrow_fs import arrow_fs
 
     # local footers through pyarrow's own filesystem, others without fsspec's read-ahead
@@ -81,7 +81,7 @@ def committed_footer(
         schema = pq.read_schema(path, filesystem=filesystem)
     except (OSError, pa.ArrowException) as exc:
         raise InputDataError(shown, f"unreadable Parquet: {exc}") from exc
-    missing = [c for c in (REQUEST_ID, *BASE_RESULT_NAMES) if c not in schema.names]
+    missing = [c for c in (REQUEST_ID, *COMMON_RESULT_NAMES) if c not in schema.names]
     if missing:
         raise InputDataError(
             shown, f"column {missing[0]!r} is missing: not a batchspec output {what}", column=missing[0]
@@ -131,6 +131,11 @@ class OutputFormat:
     #: A table's folder that says a URL holds one of this format's tables (``batchspec report
     #: URL`` finds the format by it); None: not found so.
     marker: ClassVar[str | None] = None
+    #: The pooling tasks whose columns it holds (``task: embed``, ``classify``, ``score``).
+    pooling: ClassVar[tuple[str, ...]] = ("embed", "classify", "score")
+    #: Whether its schema has fixed-size lists (an embedding as ``fixed_size_list<float32>[N]``);
+    #: Delta and Iceberg have none, and hold it as a list of float32.
+    fixed_size_lists: ClassVar[bool] = True
 
     @property
     def suffix(self) -> str:
@@ -144,8 +149,10 @@ class OutputFormat:
         output: OutputSpec,
         kept_fields: list,
         metadata: dict[str, Any],
+        result_fields: list | None = None,
     ) -> ResultWriter:
-        """The writer of one shard's results (``kept_fields``: the input columns kept)."""
+        """The writer of one shard's results (``kept_fields``: the input columns kept;
+        ``result_fields``: the task's result columns, generation's where None)."""
         raise NotImplementedError
 
     def open_shard(self, out: OutputLocation, name: str) -> CommittedShard:
@@ -167,9 +174,11 @@ class ParquetOutput(OutputFormat):
     in_fingerprint = False
     unreadable = "unreadable Parquet"
 
-    def writer(self, out, shard, output, kept_fields, metadata):
+    def writer(self, out, shard, output, kept_fields, metadata, result_fields=None):
         writer = named("batchspec.io.writer:ParquetWriter")
-        return writer(out, shard, kept_fields, metadata, output.row_group_rows, output.compression)
+        return writer(
+            out, shard, kept_fields, metadata, output.row_group_rows, output.compression, result_fields
+        )
 
     def open_shard(self, out, name):
         path = out.join(name + self.suffix)
@@ -198,6 +207,7 @@ class OpenAIOutput(OutputFormat):
 
     name = "openai"
     parts = {"output": ".output.jsonl", "errors": ".errors.jsonl"}
+    pooling = ("embed",)  # /v1/embeddings
     input_format = "openai"
     input_format_why = (
         "OpenAI Batch result files answer OpenAI Batch request files: set "
@@ -210,7 +220,7 @@ class OpenAIOutput(OutputFormat):
         "answer's JSON already; the typed answer column is for Parquet output"
     )
 
-    def writer(self, out, shard, output, kept_fields, metadata):
+    def writer(self, out, shard, output, kept_fields, metadata, result_fields=None):
         return named("batchspec.io.openai_results:OpenAIResultWriter")(out, shard, metadata)
 
     def open_shard(self, out, name):
@@ -264,9 +274,11 @@ class TableOutput(ParquetOutput):
 
         return importlib.import_module(self.module)
 
-    def writer(self, out, shard, output, kept_fields, metadata):
+    def writer(self, out, shard, output, kept_fields, metadata, result_fields=None):
         writer = named("batchspec.io.writer:TableFileWriter")
-        return writer(out, shard, kept_fields, metadata, output.row_group_rows, output.compression)
+        return writer(
+            out, shard, kept_fields, metadata, output.row_group_rows, output.compression, result_fields
+        )
 
     def table_state(self, out: OutputLocation) -> TableState:
         """What the table holds now."""
@@ -307,6 +319,7 @@ class DeltaOutput(TableOutput):
     each shard recorded by an application transaction (``txn``) in the commit that adds it."""
 
     name = "delta"
+    fixed_size_lists = False
     module = "batchspec.io.delta"
     library = "deltalake"
     marker = "_delta_log"
@@ -318,6 +331,7 @@ class IcebergOutput(TableOutput):
     its snapshot's summary."""
 
     name = "iceberg"
+    fixed_size_lists = False
     module = "batchspec.io.iceberg"
     library = "pyiceberg"
     keys = (*TableOutput.keys, "table", "catalog")
@@ -340,16 +354,18 @@ class LanceOutput(TableOutput):
         "encodings; leave this key out"
     )
 
-    def writer(self, out, shard, output, kept_fields, metadata):
-        return self._lib().LanceFragmentWriter(out, shard, kept_fields, metadata, output.row_group_rows)
+    def writer(self, out, shard, output, kept_fields, metadata, result_fields=None):
+        return self._lib().LanceFragmentWriter(
+            out, shard, kept_fields, metadata, output.row_group_rows, result_fields=result_fields
+        )
 
     def open_shard(self, out, name):
         """One of the dataset's current fragments (batchspec's by shard, others by path)."""
-        from batchspec.columns import BASE_RESULT_NAMES, REQUEST_ID
+        from batchspec.columns import COMMON_RESULT_NAMES, REQUEST_ID
 
         state = out.table_state
         url = state.files.get(name) or state.other_files[name]
-        missing = [c for c in (REQUEST_ID, *BASE_RESULT_NAMES) if c not in state.schema.names]
+        missing = [c for c in (REQUEST_ID, *COMMON_RESULT_NAMES) if c not in state.schema.names]
         if missing:
             raise InputDataError(
                 url, f"column {missing[0]!r} is missing: not a batchspec output table", column=missing[0]

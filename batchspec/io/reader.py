@@ -21,7 +21,7 @@ from batchspec.errors import InputDataError, SpecError
 from batchspec.io.input_formats import INPUT_FORMATS, input_format
 from batchspec.io.records import Shard
 from batchspec.io.retry import Attempts, is_transient, retry
-from batchspec.io.rows import Row, check_messages
+from batchspec.io.rows import Row, check_messages, pair_error
 from batchspec.io.templates import check_columns, prompt_template
 from batchspec.io.urls import is_local_fs
 from batchspec.spec.model import InputSpec, JobSpec, OutputSpec
@@ -120,6 +120,14 @@ class ParquetReader:
             check_columns(self.template, schema.names, url)
         else:
             self._check_text(require(spec.text_column, "prompt" if spec.prompt_column else "messages"))
+        if spec.pair_columns:
+            pair = require(spec.pair_columns[1], "pair")
+            if not _is_text(pair.type):
+                raise InputDataError(
+                    url,
+                    f"pair column {pair.name!r} has type {pair.type}, expected text (string)",
+                    column=pair.name,
+                )
         if spec.id_column:
             require(spec.id_column, "id")
         for param, column in spec.sampling_columns.items():
@@ -135,7 +143,8 @@ class ParquetReader:
                 )
 
         if output_spec.keep_columns is None:
-            kept = [f for f in schema if f.name != spec.text_column and f.name not in OUTPUT_NAMES]
+            texts = {spec.text_column, *(spec.pair_columns or ())}
+            kept = [f for f in schema if f.name not in texts and f.name not in OUTPUT_NAMES]
         else:
             for column in output_spec.keep_columns:
                 if column in OUTPUT_NAMES:
@@ -194,6 +203,7 @@ class ParquetReader:
         spec = self.spec
         wanted = [
             spec.text_column,
+            *(spec.pair_columns or ()),
             *self._template_columns,
             spec.id_column,
             spec.lora_column,
@@ -265,6 +275,9 @@ class ParquetReader:
                 row.error = row.error or "null prompt"
             elif not text.strip():
                 row.error = row.error or "empty prompt"
+            if spec.pair_columns:
+                row.pair = values[spec.pair_columns[1]]
+                row.error = row.error or pair_error(row.pair, spec.pair_columns[1])
         else:
             row.messages = values[spec.messages_column]
             row.error = row.error or check_messages(row.messages)

@@ -29,6 +29,19 @@ class Row:
     lora: str | None = None
     #: Set when the row cannot be sent to the engine; it is written as an error row.
     error: str | None = None
+    #: ``task: score``: the pair's second text (``input.pair_columns``; ``prompt`` is the first).
+    pair: str | None = None
+
+
+def pair_error(text: Any, column: str) -> str | None:
+    """Why a pair's second text cannot be scored (None: it can)."""
+    if text is None:
+        return f"null pair text in {column!r}"
+    if not isinstance(text, str):
+        return f"pair text in {column!r} is no text: {type(text).__name__}"
+    if not text.strip():
+        return f"empty pair text in {column!r}"
+    return None
 
 
 def check_messages(messages: Any) -> str | None:

@@ -35,10 +35,11 @@ class ParquetWriter:
         metadata: dict[str, Any],
         row_group_rows: int = 1024,
         compression: str = "zstd",
+        result_fields: list[pa.Field] | None = None,
     ):
         self.out = out
         self.shard = shard
-        self.schema = output_schema(kept).with_metadata(
+        self.schema = output_schema(kept, result_fields).with_metadata(
             {METADATA_KEY: json.dumps(metadata, sort_keys=True, default=str).encode()}
         )
         self.row_group_rows = row_group_rows

@@ -407,15 +407,35 @@ def summarize(output: Output) -> dict[str, Any]:
     """The report of one loaded output: lineage, overall and per-shard metrics."""
     lin = lineage(output.metadata)
     overall, shards, adapters = metrics_of(output)
+    tasks = {m.get("task") or "generate" for m in output.metadata.values()}
+    walls = _shard_walls(output.runs) if tasks - {"generate"} else {}
+    for name, m in shards.items() if walls else ():  # a pooling task's throughput per shard
+        wall = walls.get((output.metadata[name].get("run_id"), name))
+        m["wall_s"] = wall
+        m["rows_per_s"] = m["rows"] / wall if wall else None
+        m["prompt_tokens_per_s"] = (
+            m["prompt_tokens"] / wall if wall and m.get("prompt_tokens") is not None else None
+        )
     return {
         "path": sanitize_url(output.url),
         "files": len(output.shards),
+        "task": tasks.pop() if len(tasks) == 1 else "mixed",
         "lineage": lin,
         "overall": overall,
         "shards": {s: {"run_id": output.metadata[s].get("run_id"), **m} for s, m in shards.items()},
         "lora_adapters": adapters,
         "acceptance_per_position": summed_acceptance_per_position(output.runs, lin["run_id"]),
         "engine_restarts": summed_supervision(output.runs, lin["run_id"]),
+    }
+
+
+def _shard_walls(runs: list[dict]) -> dict[tuple[str, str], float]:
+    """(run id, shard) -> the seconds that run spent on the shard, from its summary."""
+    return {
+        (run.get("run_id"), name): shard["wall_s"]
+        for run in runs
+        for name, shard in (run.get("shards") or {}).items()
+        if isinstance(shard, dict) and shard.get("wall_s")
     }
 
 

@@ -13,7 +13,7 @@ import polars as pl
 import pyarrow as pa
 import yaml
 
-from batchspec.columns import ERROR, FEATURE_FIELDS
+from batchspec.columns import COMMON_RESULT_NAMES, ERROR, FEATURE_FIELDS, RESULT_FIELDS
 from batchspec.errors import InputDataError, SpecError
 from batchspec.io.output_dir import OutputDir
 from batchspec.io.output_formats import OUTPUT_FORMATS, CommittedShard, OutputFormat
@@ -35,12 +35,20 @@ FEATURE_TYPES = {
         "spec_reasoning_num_accepted_tokens",
     )
 }
+#: A pooling task's output (``task: embed``, ...) has none of generation's own columns: the report
+#: reads each as null (no text, no output tokens, no acceptance) and its rows and prompt tokens.
+GENERATION_TYPES = {
+    f.name: pl.from_arrow(pa.array([], f.type)).dtype
+    for f in RESULT_FIELDS
+    if f.name not in COMMON_RESULT_NAMES
+}
 
 
 #: Lineage fields taken from each file's ``batchspec`` metadata, in display order.
 LINEAGE_FIELDS = (
     "run_id",
     "job",
+    "task",
     "target_model",
     "lora_adapters",
     "draft_model",
@@ -102,9 +110,9 @@ class Output:
         lf = self.format.scan(self.out, committed)
         # a feature column this file was written without (an older batchspec) reads as null
         have = set(committed.schema.names)
+        missing = FEATURE_TYPES if "generated_text" in have else GENERATION_TYPES
         exprs: list[Any] = [
-            c if c in have or c not in FEATURE_TYPES else pl.lit(None, dtype=FEATURE_TYPES[c]).alias(c)
-            for c in columns
+            c if c in have or c not in missing else pl.lit(None, dtype=missing[c]).alias(c) for c in columns
         ]
         if text_hash:
             exprs.append(pl.col(TEXT).hash(seed=0).alias(TEXT_HASH))

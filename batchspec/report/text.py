@@ -177,6 +177,8 @@ def tables(report: dict) -> list[Table]:
     """The sections of a single-run report, shared by the text, markdown and HTML renderers."""
     m = report["overall"]
     lin = report["lineage"]
+    pooling = report.get("task", "generate") not in ("generate", "mixed")
+    dist_rows = [r for r in _DIST_ROWS if not pooling or r[1] == "e2e_s"]
     out = [
         Table("summary", "Summary", ["metric", "value"], _summary_rows(report), kv=True),
         Table("lineage", "Lineage", ["field", "value"], [[k, fmt(lin[k])] for k in LINEAGE_FIELDS], kv=True),
@@ -184,10 +186,12 @@ def tables(report: dict) -> list[Table]:
             "distributions",
             "Per-request distributions",
             ["metric", "n", "mean", "p50", "p90", "p99", "max"],
-            [[label, *_dist_cells(m[key], digits)] for label, key, digits in _DIST_ROWS],
+            [[label, *_dist_cells(m[key], digits)] for label, key, digits in dist_rows],
             note="successful rows; percentiles interpolate linearly between ranks",
         ),
     ]
+    if pooling:
+        return out + _pooling_tables(report)
     shard_rows = []
     structured = m.get("structured_outputs") is not None
     for name, s in report["shards"].items():
@@ -292,6 +296,44 @@ def tables(report: dict) -> list[Table]:
                     for i, (a, r) in enumerate(zip(pos["accepted"], pos["rate"], strict=True))
                 ],
                 note=f"vLLM counters over {pos['num_drafts']:,} drafts, run(s) {', '.join(pos['runs'])}",
+            )
+        )
+    return out
+
+
+def _pooling_tables(report: dict) -> list[Table]:
+    """A pooling task's per-shard throughput (it has no decoding: no acceptance, no output
+    tokens) and its errors."""
+    rows = [
+        [
+            name,
+            fmt(s["rows"]),
+            fmt(s["errors"]),
+            fmt(s["prompt_tokens"]),
+            fmt(s.get("wall_s"), 2),
+            fmt(s.get("rows_per_s"), 1),
+            fmt(s.get("prompt_tokens_per_s"), 1),
+            fmt((s["e2e_s"] or {}).get("p50")),
+        ]
+        for name, s in report["shards"].items()
+    ]
+    out = [
+        Table(
+            "shards",
+            "Per shard",
+            ["shard", "rows", "errors", "prompt tokens", "wall s", "rows/s", "prompt tok/s", "e2e p50 s"],
+            rows,
+            note=f"task {report['task']}: the run that committed each shard, its seconds on it",
+        )
+    ]
+    m = report["overall"]
+    if m["errors"]:
+        out.append(
+            Table(
+                "errors",
+                "Errors by reason",
+                ["reason", "rows"],
+                [[r, fmt(n)] for r, n in m["errors_by_reason"].items()],
             )
         )
     return out

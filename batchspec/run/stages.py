@@ -208,12 +208,12 @@ def _conform_to_table(
     from batchspec.io.table_schema import conform_kept, kept_target
 
     table = out.table_state.schema if out.table_state.exists else None
-    ours = set(output_schema(output_fields(spec, [])).names)
+    ours = set(output_schema(output_fields(spec, []), spec.result_fields()).names)
     existing = None if table is None else [f for f in table if f.name not in ours]
     target = kept_target(
         [kept[s.name][:2] for s in shards], None if existing is None else pa.schema(existing)
     )
-    out.check_table_schema(output_fields(spec, target))
+    out.check_table_schema(output_fields(spec, target), spec.result_fields())
     good = []
     for s in shards:
         fields, untyped, json_lines = kept[s.name]
@@ -244,7 +244,7 @@ def _check_table(
             bad_shard(s, exc)  # raises unless on_bad_shard: skip
         return [], {}
     if out is not None and out.format.table:
-        out.check_table_schema(output_fields(spec, kept))
+        out.check_table_schema(output_fields(spec, kept), spec.result_fields())
     ok: list[Shard] = []
     row_counts: dict[str, int] = {}
     for s in todo:
@@ -268,6 +268,8 @@ def _check_table(
 
 def output_fields(spec: JobSpec, kept: list) -> list:
     """The columns an output file has beside the result columns, from the input's kept ones."""
+    results = {f.name for f in spec.result_fields()} if spec.task != "generate" else set()
+    kept = [f for f in kept if f.name not in results]  # a pooling task's `embedding` wins, say
     answers = answer_column(spec)
     return answers.fields(kept) if answers is not None else kept
 
@@ -366,6 +368,7 @@ class ShardPipeline:
         self.metadata_base = {
             "run_id": run_id,
             "job": spec.name,
+            "task": spec.task,
             "spec": spec.public(),
             "spec_fingerprint": spec_fingerprint,
             "target_model": sanitize_url(spec.model.target),
@@ -432,10 +435,10 @@ class ShardPipeline:
         }
         if run.shard.table is not None:  # the table version (snapshot) this shard was read at
             metadata["input_pin"] = getattr(run.shard.table.source, "pin", None)
-        kept = run.reader.kept_fields
-        if self.answers is not None:  # after the kept columns
-            kept = self.answers.fields(kept)
-        run.writer = self.out.format.writer(self.out, run.shard, spec.output, kept, metadata)
+        kept = output_fields(spec, run.reader.kept_fields)  # a typed answer after the kept columns
+        run.writer = self.out.format.writer(
+            self.out, run.shard, spec.output, kept, metadata, spec.result_fields()
+        )
         run.started = time.monotonic()
         self.events.emit(
             "shard_started",
@@ -516,7 +519,7 @@ class ShardPipeline:
             return by_name[row.shard].state is ShardState.READ
 
         twins = Twins(
-            self.spec.sampling,
+            self.spec.sampling if self.spec.task == "generate" else {"temperature": 0},  # pooling: fixed
             self.spec.execution.dedupe_window,
             hold=self.spec.execution.max_in_flight,
             max_bytes=self.spec.execution.dedupe_max_bytes,

@@ -72,6 +72,8 @@ def request_key(row: Row, sampling: dict[str, Any]) -> bytes | None:
     if merged.get("seed") is None and merged.get("temperature") != 0:
         return None
     asked = [row.prompt, row.messages, row.lora, sorted(row.overrides.items())]
+    if row.pair is not None:  # a score row: the pair, not its first text alone
+        asked.append(row.pair)
     return hashlib.blake2b(json.dumps(asked, sort_keys=True, default=str).encode(), digest_size=16).digest()
 
 

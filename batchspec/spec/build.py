@@ -31,6 +31,7 @@ from batchspec.spec.model import (
     ModelSpec,
     OutputSpec,
 )
+from batchspec.spec.tasks import check_task, pair_columns_of, task_of
 
 # --------------------------------------------------------------------------- validation
 
@@ -67,13 +68,25 @@ def check_executor(spec: JobSpec, kind: str, key: str) -> None:
         )
 
 
-_TOP_KEYS = ("name", "input", "output", "model", "speculative", "sampling", "execution", "executor")
+_TOP_KEYS = (
+    "name",
+    "task",
+    "input",
+    "output",
+    "model",
+    "speculative",
+    "sampling",
+    "pooling",
+    "execution",
+    "executor",
+)
 
 
 def build_spec(raw: dict[str, Any]) -> JobSpec:
     """Validate a resolved spec mapping and build the typed :class:`JobSpec`, section by section
     in the order of :data:`_TOP_KEYS` (the first error found is the one reported)."""
     check_keys(raw, _TOP_KEYS, "")
+    task = task_of(raw)
     spec = JobSpec(
         name=get_value(raw, "name", str, "", default=DEFAULT_JOB_NAME),
         input=_input_spec(raw),
@@ -85,7 +98,10 @@ def build_spec(raw: dict[str, Any]) -> JobSpec:
         raw=raw,
         executor=_executor_spec(raw),
         speculative_auto=_auto_speculation(raw),
+        task=task.name,
+        pooling=dict(section(raw, "pooling", required=False)),
     )
+    spec = check_task(spec, task)
     check_executor(spec, spec.executor.kind, "executor.kind")
     _check_reasoning(spec)
     if spec.input.lora_column and spec.model.lora is None:
@@ -223,6 +239,9 @@ def _input_spec(raw: dict) -> InputSpec:
     prompt_column = inp.get("prompt_column", str)
     messages_column = inp.get("messages_column", str)
     prompt_template, messages_template = _templates(inp)
+    pair_columns = pair_columns_of(inp)
+    if pair_columns is not None:
+        prompt_column = pair_columns[0]  # the first text is read as a prompt; the second beside it
     sources = (prompt_column, messages_column, prompt_template, messages_template)
     if fmt.self_describing:
         for key in (
@@ -284,6 +303,7 @@ def _input_spec(raw: dict) -> InputSpec:
         on_bad_shard=on_bad_shard,
         allow_empty=allow_empty,
         max_line_bytes=inp.positive("max_line_bytes"),
+        pair_columns=pair_columns,
         **table,
     )
 

@@ -291,6 +291,9 @@ def spec_fingerprint(spec: JobSpec) -> dict[str, str]:
         "sampling_columns": spec.input.sampling_columns,
         "keep_columns": None if spec.output.keep_columns is None else list(spec.output.keep_columns),
     }
+    if spec.task != "generate":  # only when set: generation's outputs keep their hashes
+        components["task"] = {"task": spec.task, "pooling": spec.pooling}
+        components["columns"]["pair_columns"] = spec.input.pair_columns
     if spec.input.lora_column:  # only when set: outputs of jobs without LoRA keep their hashes
         components["columns"]["lora_column"] = spec.input.lora_column
     if spec.input.prompt_template is not None:  # its wording is the prompt's: a change is a new spec

@@ -8,6 +8,7 @@ from typing import Any, Literal, get_args
 
 from batchspec.redact import public_spec
 from batchspec.redact import secret_values as _secret_values
+from batchspec.tasks import TASKS, TaskName
 
 # Every choice a key offers is a Literal type on its field: spec/build.py checks each value
 # against its field's type, in one place.
@@ -127,6 +128,9 @@ class InputSpec:
     #: Bytes a line of a JSON-lines or OpenAI Batch file may have (its line end not counted): a
     #: longer line is one error row, read past in constant memory (batchspec/io/jsonl.py).
     max_line_bytes: int = 64 * 2**20
+    #: ``task: score``: the two text columns of each pair, ``[query, document]`` (instead of
+    #: ``prompt_column``); a null or empty side is that row's error.
+    pair_columns: tuple[str, str] | None = None
 
     @property
     def text_column(self) -> str | None:
@@ -342,6 +346,26 @@ class JobSpec:
     #: ``speculative: auto``: what the run chooses ``speculative`` from (then None until chosen;
     #: the chosen spec keeps this, so the run knows the choice was automatic).
     speculative_auto: AutoSpeculation | None = None
+    #: What the job does with each row: ``generate`` text; or, with vLLM's pooling runner,
+    #: ``embed`` (a vector a row), ``classify`` (a sequence classifier's label and probabilities)
+    #: or ``score`` (each pair of ``input.pair_columns`` scored by the cosine of its embeddings).
+    #: A pooling task has no decoding: ``speculative`` and ``sampling`` are refused with it
+    #: (docs/pooling.md).
+    task: TaskName = "generate"
+    #: A pooling task's ``vllm.PoolingParams`` keyword arguments, job-wide (``dimensions``,
+    #: ``use_activation``), checked against vLLM's ``PoolingParams`` before any weights load.
+    pooling: dict[str, Any] = field(default_factory=dict)
+    #: ``task: embed`` and ``score``: the embedding's size, from ``pooling.dimensions`` or the
+    #: model's ``config.json`` (``hidden_size``); None for the other tasks.
+    dimensions: int | None = None
+
+    def result_fields(self) -> list:
+        """The result columns of this job's task (after request_id and the kept columns): an
+        embedding's size fixed in the schema where the output format has fixed-size lists."""
+        from batchspec.io.output_formats import output_format  # lazy: io/ sits above spec/
+
+        fixed = output_format(self.output.format).fixed_size_lists
+        return TASKS[self.task].fields(self.dimensions if fixed else None)
 
     def public(self) -> dict[str, Any]:
         """The resolved spec as it may be persisted or logged (:func:`batchspec.redact.public_spec`):

@@ -144,7 +144,11 @@ def _check_options(spec: JobSpec, options: TuneOptions) -> list[int]:
     """The concurrency levels to measure at, once the options and the job's vLLM keys are
     valid (SpecError, exit 2, before anything is read or started)."""
     from batchspec.engine.checks import check_vllm_keys
+    from batchspec.tasks import refuse_speculation_tools
 
+    refused = refuse_speculation_tools(spec.task, "batchspec tune")
+    if refused is not None:
+        raise SpecError("task", refused)
     if options.objective not in OBJECTIVES:
         raise SpecError(None, f"--objective must be one of {', '.join(OBJECTIVES)}")
     concurrency = sorted(set(options.concurrency or [default_concurrency(spec)]))

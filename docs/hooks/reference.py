@@ -27,7 +27,7 @@ COLUMNS_MARKER = "<!-- generated: columns -->"
 #: Fields whose YAML key is not the field's name (spec/build.py reads ``input.path``).
 YAML_NAMES = {"InputSpec.paths": "path", "JobSpec.speculative_auto": "speculative"}
 #: Fields that are no key of the YAML: the resolved mapping a spec was built from.
-NOT_KEYS = {"JobSpec.raw"}
+NOT_KEYS = {"JobSpec.raw", "JobSpec.dimensions"}
 #: Types as the YAML may give them, where spec/build.py takes more than the field's type.
 YAML_TYPES = {
     "InputSpec.paths": "string or list of strings",
@@ -67,13 +67,29 @@ def field_comments(path: Path) -> dict[str, str]:
     return comments
 
 
-def column_comments(path: Path, namespace: dict) -> dict[str, str]:
+def column_comments(path: Path, namespace: dict, list_name: str | None = None) -> dict[str, str]:
     """``#:`` comments above each ``pa.field(NAME, ...)`` of a module: column name -> text. NAME is
-    a string or a constant of ``namespace`` (the module's)."""
+    a string or a constant of ``namespace`` (the module's). With ``list_name``, only the fields
+    written in that module-level list (a column named in several lists, such as
+    ``num_prompt_tokens``, is described in each)."""
     source = path.read_text()
     lines = source.splitlines()
     comments: dict[str, str] = {}
-    for node in ast.walk(ast.parse(source)):
+    tree = ast.parse(source)
+    if list_name is not None:
+        tree = next(
+            node.value
+            for node in tree.body
+            if isinstance(node, ast.Assign | ast.AnnAssign)
+            and any(
+                isinstance(t, ast.Name) and t.id == list_name
+                for t in (node.targets if isinstance(node, ast.Assign) else [node.target])
+            )
+        )
+    for node in ast.walk(tree):
+        if list_name is not None and isinstance(node, ast.Starred) and isinstance(node.value, ast.Name):
+            comments.update(column_comments(path, namespace, node.value.id))  # *FEATURE_FIELDS
+            continue
         if not (
             isinstance(node, ast.Call)
             and isinstance(node.func, ast.Attribute)
@@ -271,33 +287,54 @@ def arrow_type(tp) -> str:
     return {"double": "float64", "float": "float32"}.get(str(tp), str(tp))
 
 
+#: Each task's result columns (batchspec/tasks.py), as the column reference lists them: the
+#: list in batchspec/columns.py, and its heading.
+TASK_COLUMNS = (
+    ("RESULT_FIELDS", "Generation (`task: generate`, the default)"),
+    ("EMBED_FIELDS", "Embeddings (`task: embed`)"),
+    ("CLASSIFY_FIELDS", "Classification (`task: classify`)"),
+    ("SCORE_FIELDS", "Scoring (`task: score`)"),
+)
+
+
 def columns_markdown() -> str:
-    """The output columns, in the order an output file has them."""
-    from batchspec import columns
+    """The output columns, in the order an output file has them: one table a task."""
+    from batchspec import columns, tasks
 
     comments = field_comments(Path(columns.__file__))
-    described = column_comments(Path(columns.__file__), vars(columns))
-    rows = ["| column | type | meaning |", "| --- | --- | --- |"]
     missing = []
     request_id = comments.get("REQUEST_ID")
     if not request_id:
         missing.append(columns.REQUEST_ID)
-    rows.append(f"| `{columns.REQUEST_ID}` | string | {markdown(request_id or '')} |")
-    rows.append(
-        "| kept input columns | as in the input | what "
-        "[`output.keep_columns`](spec.md#output.keep_columns) keeps |"
-    )
-    for f in columns.RESULT_FIELDS:
-        text = described.get(f.name)
-        if not text:
-            missing.append(f.name)
-            continue
-        rows.append(f"| `{f.name}` | `{arrow_type(f.type)}` | {markdown(text)} |")
+    listed = {name for name, _ in TASK_COLUMNS}
+    unlisted = [
+        t.name
+        for t in tasks.TASKS.values()
+        if not any(list(t.result_fields) == list(getattr(columns, name)) for name in listed)
+    ]
+    if unlisted:
+        raise MissingDescription(f"tasks with no table in TASK_COLUMNS: {', '.join(unlisted)}")
+    out = []
+    for list_name, title in TASK_COLUMNS:
+        described = column_comments(Path(columns.__file__), vars(columns), list_name)
+        rows = [f"### {title}", "", "| column | type | meaning |", "| --- | --- | --- |"]
+        rows.append(f"| `{columns.REQUEST_ID}` | string | {markdown(request_id or '')} |")
+        rows.append(
+            "| kept input columns | as in the input | what "
+            "[`output.keep_columns`](spec.md#output.keep_columns) keeps |"
+        )
+        for f in getattr(columns, list_name):
+            text = described.get(f.name)
+            if not text:
+                missing.append(f.name)
+                continue
+            rows.append(f"| `{f.name}` | `{arrow_type(f.type)}` | {markdown(text)} |")
+        out.append("\n".join(rows) + "\n")
     if missing:
         raise MissingDescription(
             "output columns with no `#:` comment in batchspec/columns.py: " + ", ".join(missing)
         )
-    return "\n".join(rows) + "\n"
+    return "\n".join(out)
 
 
 # ------------------------------------------------------------------------------ the hook

@@ -166,7 +166,7 @@ def test_a_key_without_a_description_fails_the_build(monkeypatch):
     monkeypatch.setattr(
         hook,
         "column_comments",
-        lambda path, ns: {k: v for k, v in described(path, ns).items() if k != "error"},
+        lambda path, ns, name=None: {k: v for k, v in described(path, ns, name).items() if k != "error"},
     )
     with pytest.raises(hook.MissingDescription, match="error"):
         hook.columns_markdown()

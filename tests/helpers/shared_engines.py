@@ -138,6 +138,7 @@ class SharedEngines:
                 spec.speculative,
                 lora and [lora.adapters, lora.max_loras, lora.max_lora_rank],
                 spec.model.reasoning_parser,
+                spec.task,
             ],
             sort_keys=True,
             default=str,
@@ -195,7 +196,7 @@ class SharedEngines:
         import psutil
 
         from batchspec.engine.cpu_plugin import active as plugin_active
-        from batchspec.engine.llm import Engine, child_pids, kill_new_children
+        from batchspec.engine.llm import child_pids, engine_for, kill_new_children
 
         before = child_pids()
         wanted = {k: self.plugin_env.get(k) for k in PLUGIN_ENV}
@@ -214,7 +215,7 @@ class SharedEngines:
             p for p in children(proc, recursive) if p.pid not in before
         ]
         try:
-            engine = Engine(spec)
+            engine = engine_for(spec)
         except BaseException:
             kill_new_children(before)
             raise

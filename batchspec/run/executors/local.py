@@ -34,7 +34,7 @@ class LocalExecutor:
         if self.engine is not None:
             self.engine.bind(ctx.spec)
             return
-        from batchspec.engine.llm import Engine, child_pids, kill_new_children
+        from batchspec.engine.llm import child_pids, engine_for, kill_new_children
 
         ctx.events.emit(
             "engine_starting",
@@ -44,7 +44,7 @@ class LocalExecutor:
         before = child_pids()
         ctx.stop.raise_now = True  # start-up cannot poll a flag: a signal ends it at once
         try:
-            self.engine = Engine(ctx.spec)
+            self.engine = engine_for(ctx.spec)
         except BaseException:
             kill_new_children(before)  # engine processes a half-built engine left behind
             raise

@@ -114,9 +114,9 @@ class Replica:
         self.supervisor, self._supervised_run = None, None
         try:
             from batchspec.engine.checks import vllm_version
-            from batchspec.engine.llm import Engine
+            from batchspec.engine.llm import engine_for
 
-            self.engine = (engine_factory or Engine)(spec)
+            self.engine = (engine_factory or engine_for)(spec)
             self.vllm_version = vllm_version() if engine_factory is None else None
             self.counters_before = self.engine.spec_counters()
         except BaseException as exc:  # reported by ready(), so the driver can exit 1 or 2

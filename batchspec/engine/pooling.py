@@ -1,0 +1,174 @@
+"""The pooling tasks (``task: embed``, ``classify``, ``score``): vLLM's pooling runner behind the
+same request stream as generation (:class:`batchspec.engine.llm.Engine`), so that shards,
+leases, exactly-once commits, resume, per-row errors, duplicates once and Ray work as they do
+for text. What differs is here: the engine's arguments (``runner="pooling"``, and ``convert``
+where the checkpoint is a causal LM), a row's request (:class:`vllm.PoolingParams`, no
+sampling) and its result columns (:mod:`batchspec.columns`: ``EMBED_FIELDS`` and the others).
+
+A ``score`` row is a pair of texts: each side is embedded as a request of its own, and the row's
+score is the cosine of the two embeddings, as vLLM's ``LLM.score`` gives for an embedding model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from batchspec.columns import error_result
+from batchspec.engine.llm import _STATS_ON, ENGINE_DEFAULTS, Engine, Prepared
+from batchspec.engine.rows import NOTHING
+from batchspec.engine.tokens import prompt_token_ids
+from batchspec.errors import SpecError
+from batchspec.io.rows import Row
+from batchspec.spec.checkpoints import read_config
+from batchspec.spec.model import JobSpec
+from batchspec.tasks import TASKS
+
+
+def _causal(target: str) -> bool:
+    """Whether the checkpoint is a causal LM (``*ForCausalLM``): an embedding job converts it."""
+    config = read_config(target) or {}
+    return any(str(a).endswith("ForCausalLM") for a in config.get("architectures") or ())
+
+
+class PoolingEngine(Engine):
+    """One vLLM engine on the pooling runner, for the job's pooling task."""
+
+    def __init__(self, spec: JobSpec):
+        self.task = TASKS[spec.task]
+        self.dimensions = spec.dimensions
+        super().__init__(spec)
+        config = self.engine.model_config.hf_config
+        id2label = getattr(config, "id2label", None) or {}
+        #: ``classify``: each class's name, in the order of the model's outputs
+        self.labels = [str(id2label.get(i, id2label.get(str(i), i))) for i in range(len(id2label))]
+
+    def _llm_kwargs(self, spec: JobSpec) -> dict[str, Any]:
+        kwargs = {**ENGINE_DEFAULTS, **spec.model.engine, **_STATS_ON, "runner": "pooling"}
+        if self.task.convert is not None and _causal(spec.model.target):
+            kwargs.setdefault("convert", self.task.convert)
+        return kwargs
+
+    def _use(self, spec: JobSpec) -> None:
+        super()._use(spec)
+        from vllm import PoolingParams
+
+        params = PoolingParams(task=self.task.pooling_task, **spec.pooling)
+        try:
+            params.verify(self.engine.model_config)
+        except ValueError as exc:  # dimensions the model cannot give, say
+            raise SpecError("pooling", f"vLLM refused the pooling parameters: {exc}") from exc
+        self.pooling_params = params
+
+    def _prepare(self, row: Row) -> tuple[Prepared | None, dict | None]:
+        try:
+            ids = prompt_token_ids(self.tokenizer, row, self.base_template_kwargs)
+        except Exception as exc:  # a template or tokenizer failure belongs to this row only
+            return None, error_result(f"cannot render prompt: {exc}")
+        if not ids:
+            return None, error_result("empty prompt: no tokens", num_prompt_tokens=0)
+        if len(ids) > self.max_model_len:
+            return None, error_result(
+                f"prompt too long: {len(ids)} prompt tokens, over max_model_len {self.max_model_len}",
+                num_prompt_tokens=len(ids),
+            )
+        return Prepared(ids, self.pooling_params, NOTHING, None), None
+
+    def result(self, output, e2e_s: float | None = None, asked=None) -> list[dict]:
+        return self._task_rows(output, e2e_s, self)
+
+    def stream(
+        self,
+        rows: Iterator[Row],
+        max_in_flight: int,
+        stop: Callable[[], bool] | None = None,
+        grace_s: float = 0.0,
+        keep: Callable[[Row], bool] | None = None,
+    ) -> Iterator[tuple[Row, list[dict]]]:
+        """:meth:`Engine.stream`; a ``score`` row's two sides run as two requests, and the row is
+        yielded once both have finished, with its score."""
+        if not self.task.pairs:
+            yield from super().stream(rows, max_in_flight, stop, grace_s, keep)
+            return
+        sides: dict[int, tuple[Row, int]] = {}  # id(side row) -> (its pair's row, which side)
+        done: dict[int, list[dict | None]] = {}  # id(pair's row) -> each side's result
+
+        def halves(rows: Iterator[Row]) -> Iterator[Row]:
+            for row in rows:
+                if row.error is not None:
+                    yield row
+                    continue
+                first = dataclasses.replace(row, pair=None)
+                second = dataclasses.replace(row, prompt=row.pair, messages=None, pair=None)
+                sides[id(first)], sides[id(second)] = (row, 0), (row, 1)
+                done[id(row)] = [None, None]
+                yield first
+                yield second
+
+        for side, results in super().stream(halves(rows), max_in_flight, stop, grace_s, keep):
+            entry = sides.pop(id(side), None)
+            if entry is None:  # refused before the engine: its error row as it is
+                yield side, results
+                continue
+            row, which = entry
+            both = done[id(row)]
+            both[which] = results[0]
+            if both[1 - which] is not None:
+                del done[id(row)]
+                yield row, [score_row(both[0], both[1])]
+
+
+def _vector(output) -> list[float]:
+    return [float(x) for x in output.outputs.data.float().tolist()]
+
+
+def _pooled(output, e2e_s: float | None) -> dict:
+    """What every pooling result row has."""
+    return {
+        "num_prompt_tokens": len(output.prompt_token_ids or ()),
+        "time_e2e_s": e2e_s,
+        "finish_reason": "stop",
+        "error": None,
+    }
+
+
+def embed_rows(output, e2e_s: float | None, engine: PoolingEngine) -> list[dict]:
+    """A finished embedding request as its one result row: the vector, of the job's size."""
+    vector = _vector(output)
+    if engine.dimensions is not None and len(vector) != engine.dimensions:
+        return [
+            error_result(
+                f"engine error: an embedding of {len(vector)} dimensions, expected {engine.dimensions}",
+                num_prompt_tokens=len(output.prompt_token_ids or ()),
+            )
+        ]
+    return [{"embedding": vector, **_pooled(output, e2e_s)}]
+
+
+def classify_rows(output, e2e_s: float | None, engine: PoolingEngine) -> list[dict]:
+    """A finished classification as its one result row: the likeliest label, every probability."""
+    probs = _vector(output)
+    best = max(range(len(probs)), key=probs.__getitem__)
+    label = engine.labels[best] if best < len(engine.labels) else str(best)
+    return [{"label": label, "probs": probs, **_pooled(output, e2e_s)}]
+
+
+def score_row(first: dict, second: dict) -> dict:
+    """A pair's result row from its two sides' embedding rows: the cosine of the embeddings."""
+    tokens = (first.get("num_prompt_tokens") or 0) + (second.get("num_prompt_tokens") or 0)
+    for side in (first, second):
+        if side.get("error") is not None:
+            return error_result(side["error"], num_prompt_tokens=tokens)
+    a, b = first["embedding"], second["embedding"]
+    norm = math.sqrt(sum(x * x for x in a)) * math.sqrt(sum(y * y for y in b))
+    score = sum(x * y for x, y in zip(a, b, strict=True)) / norm if norm else 0.0
+    times = [t for t in (first.get("time_e2e_s"), second.get("time_e2e_s")) if t is not None]
+    return {
+        "score": score,
+        "num_prompt_tokens": tokens,
+        "time_e2e_s": max(times) if times else None,
+        "finish_reason": "stop",
+        "error": None,
+    }
