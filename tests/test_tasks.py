@@ -153,6 +153,7 @@ def test_generation_rows_are_made_by_the_engines_row_maker():
     assert GENERATE.row_maker() is result_rows
 
 
+@pytest.mark.vllm
 @pytest.mark.models
 @pytest.mark.parametrize("command", ["tune", "distill"])
 def test_tune_and_distill_refuse_a_pooling_job_naming_the_task(tmp_path, command):
