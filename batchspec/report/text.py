@@ -265,14 +265,7 @@ def tables(report: dict) -> list[Table]:
             )
         )
     if m["errors"]:
-        out.append(
-            Table(
-                "errors",
-                "Errors by reason",
-                ["reason", "rows"],
-                [[r, fmt(n)] for r, n in m["errors_by_reason"].items()],
-            )
-        )
+        out.append(_errors_table(m))
     hist = m["acceptance_histogram"]
     out.append(
         Table(
@@ -326,17 +319,18 @@ def _pooling_tables(report: dict) -> list[Table]:
             note=f"task {report['task']}: the run that committed each shard, its seconds on it",
         )
     ]
-    m = report["overall"]
-    if m["errors"]:
-        out.append(
-            Table(
-                "errors",
-                "Errors by reason",
-                ["reason", "rows"],
-                [[r, fmt(n)] for r, n in m["errors_by_reason"].items()],
-            )
-        )
+    if report["overall"]["errors"]:
+        out.append(_errors_table(report["overall"]))
     return out
+
+
+def _errors_table(m: dict) -> Table:
+    return Table(
+        "errors",
+        "Errors by reason",
+        ["reason", "rows"],
+        [[r, fmt(n)] for r, n in m["errors_by_reason"].items()],
+    )
 
 
 def compare_tables(report: dict) -> list[Table]:
