@@ -39,6 +39,10 @@ class PoolingEngine(Engine):
     def __init__(self, spec: JobSpec):
         self.task = TASKS[spec.task]
         self.dimensions = spec.dimensions
+        #: ``score``: id(side row) -> (its pair's row, which side, the side row); id(pair's row)
+        #: -> each side's result, until both are in
+        self._sides: dict[int, tuple[Row, int, Row]] = {}
+        self._pair_results: dict[int, list[dict | None]] = {}
         super().__init__(spec)
         config = self.engine.model_config.hf_config
         id2label = getattr(config, "id2label", None) or {}
@@ -92,27 +96,30 @@ class PoolingEngine(Engine):
         if not self.task.pairs:
             yield from super().stream(rows, max_in_flight, stop, grace_s, keep)
             return
-        sides: dict[int, tuple[Row, int]] = {}  # id(side row) -> (its pair's row, which side)
-        done: dict[int, list[dict | None]] = {}  # id(pair's row) -> each side's result
+        # kept across calls: after an engine death the supervisor (engine/supervise.py) sends the
+        # sides it had in flight again, as they are
+        sides, done = self._sides, self._pair_results
 
         def halves(rows: Iterator[Row]) -> Iterator[Row]:
             for row in rows:
-                if row.error is not None:
-                    yield row
+                known = sides.get(id(row))
+                if row.error is not None or (known is not None and known[2] is row):
+                    yield row  # an error row, or a side sent again
                     continue
                 first = dataclasses.replace(row, pair=None)
                 second = dataclasses.replace(row, prompt=row.pair, messages=None, pair=None)
-                sides[id(first)], sides[id(second)] = (row, 0), (row, 1)
+                sides[id(first)], sides[id(second)] = (row, 0, first), (row, 1, second)
                 done[id(row)] = [None, None]
                 yield first
                 yield second
 
         for side, results in super().stream(halves(rows), max_in_flight, stop, grace_s, keep):
-            entry = sides.pop(id(side), None)
-            if entry is None:  # refused before the engine: its error row as it is
+            entry = sides.get(id(side))
+            if entry is None or entry[2] is not side:  # refused before the engine: as it is
                 yield side, results
                 continue
-            row, which = entry
+            del sides[id(side)]
+            row, which, _ = entry
             both = done[id(row)]
             both[which] = results[0]
             if both[1 - which] is not None:
