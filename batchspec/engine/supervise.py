@@ -16,8 +16,10 @@ or per run and Ray replica):
   exit 1), as one death did before.
 - **Quarantine.** Each row counts the deaths it was in flight for. When the engine dies with a
   row in flight that was in flight at an earlier death too, the rows in flight both times (the
-  suspects) are sent again in halves, each half alone on the engine, and a half that kills it is
-  halved again. A row that kills the engine with no other row in flight is quarantined: it
+  suspects) are sent again in halves, each half alone on the engine: a half that kills it is
+  halved again, and where the first half lives the second is halved without being run whole (a
+  pair runs one row at a time). A row that kills the engine with no other row in flight is
+  quarantined: it
   becomes an error row (``the engine died on this request (N times): <reason>``, committed like
   any other, so a rerun never sends it again), and so does a later row asking the same. Every
   other suspect finishes along the way or goes back to the run. One death's search costs at
@@ -210,40 +212,72 @@ class Supervisor:
         grace_s: float,
         keep: Callable[[Row], bool] | None,
     ) -> Iterator[tuple[Row, list[dict]]]:
-        """Find which suspects kill the engine alone: groups of them run alone on the engine,
-        a group that kills it halved again; at most ``ceil(log2(in flight)) + 2`` restarts.
-        What is not settled when the search ends goes back to ``again``."""
+        """Find which suspects kill the engine alone: they die together, so their halves run
+        alone on the engine, the first half first; where it lives the second is the one that
+        kills (halved again without being run whole), where it dies its rows are; a pair runs
+        one row at a time, and a row that kills the engine on its own is quarantined. At most
+        ``ceil(log2(in flight)) + 2`` restarts. What is not settled when the search ends goes
+        back to ``again``."""
         taken = {id(r) for r in suspects}
         for row in [r for r in again if id(r) in taken]:
             again.remove(row)
-        bound = math.ceil(math.log2(len(death.in_flight))) + 2
-        groups: deque[list[Row]] = deque()
         if len(death.in_flight) == 1:  # it killed the engine alone (and had before)
             yield from self._quarantine(suspects[0], death.reason)
-        else:
-            groups.extend(_halves(suspects))
+            return
+        bound = math.ceil(math.log2(len(death.in_flight))) + 2
+        groups: deque[_Group] = deque(_split(suspects))
         used = 0
         while groups:
-            if stop() or used >= bound:
-                break
             group = groups.popleft()
-            try:
-                yield from self._each(iter(group), max_in_flight, stop, grace_s, keep)
-            except EngineDied as died:
-                self._count(died)
-                for row in reversed(died.unsent):  # never sent: not suspected by this death
-                    again.appendleft(row)
-                if stop():
-                    again.extendleft(reversed(died.in_flight))
-                    raise
+            if group.dead and len(group.rows) > 1:
+                groups.extendleft(reversed(_split(group.rows)))
+                continue
+            # a pair one row at a time: its death as a pair would tell nothing a row's does not
+            parts = deque([r] for r in group.rows) if len(group.rows) == 2 else deque([group.rows])
+            lived = True
+            while parts:
+                if stop() or used >= bound:
+                    groups.extendleft(_Group(part) for part in reversed(parts))
+                    break
+                died = yield from self._alone(parts.popleft(), again, max_in_flight, stop, grace_s, keep)
+                if died is None:
+                    continue
+                lived = False
                 used += 1
-                self._restart(died, search=True)
                 if len(died.in_flight) == 1:
                     yield from self._quarantine(died.in_flight[0], died.reason)
                 elif died.in_flight:
-                    groups.extendleft(reversed(_halves(died.in_flight)))
+                    groups.extendleft(reversed(_split(died.in_flight)))
+            else:
+                if lived and group.sibling is not None:
+                    group.sibling.dead = True  # their parent killed the engine, this half did not
+                continue
+            break  # stopping, or the bound reached
         for group in reversed(groups):  # unsettled: sent again with the rest of the run
-            again.extendleft(reversed(group))
+            again.extendleft(reversed(group.rows))
+
+    def _alone(
+        self,
+        rows: list[Row],
+        again: deque[Row],
+        max_in_flight: int,
+        stop: Callable[[], bool],
+        grace_s: float,
+        keep: Callable[[Row], bool] | None,
+    ) -> Iterator[tuple[Row, list[dict]]]:
+        """Run ``rows`` alone on the engine, yielding their results; returns the death, after the
+        restart (None where it lived). Rows it never sent go back to ``again``."""
+        try:
+            yield from self._each(iter(rows), max_in_flight, stop, grace_s, keep)
+            return None
+        except EngineDied as died:
+            self._count(died)
+            again.extendleft(reversed(died.unsent))  # never sent: not suspected by this death
+            if stop():
+                again.extendleft(reversed(died.in_flight))
+                raise
+            self._restart(died, search=True)
+            return died
 
     def _quarantine(self, row: Row, reason: str) -> Iterator[tuple[Row, list[dict]]]:
         deaths = self._deaths.pop(id(row), 0)
@@ -290,9 +324,25 @@ class Supervisor:
         self.restarts_left -= 1
 
 
-def _halves(rows: list[Row]) -> list[list[Row]]:
+@dataclasses.dataclass
+class _Group:
+    """Suspects to run alone on the engine in a quarantine search."""
+
+    rows: list[Row]
+    #: known to kill the engine (its first half lived): halved without being run whole
+    dead: bool = False
+    #: the second half of its parent, for the first: dead where this one lives
+    sibling: _Group | None = None
+
+
+def _split(rows: list[Row]) -> list[_Group]:
+    """The halves of rows that killed the engine together (one group for a single row, known
+    dead)."""
     half = len(rows) // 2
-    return [rows[:half], rows[half:]] if half else [rows]
+    if not half:
+        return [_Group(rows, dead=True)]
+    second = _Group(rows[half:])
+    return [_Group(rows[:half], sibling=second), second]
 
 
 def _asks(row: Row) -> bytes:

@@ -162,7 +162,7 @@ def _gone(run: Job) -> bool:
 @pytest.mark.engine
 def test_three_rows_that_kill_the_engine_among_200_are_quarantined(tmp_path, models):
     """The three sent first kill the engine together, twice; the search finds each alone on an
-    engine of its own (six restarts in all, the default execution.engine_restarts of 3 not
+    engine of its own (five restarts in all, the default execution.engine_restarts of 3 not
     spent), and the other 197 rows are generated, each once."""
     run = _faulty(_marker_job(tmp_path, 200, {0, 1, 2}, max_in_flight=3))
     assert run.wait(timeout=900) == 0, run.stderr[-3000:]
