@@ -249,7 +249,8 @@ def test_a_reused_engine_generates_with_each_jobs_sampling_and_refuses_another_m
     assert [s.output.path for s in engine.bound] == [first.output.path, second.output.path]
 
     real = Engine.__new__(Engine)  # bind's bookkeeping alone, no vLLM
-    real.serves = (first.model.target, dict(first.model.engine), None, None, None)  # no LoRA, no parser
+    # no speculation, no LoRA, no reasoning parser; the task
+    real.serves = (first.model.target, dict(first.model.engine), None, None, None, "generate")
     warm = build_spec({**first.raw, "sampling": {"temperature": 0.7, "max_tokens": 9}})
     real.bind(warm)
     assert real.base_sampling == {"temperature": 0.7, "max_tokens": 9}
