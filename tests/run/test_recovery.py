@@ -207,6 +207,46 @@ def test_engine_killed_twice_once_while_restarting_is_restarted_in_place(workloa
     assert not list((workload / "enginedeath" / "_batchspec" / "locks").glob("*.json"))
 
 
+def test_sigterm_while_the_engine_restarts_stops_the_run(workload, reference):
+    """SIGKILL of the EngineCore in the middle of generating, then a SIGTERM to batchspec while
+    the new engine starts: a stop, not a failed restart. The run ends with 143 within one engine
+    start-up, what it committed before is complete, nothing partial is visible, no engine
+    process is left, and a rerun finishes the job."""
+    expected = input_ids(workload / "in")
+    job = make_job(workload, "restart-term")
+    run = Job(job)
+    assert run.wait_for("shard_started") is not None, run.stderr[-3000:]
+    time.sleep(0.5)
+    first = _engine_cores(run.proc.pid, set())
+    assert first, [p.name() for p in psutil.Process(run.proc.pid).children(recursive=True)]
+    for p in first:
+        p.kill()
+    deadline = time.monotonic() + 120
+    second: list[psutil.Process] = []
+    while not second and time.monotonic() < deadline and run.proc.poll() is None:
+        second = _engine_cores(run.proc.pid, {p.pid for p in first})
+        time.sleep(0.2)
+    assert second, "no new engine was started"
+    time.sleep(1.0)
+    sent = time.monotonic()
+    run.proc.send_signal(signal.SIGTERM)
+    rc = run.wait(timeout=120)
+    assert rc == 143, run.stderr[-3000:]
+    assert time.monotonic() - sent < 60  # one engine start-up at most, not the rest of the job
+    (finished,) = [r for r in run.records() if r["event"] == "run_finished"]
+    assert finished["status"] == "interrupted", run.stderr[-3000:]
+    check_output(workload / "restart-term", expected, reference)  # only complete shards
+    deadline = time.monotonic() + 15
+    while run.group_alive() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not run.group_alive(), "engine processes left behind"
+    rerun = run_cli("run", str(job), "--no-progress")
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert check_output(workload / "restart-term", expected, reference) == {
+        shard: len(ids) for shard, ids in expected.items()
+    }
+
+
 def test_two_runs_on_one_job_never_clobber(workload, reference, shared_engines):
     """A `batchspec run` and, once it generates, a second run of the same job (through the
     library, its engine warm): each shard is committed by one of them, once."""
