@@ -55,9 +55,11 @@ def cuda_available() -> bool:
     """``torch.cuda.is_available()``, asked through NVML (``PYTORCH_NVML_BASED_CUDA_CHECK``)
     where torch can: the plain check initialises the CUDA driver in this process, and a vLLM
     engine started after it (distill's generation) may fork its workers, which cannot use CUDA
-    then."""
-    import torch
-
+    then. False without torch (the training that needs it says so)."""
+    try:
+        import torch
+    except ImportError:
+        return False
     saved = os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK")
     os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
     try:

@@ -34,6 +34,7 @@ def _poisoned_shards(tmp_path, rows: int, poisoned: set[int]) -> None:
     write_parquet(tmp_path / "in" / "s1.parquet", {"prompt": prompts[rows // 2 :]})
 
 
+@pytest.mark.vllm  # run_job checks the spec's keys against vLLM's classes
 def test_a_run_restarts_its_engine_and_quarantines_the_request_that_kills_it(tmp_path):
     _poisoned_shards(tmp_path, 20, {13})
     engine = DyingEngine(poison="POISON", deaths_after=[3])
@@ -74,6 +75,7 @@ def test_a_run_restarts_its_engine_and_quarantines_the_request_that_kills_it(tmp
     assert again.summary["totals"]["rows"] == 0 and "engine_restarts" not in again.summary
 
 
+@pytest.mark.vllm  # run_job checks the spec's keys against vLLM's classes
 def test_past_engine_restarts_the_run_exits_1_with_nothing_partial(tmp_path):
     _poisoned_shards(tmp_path, 10, set(range(10)))
     spec = make_spec(tmp_path)
