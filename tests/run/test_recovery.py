@@ -172,14 +172,8 @@ def _engine_cores(pid: int, known: set[int]) -> list[psutil.Process]:
     return found
 
 
-def test_engine_killed_twice_once_while_restarting_is_restarted_in_place(workload, reference):
-    """SIGKILL of the EngineCore in the middle of generating, then of the new one while it
-    starts (batchspec/engine/supervise.py): the engine is started again each time, the requests
-    it had are sent again, and the run exits 0 with every row once, each text as an undisturbed
-    run's. The failed start counts as a restart of execution.engine_restarts (3)."""
-    expected = input_ids(workload / "in")
-    job = make_job(workload, "enginedeath")
-    run = Job(job)
+def _kill_the_engine_and_find_the_next(run: Job) -> list[psutil.Process]:
+    """SIGKILL the run's EngineCore once it generates; the EngineCore the restart starts."""
     assert run.wait_for("shard_started") is not None, run.stderr[-3000:]
     time.sleep(0.5)
     first = _engine_cores(run.proc.pid, set())
@@ -192,6 +186,18 @@ def test_engine_killed_twice_once_while_restarting_is_restarted_in_place(workloa
         second = _engine_cores(run.proc.pid, {p.pid for p in first})
         time.sleep(0.2)
     assert second, "no new engine was started"
+    return second
+
+
+def test_engine_killed_twice_once_while_restarting_is_restarted_in_place(workload, reference):
+    """SIGKILL of the EngineCore in the middle of generating, then of the new one while it
+    starts (batchspec/engine/supervise.py): the engine is started again each time, the requests
+    it had are sent again, and the run exits 0 with every row once, each text as an undisturbed
+    run's. The failed start counts as a restart of execution.engine_restarts (3)."""
+    expected = input_ids(workload / "in")
+    job = make_job(workload, "enginedeath")
+    run = Job(job)
+    second = _kill_the_engine_and_find_the_next(run)
     time.sleep(2.0)  # its start-up takes 20 s or more
     for p in second:
         p.kill()
@@ -215,18 +221,7 @@ def test_sigterm_while_the_engine_restarts_stops_the_run(workload, reference):
     expected = input_ids(workload / "in")
     job = make_job(workload, "restart-term")
     run = Job(job)
-    assert run.wait_for("shard_started") is not None, run.stderr[-3000:]
-    time.sleep(0.5)
-    first = _engine_cores(run.proc.pid, set())
-    assert first, [p.name() for p in psutil.Process(run.proc.pid).children(recursive=True)]
-    for p in first:
-        p.kill()
-    deadline = time.monotonic() + 120
-    second: list[psutil.Process] = []
-    while not second and time.monotonic() < deadline and run.proc.poll() is None:
-        second = _engine_cores(run.proc.pid, {p.pid for p in first})
-        time.sleep(0.2)
-    assert second, "no new engine was started"
+    _kill_the_engine_and_find_the_next(run)
     time.sleep(1.0)
     sent = time.monotonic()
     run.proc.send_signal(signal.SIGTERM)
