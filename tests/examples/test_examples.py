@@ -23,7 +23,17 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 import yaml
-from helpers.jobs import DRAFT, ENGINE, MODELS, ROOT, S3_KEY, S3_SECRET, write_job, write_parquet
+from helpers.jobs import (
+    DRAFT,
+    ENGINE,
+    INLINE_ENGINE,
+    MODELS,
+    ROOT,
+    S3_KEY,
+    S3_SECRET,
+    write_job,
+    write_parquet,
+)
 
 BATCHSPEC = str(Path(sys.executable).with_name("batchspec"))
 CRON = ROOT / "examples" / "cron" / "batchspec-cron"
@@ -61,7 +71,14 @@ def test_cron_wrapper_never_overlaps_and_passes_the_exit_code(tmp_path, models):
         sampling={"temperature": 0.0, "max_tokens": 16},
     )
     # as cron starts it: no XDG_RUNTIME_DIR, so the lock is in the state directory (here in tmp_path)
-    env = {**_cron_env(tmp_path / "state"), "BATCHSPEC": BATCHSPEC, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    # the engine in batchspec's process (the wrapper's lock and exit code are under test, not the
+    # engine's processes: tests/run/test_recovery.py has those)
+    env = {
+        **_cron_env(tmp_path / "state"),
+        "BATCHSPEC": BATCHSPEC,
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        **INLINE_ENGINE,
+    }
     wrapper = str(CRON)
     started = time.monotonic()
     procs = [
@@ -511,6 +528,7 @@ def test_kubernetes_indexed_job_covers_every_row_once(tmp_path, models, s3_serve
         "BATCHSPEC_DTYPE": ENGINE["dtype"],
         "BATCHSPEC_MAX_TOKENS": "16",
         "VLLM_CPU_KVCACHE_SPACE": "1",
+        **INLINE_ENGINE,  # each pod's engine in its batchspec process: 4 s to start, not 28
         "PATH": f"{Path(BATCHSPEC).parent}{os.pathsep}{os.environ['PATH']}",
     }
     Path(local["TMPDIR"]).mkdir()
