@@ -44,7 +44,7 @@ models: setup $(DEMO_MODELS) $(MODELS)/reasoner-draft/.batchspec-complete \
         $(MODELS)/draft-large/.batchspec-complete $(MODELS)/target-large/.batchspec-complete \
         $(MODELS)/lora-upper/.batchspec-complete $(MODELS)/lora-comment/.batchspec-complete \
         $(MODELS)/head/batchspec-model.json $(MODELS)/head-large/batchspec-model.json \
-        $(MODELS)/classifier/.batchspec-complete
+        $(MODELS)/classifier/.batchspec-complete $(MODELS)/cross-encoder/.batchspec-complete
 
 # the tokenizer, the target and the draft (both cores): one run makes both markers (grouped
 # targets, `&:`), so a build stopped after the target's marker still finishes the draft
@@ -85,6 +85,12 @@ $(MODELS)/head-large/batchspec-model.json: tools/grow_model.py $(MODELS)/head/ba
 # prose), for `task: classify`; seconds, see tools/tiny_classifier.py
 $(MODELS)/classifier/.batchspec-complete: tools/tiny_classifier.py $(MODELS)/target/.batchspec-complete | $(VENV)/.installed
 	$(BIN)/python tools/tiny_classifier.py --target $(MODELS)/target --out $(MODELS)/classifier
+
+# a cross-encoder of the target (a one-label head reading both texts of a pair: is it Python code
+# asked for as such), for `task: score` with a sequence classifier; seconds, see
+# tools/tiny_cross_encoder.py
+$(MODELS)/cross-encoder/.batchspec-complete: tools/tiny_cross_encoder.py tools/tiny_classifier.py $(MODELS)/target/.batchspec-complete | $(VENV)/.installed
+	$(BIN)/python tools/tiny_cross_encoder.py --target $(MODELS)/target --out $(MODELS)/cross-encoder
 
 # two LoRA adapters of the target in PEFT's format, for jobs that route rows to adapters
 # (model.lora); one thread each, so with -j they train side by side; see tools/tiny_lora.py

@@ -120,10 +120,11 @@ RESULT_FIELDS: list[pa.Field] = [
 #: The columns of a pooling task's output (``task: embed``, ``classify``, ``score``) that every
 #: one of them has, after its own.
 POOLING_FIELDS: list[pa.Field] = [
-    #: Tokens in the prompt (both sides' for ``score``).
+    #: Tokens in the prompt (for ``score``, the pair's: a cross-encoder's one request, or both
+    #: sides').
     pa.field("num_prompt_tokens", pa.int32()),
     #: Arrival to finish, measured by batchspec from handing the request to the engine to receiving
-    #: its end (``score``: the later of its two sides).
+    #: its end (``score`` with an embedding model: the later of its two sides).
     pa.field("time_e2e_s", pa.float64()),
     #: The ``request_id`` of an identical request whose result this row was given instead of being
     #: computed again (``execution.dedupe_window``); its ``time_*`` columns are then null.
@@ -154,7 +155,9 @@ CLASSIFY_FIELDS: list[pa.Field] = [
 
 #: ``task: score``: the result columns.
 SCORE_FIELDS: list[pa.Field] = [
-    #: The pair's score: the cosine of its two embeddings (an embedding model).
+    #: The pair's score, as vLLM's ``LLM.score`` gives it: a cross-encoder's one output after
+    #: vLLM's activation (a sigmoid: 0 to 1), or the cosine of the two texts' embeddings (an
+    #: embedding model).
     pa.field("score", pa.float32()),
     *POOLING_FIELDS,
 ]

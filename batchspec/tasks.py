@@ -16,7 +16,7 @@ from batchspec.columns import CLASSIFY_FIELDS, EMBED_FIELDS, RESULT_FIELDS, SCOR
 
 #: What a job does with each row (the spec's ``task``): ``generate`` text (the default), or one of
 #: vLLM's pooling tasks: ``embed`` (a vector a row), ``classify`` (a label and its probabilities),
-#: ``score`` (a pair of texts, ``input.pair_columns``, scored).
+#: ``score`` (a pair of texts, ``input.pair_columns`` or ``input.pair_templates``, scored).
 TaskName = Literal["generate", "embed", "classify", "score"]
 TASK_NAMES: tuple[TaskName, ...] = get_args(TaskName)
 
@@ -41,7 +41,7 @@ class Task:
     #: vLLM's ``convert`` where the checkpoint is a causal LM (``embed``: its last token's hidden
     #: state; None: the checkpoint must already be a model of this task).
     convert: str | None = None
-    #: Whether a row is a pair of texts (``input.pair_columns``).
+    #: Whether a row is a pair of texts (``input.pair_columns`` or ``input.pair_templates``).
     pairs: bool = False
     #: ``module:Class`` of the engine that serves it (named, not imported, as :attr:`rows`);
     #: None: generation's own, ``batchspec.engine.llm.Engine``.
@@ -117,8 +117,8 @@ CLASSIFY = Task(
     engine="batchspec.engine.pooling:PoolingEngine",
 )
 
-#: Scoring pairs: the cosine of the two texts' embeddings, as vLLM's ``LLM.score`` gives for an
-#: embedding model.
+#: Scoring pairs with an embedding model (or a causal LM, converted): each text embedded, the
+#: score the cosine of the two embeddings, as vLLM's ``LLM.score`` gives for an embedding model.
 SCORE = Task(
     name="score",
     runner="pooling",
@@ -131,6 +131,27 @@ SCORE = Task(
     engine="batchspec.engine.pooling:PoolingEngine",
 )
 
+#: Scoring pairs with a cross-encoder (a sequence classifier of one label): both texts in one
+#: request, as vLLM's ``LLM.score`` builds it, and the classifier's one output (after vLLM's
+#: activation) the score. ``task: score`` is this where the model is one (the spec's
+#: ``cross_encoder``, from its ``config.json``: :func:`task_for`).
+CROSS_ENCODE = Task(
+    name="score",
+    runner="pooling",
+    result_fields=tuple(SCORE_FIELDS),
+    rows="batchspec.engine.pooling:cross_score_rows",
+    speculates=False,
+    pooling_task="classify",
+    pairs=True,
+    engine="batchspec.engine.pooling:PoolingEngine",
+)
+
 #: Every task by name.
 TASKS: dict[str, Task] = {t.name: t for t in (GENERATE, EMBED, CLASSIFY, SCORE)}
 assert tuple(TASKS) == TASK_NAMES, "each task is a Task here and a name in TaskName"
+
+
+def task_for(name: str, cross_encoder: bool = False) -> Task:
+    """The task a job runs: its ``task``'s, but :data:`CROSS_ENCODE` for ``score`` with a
+    cross-encoder."""
+    return CROSS_ENCODE if cross_encoder and name == SCORE.name else TASKS[name]

@@ -50,9 +50,10 @@ def pytest_collection_modifyitems(items):
 
 @pytest.fixture(scope="session")
 def models() -> Path:
-    """The tiny target/draft pair, the target's LoRA adapters, the reasoning pair and the EAGLE-3
-    head; `make models` builds them (make test does so first)."""
-    for name in ("target", "draft", "lora-upper", "lora-comment", "reasoner", "reasoner-draft"):
+    """The tiny target/draft pair, the target's LoRA adapters, the reasoning pair, the
+    cross-encoder and the EAGLE-3 head; `make models` builds them (make test does so first)."""
+    names = ("target", "draft", "lora-upper", "lora-comment", "reasoner", "reasoner-draft", "cross-encoder")
+    for name in names:
         if not (MODELS / name / ".batchspec-complete").exists():
             pytest.fail(f"{MODELS / name} is not built: run `make models` first")
     if not (MODELS / "head" / "batchspec-model.json").exists():

@@ -11,7 +11,8 @@ from helpers.jobs import MODELS
 from batchspec.columns import COMMON_RESULT_NAMES, RESULT_NAMES, output_schema
 from batchspec.errors import SpecError
 from batchspec.spec.build import build_spec
-from batchspec.tasks import EMBED, GENERATE, SCORE, TASK_NAMES, TASKS
+from batchspec.spec.tasks import num_labels
+from batchspec.tasks import CROSS_ENCODE, EMBED, GENERATE, SCORE, TASK_NAMES, TASKS, task_for
 
 BASE = {
     "input": {"path": "in/*.parquet", "prompt_column": "text"},
@@ -98,6 +99,135 @@ def test_a_key_a_task_cannot_honour_is_exit_2_naming_it(extra, key):
     with pytest.raises(SpecError) as err:
         build_spec({**BASE, **extra})
     assert err.value.key == key and err.value.exit_code == 2
+
+
+PAIRS = {"path": "in", "pair_columns": ["q", "d"]}
+TEMPLATES = ["{{ q }}", "{{ title }}: {{ body }}"]
+
+
+@pytest.mark.models
+@pytest.mark.parametrize(
+    "inp, extra, key, says",
+    [
+        (PAIRS, {"model": {"target": str(MODELS / "classifier")}}, "task", "3 labels"),
+        (PAIRS, {"pooling": {"dimensions": 8}}, "pooling.dimensions", "no embedding"),
+        ({"path": "in", "pair_templates": ["{{ q }}"]}, {}, "input.pair_templates", "two Jinja2"),
+        ({"path": "in", "pair_templates": ["{{ q }}", " "]}, {}, "input.pair_templates", "two Jinja2"),
+        ({"path": "in", "pair_templates": "{{ q }}"}, {}, "input.pair_templates", "list"),
+        ({"path": "in", "pair_templates": ["{{ q }}", "{{ d"]}, {}, "input.pair_templates[1]", "line 1"),
+        (
+            {"path": "in", "pair_templates": ["{{ q }}", "{{ d | center(9) }}"]},
+            {},
+            "input.pair_templates[1]",
+            "filter 'center'",
+        ),
+        ({**PAIRS, "pair_templates": TEMPLATES}, {}, "input.pair_templates", "not both"),
+        (
+            {"path": "in", "pair_templates": TEMPLATES, "prompt_template": "x"},
+            {},
+            "input.prompt_template",
+            "",
+        ),
+        (
+            {"path": "in", "pair_templates": TEMPLATES, "messages_column": "m"},
+            {},
+            "input.messages_column",
+            "",
+        ),
+        (
+            {"path": "in", "pair_columns": ["q", "d"], "prompt_template": "{{ q }}"},
+            {},
+            "input.prompt_template",
+            "",
+        ),
+    ],
+)
+def test_a_pair_a_model_cannot_score_or_a_bad_pair_source_is_exit_2_naming_the_key(inp, extra, key, says):
+    raw = {**BASE, "task": "score", "input": inp, "model": {"target": str(MODELS / "cross-encoder")}, **extra}
+    with pytest.raises(SpecError) as err:
+        build_spec(raw)
+    assert err.value.key == key and err.value.exit_code == 2 and says in str(err.value), str(err.value)
+
+
+@pytest.mark.models
+def test_a_cross_encoder_scores_a_pair_in_one_request_and_templates_may_give_its_texts():
+    spec = build_spec(
+        {**BASE, "task": "score", "input": PAIRS, "model": {"target": str(MODELS / "cross-encoder")}}
+    )
+    assert spec.cross_encoder and spec.dimensions is None
+    assert task_for(spec.task, spec.cross_encoder) is CROSS_ENCODE
+    assert CROSS_ENCODE.pooling_task == "classify" and CROSS_ENCODE.pairs and CROSS_ENCODE.convert is None
+    assert spec.result_fields() == list(SCORE.result_fields)  # the same columns as the cosine's
+    spec = build_spec(
+        {
+            **BASE,
+            "task": "score",
+            "input": {"path": "in", "pair_templates": TEMPLATES},
+            "pooling": {"dimensions": 8},
+        }
+    )
+    assert not spec.cross_encoder and spec.dimensions == 8 and task_for("score") is SCORE
+    assert spec.input.pair_templates == tuple(TEMPLATES) and spec.input.templated
+    assert spec.input.prompt_column is None and spec.input.pair_columns is None
+    with pytest.raises(SpecError) as err:
+        build_spec({**BASE, "task": "embed", "input": {"path": "in", "pair_templates": TEMPLATES}})
+    assert err.value.key == "input.pair_templates"
+
+
+def test_the_fingerprint_holds_the_pair_templates_wording():
+    from batchspec.spec.fingerprint import spec_fingerprint
+
+    def fingerprint(templates):
+        raw = {**BASE, "model": {"target": "unused"}, "task": "score", "pooling": {"dimensions": 8}}
+        return spec_fingerprint(build_spec({**raw, "input": {"path": "in", "pair_templates": templates}}))
+
+    assert fingerprint(TEMPLATES) != fingerprint([TEMPLATES[0], "{{ body }}"])
+
+
+@pytest.mark.parametrize(
+    "config, labels",
+    [
+        ({"id2label": {"0": "relevant"}}, 1),
+        ({"id2label": {"0": "a", "1": "b", "2": "c"}, "num_labels": 1}, 3),
+        ({"num_labels": 1}, 1),
+        ({}, 2),
+        ({"method": "from_2_way_softmax", "classifier_from_token": ["no", "yes"]}, 1),
+        ({"classifier_from_token": ["a", "b", "c"]}, 3),
+    ],
+)
+def test_a_classifiers_labels_are_counted_as_vllm_counts_them(config, labels):
+    assert num_labels(config) == labels
+
+
+@pytest.mark.vllm
+@pytest.mark.models
+def test_a_cross_encoder_takes_use_activation_as_classify_does():
+    from batchspec.engine.checks import check_vllm_keys
+
+    raw = {**BASE, "task": "score", "input": PAIRS, "model": {"target": str(MODELS / "cross-encoder")}}
+    check_vllm_keys(build_spec({**raw, "pooling": {"use_activation": False}}))
+    with pytest.raises(SpecError) as err:
+        check_vllm_keys(build_spec({**raw, "pooling": {"normalize": True}}))
+    assert err.value.key == "pooling.normalize"
+
+
+@pytest.mark.vllm
+@pytest.mark.models
+def test_scoring_with_a_classifier_of_three_labels_exits_2_before_any_engine(tmp_path):
+    from helpers.jobs import run_cli, write_job, write_parquet
+
+    write_parquet(tmp_path / "in" / "a.parquet", {"q": ["python"], "d": ["x = 1"]})
+    job = write_job(
+        tmp_path / "job.yaml",
+        task="score",
+        input={"path": str(tmp_path / "in" / "*.parquet"), "pair_columns": ["q", "d"]},
+        output={"path": str(tmp_path / "out")},
+        model={"target": str(MODELS / "classifier")},
+    )
+    res = run_cli("run", str(job))
+    assert res.returncode == 2, res.stderr
+    assert "task" in res.stderr and "3 labels" in res.stderr and "one label" in res.stderr, res.stderr
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.models

@@ -24,7 +24,7 @@ from batchspec.errors import SpecError, quoted
 from batchspec.spec.fields import check_known_keys
 from batchspec.spec.methods import method
 from batchspec.spec.model import JobSpec
-from batchspec.tasks import TASKS
+from batchspec.tasks import task_for
 
 
 def _bad_value_errors() -> tuple[type[BaseException], ...]:
@@ -434,7 +434,7 @@ def check_pooling(spec: JobSpec) -> None:
     values), so that a typo exits 2 naming the key before any weights load."""
     from vllm import PoolingParams
 
-    task = TASKS[spec.task]
+    task = task_for(spec.task, spec.cross_encoder)
     if task.pooling_task is None:
         return
     allowed = PoolingParams().valid_parameters[task.pooling_task]

@@ -1,5 +1,6 @@
 """Prompts rendered from templates over a row's columns: ``input.prompt_template`` (a text
-prompt) and ``input.messages_template`` (chat messages, each ``content`` a template).
+prompt), ``input.messages_template`` (chat messages, each ``content`` a template) and
+``input.pair_templates`` (``task: score``: each text of a pair).
 
 A template is Jinja2, compiled once and rendered for each row as the reader turns a record
 batch's rows into :class:`~batchspec.io.rows.Row` objects, in Jinja2's
@@ -493,12 +494,30 @@ _UNDEFINED = re.compile(r"^'([^']*)' is undefined$")
 
 
 class PromptTemplate:
-    """The job's template (``input.prompt_template`` or ``input.messages_template``), compiled
-    (a bad one is a :class:`~batchspec.errors.SpecError` naming its key), and rendered per row."""
+    """The job's template (``input.prompt_template``, ``input.messages_template`` or
+    ``input.pair_templates``), compiled (a bad one is a :class:`~batchspec.errors.SpecError`
+    naming its key), and rendered per row."""
 
-    def __init__(self, prompt: str | None, messages: Sequence[Mapping[str, str]] | None):
+    def __init__(
+        self,
+        prompt: str | None,
+        messages: Sequence[Mapping[str, str]] | None,
+        pair: Sequence[str] | None = None,
+    ):
         self.messages = messages is not None
-        if prompt is not None:
+        #: ``input.pair_templates``: a row's two texts, the query's and the document's
+        self.pair = pair is not None
+        #: the spec key it comes from, named where an input lacks a column it reads
+        self.key = (
+            "input.pair_templates"
+            if self.pair
+            else "input.messages_template"
+            if self.messages
+            else "input.prompt_template"
+        )
+        if pair is not None:
+            self.parts = [(None, _compiled(t, f"input.pair_templates[{i}]")) for i, t in enumerate(pair)]
+        elif prompt is not None:
             self.parts = [(None, _compiled(prompt, "input.prompt_template"))]
         else:
             self.parts = [
@@ -510,9 +529,11 @@ class PromptTemplate:
         #: Those it reads without a guard (``is defined``, ``default``): an input must have them.
         self.required: tuple[str, ...] = tuple(sorted(set().union(*(c.required for _, c in self.parts))))
 
-    def render(self, values: Mapping[str, Any]) -> tuple[str | list[dict[str, str]] | None, str | None]:
-        """(the prompt or the messages, None) or (None, why not): the row's error, naming the
-        column where one is at fault. Never raises."""
+    def render(
+        self, values: Mapping[str, Any]
+    ) -> tuple[str | list[dict[str, str]] | list[str] | None, str | None]:
+        """(the prompt, the messages or a pair's two texts, None) or (None, why not): the row's
+        error, naming the column where one is at fault. Never raises."""
         variables = {}
         for column in self.columns:
             value = values.get(column)
@@ -522,6 +543,8 @@ class PromptTemplate:
                 variables[column] = value
         bounds.begin_row()
         try:
+            if self.pair:
+                return [c.render(variables) for _, c in self.parts], None
             if not self.messages:
                 return self.parts[0][1].render(variables), None
             return [{"role": role, "content": c.render(variables)} for role, c in self.parts], None
@@ -536,7 +559,12 @@ class PromptTemplate:
         ``where`` is added to the message: ``: line 4``)."""
         rendered, why = self.render(values)
         if why is None:
-            if self.messages:
+            if self.pair:
+                row.prompt, row.pair = rendered
+                side = next((i for i, text in enumerate(rendered) if not text.strip()), None)
+                if side is not None:
+                    why = f"empty pair text: input.pair_templates[{side}] renders only whitespace"
+            elif self.messages:
                 row.messages = rendered
                 why = check_messages(rendered)
             else:
@@ -576,9 +604,9 @@ def _short(exc: BaseException, limit: int = 200) -> str:
 
 def prompt_template(spec) -> PromptTemplate | None:
     """The input spec's template, compiled; None when prompts come from a column."""
-    if spec.prompt_template is None and spec.messages_template is None:
+    if not spec.templated:
         return None
-    return PromptTemplate(spec.prompt_template, spec.messages_template)
+    return PromptTemplate(spec.prompt_template, spec.messages_template, spec.pair_templates)
 
 
 def check_columns(template: PromptTemplate, names, url: str) -> None:
@@ -588,7 +616,7 @@ def check_columns(template: PromptTemplate, names, url: str) -> None:
     for column in template.required:
         if column not in have:
             raise SpecError(
-                "input.prompt_template" if not template.messages else "input.messages_template",
+                template.key,
                 f"the template reads column {column!r}, which {url} does not have "
                 f"(columns: {', '.join(sorted(have)) or 'none'})",
             )

@@ -31,7 +31,7 @@ from batchspec.spec.model import (
     ModelSpec,
     OutputSpec,
 )
-from batchspec.spec.tasks import check_task, pair_columns_of, task_of
+from batchspec.spec.tasks import check_task, pairs_of, task_of
 
 # --------------------------------------------------------------------------- validation
 
@@ -239,16 +239,17 @@ def _input_spec(raw: dict) -> InputSpec:
     prompt_column = inp.get("prompt_column", str)
     messages_column = inp.get("messages_column", str)
     prompt_template, messages_template = _templates(inp)
-    pair_columns = pair_columns_of(inp)
+    pair_columns, pair_templates = pairs_of(inp)
     if pair_columns is not None:
         prompt_column = pair_columns[0]  # the first text is read as a prompt; the second beside it
-    sources = (prompt_column, messages_column, prompt_template, messages_template)
+    sources = (prompt_column, messages_column, prompt_template, messages_template, pair_templates)
     if fmt.self_describing:
         for key in (
             "prompt_column",
             "messages_column",
             "prompt_template",
             "messages_template",
+            "pair_templates",
             "id_column",
             "lora_column",
             "sampling_columns",
@@ -304,6 +305,7 @@ def _input_spec(raw: dict) -> InputSpec:
         allow_empty=allow_empty,
         max_line_bytes=inp.positive("max_line_bytes"),
         pair_columns=pair_columns,
+        pair_templates=pair_templates,
         **table,
     )
 

@@ -34,7 +34,8 @@ Components (each a 16-hex-digit prefix of the SHA-256 of a canonical JSON):
 - ``sampling``: the SamplingParams arguments.
 - ``columns``: ``input.prompt_column``, ``messages_column``, ``id_column``,
   ``sampling_columns``, ``lora_column`` (where set), ``output.keep_columns``, ``input.filter``
-  (where set), ``input.prompt_template`` and ``messages_template`` (where set: their wording),
+  (where set), ``input.prompt_template``, ``messages_template`` and ``pair_templates`` (where
+  set: their wording), a pooling task's ``input.pair_columns``,
   ``output.parse_json`` (where true) and ``input.format`` where it is ``openai`` (its lines
   name their own prompt, id and sampling).
 
@@ -294,6 +295,8 @@ def spec_fingerprint(spec: JobSpec) -> dict[str, str]:
     if spec.task != "generate":  # only when set: generation's outputs keep their hashes
         components["task"] = {"task": spec.task, "pooling": spec.pooling}
         components["columns"]["pair_columns"] = spec.input.pair_columns
+        if spec.input.pair_templates is not None:  # only when set: their wording is the pair's
+            components["columns"]["pair_templates"] = list(spec.input.pair_templates)
     if spec.input.lora_column:  # only when set: outputs of jobs without LoRA keep their hashes
         components["columns"]["lora_column"] = spec.input.lora_column
     if spec.input.prompt_template is not None:  # its wording is the prompt's: a change is a new spec

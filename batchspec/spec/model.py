@@ -8,7 +8,7 @@ from typing import Any, Literal, get_args
 
 from batchspec.redact import public_spec
 from batchspec.redact import secret_values as _secret_values
-from batchspec.tasks import TASKS, TaskName
+from batchspec.tasks import TaskName, task_for
 
 # Every choice a key offers is a Literal type on its field: spec/build.py checks each value
 # against its field's type, in one place.
@@ -131,6 +131,11 @@ class InputSpec:
     #: ``task: score``: the two text columns of each pair, ``[query, document]`` (instead of
     #: ``prompt_column``); a null or empty side is that row's error.
     pair_columns: tuple[str, str] | None = None
+    #: ``task: score``: each side of a pair rendered from the row's columns, ``[query template,
+    #: document template]``, two Jinja2 templates as ``prompt_template`` (the same sandbox and
+    #: rules); give this or ``pair_columns``, not both. A column a template reads unguarded that
+    #: the input lacks exits 2; a null cell, or a side that renders empty, is that row's error.
+    pair_templates: tuple[str, str] | None = None
 
     @property
     def text_column(self) -> str | None:
@@ -140,7 +145,11 @@ class InputSpec:
     @property
     def templated(self) -> bool:
         """Whether prompts are rendered from a template over the row's columns."""
-        return self.prompt_template is not None or self.messages_template is not None
+        return (
+            self.prompt_template is not None
+            or self.messages_template is not None
+            or self.pair_templates is not None
+        )
 
 
 @dataclass(frozen=True)
@@ -348,7 +357,8 @@ class JobSpec:
     speculative_auto: AutoSpeculation | None = None
     #: What the job does with each row: ``generate`` text; or, with vLLM's pooling runner,
     #: ``embed`` (a vector a row), ``classify`` (a sequence classifier's label and probabilities)
-    #: or ``score`` (each pair of ``input.pair_columns`` scored by the cosine of its embeddings).
+    #: or ``score`` (each pair of texts scored: by a cross-encoder, a sequence classifier of one
+    #: label, or by the cosine of the two texts' embeddings).
     #: A pooling task has no decoding: ``speculative`` and ``sampling`` are refused with it
     #: (docs/pooling.md).
     task: TaskName = "generate"
@@ -358,6 +368,10 @@ class JobSpec:
     #: ``task: embed`` and ``score``: the embedding's size, from ``pooling.dimensions`` or the
     #: model's ``config.json`` (``hidden_size``); None for the other tasks.
     dimensions: int | None = None
+    #: ``task: score``: whether the model is a cross-encoder (a ``*ForSequenceClassification`` of
+    #: one label in its ``config.json``), which reads both texts in one request; else each text is
+    #: embedded. Found when the spec is built, never given.
+    cross_encoder: bool = False
 
     def result_fields(self) -> list:
         """The result columns of this job's task (after request_id and the kept columns): an
@@ -365,7 +379,7 @@ class JobSpec:
         from batchspec.io.output_formats import output_format  # lazy: io/ sits above spec/
 
         fixed = output_format(self.output.format).fixed_size_lists
-        return TASKS[self.task].fields(self.dimensions if fixed else None)
+        return task_for(self.task, self.cross_encoder).fields(self.dimensions if fixed else None)
 
     def public(self) -> dict[str, Any]:
         """The resolved spec as it may be persisted or logged (:func:`batchspec.redact.public_spec`):

@@ -1,7 +1,9 @@
 """The spec's ``task`` (batchspec/tasks.py) and what it asks of the other keys: a pooling task
 (``embed``, ``classify``, ``score``) refuses the keys of decoding, ``score`` reads a pair of
-columns, and an embedding's size is known before any weights load (from ``pooling.dimensions``
-or the model's ``config.json``), so that a table output's columns are checked first."""
+texts (two columns, or two templates over the row's columns) and scores it with a cross-encoder
+or by the cosine of two embeddings (the model's ``config.json`` says which), and an embedding's
+size is known before any weights load (from ``pooling.dimensions`` or the model's
+``config.json``), so that a table output's columns are checked first."""
 
 from __future__ import annotations
 
@@ -35,15 +37,19 @@ _GENERATION_ONLY = {
 
 def check_task(spec: JobSpec, task: Task) -> JobSpec:
     """A pooling task's keys: no generation-only key, ``pooling`` only with one, pairs for
-    ``score``, the embedding's size; a format that cannot hold its columns refused."""
-    pairs = spec.input.pair_columns
-    if task.pairs and pairs is None:
+    ``score`` (and which kind of model scores them), the embedding's size; a format that cannot
+    hold its columns refused."""
+    inp = spec.input
+    pairs = inp.pair_columns is not None or inp.pair_templates is not None
+    if task.pairs and not pairs:
         raise SpecError(
             "input.pair_columns",
-            "task score reads a pair of texts a row: give input.pair_columns: [query, document]",
+            "task score reads a pair of texts a row: give input.pair_columns: [query, document] "
+            "(or input.pair_templates, rendered from columns)",
         )
-    if not task.pairs and pairs is not None:
-        raise SpecError("input.pair_columns", f"only task score reads pairs; this job's task is {task.name}")
+    if not task.pairs and pairs:
+        key = "input.pair_columns" if inp.pair_columns is not None else "input.pair_templates"
+        raise SpecError(key, f"only task score reads pairs; this job's task is {task.name}")
     if task.runner != "pooling":
         if spec.pooling:
             raise SpecError(
@@ -68,14 +74,21 @@ def check_task(spec: JobSpec, task: Task) -> JobSpec:
     if task.pooling_task != "embed":
         return spec
     config = load_config(spec.model.target, "model.target") or {}
-    if task.pairs and any(
-        str(a).endswith("ForSequenceClassification") for a in config.get("architectures") or ()
-    ):
-        raise SpecError(
-            "task",
-            "scoring with a cross-encoder (a sequence classifier reading both texts) is not supported "
-            "yet: task score takes an embedding model (or a causal LM, converted)",
-        )
+    if task.pairs and is_classifier(config):
+        labels = num_labels(config)
+        if labels != 1:
+            raise SpecError(
+                "task",
+                f"task score with a sequence classifier needs a cross-encoder, a classifier of one "
+                f"label (vLLM's LLM.score scores with num_labels 1); {spec.model.target} has "
+                f"{labels} labels: use task classify for it, or a model of one label",
+            )
+        if spec.pooling.get("dimensions") is not None:
+            raise SpecError(
+                "pooling.dimensions",
+                "a cross-encoder gives one score a pair, no embedding: leave pooling.dimensions out",
+            )
+        return dataclasses.replace(spec, cross_encoder=True)
     dimensions = spec.pooling.get("dimensions")
     if dimensions is None:
         config = load_config(spec.model.target, "model.target")
@@ -94,22 +107,59 @@ def check_task(spec: JobSpec, task: Task) -> JobSpec:
     return dataclasses.replace(spec, dimensions=dimensions)
 
 
-def pair_columns_of(inp: Fields) -> tuple[str, str] | None:
-    """``input.pair_columns``: two different column names, or None."""
-    pairs = inp.get("pair_columns", list)
-    if pairs is None:
-        return None
-    given = [
-        k
-        for k in ("prompt_column", "messages_column", "prompt_template", "messages_template")
-        if inp.values.get(k) is not None
-    ]
+def is_classifier(config: dict) -> bool:
+    """Whether a ``config.json`` names a sequence classifier (``*ForSequenceClassification``)."""
+    return any(str(a).endswith("ForSequenceClassification") for a in config.get("architectures") or ())
+
+
+def num_labels(config: dict) -> int:
+    """A sequence classifier's outputs, as vLLM counts them: one for a causal LM turned reranker
+    with ``method: from_2_way_softmax``, one a ``classifier_from_token``, else ``id2label``'s
+    (``num_labels``; transformers' default, 2, where neither is given)."""
+    tokens = config.get("classifier_from_token")
+    if config.get("method") == "from_2_way_softmax":
+        return 1
+    if isinstance(tokens, list):
+        return len(tokens)
+    labels = config.get("id2label")
+    if isinstance(labels, dict) and labels:
+        return len(labels)
+    given = config.get("num_labels")
+    return given if isinstance(given, int) else 2
+
+
+#: Where a row's text comes from besides a pair: refused beside ``input.pair_columns`` and
+#: ``input.pair_templates``.
+_SINGLE_SOURCES = ("prompt_column", "messages_column", "prompt_template", "messages_template")
+
+
+def pairs_of(inp: Fields) -> tuple[tuple[str, str] | None, tuple[str, str] | None]:
+    """``input.pair_columns`` (two different column names) and ``input.pair_templates`` (two
+    templates, compiled: a bad one is exit 2 naming it); at most one of them, and neither beside
+    a single text's key."""
+    columns = inp.get("pair_columns", list)
+    templates = inp.get("pair_templates", list)
+    if columns is None and templates is None:
+        return None, None
+    key = "input.pair_columns" if columns is not None else "input.pair_templates"
+    if columns is not None and templates is not None:
+        raise SpecError(
+            "input.pair_templates",
+            "give input.pair_columns (two columns) or input.pair_templates (rendered from columns), not both",
+        )
+    given = [k for k in _SINGLE_SOURCES if inp.values.get(k) is not None]
     if given:
+        raise SpecError(f"input.{given[0]}", f"{key} gives both texts of a pair; leave input.{given[0]} out")
+    if columns is not None:
+        named = len(columns) == 2 and all(isinstance(c, str) and c for c in columns)
+        if not named or columns[0] == columns[1]:
+            raise SpecError(key, f"expected two different column names, [query, document]; got {columns!r}")
+        return (columns[0], columns[1]), None
+    if len(templates) != 2 or not all(isinstance(t, str) and t.strip() for t in templates):
         raise SpecError(
-            f"input.{given[0]}", f"input.pair_columns names both texts of a pair; leave input.{given[0]} out"
+            key, f"expected two Jinja2 templates, [query template, document template]; got {templates!r}"
         )
-    if len(pairs) != 2 or not all(isinstance(c, str) and c for c in pairs) or pairs[0] == pairs[1]:
-        raise SpecError(
-            "input.pair_columns", f"expected two different column names, [query, document]; got {pairs!r}"
-        )
-    return (pairs[0], pairs[1])
+    from batchspec.io.templates import PromptTemplate  # lazy: io/ sits above spec/ (jinja2 only)
+
+    PromptTemplate(None, None, pair=templates)  # compiled now: exit 2 naming the side and the line
+    return None, (templates[0], templates[1])

@@ -26,8 +26,9 @@ COLUMNS_MARKER = "<!-- generated: columns -->"
 
 #: Fields whose YAML key is not the field's name (spec/build.py reads ``input.path``).
 YAML_NAMES = {"InputSpec.paths": "path", "JobSpec.speculative_auto": "speculative"}
-#: Fields that are no key of the YAML: the resolved mapping a spec was built from.
-NOT_KEYS = {"JobSpec.raw", "JobSpec.dimensions"}
+#: Fields that are no key of the YAML: the resolved mapping a spec was built from, and what the
+#: spec finds from the model (an embedding's size, whether it scores with a cross-encoder).
+NOT_KEYS = {"JobSpec.raw", "JobSpec.dimensions", "JobSpec.cross_encoder"}
 #: Types as the YAML may give them, where spec/build.py takes more than the field's type.
 YAML_TYPES = {
     "InputSpec.paths": "string or list of strings",

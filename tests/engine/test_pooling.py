@@ -1,6 +1,7 @@
 """The pooling tasks on the real engine (vLLM's pooling runner, CPU build): ``task: embed`` with
 the tiny target converted to embed, ``classify`` with the tiny classifier (`make models`),
-``score`` with the embedding model. Each result is checked against vLLM's own ``LLM.embed``,
+``score`` with the embedding model and with the tiny cross-encoder. Each result is checked
+against vLLM's own ``LLM.embed``,
 ``LLM.classify`` and ``LLM.score`` on the same engine; bad rows are error rows and the run goes
 on; the vectors land in Lance and Delta as vectors; an embedding job killed with SIGKILL and
 rerun under ``--executor ray`` holds every row once (docs/pooling.md)."""
@@ -170,6 +171,69 @@ def test_score_is_vllms_cosine_of_the_pairs_embeddings(tmp_path, shared_engines)
         assert row["error"] is None and math.isclose(row["score"], want.outputs.score, abs_tol=1e-5)
         assert row["num_prompt_tokens"] > 0
     assert rows[4]["error"] == "null pair text in 'document'" and rows[4]["score"] is None
+
+
+def test_a_cross_encoder_scores_as_vllms_own_with_each_side_from_its_template(tmp_path, shared_engines):
+    """``task: score`` with the tiny cross-encoder (`make models`): both texts in one request,
+    each rendered from the row's columns by its own template; the scores are those of vLLM's
+    ``LLM.score`` on the same engine for the rendered texts, bad rows are error rows, and a job
+    of two columns runs on the same engine, a duplicate pair scored once."""
+    import sys
+
+    sys.path.insert(0, str(MODELS.parent / "tools"))
+    from tiny_cross_encoder import pairs
+
+    good = pairs(3, seed=23)  # (query, document, relevant): 18 pairs
+    n = len(good)
+    langs = [f" {q} " for q, _, _ in good] + ["python", "  ", "json"]
+    bodies = [d for _, d, _ in good] + [None, TEXTS[0], TOO_LONG]
+    notes = ["from the stdlib"] + [None] * (len(langs) - 1)
+    write_parquet(
+        tmp_path / "in" / "a.parquet",
+        {"lang": langs, "body": bodies, "note": notes, "k": list(range(len(langs)))},
+    )
+    templates = ["{{ lang | trim }}", "{{ body }}{% if note is defined %}\n# {{ note }}{% endif %}"]
+    spec = _spec(tmp_path, "score", {"pair_templates": templates}, target="cross-encoder")
+    assert spec.cross_encoder and spec.dimensions is None
+    run = shared_engines.run(spec)
+    assert run.exit_code == 0, run.log[-3000:]
+    table = read_output(tmp_path / "out")
+    assert {"lang", "body", "note"} <= set(table.column_names)  # read by the templates: kept
+    rows = sorted(table.to_pylist(), key=lambda r: r["k"])
+    assert len(rows) == len(langs)
+    queries = [q.strip() for q in langs[:n]]
+    docs = [d + (f"\n# {notes[i]}" if notes[i] else "") for i, d in enumerate(bodies[:n])]
+    llm = shared_engines.engine(spec).llm
+    want = llm.score(queries, docs, use_tqdm=False)
+    for row, ref in zip(rows, want, strict=False):
+        assert row["error"] is None and row["finish_reason"] == "stop", row
+        assert math.isclose(row["score"], ref.outputs.score, abs_tol=1e-5), (row["k"], ref.outputs.score)
+        assert 0.0 < row["score"] < 1.0  # vLLM's activation for one label: a sigmoid
+        assert row["num_prompt_tokens"] == len(ref.prompt_token_ids)
+    # what the tiny model learned: Python code asked for as such scores over any other document
+    python = {d for _, d, y in good if y}
+    relevant = [r["score"] for r, (_, _, y) in zip(rows, good, strict=False) if y]
+    other = [r["score"] for r, (_, d, _) in zip(rows, good, strict=False) if d not in python]
+    assert relevant and other and min(relevant) > max(other), (relevant, other)
+    errors = {r["k"]: r["error"] for r in rows[n:]}
+    assert errors == {
+        n: "null cell in column 'body': the template gives it no default",
+        n + 1: "empty pair text: input.pair_templates[0] renders only whitespace",
+        n + 2: errors[n + 2],
+    }
+    assert errors[n + 2].startswith("prompt too long: ") and "max_model_len 512" in errors[n + 2]
+
+    # the same engine scores two columns as they are, and a duplicate pair once
+    columns = tmp_path / "columns"
+    write_parquet(columns / "in" / "a.parquet", {"q": ["python", "json", "python"], "d": [TEXTS[0]] * 3})
+    spec = _spec(columns, "score", {"pair_columns": ["q", "d"]}, target="cross-encoder")
+    run = shared_engines.run(spec)
+    assert run.exit_code == 0, run.log[-3000:]
+    rows = {r["request_id"]: r for r in read_output(columns / "out").to_pylist()}
+    first, second = llm.score(["python", "json"], [TEXTS[0], TEXTS[0]], use_tqdm=False)
+    assert math.isclose(rows["a/0"]["score"], first.outputs.score, abs_tol=1e-5)
+    assert math.isclose(rows["a/1"]["score"], second.outputs.score, abs_tol=1e-5)
+    assert rows["a/2"]["twin_of"] == "a/0" and rows["a/2"]["score"] == rows["a/0"]["score"]
 
 
 #: Each task's job for the kill tests: its keys, the result column compared across shards.

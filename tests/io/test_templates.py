@@ -457,3 +457,61 @@ def test_a_struct_and_a_binary_column(tmp_path):
     )
     errors = [r["error"] for r in pq.read_table(next((tmp_path / "o2").glob("*.parquet"))).to_pylist()]
     assert errors == ["binary cell in column 'blob': a template renders text"] * 2
+
+
+# ------------------------------------------------------------------ a pair's two texts (task: score)
+
+PAIR = ["{{ q | trim }}", "{{ title }}{% if note is defined %} ({{ note }}){% endif %}: {{ body }}"]
+
+
+def _pair_rows(tmp_path) -> dict[str, object]:
+    from batchspec.io.listing import discover_shards
+    from batchspec.io.reader import open_reader
+
+    raw = {
+        **raw_spec(tmp_path, pair_templates=PAIR, id_column="id"),
+        "task": "score",
+        "pooling": {"dimensions": 8},  # no model to read the size from, and no engine started
+        "sampling": {},
+    }
+    spec = build_spec(raw)
+    rows = {}
+    for shard in discover_shards(spec.input.paths, {}, input_format=spec.input.format):
+        rows.update({r.request_id: r for r in open_reader(shard, spec).rows()})
+    return rows
+
+
+def test_each_text_of_a_pair_renders_from_its_own_template_in_both_readers(tmp_path):
+    write_parquet(
+        tmp_path / "in" / "a.parquet",
+        {
+            "id": ["p0", "p1", "p2", "p3"],
+            "q": [" python ", "json", " ", "prose"],
+            "title": ["Add", None, "T", "T"],
+            "body": ["def add(a, b): ...", "{}", "x", "   "],
+            "note": ["stdlib", None, None, None],
+        },
+    )
+    lines = [
+        {"id": "j0", "q": "python", "title": "Sum", "body": "sum(xs)"},
+        {"id": "j1", "q": "json", "body": "{}"},
+    ]
+    (tmp_path / "in" / "b.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    rows = _pair_rows(tmp_path)
+    assert (rows["p0"].prompt, rows["p0"].pair, rows["p0"].error) == (
+        "python",
+        "Add (stdlib): def add(a, b): ...",
+        None,
+    )
+    assert (rows["j0"].prompt, rows["j0"].pair, rows["j0"].error) == ("python", "Sum: sum(xs)", None)
+    assert rows["p1"].error == "null cell in column 'title': the template gives it no default"
+    assert rows["j1"].error == "null cell in column 'title': the template gives it no default: line 2"
+    assert rows["p2"].error == "empty pair text: input.pair_templates[0] renders only whitespace"
+    assert rows["p3"].error is None and rows["p3"].pair == "T:    "  # a document of text around blanks
+
+
+def test_a_column_a_pair_template_reads_that_the_input_lacks_exits_2_naming_the_key(tmp_path):
+    write_parquet(tmp_path / "in" / "a.parquet", {"id": ["p0"], "q": ["python"], "body": ["x"]})
+    with pytest.raises(SpecError) as info:
+        _pair_rows(tmp_path)
+    assert info.value.key == "input.pair_templates" and "column 'title'" in str(info.value)
