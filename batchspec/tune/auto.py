@@ -9,7 +9,8 @@ run (batchspec/run/job.py) calls :func:`choose_speculation` once it knows its pe
    target's and each draft's identity (their contents for local directories, as the output
    fingerprint identifies them), the LoRA adapters, every engine argument (throughput ones
    included: ``max_num_seqs`` changes the answer), the sampling and per-row sampling columns,
-   the candidates (drafts, k, n-gram, concurrency levels), vLLM's version and the hardware
+   the candidates (drafts, k, n-gram, concurrency levels, whether the batch knobs are measured
+   and, where they are, ``execution.max_in_flight``), vLLM's version and the hardware
    (CPU model and count, GPU names). Not the input: tomorrow's rows are other rows of the same
    kind.
 2. ``<output>/_batchspec/auto/<key>.json`` holds a choice made before under that key: the run
@@ -239,6 +240,8 @@ def choice_key(spec: JobSpec) -> tuple[str, dict[str, str]]:
             "sample": auto.sample,
             "seed": auto.seed,
             "batch_knobs": auto.batch_knobs,
+            # what the knobs are measured around (model.engine's are in the engine's digest)
+            "max_in_flight": spec.execution.max_in_flight if auto.batch_knobs else None,
         },
         "vllm": vllm_version(),
         "hardware": hardware(),
