@@ -98,6 +98,8 @@ def run_tier(tier: str, work: Path) -> dict:
             "ngram": False,
             "sample": 64,
             "max_minutes": 20,
+            # the drafter alone, as the figures recorded: the batch knobs are benchmarks/batch_knobs.py's
+            "batch_knobs": False,
         },
     }
     out: dict = {"levels": {}}

@@ -63,6 +63,7 @@ STEPS = [
     ["benchmarks/tables.py", "plan", "--files", "1000", "--json", str(OUT / "tables-plan.json")],
     ["benchmarks/batching.py", "--json", str(OUT / "batching.json")],
     ["benchmarks/auto.py", "--json", str(OUT / "auto.json")],
+    ["benchmarks/batch_knobs.py", "--json", str(OUT / "batch-knobs.json")],
     ["benchmarks/supervision.py", "--json", str(OUT / "supervision.json")],
 ]
 

@@ -137,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
             "--json",
             "--write",
             str(root / "tuned.yaml"),
+            "--no-batch-knobs",  # the drafters, as recorded; the knobs: benchmarks/batch_knobs.py
         ]
         if args.predictions:
             tune_args += ["--k", "1,2,3,4,5,6", "--no-ngram", "--top", "3"]

@@ -109,6 +109,14 @@ def _int_list(value: str | None, what: str) -> list[int] | None:
     help="Try n-gram (prompt lookup) speculation with k 2 and 4.",
 )
 @click.option(
+    "--batch-knobs/--no-batch-knobs",
+    default=_DEFAULTS.batch_knobs,
+    show_default=True,
+    help="After the drafters, measure max_num_seqs (with max_in_flight) and "
+    "max_num_batched_tokens for the recommendation, in up to 3 more engines; "
+    "recommended (and written by --write) only where they beat the noise.",
+)
+@click.option(
     "--max-minutes",
     type=float,
     default=_DEFAULTS.max_minutes,
@@ -143,6 +151,7 @@ def tune(
     repeats,
     objective,
     ngram,
+    batch_knobs,
     max_minutes,
     as_json,
     html_file,
@@ -166,6 +175,7 @@ def tune(
         top=top,
         max_minutes=max_minutes,
         ngram=ngram,
+        batch_knobs=batch_knobs,
     )
     spec = load_job(job, overrides)
     secrets = tune_secrets(spec, drafts)

@@ -492,6 +492,18 @@ class Engine:
         except Exception:  # a timing without the reset is still a timing
             return False
 
+    def batch_config(self) -> dict[str, Any]:
+        """The batch sizes vLLM resolved for this engine (its ``scheduler_config``: the job's
+        values where it set them, vLLM's defaults for this platform and usage otherwise):
+        ``max_num_seqs``, ``max_num_batched_tokens``, ``enable_chunked_prefill``; empty where
+        vLLM exposes none."""
+        config = getattr(self.engine, "vllm_config", None)
+        scheduler = getattr(config, "scheduler_config", None)
+        if scheduler is None:
+            return {}
+        keys = ("max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill")
+        return {k: getattr(scheduler, k) for k in keys if getattr(scheduler, k, None) is not None}
+
     def spec_counters(self) -> dict[str, Any]:
         """Engine-lifetime speculative-decoding and prefix-cache totals from vLLM's own metrics
         (``spec_decode_*``, ``prefix_cache_queries`` and ``prefix_cache_hits``), the engines it

@@ -613,6 +613,7 @@ def _auto_speculation(raw: dict) -> AutoSpeculation | None:
         concurrency=None if concurrency is None else tuple(sorted(set(concurrency))),
         max_minutes=float(max_minutes),
         remeasure=auto.get("remeasure", bool),
+        batch_knobs=auto.get("batch_knobs", bool),
     )
 
 

@@ -306,6 +306,11 @@ class AutoSpeculation:
     max_minutes: float = 10.0
     #: Measure again even where a stored choice matches (``batchspec run --remeasure`` too).
     remeasure: bool = False
+    #: After the drafters, measure ``model.engine.max_num_seqs`` (with
+    #: ``execution.max_in_flight``) and ``max_num_batched_tokens`` for the choice, around the
+    #: job's values (up to three more engines), and run with those that beat the noise;
+    #: ``false`` runs with the job's own.
+    batch_knobs: bool = True
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,8 @@ run (batchspec/run/job.py) calls :func:`choose_speculation` once it knows its pe
    target's and each draft's identity (their contents for local directories, as the output
    fingerprint identifies them), the LoRA adapters, every engine argument (throughput ones
    included: ``max_num_seqs`` changes the answer), the sampling and per-row sampling columns,
-   the candidates (drafts, k, n-gram, concurrency levels), vLLM's version and the hardware
+   the candidates (drafts, k, n-gram, concurrency levels, whether the batch knobs are measured
+   and, where they are, ``execution.max_in_flight``), vLLM's version and the hardware
    (CPU model and count, GPU names). Not the input: tomorrow's rows are other rows of the same
    kind.
 2. ``<output>/_batchspec/auto/<key>.json`` holds a choice made before under that key: the run
@@ -25,9 +26,13 @@ run (batchspec/run/job.py) calls :func:`choose_speculation` once it knows its pe
    candidates on a seeded sample of the run's pending rows, one engine at a time, within
    ``max_minutes``, with a progress event per engine; the recommendation per level becomes the
    section to run (:func:`batchspec.tune.predict.choose_section`: vLLM's per-batch-size k where
-   one draft wins at every level). The record (choice, the chosen drafter's method and identity
-   by content, measurements, the sample's fingerprint, the predicted wall time of the pending
-   rows) is written under the key, secrets scrubbed.
+   one draft wins at every level). Unless ``batch_knobs: false``, tune's batch-knob stage
+   (batchspec/tune/knobs.py) then measures ``max_num_seqs`` (with ``max_in_flight``) and
+   ``max_num_batched_tokens`` for that choice, and the run sets those that beat the noise
+   (:func:`resolved`). The record (choice, the chosen drafter's method and identity by content,
+   measurements, the batch knobs measured and set, the sample's fingerprint, the predicted
+   wall time of the pending rows) is written under the key, secrets scrubbed; a reused record
+   sets the same knobs.
 
 The output's fingerprint holds ``{"method": "auto"}``, never the choice: greedy rows are the
 same text whatever runs (speculative decoding is lossless), and sampled rows are drawn from the
@@ -56,7 +61,7 @@ from batchspec.version import __version__
 
 #: Bump when the key covers something new or the record's shape changes: older records are
 #: then not reused.
-RECORD_VERSION = 1
+RECORD_VERSION = 2  # 2: the batch knobs (``batch_knobs``: measured, chosen, run with)
 
 
 @dataclass
@@ -74,9 +79,13 @@ class AutoChoice:
     reused: bool
     #: The stored record (public: no secrets).
     record: dict[str, Any]
+    #: The batch knobs run with (:meth:`batchspec.tune.knobs.KnobReport.settings`: the keys set
+    #: under ``model.engine`` and ``execution``); empty: the job's own.
+    knobs: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
 
     def summary(self) -> dict[str, Any]:
         """The run summary's ``speculative_auto`` section."""
+        knobs = self.record.get("batch_knobs") or {}
         return {
             "chosen": self.label,
             "speculative": _public(self.speculative),
@@ -85,7 +94,20 @@ class AutoChoice:
             "key": self.key,
             "measured_at": self.record.get("measured_at"),
             "predicted": self.record.get("predicted"),
+            "batch_knobs": {
+                "set": self.knobs,
+                "chosen": knobs.get("chosen"),
+                "baseline": knobs.get("baseline"),
+                "gain": knobs.get("gain"),
+                "noise": knobs.get("noise"),
+                "decision": knobs.get("decision"),
+            },
         }
+
+    def knobs_text(self) -> str:
+        """What the log says of the batch knobs: the stage's decision."""
+        decision = (self.record.get("batch_knobs") or {}).get("decision")
+        return f"; batch knobs: {decision}" if decision else ""
 
 
 def check_auto(spec: JobSpec) -> None:
@@ -123,17 +145,18 @@ def choose_speculation(
         else:
             chosen, why = _section_from_record(spec, record, key)
         if chosen is not None:
-            speculative, label = chosen
+            speculative, label, knobs = chosen
+            choice = AutoChoice(speculative, label, path, key, True, record, knobs)
             events.emit(
                 "speculative_auto",
                 f"speculative: auto: using {label}, measured "
-                f"{record['measured_at']}; `--remeasure` measures again",
+                f"{record['measured_at']}{choice.knobs_text()}; `--remeasure` measures again",
                 chosen=label,
                 reused=True,
                 record=path,
+                batch_knobs=knobs,
             )
-            choice = AutoChoice(speculative, label, path, key, True, record)
-            return resolved(spec, speculative), choice
+            return resolved(spec, speculative, knobs), choice
         if why is not None:
             events.emit(
                 "speculative_auto_record_ignored",
@@ -142,12 +165,13 @@ def choose_speculation(
                 record=path,
                 reason=why,
             )
-    record, speculative, label = _measure(spec, shards, pending_rows, events, key, components)
+    record, speculative, label, knobs = _measure(spec, shards, pending_rows, events, key, components)
     if record["recommended"]:
         out.write_json(path, record)
     else:  # nothing measured in time: run with off now, measure again next time
         path = "(not kept: nothing was measured within max_minutes)"
     predicted = record.get("predicted") or {}
+    choice = AutoChoice(speculative, label, path, key, False, record, knobs)
     events.emit(
         "speculative_auto",
         f"speculative: auto: chose {label}"
@@ -155,21 +179,35 @@ def choose_speculation(
             f"; predicted generation time of the {pending_rows} pending rows {predicted['wall_s']:.0f}s"
             if predicted.get("wall_s")
             else ""
-        ),
+        )
+        + choice.knobs_text(),
         chosen=label,
         reused=False,
         record=path,
+        batch_knobs=knobs,
     )
-    choice = AutoChoice(speculative, label, path, key, False, record)
-    return resolved(spec, speculative), choice
+    return resolved(spec, speculative, knobs), choice
 
 
-def resolved(spec: JobSpec, speculative: dict | None) -> JobSpec:
-    """The job as it runs: ``speculative`` set to the choice (in ``raw`` too, so the shards'
-    metadata show what ran), ``speculative_auto`` kept."""
+def resolved(spec: JobSpec, speculative: dict | None, knobs: dict | None = None) -> JobSpec:
+    """The job as it runs: ``speculative`` set to the choice and the batch knobs chosen
+    (``knobs``: keys under ``model.engine`` and ``execution``), in ``raw`` too, so the shards'
+    metadata show what ran; ``speculative_auto`` kept."""
     raw = copy.deepcopy(spec.raw)
     raw["speculative"] = copy.deepcopy(speculative)
-    return dataclasses.replace(spec, speculative=copy.deepcopy(speculative), raw=raw)
+    model, execution = spec.model, spec.execution
+    engine = dict((knobs or {}).get("model.engine") or {})
+    if engine:
+        model = dataclasses.replace(model, engine={**model.engine, **engine})
+        raw_model = raw.get("model") if isinstance(raw.get("model"), dict) else {}
+        raw["model"] = {**raw_model, "engine": {**(raw_model.get("engine") or {}), **engine}}
+    feed = dict((knobs or {}).get("execution") or {})
+    if feed:
+        execution = dataclasses.replace(execution, **feed)
+        raw["execution"] = {**(raw.get("execution") or {}), **feed}
+    return dataclasses.replace(
+        spec, speculative=copy.deepcopy(speculative), raw=raw, model=model, execution=execution
+    )
 
 
 # --------------------------------------------------------------------------- the key
@@ -201,6 +239,9 @@ def choice_key(spec: JobSpec) -> tuple[str, dict[str, str]]:
             "concurrency": list(auto.concurrency or [default_concurrency(spec)]),
             "sample": auto.sample,
             "seed": auto.seed,
+            "batch_knobs": auto.batch_knobs,
+            # what the knobs are measured around (model.engine's are in the engine's digest)
+            "max_in_flight": spec.execution.max_in_flight if auto.batch_knobs else None,
         },
         "vllm": vllm_version(),
         "hardware": hardware(),
@@ -270,8 +311,9 @@ class _EventStream:
 
 def _measure(
     spec: JobSpec, shards: list, pending_rows: int, events, key: str, components: dict[str, str]
-) -> tuple[dict, dict | None, str]:
-    """Measure with tune's machinery on the pending shards; (record, section, label)."""
+) -> tuple[dict, dict | None, str, dict]:
+    """Measure with tune's machinery on the pending shards; (record, section, label, the batch
+    knobs to set)."""
     from batchspec.tune.model import TuneOptions
     from batchspec.tune.session import default_concurrency, run_tune, tune_secrets
 
@@ -288,6 +330,7 @@ def _measure(
         top=1,
         max_minutes=auto.max_minutes,
         ngram=auto.ngram,
+        batch_knobs=auto.batch_knobs,
     )
     events.emit(
         "speculative_auto_measuring",
@@ -295,7 +338,9 @@ def _measure(
         + ("n-gram, " if auto.ngram else "")
         + (f"{len(auto.drafts)} draft(s) at k {','.join(map(str, auto.k))} " if auto.drafts else "")
         + f"on a sample of {auto.sample} pending rows at concurrency "
-        f"{','.join(map(str, levels))} (at most {auto.max_minutes:g} min)",
+        f"{','.join(map(str, levels))}"
+        + (", then the batch knobs for the choice" if auto.batch_knobs else "")
+        + f" (at most {auto.max_minutes:g} min)",
         drafts=len(auto.drafts),
         levels=levels,
     )
@@ -337,14 +382,19 @@ def _measure(
             },
         },
         "measurements": {k: measured[k] for k in ("candidates", "noise", "prediction", "lossless", "notes")},
+        # measured for the choice above, and the settings it runs with (empty: the job's own)
+        "batch_knobs": {**measured["batch_knobs"], "set": report.batch_knobs.settings()},
         "batchspec_version": __version__,
     }
     if report.mismatches:  # lossless broken: never run a candidate that changed greedy text
         speculative, label = None, "off (a candidate's greedy text differed from off's)"
         record.update(chosen=label, speculative=None)
+        record["batch_knobs"].update(
+            set={}, decision="the job's batch values are kept: they were measured for another choice"
+        )
     secrets = tune_secrets(spec, auto.drafts)
     record = json.loads(scrub_text(json.dumps(record, default=str), secrets))
-    return record, speculative, label
+    return record, speculative, label, record["batch_knobs"]["set"]
 
 
 def _level_prediction(report, c: int, rows: int) -> dict[str, Any]:
@@ -397,8 +447,9 @@ def _section(spec: JobSpec, recommended: dict[int, str]) -> tuple[dict | None, s
 
 def _section_from_record(
     spec: JobSpec, record: Any, key: str
-) -> tuple[tuple[dict | None, str] | None, str | None]:
-    """(the stored choice as a section of this job and its label, None) where the record has
+) -> tuple[tuple[dict | None, str, dict] | None, str | None]:
+    """(the stored choice as a section of this job, its label and the batch knobs to set, None)
+    where the record has
     the shape :func:`_measure` writes and names only this job's candidates; else (None, what is
     wrong with it). The section is built from the job's own candidates, so a draft's path is
     the job's, never the record's public view, and the label is what that section runs."""
@@ -433,12 +484,36 @@ def _section_from_record(
                 f"this job ({', '.join(labels)})"
             )
         levels[int(c)] = label
+    knobs, why = _knobs_from_record(record.get("batch_knobs"))
+    if why is not None:
+        return None, why
     if record["speculative"] is None and (chosen == "off" or chosen.startswith("off (")):
-        return (None, chosen), None  # off, measured so, or no candidate kept greedy text
+        return (None, chosen, knobs), None  # off, measured so, or no candidate kept greedy text
     speculative, label, _ = _section(spec, levels)
     if label != chosen:
         return None, (f"its chosen is {_json_text(chosen)}, but its recommended gives {_json_text(label)}")
-    return (speculative, label), None
+    return (speculative, label, knobs), None
+
+
+#: The batch knobs a record may set: section -> its keys.
+_KNOB_KEYS = {"model.engine": ("max_num_seqs", "max_num_batched_tokens"), "execution": ("max_in_flight",)}
+
+
+def _knobs_from_record(value: Any) -> tuple[dict, str | None]:
+    """(the batch knobs a record's ``batch_knobs.set`` says to run with, None), or ({}, what is
+    wrong with it): a mapping of ``model.engine`` and ``execution`` to positive integers under
+    the knobs' own names, and nothing else."""
+    if not isinstance(value, dict) or not isinstance(value.get("set"), dict):
+        shown = value.get("set") if isinstance(value, dict) else value
+        return {}, f"its batch_knobs.set is {_json_text(shown)}, not the settings run with"
+    for section, values in value["set"].items():
+        keys = _KNOB_KEYS.get(section)
+        if keys is None or not isinstance(values, dict):
+            return {}, f"its batch_knobs.set has {_json_text(section)}, not model.engine or execution"
+        for k, v in values.items():
+            if k not in keys or isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                return {}, f"its batch_knobs.set.{section} has {k}: {_json_text(v)}, not a knob's size"
+    return copy.deepcopy(value["set"]), None
 
 
 def _drafter(speculative: dict | None) -> dict | None:

@@ -125,6 +125,7 @@ def measure_candidate(
     repeats: int,
     deadline: float | None,
     sizes: dict[int, int] | None = None,
+    resolved: dict | None = None,
 ) -> tuple[dict[int, LevelMeasurement], dict[int, str]]:
     """Start one engine for ``spec``, time every level, shut it down.
 
@@ -136,6 +137,9 @@ def measure_candidate(
     first ``concurrency`` rows) runs untimed: an engine runs a batch shape slowly the first
     time it meets it (the CPU build's matrix kernels are made per shape), and the first timing
     after start-up was 9-18% slower than the next on the tiny pair.
+
+    ``resolved``, where given, is filled with the batch sizes vLLM resolved for the engine
+    (:meth:`batchspec.engine.llm.Engine.batch_config`: its defaults where the job set none).
 
     Returns (levels measured, levels skipped -> reason). Raises SkipCandidate when the engine
     refuses the config (the reason names vLLM's error) and RuntimeFailure for an engine that
@@ -154,6 +158,8 @@ def measure_candidate(
     levels: dict[int, LevelMeasurement] = {}
     skipped: dict[int, str] = {}
     try:
+        if resolved is not None:
+            resolved.update(engine.batch_config())
         warm = rows[: min(WARMUP_ROWS, len(rows))]
         list(engine.stream(iter(warm), max_in_flight=max(concurrencies)))
         sizes = {} if sizes is None else sizes

@@ -181,6 +181,9 @@ class TuneOptions:
     top: int = 2
     max_minutes: float | None = None
     ngram: bool = True
+    #: Measure the batch knobs (max_num_seqs, max_num_batched_tokens, max_in_flight) for the
+    #: recommendation after the drafters (batchspec/tune/knobs.py).
+    batch_knobs: bool = True
 
 
 @dataclass
@@ -201,6 +204,9 @@ class TuneReport:
     notes: list[str] = field(default_factory=list)
     #: The sampled rows' ids, in the order they were sent.
     sample_ids: list[str] = field(default_factory=list)
+    #: The batch-knob stage's outcome (a :class:`batchspec.tune.knobs.KnobReport`), None where
+    #: the report was made without it.
+    batch_knobs: Any = None
 
     def entry(self, label: str, concurrency: int) -> CandidateResult | None:
         return next(
@@ -259,6 +265,7 @@ class TuneReport:
                 "mean_relative_error": round(statistics.fmean(errors), 4) if errors else None,
             },
             "lossless": {"checked_rows": self.greedy_rows, "mismatches": self.mismatches},
+            "batch_knobs": self.batch_knobs.as_dict() if self.batch_knobs is not None else None,
             "wall_s": round(self.wall_s, 1),
             "notes": self.notes,
         }

@@ -80,6 +80,7 @@ def render_table(report: TuneReport) -> str:
             skipped.setdefault(e.skipped, set()).add(e.candidate.label)
     for reason, labels in skipped.items():
         lines.append(f"skipped {', '.join(sorted(labels))}: {reason}")
+    lines.extend(knob_lines(report.batch_knobs))
     lines.append(
         f"lossless: {report.greedy_rows} greedy rows compared with speculation off; "
         + (f"{len(report.mismatches)} MISMATCHES" if report.mismatches else "all equal")
@@ -91,3 +92,43 @@ def render_table(report: TuneReport) -> str:
         f"{report.options.seed}); {report.wall_s:.0f}s"
     )
     return "\n".join(lines) + "\n"
+
+
+def knob_lines(knobs) -> list[str]:
+    """The batch-knob stage as the table shows it: each configuration with its tok/s, e2e p50
+    and its gain over what it was compared with, then the decision."""
+    if knobs is None:
+        return []
+    if knobs.skipped is not None or knobs.baseline is None:
+        return [f"batch knobs: {knobs.decision}"]
+    lines = [
+        f"batch knobs for {knobs.speculative} at concurrency {knobs.concurrency} (gain: each "
+        "max_num_seqs over the job's, each max_num_batched_tokens over the max_num_seqs kept):"
+    ]
+    head = ["max_num_seqs", "max_num_batched_tokens", "max_in_flight", "tok/s", "e2e p50 s", "gain", ""]
+    rows = []
+    for r in knobs.results:
+        cfg, lv = r.config, r.level
+        mark = " *" if knobs.chosen == cfg else (" (job)" if r.axis == "baseline" else "")
+        rows.append(
+            [
+                str(cfg.max_num_seqs) + mark,
+                _f(cfg.max_num_batched_tokens, "d"),
+                str(cfg.max_in_flight),
+                _f(lv.tps if lv else None),
+                _f(lv.p50 if lv else None, ".3f"),
+                _f(r.gain * 100 if r.gain is not None else None, "+.1f", "%"),
+                f"skipped: {r.skipped}" if r.skipped else "",
+            ]
+        )
+    widths = [max(len(h), *(len(x[i]) for x in rows)) for i, h in enumerate(head)]
+    for r in [head, *rows]:
+        lines.append(
+            "  "
+            + "  ".join(
+                v.ljust(w) if i == len(head) - 1 else v.rjust(w)
+                for i, (v, w) in enumerate(zip(r, widths, strict=True))
+            ).rstrip()
+        )
+    lines.append(f"batch knobs: {knobs.decision}")
+    return lines

@@ -86,13 +86,18 @@ def candidates(
     return fixed, families
 
 
-def candidate_spec(spec: JobSpec, speculative: dict | None, max_num_seqs: int) -> JobSpec:
-    """The job with another speculative section and ``max_num_seqs`` (one engine per config)."""
+def candidate_spec(
+    spec: JobSpec, speculative: dict | None, max_num_seqs: int, max_num_batched_tokens: int | None = None
+) -> JobSpec:
+    """The job with another speculative section and ``max_num_seqs`` (one engine per config),
+    and ``max_num_batched_tokens`` where given (else the job's, or vLLM's default)."""
     raw = copy.deepcopy(spec.raw)
     raw["speculative"] = copy.deepcopy(speculative)
     model = raw.setdefault("model", {})
-    engine = model.get("engine") or {}
-    model["engine"] = {**engine, "max_num_seqs": max_num_seqs}
+    engine = {**(model.get("engine") or {}), "max_num_seqs": max_num_seqs}
+    if max_num_batched_tokens is not None:
+        engine["max_num_batched_tokens"] = max_num_batched_tokens
+    model["engine"] = engine
     return build_spec(raw)
 
 

@@ -28,6 +28,7 @@ How it works (README "Choosing speculation: batchspec tune"):
 
 from __future__ import annotations
 
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -39,6 +40,14 @@ from batchspec.redact import (
     secret_values,
 )
 from batchspec.spec.model import JobSpec
+from batchspec.tune.knobs import (
+    TURNED_OFF,
+    KnobReport,
+    KnobStage,
+    passes_for,
+    seq_values,
+    skipped_report,
+)
 from batchspec.tune.measure import (
     measure_candidate,
     row_temperatures,
@@ -53,13 +62,16 @@ from batchspec.tune.model import (
     SkipCandidate,
     TuneOptions,
     TuneReport,
+    level_rows,
 )
 from batchspec.tune.predict import (
     calibration,
+    choose_section,
     pick_ks,
     predict_from_measured,
     predict_tokens_per_s,
     recommend,
+    write_concurrency,
 )
 from batchspec.tune.search_space import (
     candidate_spec,
@@ -190,7 +202,7 @@ class _Session:
     def __init__(
         self, spec: JobSpec, options: TuneOptions, concurrency: list[int], started: float, shards=None
     ):
-        self.options, self.concurrency = options, concurrency
+        self.spec, self.options, self.concurrency = spec, options, concurrency
         self.deadline = started + options.max_minutes * 60 if options.max_minutes is not None else None
         self.max_num_seqs = max(concurrency)
         self.fixed, self.families = candidates(spec, options.drafts, options.ks, options.ngram)
@@ -213,6 +225,8 @@ class _Session:
         self.late: dict[tuple[str, int], str] = {}
         #: concurrency -> (rows, passes) every candidate is timed on there (set by the first)
         self.sizes: dict[int, tuple[int, int]] = {}
+        #: the batch-knob stage's outcome (:meth:`measure_knobs`)
+        self.knobs: KnobReport = skipped_report(TURNED_OFF, options.objective)
 
     def every_candidate(self) -> list[Candidate]:
         return self.fixed + [c for family in self.families.values() for c in family]
@@ -220,7 +234,8 @@ class _Session:
     def engines(self) -> int:
         """Engines the tune expects to start: each fixed candidate, each draft's calibration k
         and its ``--top`` best predicted k."""
-        return len(self.fixed) + sum(len(calibration(f)) + self.options.top for f in self.families.values())
+        drafters = sum(len(calibration(f)) + self.options.top for f in self.families.values())
+        return len(self.fixed) + drafters + (KNOB_ENGINES if self.options.batch_knobs else 0)
 
     def public(self, text: str) -> str:
         """Free text for the report (a skip reason quoting vLLM): secrets out, URLs sanitised."""
@@ -259,8 +274,79 @@ class _Session:
                     self.skip_all(cand, str(exc))
             for family in self.families.values():
                 self.measure_family(family)
+            if self.options.batch_knobs:
+                done = progress.done
+                self.knobs = self.measure_knobs()
+                progress.grow(progress.done - done - KNOB_ENGINES)
         finally:
             progress.close()
+
+    def measure_knobs(self) -> KnobReport:
+        """The batch-knob stage (batchspec/tune/knobs.py) for the recommendation at the level
+        ``--write`` writes it for (or the per-batch-size section, at that level)."""
+        objective = self.options.objective
+        recommended, noise = recommend(self.entries, objective)
+        measured = [c for c in self.concurrency if c in recommended]
+        if not measured:
+            return skipped_report("speculation off was not measured: there is no recommendation", objective)
+        by_label = {cand.label: cand for cand in self.every_candidate()}
+
+        def section(c: int) -> tuple[dict | None, int | None]:
+            cand = by_label[recommended[c]]
+            return cand.speculative, cand.k
+
+        job = job_knobs(self.spec)
+        speculative, level = choose_section(
+            {c: recommended[c] for c in measured}, section, job.get("max_num_seqs")
+        )
+        if level is None:  # one section with vLLM's per-batch-size k for every level
+            level = write_concurrency(measured, job.get("max_num_seqs"))
+            label = "per batch size (" + "; ".join(f"c={c}: {recommended[c]}" for c in measured) + ")"
+            timed = self._entry_level("off", level)
+        else:
+            label = recommended[level]
+            timed = self._entry_level(label, level)
+        rows = len(level_rows(self.rows, max(seq_values(level))))
+        per_row = statistics.fmean(timed.wall_s) / (timed.rows * timed.passes) if timed else None
+        stage = KnobStage(
+            label=label,
+            concurrency=level,
+            noise=noise[level]["threshold"],
+            objective=objective,
+            make_spec=lambda n, t: candidate_spec(self.spec, speculative, n, t),
+            measure=self._measure_knob,
+            rows=rows,
+            passes=passes_for(rows, per_row),
+            deadline=self.deadline,
+            job_values=job,
+            progress=self.progress,
+        )
+        report = stage.run()
+        for r in report.results:
+            if r.skipped:
+                r.skipped = self.public(r.skipped)
+        return report
+
+    def _entry_level(self, label: str, c: int) -> LevelMeasurement | None:
+        return next(
+            (e.level for e in self.entries if e.candidate.label == label and e.concurrency == c and e.level),
+            None,
+        )
+
+    def _measure_knob(self, spec: JobSpec, levels, sizes, resolved):
+        """One engine of the knob stage: the stage's rows at each level (rows off ran and this
+        engine refused: skipped, as a candidate would be)."""
+        out, late = measure_candidate(
+            spec, self.rows, levels, self.options.repeats, self.deadline, sizes, resolved
+        )
+        failing = {rid for lv in self.off_levels.values() for rid in lv.errors}
+        for lv in out.values():
+            refused = [rid for rid in lv.errors if rid not in failing]
+            if refused:
+                raise SkipCandidate(
+                    f"the engine refused {len(refused)} row(s) that off ran, e.g. {refused[0]}"
+                )
+        return out, late
 
     def measure(self, cand: Candidate, repeats: int = 1) -> dict[int, LevelMeasurement]:
         """Measure one candidate at every level (SkipCandidate with the reason where it cannot
@@ -456,6 +542,7 @@ class _Session:
             time.monotonic() - started,
             notes,
             [row.request_id for row in self.rows],
+            self.knobs,
         )
 
 
@@ -501,6 +588,24 @@ def check_lossless(
                 }
             )
     return ok
+
+
+#: Engines the batch-knob stage starts at most (batchspec/tune/knobs.py).
+KNOB_ENGINES = 3
+
+
+def job_knobs(spec: JobSpec) -> dict[str, int]:
+    """The batch knobs the job sets itself: ``model.engine.max_num_seqs``,
+    ``max_num_batched_tokens``, ``execution.max_in_flight`` (only those written in the spec)."""
+    engine = spec.model.engine
+    out = {
+        k: engine[k]
+        for k in ("max_num_seqs", "max_num_batched_tokens")
+        if isinstance(engine.get(k), int) and not isinstance(engine.get(k), bool) and engine[k] > 0
+    }
+    if "max_in_flight" in (spec.raw.get("execution") or {}):
+        out["max_in_flight"] = spec.execution.max_in_flight
+    return out
 
 
 def default_concurrency(spec: JobSpec) -> int:

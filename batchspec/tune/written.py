@@ -142,6 +142,7 @@ def written_spec(
         ]
         if len(measured) > 1:
             header.append(f"# Recommended per concurrency: {recs}.")
+    header += write_knobs(raw, report.batch_knobs)
     check_writable(raw)
     header.append(
         f"# Objective {report.options.objective}; sample of {report.sample_rows} rows, "
@@ -152,6 +153,23 @@ def written_spec(
         header.append(f"# --set applied: {keys}")
     header = [scrub_text(line) for line in header]
     return "\n".join(header) + "\n" + yaml.dump(raw, Dumper=_WrittenDumper, sort_keys=False)
+
+
+def write_knobs(raw: dict, knobs) -> list[str]:
+    """The batch knobs chosen (``model.engine.max_num_seqs``, ``max_num_batched_tokens``,
+    ``execution.max_in_flight``) written into ``raw``, the job as written; the header's line
+    saying what was chosen or kept, and why. Nothing where the stage did not run."""
+    if knobs is None:
+        return []
+    for section, values in knobs.settings().items():
+        parts = section.split(".")
+        node = raw
+        for part in parts:
+            if not isinstance(node.get(part), dict):
+                node[part] = {}
+            node = node[part]
+        node.update(values)
+    return [f"# Batch knobs: {knobs.decision}."]
 
 
 # --------------------------------------------------------------------------- output files

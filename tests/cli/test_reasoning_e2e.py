@@ -185,7 +185,11 @@ def test_answer_only_schema_and_openai_reasoning_field(tmp_path, shared_engines)
 def test_auto_measures_and_chooses_on_a_reasoning_job(tmp_path):
     """``speculative: auto`` (and so ``tune``, whose measuring it runs) on a reasoning job: off and
     the reasoner's draft measured on the job's own chats, thinking included, the choice run."""
-    job = _job(tmp_path, "auto", {"method": "auto", "drafts": [DRAFT["model"]], "k": [4], "ngram": False})
+    job = _job(
+        tmp_path,
+        "auto",
+        {"method": "auto", "drafts": [DRAFT["model"]], "k": [4], "ngram": False, "batch_knobs": False},
+    )
     proc = run_cli("run", str(job), "--log-format", "json")
     assert proc.returncode == 0, proc.stderr[-3000:]
     events = [json.loads(line) for line in proc.stderr.splitlines() if line.startswith("{")]

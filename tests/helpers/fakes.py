@@ -89,11 +89,19 @@ class FakeTuneEngine:
     speedup = 1.0
     started: list = []
     resets = 0
+    #: ``f(max_num_seqs, max_num_batched_tokens, max_in_flight)`` -> how many times faster a
+    #: batch configuration runs; None: time per row shrinks with the requests in flight.
+    knob_speed = None
+    #: Every engine's (max_num_seqs, max_num_batched_tokens) as vLLM would resolve them.
+    batches: list = []
 
     def __init__(self, spec):
         from batchspec.errors import SpecError
 
         FakeTuneEngine.started.append(spec.speculative)
+        self.max_num_seqs = spec.model.engine.get("max_num_seqs") or 256
+        self.max_num_batched_tokens = spec.model.engine.get("max_num_batched_tokens") or 2048
+        FakeTuneEngine.batches.append((self.max_num_seqs, self.max_num_batched_tokens))
         model = str((spec.speculative or {}).get("model", ""))
         if "refuse" in model:
             raise SpecError("speculative", f"vLLM cannot load the draft {model}")
@@ -103,9 +111,13 @@ class FakeTuneEngine:
 
     def stream(self, rows, max_in_flight):
         rates = [0.8, 0.6, 0.45, 0.3, 0.2, 0.1][: self.k]
+        if self.knob_speed is None:
+            per_row = 1 / max_in_flight
+        else:
+            per_row = 1 / self.knob_speed(self.max_num_seqs, self.max_num_batched_tokens, max_in_flight)
         for row in rows:
             steps = 10
-            time.sleep(0.001 * steps * (1 + 0.1 * self.k) / max_in_flight / (self.speedup if self.k else 1.0))
+            time.sleep(0.001 * steps * (1 + 0.1 * self.k) * per_row / (self.speedup if self.k else 1.0))
             self.counters["spec_decode_num_drafts"] += steps
             for i, r in enumerate(rates):
                 self.counters["spec_decode_num_accepted_tokens_per_pos"][i] += round(steps * r)
@@ -133,6 +145,13 @@ class FakeTuneEngine:
 
     def spec_counters(self):
         return json.loads(json.dumps(self.counters))
+
+    def batch_config(self):
+        return {
+            "max_num_seqs": self.max_num_seqs,
+            "max_num_batched_tokens": self.max_num_batched_tokens,
+            "enable_chunked_prefill": True,
+        }
 
     def shutdown(self):
         pass

@@ -270,6 +270,67 @@ def test_the_record_holds_no_credential(tmp_path, monkeypatch):
         assert secret not in written
 
 
+@pytest.mark.vllm
+def test_the_run_uses_the_batch_knobs_it_chose_and_a_reused_choice_reuses_them(
+    auto_job, tmp_path, monkeypatch
+):
+    """The job's level is 4; 8 in flight runs rows twice as fast: the knob stage measures it for
+    the chosen draft and the run goes with max_num_seqs = max_in_flight = 8, as the summary,
+    the log and the shards' metadata say; the next run reuses the knobs with the choice."""
+    monkeypatch.setattr(FakeTuneEngine, "batches", [])
+    monkeypatch.setattr(
+        FakeTuneEngine, "knob_speed", staticmethod(lambda seqs, tokens, c: 2.0 if c >= 8 else 1.0)
+    )
+    run, engine = _run(auto_job)
+    auto = run.summary["speculative_auto"]
+    knobs = auto["batch_knobs"]
+    assert knobs["set"] == {"model.engine": {"max_num_seqs": 8}, "execution": {"max_in_flight": 8}}
+    assert knobs["chosen"] == {"max_num_seqs": 8, "max_num_batched_tokens": 2048, "max_in_flight": 8}
+    assert knobs["baseline"]["max_num_seqs"] == 4 and knobs["gain"] > knobs["noise"]
+    assert knobs["decision"].startswith("run with max_num_seqs 8")
+    # the knob stage's engines came last, for the chosen draft: 8 seqs, then the token budgets
+    assert FakeTuneEngine.batches[-3:] == [(8, 2048), (8, 1024), (8, 4096)]
+    assert FakeTuneEngine.started[-1] == auto["speculative"]
+    bound = engine.bound[-1]
+    assert bound.model.engine["max_num_seqs"] == 8 and bound.execution.max_in_flight == 8
+    assert bound.speculative == auto["speculative"]
+    [chose] = run.events("speculative_auto")
+    assert "batch knobs: run with max_num_seqs 8" in chose["message"] and chose["batch_knobs"] == knobs["set"]
+    meta = json.loads(pq.read_schema(tmp_path / "out" / "part-0.parquet").metadata[b"batchspec"])
+    assert (
+        meta["spec"]["model"]["engine"]["max_num_seqs"] == 8
+        and meta["spec"]["execution"]["max_in_flight"] == 8
+    )
+    [record] = _records(tmp_path)
+    assert record["version"] == 2 and record["batch_knobs"]["set"] == knobs["set"]
+    assert record["batch_knobs"]["configurations"], "the knobs measured are in the record"
+
+    _shard(tmp_path, 1)
+    FakeTuneEngine.started.clear()
+    again, engine = _run(auto_job)
+    assert FakeTuneEngine.started == [] and again.summary["speculative_auto"]["reused"] is True
+    assert again.summary["speculative_auto"]["batch_knobs"]["set"] == knobs["set"]
+    assert (
+        engine.bound[-1].model.engine["max_num_seqs"] == 8 and engine.bound[-1].execution.max_in_flight == 8
+    )
+
+
+@pytest.mark.vllm
+def test_batch_knobs_false_runs_with_the_jobs_own_values(auto_job, tmp_path, monkeypatch):
+    monkeypatch.setattr(FakeTuneEngine, "batches", [])
+    _edit_auto(auto_job, batch_knobs=False)
+    run, engine = _run(auto_job)
+    knobs = run.summary["speculative_auto"]["batch_knobs"]
+    assert knobs["set"] == {} and "turned off" in knobs["decision"]
+    assert {seqs for seqs, _ in FakeTuneEngine.batches} == {4}, "no engine for the knobs"
+    assert "max_num_seqs" not in engine.bound[-1].model.engine
+    assert engine.bound[-1].execution.max_in_flight == 512
+    _edit_auto(auto_job, batch_knobs="no")
+    with pytest.raises(SpecError) as err:
+        load_spec(auto_job)
+    assert err.value.key == "speculative.batch_knobs"
+
+
 def test_remeasure_needs_an_auto_job(tmp_path):
     from helpers.fakes import run_fake_cli
 
@@ -314,6 +375,8 @@ def test_the_auto_example_on_the_real_engine_reuses_its_choice_and_remeasures_a_
         "speculative.k=[2,4]",
         "--set",
         "speculative.ngram=false",
+        "--set",
+        "speculative.batch_knobs=false",  # the knob stage on the real engine: test_knobs.py
         "--log-format",
         "json",
     ]
@@ -430,6 +493,13 @@ def _edited(record: dict, edit: str):
         return {**record, "recommended": {"4": [record["chosen"]]}}
     if edit == "chosen not what recommended gives":
         return {**record, "chosen": "off"}
+    if edit == "batch knobs mistyped":
+        return {
+            **record,
+            "batch_knobs": {**record["batch_knobs"], "set": {"model.engine": {"max_num_seqs": "8"}}},
+        }
+    if edit == "batch knobs missing":
+        return {k: v for k, v in record.items() if k != "batch_knobs"}
     if edit == "no measured_at":
         return {k: v for k, v in record.items() if k != "measured_at"}
     raise AssertionError(edit)
@@ -447,6 +517,8 @@ def _edited(record: dict, edit: str):
         ("a label that is a list", "recommended"),
         ("chosen not what recommended gives", "chosen"),
         ("no measured_at", "measured_at"),
+        ("batch knobs mistyped", "batch_knobs.set.model.engine"),
+        ("batch knobs missing", "batch_knobs.set"),
     ],
 )
 def test_a_record_of_the_wrong_shape_is_measured_again_saying_why(auto_job, tmp_path, edit, why):

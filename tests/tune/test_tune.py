@@ -432,6 +432,7 @@ def tuned(tmp_path_factory, models) -> Tuned:
         "--top",
         "1",
         "--no-ngram",
+        "--no-batch-knobs",  # the knob stage on the real engine: test_knobs.py
         "--draft",
         str(root / "no-draft"),
         "--json",
@@ -554,7 +555,9 @@ def test_large_tier_tune_recommends_a_draft_at_concurrency_1(tmp_path):
     if not (MODELS / "target-large" / ".batchspec-complete").exists():
         pytest.fail("target-large is not built: run `make models`")
     job = _tune_job(tmp_path, "target-large", 4, 24)
-    result = run_cli("tune", str(job), "--sample", "6", "--concurrency", "1", "--k", "4", "--no-ngram")
+    result = run_cli(
+        "tune", str(job), "--sample", "6", "--concurrency", "1", "--k", "4", "--no-ngram", "--no-batch-knobs"
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     lines = result.stdout.splitlines()
     cells = [re.split(r"\s{2,}", line.strip()) for line in lines[:3]]  # columns: 2+ spaces apart
@@ -629,7 +632,15 @@ def test_tune_measures_the_calibration_k_and_the_best_predicted_ones(fake_job):
     FakeTuneEngine.started.clear()
     report = run_tune(
         load_spec(fake_job),
-        TuneOptions(sample=8, concurrency=[1, 2], ks=[1, 2, 3, 4, 5, 6], top=1, ngram=False, repeats=2),
+        TuneOptions(
+            sample=8,
+            concurrency=[1, 2],
+            ks=[1, 2, 3, 4, 5, 6],
+            top=1,
+            ngram=False,
+            repeats=2,
+            batch_knobs=False,  # the drafters' engines only (the knob stage: test_knobs.py)
+        ),
     )
     data = report.as_dict()
     measured = {c["label"] for c in data["candidates"] if c["output_tokens_per_s"] is not None}
@@ -824,6 +835,7 @@ sampling:
         "--top",
         "0",
         "--no-ngram",
+        "--no-batch-knobs",
         "--repeats",
         "1",
         "--sample",
