@@ -16,6 +16,7 @@ OUT = ROOT / "bench-results"
 
 STEPS = [
     ["benchmarks/acceptance.py", "--prompts", "200"],
+    ["benchmarks/overhead.py", "--json", str(OUT / "overhead.json")],
     ["benchmarks/throughput.py", "--spec", "draft", "--json", str(OUT / "throughput-draft.json")],
     ["benchmarks/throughput.py", "--spec", "off", "--json", str(OUT / "throughput-off.json")],
     ["benchmarks/memory.py", "--json", str(OUT / "memory.json")],
