@@ -14,6 +14,24 @@ TINY_ENGINE = {"max_model_len": 512, "enforce_eager": True, "dtype": "float32", 
 TINY_DRAFT = {"method": "draft_model", "model": str(ROOT / ".models" / "draft"), "num_speculative_tokens": 4}
 
 
+def snippet_shards(root: Path, rows: int, shards: int, column: str, seed: int) -> list[Path]:
+    """``rows`` held-out code snippets (tools/tiny_models.py) in ``shards`` Parquet files under
+    ``root``, columns ``id`` and ``column``; their paths."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from tiny_models import held_out_snippets
+
+    snippets = held_out_snippets(rows, seed=seed)
+    per = -(-rows // shards)
+    paths = []
+    for s in range(shards):
+        part = snippets[s * per : (s + 1) * per]
+        path = root / f"part-{s:03d}.parquet"
+        pq.write_table(pa.table({"id": [f"r{s}-{i}" for i in range(len(part))], column: part}), path)
+        paths.append(path)
+    return paths
+
+
 def print_report(report: dict, json_path: Path | None) -> None:
     """Print the report as JSON, and write it to ``json_path`` too where given."""
     print(json.dumps(report, indent=2))

@@ -34,7 +34,7 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tools"))
 
-from common import TINY_DRAFT, print_report  # noqa: E402
+from common import TINY_DRAFT, print_report, snippet_shards  # noqa: E402
 
 #: The engine both sides start: the tiny target, eager, fp32, vLLM's own batch defaults.
 ENGINE = {"max_model_len": 512, "enforce_eager": True, "dtype": "float32", "seed": 0}
@@ -66,22 +66,6 @@ def main():
 if __name__ == "__main__":
     main()
 """
-
-
-def write_shards(root: Path, prompts: int, shards: int) -> list[Path]:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-    from tiny_models import held_out_snippets
-
-    snippets = held_out_snippets(prompts, seed=5)
-    per = -(-prompts // shards)
-    paths = []
-    for s in range(shards):
-        part = snippets[s * per : (s + 1) * per]
-        path = root / f"part-{s:03d}.parquet"
-        pq.write_table(pa.table({"id": [f"r{s}-{i}" for i in range(len(part))], "prompt": part}), path)
-        paths.append(path)
-    return paths
 
 
 def timed(cmd: list[str], profile: Path | None = None) -> float:
@@ -159,7 +143,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         (work / "in").mkdir()
-        paths = write_shards(work / "in", args.prompts, args.shards)
+        paths = snippet_shards(work / "in", args.prompts, args.shards, "prompt", seed=5)
         (work / "bare.py").write_text(BARE)
         exe = str(Path(sys.executable).with_name("batchspec"))
         bare = [

@@ -25,7 +25,7 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tools"))
 
-from common import print_report  # noqa: E402
+from common import print_report, snippet_shards  # noqa: E402
 
 ENGINE = {"max_model_len": 512, "enforce_eager": True, "dtype": "float32"}
 
@@ -46,22 +46,6 @@ def main():
 if __name__ == "__main__":
     main()
 """
-
-
-def write_shards(root: Path, rows: int, shards: int) -> list[Path]:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-    from tiny_models import held_out_snippets
-
-    snippets = held_out_snippets(rows, seed=13)
-    per = -(-rows // shards)
-    paths = []
-    for s in range(shards):
-        part = snippets[s * per : (s + 1) * per]
-        path = root / f"part-{s:03d}.parquet"
-        pq.write_table(pa.table({"id": [f"r{s}-{i}" for i in range(len(part))], "text": part}), path)
-        paths.append(path)
-    return paths
 
 
 def timed(cmd: list[str]) -> dict:
@@ -100,7 +84,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         (work / "in").mkdir()
-        paths = write_shards(work / "in", args.rows, args.shards)
+        paths = snippet_shards(work / "in", args.rows, args.shards, "text", seed=13)
         (work / "bare.py").write_text(BARE % {"engine": ENGINE})
         exe = str(Path(sys.executable).with_name("batchspec"))
         for r in range(args.repeats):
