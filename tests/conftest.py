@@ -21,29 +21,28 @@ HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 _NEEDS_VLLM = "needs vLLM installed (marker vllm)"
 
 
-#: The fixtures whose tests run on the engine worker under pytest-xdist (below): a session's shared
-#: engines live in one process, and a Ray cluster is started once a module.
-_ENGINE_WORKER_FIXTURES = frozenset({"shared_engines", "ray_cluster"})
+#: The fixtures whose tests are in the engine group (below): a session's shared engines live in
+#: one process, and a Ray cluster is started once a module.
+_ENGINE_GROUP_FIXTURES = frozenset({"shared_engines", "ray_cluster"})
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the xdist_group marks
 def pytest_collection_modifyitems(items):
     """Mark every test that needs the built models, so `make test-fast` (no models, no engine)
     can leave them out on a fresh clone; mark the engine and models tests as needing vLLM, and
     skip what needs vLLM where it is not installed.
 
-    Under pytest-xdist (`make test`: ``-n 2 --dist loadgroup``) every test that starts a vLLM
-    engine, runs on a shared one or on the Ray cluster is in one group, ``engine``, which one
-    worker runs in order, so that no two engines ever run at once; the other worker runs
-    everything else beside it."""
+    Every test that starts a vLLM engine, runs on a shared one or on the Ray cluster is also
+    marked ``engine_group``: `make test` runs those in one pytest process, in order, so that no
+    two engines ever run at once, and the rest (``-m "not engine_group"``) in a second process
+    beside it."""
     for item in items:
         fixtures = getattr(item, "fixturenames", ())
         if "models" in fixtures:
             item.add_marker(pytest.mark.models)
         if item.get_closest_marker("engine") or item.get_closest_marker("models"):
             item.add_marker(pytest.mark.vllm)
-        if item.get_closest_marker("engine") or _ENGINE_WORKER_FIXTURES.intersection(fixtures):
-            item.add_marker(pytest.mark.xdist_group("engine"))
+        if item.get_closest_marker("engine") or _ENGINE_GROUP_FIXTURES.intersection(fixtures):
+            item.add_marker(pytest.mark.engine_group)
         if not HAVE_VLLM and item.get_closest_marker("vllm"):
             item.add_marker(pytest.mark.skip(reason=_NEEDS_VLLM))
 
