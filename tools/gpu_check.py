@@ -4,9 +4,13 @@ and the peak GPU memory (null on the CPU). No vLLM: the target's greedy continua
 with transformers (on the CPU; they are the data, not what is measured).
 
 Usage: ``python tools/gpu_check.py [--device auto|cpu|cuda] [--sequences 224] [--heldout 32]
-[--prompt-tokens 48] [--new-tokens 64] [--draft-steps 300] [--head-steps 150] [--batch-size 16]``
-(the defaults are the sizes of the measurements in the issue "GPU and gain"). Progress goes to
-stderr. The tiny models (``.models/target``, ``.models/draft``) come from ``make models``.
+[--prompt-tokens 48] [--new-tokens 64] [--draft-steps 300] [--head-steps 150] [--batch-size 16]
+[--random-target HIDDEN,LAYERS,INTERMEDIATE]`` (the defaults are the sizes of the measurements in
+the issue "GPU and gain"). Progress goes to stderr. The tiny models (``.models/target``,
+``.models/draft``) come from ``make models``. ``--random-target 2048,16,8192`` measures a target
+of a real size instead (a Llama of about 1.07B parameters with random weights and the tiny
+tokenizer, built from a config into a temporary folder, bf16): its held-out figures mean nothing,
+its times and memory are what a 1B target costs.
 
 - **draft**: ``train_draft`` on the continuations (one window each), held-out figure: top-1
   agreement with the target on the held-out continuations, before training and of the weights
@@ -33,19 +37,53 @@ def log(msg: str) -> None:
     print(f"gpu_check: {msg}", file=sys.stderr, flush=True)
 
 
-def continuations(target_dir: Path, sequences: int, prompt_tokens: int, new_tokens: int, seed: int):
+def random_target(shape: str, tokenizer_dir: Path, out: Path) -> Path:
+    """A Llama of ``shape`` (``HIDDEN,LAYERS,INTERMEDIATE``) with random weights in bf16 and the
+    tokenizer of ``tokenizer_dir``, saved into ``out``."""
+    import shutil
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    hidden, layers, intermediate = (int(v) for v in shape.split(","))
+    vocab = json.loads((tokenizer_dir / "config.json").read_text())["vocab_size"]
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        intermediate_size=intermediate,
+        num_attention_heads=hidden // 64,
+        num_key_value_heads=max(1, hidden // 256),
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tokenizer_dir / name, out / name)
+    log(f"random target {shape}: {sum(p.numel() for p in model.parameters()) / 1e9:.2f}B parameters")
+    return out
+
+
+def continuations(
+    target_dir: Path, sequences: int, prompt_tokens: int, new_tokens: int, seed: int, device: str = "cpu"
+):
     """``sequences`` rows of the target's greedy continuations (``new_tokens``) of windows of
-    ``prompt_tokens`` tokens of code the tiny models never saw, all in one batch."""
+    ``prompt_tokens`` tokens of code the tiny models never saw, all in one batch (on ``device``:
+    bf16 on CUDA)."""
     import torch
     from tiny_models import encode_corpus, held_out_snippets
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     corpus = encode_corpus(tokenizer, held_out_snippets(max(64, sequences * 2), seed=seed))
-    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype).to(device).eval()
     gen = torch.Generator().manual_seed(seed)
     starts = torch.randint(0, len(corpus) - prompt_tokens - 1, (sequences,), generator=gen).tolist()
-    ids = torch.stack([corpus[s : s + prompt_tokens] for s in starts])
+    ids = torch.stack([corpus[s : s + prompt_tokens] for s in starts]).to(device)
     tokens = [ids]
     with torch.no_grad():
         out = model(input_ids=ids, use_cache=True)
@@ -53,6 +91,9 @@ def continuations(target_dir: Path, sequences: int, prompt_tokens: int, new_toke
             tokens.append(out.logits[:, -1:].argmax(-1))
             out = model(input_ids=tokens[-1], past_key_values=out.past_key_values, use_cache=True)
     seqs = torch.cat(tokens, dim=1).tolist()
+    del model, out
+    if device == "cuda":
+        torch.cuda.empty_cache()
     return [{"prompt_token_ids": s[:prompt_tokens], "output_token_ids": s[prompt_tokens:]} for s in seqs]
 
 
@@ -164,6 +205,12 @@ def main(argv: list[str] | None = None) -> int:
         "every device runs the same steps)",
     )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--random-target",
+        metavar="HIDDEN,LAYERS,INTERMEDIATE",
+        help="measure a Llama of this shape with random weights (and the tiny tokenizer) instead "
+        "of .models/target: times and memory of a real size, held-out figures meaningless",
+    )
     args = parser.parse_args(argv)
 
     import torch
@@ -178,10 +225,16 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if not 0 < args.heldout < args.sequences:
         parser.error("--heldout must be at least 1 and fewer than --sequences")
-    log(f"device {device}; the target's greedy continuations on the CPU ({args.sequences} sequences)")
-    rows = continuations(args.target, args.sequences, args.prompt_tokens, args.new_tokens, args.seed)
-    train_rows, held_rows = rows[args.heldout :], rows[: args.heldout]
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as work:
+        if args.random_target:
+            args.target = random_target(args.random_target, args.target, Path(work) / "target")
+        log(f"device {device}; the target's greedy continuations ({args.sequences} sequences)")
+        started = time.monotonic()
+        rows = continuations(
+            args.target, args.sequences, args.prompt_tokens, args.new_tokens, args.seed, device
+        )
+        made_s = time.monotonic() - started
+        train_rows, held_rows = rows[args.heldout :], rows[: args.heldout]
         report = {
             "device": device,
             "gpu": torch.cuda.get_device_name(0) if device == "cuda" else None,
@@ -189,6 +242,8 @@ def main(argv: list[str] | None = None) -> int:
             "sequences": args.sequences,
             "heldout": args.heldout,
             "tokens": [args.prompt_tokens, args.new_tokens],
+            "target": args.random_target or "tiny",
+            "continuations_s": round(made_s, 2),
             "draft": check_draft(args, device, train_rows, held_rows),
             "head": check_head(args, device, train_rows, held_rows, Path(work)),
         }
