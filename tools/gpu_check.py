@@ -58,7 +58,8 @@ def random_target(shape: str, tokenizer_dir: Path, out: Path) -> Path:
         tie_word_embeddings=False,
     )
     torch.manual_seed(0)
-    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = LlamaForCausalLM(config).to(torch.bfloat16)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     for name in ("tokenizer.json", "tokenizer_config.json"):
