@@ -1,10 +1,15 @@
-"""Write the distill benchmark's domain: JSON lines, the last one cut off near its end, a domain
-the tiny models never saw (they were trained on Python source), where the tiny target's
-continuations vary from prompt to prompt and the tiny draft, distilled on Python, predicts them
-poorly (about 0.37 greedy acceptance at k=4, against 0.63 on held-out Python).
+"""Write the distill benchmarks' domains, two the tiny models never saw (they were trained on
+Python source), where the tiny target's continuations vary from prompt to prompt and the tiny
+draft, distilled on Python, predicts them poorly:
+
+- ``json``: JSON lines, the last one cut off near its end (about 0.37 greedy acceptance at k=4,
+  against 0.63 on held-out Python);
+- ``logs``: service log lines (timestamp, level, service, request id, method, path, status,
+  latency, message), the last one cut off part-way (about 0.28).
 
 Deterministic: the same seed writes the same rows, byte for byte, with no input but this file.
-Usage: ``python tools/domain_data.py OUT_DIR [--rows 2400] [--shards 4] [--seed 0]``.
+Usage: ``python tools/domain_data.py OUT_DIR [--domain json|logs] [--rows 2400] [--shards 4]
+[--seed 0]``.
 """
 
 from __future__ import annotations
@@ -142,16 +147,56 @@ def prompt(rng: random.Random) -> str:
     return "\n".join(lines)[: -rng.randint(2, 12)]
 
 
-def prompts(rows: int, seed: int = 0) -> list[str]:
-    """``rows`` prompts, the same for the same seed."""
+SERVICES = ["api", "auth", "billing", "search", "worker", "gateway"]
+LEVELS = ["INFO"] * 6 + ["WARN", "ERROR", "DEBUG"]
+ROUTES = ["/v1/users", "/v1/orders", "/v1/items", "/health", "/v2/search", "/v1/invoices", "/login"]
+METHODS = ["GET", "GET", "GET", "POST", "PUT", "DELETE"]
+MESSAGES = [
+    "request served",
+    "cache miss",
+    "retrying upstream",
+    "token refreshed",
+    "slow query",
+    "connection reset",
+]
+
+
+def _log_line(rng: random.Random, t: int) -> str:
+    """One service log line at ``t`` seconds into a day."""
+    when = f"2026-11-{rng.randint(1, 28):02d}T{t // 3600 % 24:02d}:{t // 60 % 60:02d}:{t % 60:02d}Z"
+    route = rng.choice(ROUTES) + (f"/{rng.randint(1, 9999)}" if rng.random() < 0.6 else "")
+    status = rng.choice([200, 200, 200, 201, 204, 400, 404, 500, 503])
+    return (
+        f"{when} {rng.choice(LEVELS):<5} {rng.choice(SERVICES)} req={rng.getrandbits(32):08x} "
+        f"{rng.choice(METHODS)} {route} status={status} latency_ms={rng.randint(1, 2500)} "
+        f'msg="{rng.choice(MESSAGES)}"'
+    )
+
+
+def log_prompt(rng: random.Random) -> str:
+    """Two to four log lines, then one more cut off part-way."""
+    t = rng.randint(0, 86400)
+    lines = []
+    for _ in range(rng.randint(3, 5)):
+        t += rng.randint(0, 30)
+        lines.append(_log_line(rng, t))
+    return "\n".join(lines)[: -rng.randint(10, len(lines[-1]) * 2 // 3)]
+
+
+DOMAINS = {"json": prompt, "logs": log_prompt}
+
+
+def prompts(rows: int, seed: int = 0, domain: str = "json") -> list[str]:
+    """``rows`` prompts of ``domain``, the same for the same seed."""
     rng = random.Random(seed)
-    return [prompt(rng) for _ in range(rows)]
+    make = DOMAINS[domain]
+    return [make(rng) for _ in range(rows)]
 
 
-def write_shards(out_dir: Path, rows: int, shards: int, seed: int = 0) -> list[Path]:
-    """Write ``rows`` prompts (columns id, prompt) over ``shards`` Parquet files."""
+def write_shards(out_dir: Path, rows: int, shards: int, seed: int = 0, domain: str = "json") -> list[Path]:
+    """Write ``rows`` prompts of ``domain`` (columns id, prompt) over ``shards`` Parquet files."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    texts = prompts(rows, seed)
+    texts = prompts(rows, seed, domain)
     per = -(-rows // shards)
     paths = []
     for i in range(shards):
@@ -170,8 +215,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", type=int, default=2400)
     parser.add_argument("--shards", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--domain", choices=sorted(DOMAINS), default="json")
     args = parser.parse_args(argv)
-    for path in write_shards(args.out_dir, args.rows, args.shards, args.seed):
+    for path in write_shards(args.out_dir, args.rows, args.shards, args.seed, args.domain):
         print(f"wrote {path}")
     return 0
 

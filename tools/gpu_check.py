@@ -12,9 +12,9 @@ of a real size instead (a Llama of about 1.07B parameters with random weights an
 tokenizer, built from a config into a temporary folder, bf16): its held-out figures mean nothing,
 its times and memory are what a 1B target costs.
 
-- **draft**: ``train_draft`` on the continuations (one window each), held-out figure: top-1
-  agreement with the target on the held-out continuations, before training and of the weights
-  kept;
+- **draft**: ``train_draft`` on the continuations (one window each), held-out figure: the
+  greedy acceptance at k=4 the draft would reach on the held-out continuations (distill's
+  validation figure), before training and of the weights kept;
 - **head**: a new EAGLE-3 head for the target, the target's features (``collect_features``, on the
   device: bf16 on CUDA, in passes sized to the free memory) then ``train_head``; held-out figure:
   tokens right in a row, of 3 draft steps. ``wall_s`` is both; ``features_s`` the first."""
@@ -139,7 +139,7 @@ def check_draft(args, device: str, train_rows: list[dict], held_rows: list[dict]
         "device": result.device,
         "wall_s": round(time.monotonic() - started, 2),
         "steps": result.steps,
-        "metric": "held-out top-1 agreement",
+        "metric": result.metric,
         "heldout_before": result.start_validation_agreement,
         "heldout_after": result.validation_agreement,
         "peak_gpu_mib": _peak_mib(device),

@@ -122,7 +122,7 @@ def build_card(
             "start_validation_agreement": trained.start_validation_agreement,
             "stopped_early": trained.stopped_early,
             "stopped_by_time": getattr(trained, "stopped_by_time", False),
-            "validation_metric": getattr(trained, "metric", "held-out top-1 agreement"),
+            "validation_metric": trained.metric,
             "wall_s": round(trained.wall_s, 2),
             "device": trained.device,
         },

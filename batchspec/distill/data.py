@@ -64,14 +64,19 @@ class Sample:
 # --------------------------------------------------------------------------- how much data
 
 #: Each training window is trained on at most this many times on average (epochs): more steps
-#: than the data supports are cut (:func:`supported_steps`).
-MAX_EPOCHS = 4
+#: than the data supports are cut (:func:`supported_steps`). Sixteen, not four: the validation
+#: acceptance keeps the best weights and stops a run that overfits, and a small job's few
+#: windows gained more from more passes than from longer continuations (BENCHMARKS.md).
+MAX_EPOCHS = 16
 
 #: At least one of the target's tokens per this many parameters of the model being trained.
 PARAMS_PER_TOKEN = 32
 
-#: A continuation is at most this many windows (of the job's ``max_tokens``) long.
-MAX_WINDOWS = 8
+#: A continuation is at most this many windows (of the job's ``max_tokens``) long: one, the
+#: job's own length. Measured (BENCHMARKS.md, "Distill on a small job"): longer continuations
+#: are another distribution (a code model's tail on prose repeats itself), and on the two
+#: domains measured one window and more passes gained as much or more in less time.
+MAX_WINDOWS = 1
 
 #: vLLM's ``max_tokens`` when the job sets none.
 VLLM_DEFAULT_MAX_TOKENS = 16
@@ -135,12 +140,24 @@ def split_validation(sample: Sample, size: int) -> Sample:
     )
 
 
-def draw_sample(spec: JobSpec, size: int, heldout: int, seed: int) -> Sample:
+#: The held-out share of the sample when ``--holdout`` is not given, and its most prompts: a
+#: small job keeps four fifths of its prompts to train on.
+HELDOUT_SHARE, MAX_HELDOUT = 5, 200
+
+
+def heldout_size(sample: int, asked: int | None) -> int:
+    """Prompts held out of a sample of ``sample``: ``asked`` (``--holdout``), else a fifth of
+    it, at most :data:`MAX_HELDOUT`; never more than half."""
+    wanted = min(MAX_HELDOUT, sample // HELDOUT_SHARE) if asked is None else asked
+    return max(0, min(wanted, sample // 2))
+
+
+def draw_sample(spec: JobSpec, size: int, heldout: int | None, seed: int) -> Sample:
     """Draw ``size`` rows from the job's input (``prompts.sample_rows``: seeded, one pass, memory
-    for ``size`` rows only), then hold ``heldout`` of them out. Rows the runner would refuse
-    (empty prompt, malformed messages) are left out."""
+    for ``size`` rows only), then hold out :func:`heldout_size` of them. Rows the runner would
+    refuse (empty prompt, malformed messages) are left out."""
     reservoir, seen = prompts.sample_rows(spec, size, seed)
-    held = min(heldout, len(reservoir) // 2)
+    held = heldout_size(len(reservoir), heldout)
     return Sample(train=reservoir[held:], heldout=reservoir[:held], population=seen)
 
 

@@ -65,7 +65,12 @@ class DistillOptions:
     )
     layers: int = option(1, "Layers of the new draft with --init target.")
     sample: int = option(2000, "Prompts drawn from the job's input (seeded), held-out ones included.")
-    heldout: int = option(200, "Prompts of the sample kept for evaluation (at most half of it).", "--holdout")
+    heldout: int | None = option(
+        help="Prompts of the sample kept for evaluation (default: a fifth of it, at most 200; "
+        "never more than half).",
+        flag="--holdout",
+        type=int,
+    )
     logprobs: int = option(
         0, "Keep the target's top-K log-probabilities per token and add a KL term.", metavar="K"
     )
@@ -102,7 +107,7 @@ class DistillOptions:
         type=int,
     )
     patience: int = option(
-        3, "Evaluations of held-out top-1 agreement without a new best before training stops."
+        3, "Evaluations of the validation figure without a new best before training stops."
     )
     chunk_rows: int = option(128, "Generated rows per committed chunk: a killed run loses at most this many.")
     #: The job file, as given (the card names it); the command's argument, not an option.

@@ -202,6 +202,22 @@ def check_options(spec: JobSpec, opts: DistillOptions) -> None:
 # --------------------------------------------------------------------------- the whole run
 
 
+def too_little_data(tokens: int, prompts: int, wanted: int, window: int, sample, asked: int) -> str:
+    """What distill says when the target's tokens to train on fall short of what the drafter
+    wants: the numbers, and whether more ``--sample`` or only a larger job would give more."""
+    per_prompt = max(1, tokens // max(1, prompts))
+    needed = -(-wanted // per_prompt)
+    have = f"{tokens} target tokens to train on ({prompts} prompts x about {per_prompt})"
+    want = f"the drafter wants {wanted}, about {needed} prompts of this job's {window}-token outputs"
+    if sample.population < asked:
+        return (
+            f"{have}: {want}, and the job has {sample.population} prompts in all "
+            f"({len(sample.heldout)} held out to judge the result): training on what there is; "
+            "the held-out comparison decides whether it is installed"
+        )
+    return f"{have}: {want}; more prompts (--sample, up to the job's {sample.population}) would help"
+
+
 def distill(
     spec: JobSpec,
     opts: DistillOptions,
@@ -304,10 +320,7 @@ def _distill(spec: JobSpec, opts: DistillOptions, say: Callable[[str], None]) ->
             f"of the {opts.steps} asked (--sample more prompts for more)"
         )
     if tokens < plan.wanted_tokens:
-        say(
-            f"{tokens} target tokens to train on, fewer than the {plan.wanted_tokens} wanted: "
-            "more prompts (--sample) would help the new drafter generalise"
-        )
+        say(too_little_data(tokens, len(examples), plan.wanted_tokens, window, sample, opts.sample))
     data = {**plan.as_json(), "train_tokens": tokens, "train_windows": windows, "steps_supported": steps}
 
     trained = trainer.train(
@@ -325,8 +338,8 @@ def _distill(spec: JobSpec, opts: DistillOptions, say: Callable[[str], None]) ->
     if baseline and opts.init == "draft" and trained.best_step == 0 and not opts.force:
         decision = decide(None, None, force=False)
         decision.reason = (
-            f"training never raised held-out top-1 agreement above the starting draft's "
-            f"({trained.start_validation_agreement}): the new drafter would be the old one"
+            f"training never raised the validation figure ({trained.metric}) above the starting "
+            f"draft's ({trained.start_validation_agreement}): the new drafter would be the old one"
         )
         result = DistillResult(out=str(opts.out), before=None, after=None, decision=decision.as_json())
         raise NotInstalled(_refusal(opts, decision), result)

@@ -113,13 +113,13 @@ def lr_at(step: int, steps: int, peak: float, warmup: int = 50) -> float:
     return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-#: Evaluations of held-out agreement without a new best before training stops.
+#: Evaluations of the validation figure without a new best before training stops.
 PATIENCE = 3
 
 
 @dataclass
 class TrainResult:
-    #: Steps run (fewer than planned where held-out agreement stopped rising).
+    #: Steps run (fewer than planned where the validation figure stopped rising).
     steps: int
     #: The last step's training loss and top-1 agreement.
     loss: float | None
@@ -128,16 +128,18 @@ class TrainResult:
     device: str
     #: The step whose weights were kept (0: the starting weights; None: no validation, the last).
     best_step: int | None = None
-    #: Held-out top-1 agreement of the kept weights, and of the starting ones.
+    #: The validation figure (:attr:`metric`) of the kept weights, and of the starting ones.
     validation_agreement: float | None = None
     start_validation_agreement: float | None = None
     stopped_early: bool = False
-    #: (step, held-out agreement) at each evaluation.
+    #: (step, validation figure) at each evaluation.
     history: list = field(default_factory=list)
+    #: What the validation figure is.
+    metric: str = "validation greedy acceptance at the job's k, first max_tokens"
 
 
 class EarlyStop:
-    """Keep the best held-out agreement; say stop after ``patience`` evaluations in a row
+    """Keep the best validation figure; say stop after ``patience`` evaluations in a row
     without a new best (strictly higher)."""
 
     def __init__(self, patience: int = PATIENCE):
@@ -160,7 +162,7 @@ class EarlyStop:
 
 
 def eval_interval(steps: int) -> int:
-    """Steps between two evaluations of held-out agreement: about 20 over the run, at least 10."""
+    """Steps between two evaluations of the validation figure: about 20 over the run, at least 10."""
     return max(10, steps // 20)
 
 
@@ -255,28 +257,57 @@ def _logits(draft, ids, mask, on):
     return draft(input_ids=ids, attention_mask=mask).logits[on].float()
 
 
-def agreement(
-    draft, examples: list[Example], pad_id: int, device: str = "cpu", batch_size: int = 16
+def greedy_acceptance(
+    draft, examples: list[Example], k: int, device: str = "cpu", batch_size: int = 16
 ) -> float:
-    """The draft's top-1 agreement with the target's tokens over ``examples`` (no gradients)."""
+    """The acceptance rate greedy speculative decoding with ``draft`` proposing ``k`` tokens a
+    step would reach on ``examples`` (each one window: its context, then the target's greedy
+    tokens as labels), computed from one teacher-forced pass. Exact for greedy drafting: while
+    the draft's proposals match the target's tokens its context is the target's, so the run of
+    matches from a step's first position is what the target accepts; then the target's own
+    token follows and the next step starts after it. Accepted / proposed (``k`` a step), as
+    vLLM counts acceptance."""
     import torch
 
-    hits = total = 0
+    accepted = proposed = 0
     was_training = draft.training
     draft.eval()
     try:
         with torch.no_grad():
             for first in range(0, len(examples), batch_size):
                 idx = list(range(first, min(len(examples), first + batch_size)))
-                ids, mask, labels, _ = _batch(examples, idx, pad_id, False)
+                ids, mask, labels, _ = _batch(examples, idx, 0, False)
                 ids, mask, labels = ids.to(device), mask.to(device), labels.to(device)
                 on = labels != -100
-                logits = _logits(draft, ids, mask, on)
-                hits += int((logits.argmax(-1) == labels[on]).sum().item())
-                total += int(on.sum().item())
+                hits = (_logits(draft, ids, mask, on).argmax(-1) == labels[on]).tolist()
+                counts = on.sum(1).tolist()
+                at = 0
+                for n in counts:
+                    a, p = _steps(hits[at : at + n], k)
+                    accepted, proposed, at = accepted + a, proposed + p, at + n
     finally:
         draft.train(was_training)
-    return hits / total if total else 0.0
+    return accepted / proposed if proposed else 0.0
+
+
+def _steps(hits: list[bool], k: int) -> tuple[int, int]:
+    """(accepted, proposed) of greedy speculation over one continuation, from whether the
+    draft's teacher-forced prediction matched the target at each position."""
+    accepted = proposed = pos = 0
+    while pos < len(hits):
+        run = 0
+        while run < k and pos + run < len(hits) and hits[pos + run]:
+            run += 1
+        accepted, proposed, pos = accepted + run, proposed + k, pos + run + 1
+    return accepted, proposed
+
+
+def first_windows(rows: list[dict], window: int | None) -> list[Example]:
+    """Each row's first ``window`` target tokens as one example: what the job's requests of
+    ``max_tokens = window`` draft over (the whole continuation without ``window``)."""
+    return [
+        _example(row, 0, window or len(row["output_token_ids"])) for row in rows if row["output_token_ids"]
+    ]
 
 
 def train_draft(
@@ -297,12 +328,14 @@ def train_draft(
     eval_every: int | None = None,
     deadline: float | None = None,
     device: str | None = None,
+    k: int = 4,
 ) -> TrainResult:
     """Train ``draft`` in place on the target's continuations (cut into ``window``-token
     windows): cross-entropy on the target's tokens plus ``kl_weight`` x KL(target top-K ||
-    draft) where the top-K was kept. With ``validation`` rows, the draft's top-1 agreement on
-    them is measured before training and every ``eval_every`` steps (default
-    :func:`eval_interval`); training stops after ``patience`` evaluations without a new best,
+    draft) where the top-K was kept. With ``validation`` rows, the greedy acceptance the draft
+    would reach proposing ``k`` tokens a step over their first ``window`` tokens (the job's
+    settings: :func:`greedy_acceptance`) is measured before training and every ``eval_every``
+    steps (default :func:`eval_interval`); training stops after ``patience`` evaluations without a new best,
     and the best weights (the starting ones included) are what the draft holds at the end.
     Training also stops at ``deadline`` (``time.monotonic()``), where given.
     ``device``: ``"cuda"`` trains in bf16 autocast with fp32 master weights, ``"cpu"`` in fp32
@@ -318,7 +351,7 @@ def train_draft(
     autocast = devices.autocast(device)
     started = last = time.monotonic()
     loss_value = agree = None
-    held = prepare_examples(validation, window) if validation else []
+    held = first_windows(validation, window) if validation else []
     watch = EarlyStop(patience)
     every = eval_every or eval_interval(steps)
     best_state = None
@@ -327,13 +360,13 @@ def train_draft(
 
     def check(step: int) -> None:
         nonlocal best_state
-        value = agreement(draft, held, pad_id, device)
+        value = greedy_acceptance(draft, held, k, device)
         history.append((step, round(value, 4)))
         if watch.record(step, value):
-            best_state = {k: v.detach().to("cpu", copy=True) for k, v in draft.state_dict().items()}
+            best_state = {n: v.detach().to("cpu", copy=True) for n, v in draft.state_dict().items()}
         say(
-            f"held-out top-1 agreement at step {step}: {value:.3f} (best {watch.best:.3f} at step "
-            f"{watch.best_step})"
+            f"validation acceptance at k={k} at step {step}: {value:.3f} (best {watch.best:.3f} at "
+            f"step {watch.best_step})"
         )
 
     with devices.cpu_threads(device, MAX_TORCH_THREADS):
@@ -385,14 +418,14 @@ def train_draft(
                 check(run)
                 if watch.stop:
                     say(
-                        f"held-out agreement has not risen for {watch.patience} evaluations: "
+                        f"validation acceptance has not risen for {watch.patience} evaluations: "
                         f"stopped at step {run} of {steps}"
                     )
                     break
         if best_state is not None:
             draft.load_state_dict(best_state)
             if watch.best_step != run:
-                say(f"kept the weights of step {watch.best_step} (held-out agreement {watch.best:.3f})")
+                say(f"kept the weights of step {watch.best_step} (validation acceptance {watch.best:.3f})")
         draft.eval()
         draft.to("cpu")
     if device == "cuda":

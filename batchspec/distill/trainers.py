@@ -92,6 +92,7 @@ class DraftModelTrainer:
             patience=opts.patience,
             deadline=deadline,
             device=device,
+            k=opts.k or job_k(spec),
         )
 
     def save(self, draft: Any, spec: JobSpec, built: Path, parameters: int, say: Say) -> int:

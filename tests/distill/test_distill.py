@@ -618,7 +618,7 @@ def test_training_that_never_beats_the_start_installs_nothing_without_evaluating
     )  # fmt: skip
     monkeypatch.setattr(distill_mod, "evaluate", lambda *a, **k: pytest.fail("evaluated"))
     out = tmp_path / "new-draft"
-    with pytest.raises(distill_mod.NotInstalled, match="never raised held-out top-1 agreement"):
+    with pytest.raises(distill_mod.NotInstalled, match="never raised the validation figure"):
         distill_mod.distill(spec, DistillOptions(out=out, draft=str(old)))
     assert not out.exists() and not fake_pipeline.saved
 
@@ -703,7 +703,7 @@ def test_distill_measures_acceptance_before_and_after(distilled, models):
     # the new weights are other weights, and vLLM loaded them as the draft (it measured them)
     assert result["before"]["acceptance_rate"] != result["after"]["acceptance_rate"]
     assert "train step 1/" in distilled.first.stderr and "top-1 agreement" in distilled.first.stderr
-    assert "held-out top-1 agreement at step 0" in distilled.first.stderr
+    assert "validation acceptance at k=" in distilled.first.stderr
     assert "window(s) of 24 tokens per prompt" in distilled.first.stderr
 
 
@@ -746,7 +746,7 @@ def test_card_and_model_directory(distilled, models):
 
 @pytest.mark.engine
 def test_a_drafter_no_better_than_the_old_one_is_not_installed(distilled, models):
-    """Training at a learning rate that changes nothing: held-out agreement never rises above
+    """Training at a learning rate that changes nothing: validation acceptance never rises above
     the starting draft's, so nothing is installed (exit 4) and --out keeps the draft there."""
     kept = {p.name: p.read_bytes() for p in distilled.out.iterdir()}
     done = run_cli(

@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from batchspec.distill.data import (
+    MAX_EPOCHS,
     MAX_WINDOWS,
     Sample,
     generation_request,
@@ -25,16 +26,17 @@ from batchspec.errors import NotInstalled
 # --------------------------------------------------------------------------- sizing
 
 
-def test_the_issue_s_memorising_run_gets_longer_continuations_and_fewer_steps():
+def test_a_small_job_gets_continuations_of_the_job_s_length_and_fewer_steps():
     # 60 prompts x 32 tokens (1,920 tokens), 300 steps of 16, a 1.7M-parameter draft
     plan = plan_data(steps=300, batch_size=16, window=32, prompts=60, parameters=1_700_000)
-    assert plan.wanted_tokens == max(300 * 16 * 32 // 4, math.ceil(1_700_000 / 32))
-    assert plan.windows == MAX_WINDOWS and plan.planned_tokens == 60 * 32 * MAX_WINDOWS
-    # 480 windows support 120 steps of 16 at 4 passes each: not 300
-    assert supported_steps(60 * MAX_WINDOWS, 16, 300) == 120
+    assert plan.wanted_tokens == max(300 * 16 * 32 // MAX_EPOCHS, math.ceil(1_700_000 / 32))
+    # no longer tails (another distribution): the job's own max_tokens, however little data
+    assert MAX_WINDOWS == 1 and plan.windows == 1 and plan.planned_tokens == 60 * 32
+    # 60 windows support 60 steps of 16 at 16 passes each: not 300
+    assert supported_steps(60, 16, 300) == 60 * MAX_EPOCHS // 16 == 60
 
 
-def test_enough_prompts_need_no_longer_continuations():
+def test_enough_prompts_need_no_more_passes():
     # the benchmark's run: 1,200 prompts x 48 tokens for 200 steps of 16
     plan = plan_data(steps=200, batch_size=16, window=48, prompts=1200, parameters=1_700_000)
     assert plan.windows == 1
@@ -44,8 +46,38 @@ def test_enough_prompts_need_no_longer_continuations():
 def test_a_bigger_model_asks_for_more_data():
     small = plan_data(steps=10, batch_size=4, window=16, prompts=100, parameters=100_000)
     large = plan_data(steps=10, batch_size=4, window=16, prompts=100, parameters=2_000_000)
-    assert small.windows == 2 and large.windows == MAX_WINDOWS
-    assert large.wanted_tokens > small.wanted_tokens
+    assert large.wanted_tokens > small.wanted_tokens == math.ceil(100_000 / 32)
+    assert small.windows == large.windows == 1
+
+
+@pytest.mark.parametrize(
+    ("sample", "asked", "held"),
+    [
+        (400, None, 80),
+        (200, None, 40),
+        (1000, None, 200),
+        (5000, None, 200),
+        (4, None, 0),
+        (400, 300, 200),
+        (400, 10, 10),
+        (400, 0, 0),
+    ],
+)
+def test_the_held_out_share_leaves_a_small_job_most_of_its_prompts(sample, asked, held):
+    from batchspec.distill.data import heldout_size
+
+    assert heldout_size(sample, asked) == held
+
+
+def test_a_job_too_small_is_told_so_with_the_numbers():
+    from batchspec.distill.session import too_little_data
+
+    small = Sample(train=[None] * 288, heldout=[None] * 80, population=400)
+    msg = too_little_data(9216, 288, 53125, 32, small, 2000)
+    assert "9216 target tokens to train on (288 prompts x about 32)" in msg
+    assert "wants 53125, about 1661 prompts" in msg and "the job has 400 prompts in all" in msg
+    big = Sample(train=[None] * 288, heldout=[None] * 80, population=50_000)
+    assert "--sample, up to the job's 50000" in too_little_data(9216, 288, 53125, 32, big, 368)
 
 
 def test_supported_steps_bounds():
@@ -155,6 +187,36 @@ def _bigram():
     return Bigram()
 
 
+@pytest.mark.parametrize(
+    ("hits", "k", "counts"),
+    [
+        # a run of 2, the target's token, then a run of 4 (the last step drafts past the end)
+        ([1, 1, 0, 1, 1, 1, 1, 1], 4, (6, 8)),
+        ([0, 0, 0], 4, (0, 12)),  # nothing accepted: the target gives one token a step
+        ([1] * 8, 3, (6, 6)),  # 3 accepted and the target's token, twice: 8 tokens in 2 steps
+        ([], 4, (0, 0)),
+    ],
+)
+def test_greedy_acceptance_counts_steps_as_speculation_does(hits, k, counts):
+    from batchspec.distill.train import _steps
+
+    assert _steps([bool(h) for h in hits], k) == counts
+
+
+@pytest.mark.vllm
+def test_greedy_acceptance_of_a_perfect_and_a_useless_draft():
+    from batchspec.distill.train import first_windows, greedy_acceptance, train_draft
+
+    rows = _rows(16, 1)
+    model = _bigram()
+    train_draft(model, rows, steps=60, lr=0.05, batch_size=8, seed=0, pad_id=0, window=4)
+    held = first_windows(_rows(8, 1, seed=1), 4)
+    assert all(len(ex.tokens) == 2 + 4 for ex in held)  # the prompt and the job's 4 tokens
+    # learned x -> x + 1: every proposal accepted; k=4 over 4 tokens is one step of 4
+    assert greedy_acceptance(model, held, 4) == 1.0
+    assert greedy_acceptance(_bigram(), held, 4) < 0.2
+
+
 @pytest.mark.vllm
 def test_held_out_agreement_rises_on_what_generalises():
     from batchspec.distill.train import train_draft
@@ -167,7 +229,7 @@ def test_held_out_agreement_rises_on_what_generalises():
     )  # fmt: skip
     assert result.validation_agreement > result.start_validation_agreement + 0.5
     assert result.best_step > 0 and result.history[0][0] == 0
-    assert any("held-out top-1 agreement at step 10" in m for m in said)
+    assert any("validation acceptance at k=4 at step 10" in m for m in said)
 
 
 @pytest.mark.vllm
