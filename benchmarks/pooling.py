@@ -7,7 +7,14 @@ call, no writing). Each is sampled for its peak RSS (the process and its whole t
 processes included) every 50 ms. Rows per second is N over the wall time; batchspec's should be at
 least 0.97x bare's.
 
-Usage: ``python benchmarks/pooling.py [--rows 20000] [--shards 10] [--repeats 1]``
+``--orders`` instead times ``batchspec run`` alone in three row orders, and its peak memory
+against the dataset's size: file order (``prefix_window: 0``); text order (``prefix_window``'s
+default, each window of 1,024 rows sorted by text); length order (every shard's rows sorted by
+length in characters, shortest first, before the run, with ``prefix_window: 0``: the most a sort by
+length within a shard could give); and file order over twice the rows in twice the shards of the
+same size (peak memory should follow the shard, not the dataset).
+
+Usage: ``python benchmarks/pooling.py [--rows 20000] [--shards 10] [--repeats 1] [--orders]``
 """
 
 from __future__ import annotations
@@ -72,14 +79,68 @@ def timed(cmd: list[str]) -> dict:
     }
 
 
+def embed_job(work: Path, name: str, inputs: Path, target: str, prefix_window: int | None) -> Path:
+    """An embedding job over ``inputs``/*.parquet, every row embedded (the snippets are distinct)."""
+    execution: dict = {"dedupe_window": 0}
+    if prefix_window is not None:
+        execution["prefix_window"] = prefix_window
+    job = work / f"job-{name}.yaml"
+    job.write_text(
+        yaml.safe_dump(
+            {
+                "name": "pooling-bench",
+                "task": "embed",
+                "input": {"path": str(inputs / "*.parquet"), "prompt_column": "text"},
+                "output": {"path": str(work / f"out-{name}")},
+                "model": {"target": target, "engine": ENGINE},
+                "execution": execution,
+            }
+        )
+    )
+    return job
+
+
+def orders(args: argparse.Namespace, target: str, exe: str) -> dict:
+    """``batchspec run`` in file, text and length order, and over twice the rows (see above)."""
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    results: dict = {"rows": args.rows, "shards": args.shards}
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        for name in ("in", "sorted", "double"):
+            (work / name).mkdir()
+        paths = snippet_shards(work / "in", args.rows, args.shards, "text", seed=13)
+        for path in paths:
+            table = pq.read_table(path)
+            by_length = pc.sort_indices(pc.utf8_length(table["text"]))
+            pq.write_table(table.take(by_length), work / "sorted" / path.name)
+        snippet_shards(work / "double", 2 * args.rows, 2 * args.shards, "text", seed=13)
+        runs = {
+            "file_order": embed_job(work, "file", work / "in", target, 0),
+            "text_order": embed_job(work, "text", work / "in", target, None),
+            "length_order": embed_job(work, "length", work / "sorted", target, 0),
+            "file_order_twice_the_rows": embed_job(work, "double", work / "double", target, 0),
+        }
+        for name, job in runs.items():
+            rows = 2 * args.rows if name.endswith("twice_the_rows") else args.rows
+            measured = timed([exe, "run", str(job), "--no-progress"])
+            results[name] = {**measured, "rows": rows, "rows_per_s": round(rows / measured["wall_s"], 1)}
+    return results
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=20000)
     parser.add_argument("--shards", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--orders", action="store_true", help="batchspec alone: row orders and memory")
     args = parser.parse_args()
     target = str(ROOT / ".models" / "target")
+    if args.orders:
+        print_report(orders(args, target, str(Path(sys.executable).with_name("batchspec"))), args.json)
+        return 0
     results: dict = {"rows": args.rows, "shards": args.shards, "bare": [], "batchspec": []}
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
@@ -88,21 +149,7 @@ def main() -> int:
         (work / "bare.py").write_text(BARE % {"engine": ENGINE})
         exe = str(Path(sys.executable).with_name("batchspec"))
         for r in range(args.repeats):
-            out = work / f"out-{r}"
-            job = work / f"job-{r}.yaml"
-            job.write_text(
-                yaml.safe_dump(
-                    {
-                        "name": "pooling-bench",
-                        "task": "embed",
-                        "input": {"path": str(work / "in" / "*.parquet"), "prompt_column": "text"},
-                        "output": {"path": str(out)},
-                        "model": {"target": target, "engine": ENGINE},
-                        # every row embedded, as the bare script does (the snippets are distinct)
-                        "execution": {"dedupe_window": 0},
-                    }
-                )
-            )
+            job = embed_job(work, str(r), work / "in", target, None)
             results["bare"].append(timed([sys.executable, str(work / "bare.py"), target, *map(str, paths)]))
             results["batchspec"].append(timed([exe, "run", str(job), "--no-progress"]))
     for side in ("bare", "batchspec"):

@@ -23,6 +23,7 @@ STEPS = [
     ["benchmarks/memory.py", "--format", "openai", "--json", str(OUT / "memory-openai.json")],
     ["benchmarks/line_memory.py", "--json", str(OUT / "line-memory.json")],
     ["benchmarks/distill.py", "--json", str(OUT / "distill.json")],
+    ["benchmarks/distill_small.py", "--json", str(OUT / "distill-small.json")],
     ["benchmarks/heads.py", "--fresh", "--json", str(OUT / "heads.json")],
     ["benchmarks/tune.py", "--json", str(OUT / "tune.json")],
     [
@@ -49,7 +50,18 @@ STEPS = [
     ["benchmarks/step_cost.py", "--kernel", "--json", str(OUT / "step-cost-kernel.json")],
     ["benchmarks/structured.py"],
     ["benchmarks/pooling.py", "--json", str(OUT / "pooling.json")],
+    [
+        "benchmarks/pooling.py",
+        "--orders",
+        "--rows",
+        "10000",
+        "--shards",
+        "5",
+        "--json",
+        str(OUT / "pooling-orders.json"),
+    ],
     ["benchmarks/templates.py", "--throughput", "--json", str(OUT / "templates.json")],
+    ["benchmarks/feature_costs.py", "--json", str(OUT / "feature-costs.json")],
     [
         "benchmarks/reasoning.py",
         "--prompts",

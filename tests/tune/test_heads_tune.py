@@ -86,6 +86,8 @@ def test_auto_weighs_a_head_beside_a_draft_and_records_what_it_chose(tmp_path, m
         "speculative.k=[1,3]",
         "--set",
         "speculative.ngram=false",
+        "--set",
+        "speculative.batch_knobs=false",  # the knob stage on the real engine: test_knobs.py
         "--log-format",
         "json",
         env=env,
