@@ -33,6 +33,7 @@ import stat
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from batchspec.distill.card import build_card, public_path
 from batchspec.distill.options import DistillOptions, DistillResult, job_k
@@ -52,6 +53,9 @@ from batchspec.redact import sanitize_url
 from batchspec.spec.methods import DRAFT_MODEL, METHODS, TRAINABLE
 from batchspec.spec.model import JobSpec
 from batchspec.stats import acceptance_rate, mean_acceptance_length, request_totals
+
+if TYPE_CHECKING:  # data imports pyarrow; the run imports it when it runs
+    from batchspec.distill.data import Sample
 
 
 def _overlap(
@@ -202,7 +206,7 @@ def check_options(spec: JobSpec, opts: DistillOptions) -> None:
 # --------------------------------------------------------------------------- the whole run
 
 
-def too_little_data(tokens: int, prompts: int, wanted: int, window: int, sample, asked: int) -> str:
+def too_little_data(tokens: int, prompts: int, wanted: int, window: int, sample: Sample, asked: int) -> str:
     """What distill says when the target's tokens to train on fall short of what the drafter
     wants: the numbers, and whether more ``--sample`` or only a larger job would give more."""
     per_prompt = max(1, tokens // max(1, prompts))

@@ -715,9 +715,10 @@ def test_card_and_model_directory(distilled, models):
     assert card["job"]["name"] == "job" and card["sample_size"] == 33 and card["heldout_size"] == 12
     assert card["validation_size"] == 3  # a tenth of the 36 training prompts, at least 2
     assert card["steps"] == 30 and card["logprobs"] == 4
-    # the sizing rule: the 1-layer draft's parameters / 32 ask for more than 33 x 24 tokens
-    windows = card["data"]["windows"]
-    assert windows == 8 and card["data"]["window"] == 24
+    # the sizing rule: the 1-layer draft's parameters / 32 ask for more than 33 x 24 tokens, and
+    # the continuations stay the job's 24 tokens (more passes, not longer tails)
+    assert card["data"]["windows"] == 1 and card["data"]["window"] == 24
+    assert card["data"]["wanted_tokens"] > card["data"]["train_tokens"]
     assert card["training"]["steps_run"] <= card["data"]["steps_supported"] <= 30
     assert card["training"]["best_step"] is not None and card["decision"] == distilled.result["decision"]
     assert card["data_fingerprint"].startswith("sha256:")
@@ -738,9 +739,9 @@ def test_card_and_model_directory(distilled, models):
     assert len(chunks) == 3  # 36 rows in chunks of 16
     rows = pq.read_table(chunks[0]).to_pylist()
     lengths = [(len(r["topk_token_ids"]), len(r["output_token_ids"])) for r in rows]
-    # each continuation asked for 24 x windows tokens (a row may stop sooner, at its end token)
-    assert all(k == n <= 24 * windows for k, n in lengths), lengths
-    assert max(n for _, n in lengths) > 24, lengths  # continued past one window
+    # each continuation asked for the job's 24 tokens (a row may stop sooner, at its end token)
+    assert all(k == n <= 24 for k, n in lengths), lengths
+    assert max(n for _, n in lengths) == 24, lengths
     assert all(r["topk_token_ids"][0][0] == r["output_token_ids"][0] for r in rows)  # greedy
 
 
