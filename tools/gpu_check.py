@@ -37,6 +37,18 @@ def log(msg: str) -> None:
     print(f"gpu_check: {msg}", file=sys.stderr, flush=True)
 
 
+def target_shape(text: str) -> str:
+    """``--random-target``'s value: three positive integers, the width a multiple of 64 (heads of
+    64), else an argparse error naming the option."""
+    parts = text.split(",")
+    if len(parts) != 3 or not all(p.strip().isdigit() and int(p) > 0 for p in parts) or int(parts[0]) % 64:
+        raise argparse.ArgumentTypeError(
+            f"expected HIDDEN,LAYERS,INTERMEDIATE, three positive integers with HIDDEN a multiple of "
+            f"64, got {text!r}"
+        )
+    return text
+
+
 def random_target(shape: str, tokenizer_dir: Path, out: Path) -> Path:
     """A Llama of ``shape`` (``HIDDEN,LAYERS,INTERMEDIATE``) with random weights in bf16 and the
     tokenizer of ``tokenizer_dir``, saved into ``out``."""
@@ -208,6 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--random-target",
+        type=target_shape,
         metavar="HIDDEN,LAYERS,INTERMEDIATE",
         help="measure a Llama of this shape with random weights (and the tiny tokenizer) instead "
         "of .models/target: times and memory of a real size, held-out figures meaningless",

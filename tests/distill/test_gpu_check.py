@@ -39,3 +39,16 @@ def test_gpu_check_runs_both_trainers_on_the_cpu_and_prints_one_json_line(models
     # a new head starts from nothing: a few steps already get tokens right
     assert report["head"]["heldout_after"] > report["head"]["heldout_before"]
     assert report["head"]["features_s"] <= report["head"]["wall_s"]
+
+
+@pytest.mark.parametrize("shape", ["2048,16", "2048,0,8192", "100,2,3", "a,b,c"])
+def test_a_malformed_random_target_is_refused_naming_the_option(shape):
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "gpu_check.py"), "--random-target", shape],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
+    assert done.returncode == 2 and done.stdout == ""
+    assert "--random-target" in done.stderr and repr(shape) in done.stderr
