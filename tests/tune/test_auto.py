@@ -278,8 +278,11 @@ def test_the_run_uses_the_batch_knobs_it_chose_and_a_reused_choice_reuses_them(
     the chosen draft and the run goes with max_num_seqs = max_in_flight = 8, as the summary,
     the log and the shards' metadata say; the next run reuses the knobs with the choice."""
     monkeypatch.setattr(FakeTuneEngine, "batches", [])
+    # the other token budgets clearly slower: equal speeds left the choice to timing noise
     monkeypatch.setattr(
-        FakeTuneEngine, "knob_speed", staticmethod(lambda seqs, tokens, c: 2.0 if c >= 8 else 1.0)
+        FakeTuneEngine,
+        "knob_speed",
+        staticmethod(lambda seqs, tokens, c: (2.0 if c >= 8 else 1.0) * (1.0 if tokens == 2048 else 0.6)),
     )
     run, engine = _run(auto_job)
     auto = run.summary["speculative_auto"]
