@@ -35,6 +35,14 @@ endif
 	$(BIN)/python -c "import vllm, transformers.models.llama, batchspec; print('vllm', vllm.__version__)"
 	touch $@
 
+# Each model is built once per content: tools/model_cache.py keys a build by what determines it
+# (its inputs below, the repository's files its builder imports, the models it starts from, the
+# lock file, the Python) and restores a cached build of that key instead of training again. The
+# cache is outside the clone: $BATCHSPEC_MODEL_CACHE, else ~/.cache/batchspec/models
+# (docs/development.md says how to clear it). $(call CACHED,OUTPUTS,EXTRA INPUTS) runs the
+# recipe's command through it with the rule's prerequisites as inputs.
+CACHED = $(BIN)/python tools/model_cache.py --models $(MODELS) --outputs $(1) --inputs $(filter-out $(VENV)/%,$^) $(2) --
+
 # What jobs/demo.yaml runs on: the target and its draft, the only models `make demo` builds.
 DEMO_MODELS := $(MODELS)/target/.batchspec-complete $(MODELS)/draft/.batchspec-complete
 
@@ -49,21 +57,21 @@ models: setup $(DEMO_MODELS) $(MODELS)/reasoner-draft/.batchspec-complete \
 # the tokenizer, the target and the draft (both cores): one run makes both markers (grouped
 # targets, `&:`), so a build stopped after the target's marker still finishes the draft
 $(MODELS)/target/.batchspec-complete $(MODELS)/draft/.batchspec-complete &: tools/tiny_models.py | $(VENV)/.installed
-	$(BIN)/python tools/tiny_models.py --out $(MODELS) --only pair
+	$(call CACHED,tokenizer target draft) $(BIN)/python tools/tiny_models.py --out $(MODELS) --only pair
 
 # the same builder, from the built target, on one thread: with -j it trains beside the LoRA
 # adapters below rather than after them (about 2 minutes)
 $(MODELS)/draft-large/.batchspec-complete: tools/tiny_models.py $(MODELS)/target/.batchspec-complete | $(VENV)/.installed
-	$(BIN)/python tools/tiny_models.py --out $(MODELS) --only draft-large
+	$(call CACHED,draft-large) $(BIN)/python tools/tiny_models.py --out $(MODELS) --only draft-large
 
 # the tiny target grown to 205M parameters, same function (seconds); see tools/grow_model.py
 $(MODELS)/target-large/.batchspec-complete: tools/grow_model.py $(MODELS)/target/.batchspec-complete | $(VENV)/.installed
-	$(BIN)/python tools/grow_model.py --source $(MODELS)/target --out $(MODELS)/target-large
+	$(call CACHED,target-large) $(BIN)/python tools/grow_model.py --source $(MODELS)/target --out $(MODELS)/target-large
 
 # the tiny target taught to think between <think> markers, and its draft, on one thread: with -j
 # they train beside the other models of the target (see tools/tiny_reasoner.py)
 $(MODELS)/reasoner-draft/.batchspec-complete: tools/tiny_reasoner.py tools/tiny_models.py $(MODELS)/target/.batchspec-complete | $(VENV)/.installed
-	$(BIN)/python tools/tiny_reasoner.py --target $(MODELS)/target --out $(MODELS)
+	$(call CACHED,reasoner reasoner-draft) $(BIN)/python tools/tiny_reasoner.py --target $(MODELS)/target --out $(MODELS)
 
 # The EAGLE-3 head of the target, trained by `batchspec distill --method eagle3` (the command users
 # run) on code snippets the models never saw; distill writes its card batchspec-model.json last,
@@ -75,27 +83,27 @@ $(HEAD_PROMPTS): tools/demo_data.py | $(VENV)/.installed
 	$(BIN)/python tools/demo_data.py $(MODELS)/head-prompts --shards 1 --rows 200 --seed 7
 
 $(MODELS)/head/batchspec-model.json: batchspec/distill/eagle3.py tools/head-job.yaml $(HEAD_PROMPTS) $(MODELS)/target/.batchspec-complete
-	$(BIN)/batchspec distill tools/head-job.yaml --method eagle3 --out $(MODELS)/head --sample 200 \
+	$(call CACHED,head,batchspec) $(BIN)/batchspec distill tools/head-job.yaml --method eagle3 --out $(MODELS)/head --sample 200 \
 		--holdout 24 --steps 150 --batch-size 8 --k 3
 
 $(MODELS)/head-large/batchspec-model.json: tools/grow_model.py $(MODELS)/head/batchspec-model.json $(MODELS)/target-large/.batchspec-complete
-	$(BIN)/python tools/grow_model.py --head $(MODELS)/head --target $(MODELS)/target-large --out $(MODELS)/head-large
+	$(call CACHED,head-large) $(BIN)/python tools/grow_model.py --head $(MODELS)/head --target $(MODELS)/target-large --out $(MODELS)/head-large
 
 # a sequence classifier of the target (a linear head on its last token's state: python, json or
 # prose), for `task: classify`; seconds, see tools/tiny_classifier.py
 $(MODELS)/classifier/.batchspec-complete: tools/tiny_classifier.py $(MODELS)/target/.batchspec-complete | $(VENV)/.installed
-	$(BIN)/python tools/tiny_classifier.py --target $(MODELS)/target --out $(MODELS)/classifier
+	$(call CACHED,classifier) $(BIN)/python tools/tiny_classifier.py --target $(MODELS)/target --out $(MODELS)/classifier
 
 # a cross-encoder of the target (a one-label head reading both texts of a pair: is it Python code
 # asked for as such), for `task: score` with a sequence classifier; seconds, see
 # tools/tiny_cross_encoder.py
 $(MODELS)/cross-encoder/.batchspec-complete: tools/tiny_cross_encoder.py tools/tiny_classifier.py $(MODELS)/target/.batchspec-complete | $(VENV)/.installed
-	$(BIN)/python tools/tiny_cross_encoder.py --target $(MODELS)/target --out $(MODELS)/cross-encoder
+	$(call CACHED,cross-encoder) $(BIN)/python tools/tiny_cross_encoder.py --target $(MODELS)/target --out $(MODELS)/cross-encoder
 
 # two LoRA adapters of the target in PEFT's format, for jobs that route rows to adapters
 # (model.lora); one thread each, so with -j they train side by side; see tools/tiny_lora.py
 $(MODELS)/lora-%/.batchspec-complete: tools/tiny_lora.py $(MODELS)/target/.batchspec-complete | $(VENV)/.installed
-	$(BIN)/python tools/tiny_lora.py --target $(MODELS)/target --out $(MODELS) --only $*
+	$(call CACHED,lora-$*) $(BIN)/python tools/tiny_lora.py --target $(MODELS)/target --out $(MODELS) --only $*
 
 # Azurite, the Azure Blob emulator the az:// tests start (an npm package), in a git-ignored folder;
 # the gs:// and s3:// emulators are Python packages that `make setup` installs. The az:// tests

@@ -141,6 +141,13 @@ def pytest_terminal_summary(terminalreporter):
     terminalreporter.section(
         f"engine start-ups: {len(records)} ({sum(separate.values())} with vLLM's own processes)"
     )
+    by_config = collections.Counter(r.get("config", r["model"]) for r in records)
+    terminalreporter.write_line(
+        f"by configuration: {len(by_config)} configurations (model | speculation | other arguments' digest)"
+    )
+    for name, count in by_config.most_common():
+        terminalreporter.write_line(f"{count:4d}  {name}")
+    terminalreporter.write_line("by test file:")
     for name, count in sorted(by_file.items()):
         terminalreporter.write_line(f"{count:4d}  {name}  ({separate[name]} with vLLM's own processes)")
     for name, count in sorted(by_test.items()):

@@ -114,11 +114,19 @@ class NoEngine:
         pass
 
 
+#: Memory (bytes) to leave free when another engine starts: below it, the least recently used
+#: engines are shut down first. An in-process engine of the tiny models holds about 1.5 GiB (its
+#: 1-GiB KV cache and vLLM's own state); the other pytest process and its `batchspec`
+#: subprocesses need room beside them.
+KEEP_FREE = 6 << 30
+
+
 class SharedEngines:
     """Started engines by (target, engine arguments, speculative config, LoRA adapters); at most ``keep``
-    stay up at once (the least recently used is shut down first)."""
+    stay up at once, and fewer where memory is short (the least recently used is shut down first):
+    each engine is started once a session where memory allows."""
 
-    def __init__(self, keep: int = 3, plugin_env: dict[str, str | None] | None = None):
+    def __init__(self, keep: int = 12, plugin_env: dict[str, str | None] | None = None):
         self.keep = keep
         #: PLUGIN_ENV for the engines' processes (None: unset)
         self.plugin_env = plugin_env or {}
@@ -151,7 +159,7 @@ class SharedEngines:
         if key in self._engines:
             self._engines.move_to_end(key)
         else:
-            while len(self._engines) >= self.keep:
+            while self._engines and (len(self._engines) >= self.keep or _available() < KEEP_FREE):
                 self._stop(next(iter(self._engines)))
             self._engines[key] = self._start(spec)
         engine = self._engines[key]
@@ -244,6 +252,12 @@ class SharedEngines:
             except psutil.Error:
                 pass
         psutil.wait_procs(procs, timeout=10)
+
+
+def _available() -> int:
+    import psutil
+
+    return psutil.virtual_memory().available
 
 
 def _set_env(values: dict[str, str | None]) -> None:

@@ -22,10 +22,27 @@ ENV = "BATCHSPEC_TEST_ENGINE_LOG"
 _MODULE = "vllm.entrypoints.llm"
 
 
+def _configuration(kwargs: dict, model) -> str:
+    """A short name for the engine's whole configuration: its model, its speculation and a digest
+    of every other argument, so that two start-ups of one configuration read the same."""
+    import hashlib
+
+    spec = kwargs.get("speculative_config") or {}
+    if isinstance(spec, dict) and spec:
+        drafter = os.path.basename(str(spec.get("model") or "")) or "-"
+        spec_name = f"{spec.get('method')}:{drafter} k={spec.get('num_speculative_tokens')}"
+    else:
+        spec_name = "off" if not spec else str(spec)
+    rest = {k: v for k, v in kwargs.items() if k not in ("model", "speculative_config")}
+    digest = hashlib.sha256(json.dumps(rest, sort_keys=True, default=str).encode()).hexdigest()[:6]
+    return f"{os.path.basename(str(model).rstrip('/'))} | {spec_name} | {digest}"
+
+
 def _record(kwargs: dict, model) -> None:
     spec = kwargs.get("speculative_config") or {}
     line = json.dumps(
         {
+            "config": _configuration(kwargs, model),
             "test": os.environ.get("PYTEST_CURRENT_TEST", "?"),
             "pid": os.getpid(),
             "time": round(time.time(), 1),
