@@ -10,7 +10,10 @@ process goes, each worker when its EngineCore goes.
 The request is made by batchspec's vLLM plugin (:mod:`batchspec.engine.cpu_plugin`), which vLLM
 loads in every process it starts. A parent-death signal follows the *thread* that started the
 child, so batchspec asks for it only for engines started from its main thread (:func:`arm`),
-whose end is the process's end."""
+whose end is the process's end. An engine started from another thread (a Ray replica, a threaded
+actor, restarts its engine on the thread that runs its work) holds a watch instead: a thread in
+the EngineCore that sees its parent go (its parent pid changes) within a second and kills it;
+its workers hold their signal to it as usual."""
 
 from __future__ import annotations
 
@@ -24,16 +27,36 @@ PARENT_ENV = "BATCHSPEC_ENGINE_PARENT_PID"
 #: The pid of an EngineCore that holds its own lifeline (set in it by :func:`hold`).
 CORE_ENV = "BATCHSPEC_ENGINE_CORE_PID"
 
+#: Set with PARENT_ENV where the engine is started from another thread than the main one: the
+#: EngineCore then watches its parent (a parent-death signal would follow that thread's end).
+WATCH_ENV = "BATCHSPEC_ENGINE_PARENT_WATCH"
+#: How often a watching EngineCore looks for its parent.
+WATCH_INTERVAL_S = 0.5
+
 _PR_SET_PDEATHSIG = 1
 
 
 def arm() -> None:
-    """Ask that engines started from now on die with this process: only from the main
-    thread, as a parent-death signal follows the thread that started the child."""
+    """Ask that engines started from now on die with this process: by a parent-death signal
+    from the main thread, by the EngineCore's watch of its parent from any other (a parent-death
+    signal follows the thread that started the child, which may end before the process)."""
+    os.environ[PARENT_ENV] = str(os.getpid())
     if threading.current_thread() is threading.main_thread():
-        os.environ[PARENT_ENV] = str(os.getpid())
+        os.environ.pop(WATCH_ENV, None)
     else:
-        os.environ.pop(PARENT_ENV, None)
+        os.environ[WATCH_ENV] = "1"
+
+
+def _watch(parent: int) -> None:
+    """Kill this process once its parent ``parent`` is gone (this process re-parented)."""
+
+    def run() -> None:
+        while True:
+            if os.getppid() != parent:
+                os.kill(os.getpid(), signal.SIGKILL)
+            threading.Event().wait(WATCH_INTERVAL_S)
+
+    threading.Thread(target=run, name="batchspec-lifeline", daemon=True).start()
 
 
 def hold() -> bool:
@@ -45,6 +68,9 @@ def hold() -> bool:
     parent = os.getppid()
     if os.environ.get(PARENT_ENV) == str(parent):
         os.environ[CORE_ENV] = str(os.getpid())  # its workers hold theirs to it
+        if os.environ.get(WATCH_ENV):
+            _watch(parent)
+            return True
     elif os.environ.get(CORE_ENV) != str(parent):
         return False
     import ctypes

@@ -33,8 +33,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
-import json
 import math
 import time
 from collections import deque
@@ -43,7 +41,7 @@ from typing import Any, Protocol
 
 from batchspec.columns import error_result
 from batchspec.errors import Interrupted, RuntimeFailure, SpecError
-from batchspec.io.rows import Row
+from batchspec.io.rows import Row, asked_digest
 
 
 class EngineDied(RuntimeFailure):
@@ -164,8 +162,8 @@ class Supervisor:
                 self._count(death)
                 if stop():
                     raise  # a stopping run ends: nothing is restarted for it
-                self._restart(death, search=False)
                 suspects = [r for r in death.in_flight if self._deaths.get(id(r), 0) >= 2]
+                self._restart(death, search=False, suspects=suspects)
                 if suspects:
                     yield from self._search(death, suspects, again, max_in_flight, stop, grace_s, keep)
 
@@ -184,7 +182,7 @@ class Supervisor:
             row = again.popleft() if again else next(rows, None)
             if row is None:
                 return
-            killer = self._killers.get(_asks(row)) if self._killers and row.error is None else None
+            killer = self._killers.get(asked_digest(row)) if self._killers and row.error is None else None
             if killer is not None:
                 deaths, reason, request_id = killer
                 why = f"{quarantine_error(deaths, reason)} (request {request_id!r}, the same request)"
@@ -281,17 +279,19 @@ class Supervisor:
 
     def _quarantine(self, row: Row, reason: str) -> Iterator[tuple[Row, list[dict]]]:
         deaths = self._deaths.pop(id(row), 0)
-        self._killers[_asks(row)] = (deaths, reason, row.request_id)
+        self._killers[asked_digest(row)] = (deaths, reason, row.request_id)
         self.report.quarantined(row, deaths, reason)
         yield row, [error_result(quarantine_error(deaths, reason))]
 
     # ------------------------------------------------------------------ restarts
 
-    def _restart(self, death: EngineDied, search: bool) -> None:
+    def _restart(self, death: EngineDied, search: bool, suspects: list[Row] = ()) -> None:
         """A new engine in place of the dead one; RuntimeFailure (exit 1) once
-        ``execution.engine_restarts`` is spent. A start that fails is one more restart."""
+        ``execution.engine_restarts`` is spent. A start that fails is one more restart.
+        ``suspects``: requests in flight at this death and an earlier one, named where the budget
+        ends the run before their quarantine search could start."""
         if not search:
-            self._spend(death)
+            self._spend(death, suspects)
         started = time.monotonic()
         attempts = 0
         while True:
@@ -315,11 +315,20 @@ class Supervisor:
             )
         )
 
-    def _spend(self, cause: RuntimeFailure) -> None:
+    def _spend(self, cause: RuntimeFailure, suspects: list[Row] = ()) -> None:
         if self.restarts_left <= 0:
+            why = ""
+            if suspects:
+                names = ", ".join(repr(r.request_id) for r in suspects[:5])
+                more = f" and {len(suspects) - 5} more" if len(suspects) > 5 else ""
+                why = (
+                    f"; {names}{more} was in flight at two deaths and would have been searched "
+                    "for a request that kills the engine, but the two deaths that reveal one are "
+                    "two of execution.engine_restarts: at least 2 lets a run quarantine it"
+                )
             raise RuntimeFailure(
                 f"{cause} (after {self.restarts} engine restarts in this run, all that "
-                "execution.engine_restarts allows)"
+                f"execution.engine_restarts allows{why})"
             ) from cause
         self.restarts_left -= 1
 
@@ -343,12 +352,6 @@ def _split(rows: list[Row]) -> list[_Group]:
         return [_Group(rows, dead=True)]
     second = _Group(rows[half:])
     return [_Group(rows[:half], sibling=second), second]
-
-
-def _asks(row: Row) -> bytes:
-    """What a row asks the engine (its prompt or messages, adapter and per-row sampling), hashed."""
-    asked = [row.prompt, row.messages, row.lora, sorted(row.overrides.items())]
-    return hashlib.blake2b(json.dumps(asked, sort_keys=True, default=str).encode(), digest_size=16).digest()
 
 
 def add_counters(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:

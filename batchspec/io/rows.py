@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,6 +32,18 @@ class Row:
     error: str | None = None
     #: ``task: score``: the pair's second text (``input.pair_columns``; ``prompt`` is the first).
     pair: str | None = None
+
+
+def asked_digest(row: Row) -> bytes:
+    """What a row asks the engine, hashed: its prompt or messages, its adapter, its per-row
+    sampling and, for a score row, its pair's second text. Two rows with one digest get the same
+    result from the engine (the twins of ``run/twins.py``) and kill it alike (the quarantine of
+    ``engine/supervise.py``); a field that changes the request belongs here, or the two would take
+    one row's result, or its quarantine, for another's."""
+    asked = [row.prompt, row.messages, row.lora, sorted(row.overrides.items())]
+    if row.pair is not None:
+        asked.append(row.pair)
+    return hashlib.blake2b(json.dumps(asked, sort_keys=True, default=str).encode(), digest_size=16).digest()
 
 
 def pair_error(text: Any, column: str) -> str | None:

@@ -32,14 +32,12 @@ for any row still in flight.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import sys
 from collections import OrderedDict, deque
 from collections.abc import Iterator
 from typing import Any
 
-from batchspec.io.rows import Row
+from batchspec.io.rows import Row, asked_digest
 from batchspec.spec.model import ExecutionSpec
 
 #: Result columns a twin does not copy: nothing was generated or timed for it.
@@ -71,10 +69,7 @@ def request_key(row: Row, sampling: dict[str, Any]) -> bytes | None:
     merged = {**sampling, **row.overrides}
     if merged.get("seed") is None and merged.get("temperature") != 0:
         return None
-    asked = [row.prompt, row.messages, row.lora, sorted(row.overrides.items())]
-    if row.pair is not None:  # a score row: the pair, not its first text alone
-        asked.append(row.pair)
-    return hashlib.blake2b(json.dumps(asked, sort_keys=True, default=str).encode(), digest_size=16).digest()
+    return asked_digest(row)
 
 
 def twin_results(results: list[dict], of: str) -> list[dict]:

@@ -77,6 +77,34 @@ def test_an_engine_core_and_its_worker_die_with_the_process_that_armed_them():
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_an_engine_started_from_a_thread_outlives_the_thread_and_dies_with_the_process():
+    """A Ray replica restarts its engine on a worker thread: the EngineCore must not die when
+    that thread ends (a parent-death signal would), and must die when the process does."""
+    top = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import subprocess, sys, threading, time\n"
+            "from batchspec.engine.lifeline import arm\n"
+            "def start():\n"
+            "    arm()\n"
+            "    subprocess.Popen([sys.executable, '-c', sys.argv[1], '1', sys.argv[1]])\n"
+            "t = threading.Thread(target=start); t.start(); t.join()\n"
+            "time.sleep(120)\n",
+            CHAIN,
+        ],
+        env={k: v for k, v in os.environ.items() if k not in (PARENT_ENV, CORE_ENV)},
+    )
+    try:
+        engine_processes = _descendants(top.pid, 2)
+        assert not _gone(engine_processes, 1.5), "the engine died with the thread that started it"
+        top.send_signal(signal.SIGKILL)
+        assert _gone(engine_processes, 5), "an engine process outlived its parent"
+    finally:
+        top.kill()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
 def test_a_process_that_did_not_arm_its_children_leaves_them_their_own():
     """The lifeline is batchspec's: a process vLLM starts for someone else keeps its life."""
     top = subprocess.Popen(

@@ -127,6 +127,34 @@ def test_past_engine_restarts_the_run_ends_and_says_why():
     assert len([r for r in told.restarts if not r.search]) == 1
 
 
+def test_engine_restarts_1_cannot_quarantine_a_lone_killer_and_says_so():
+    """A quarantine takes two deaths of the budget: with 1 the second death ends the run, and
+    the message names the request and the setting that would have quarantined it."""
+    engine = DyingEngine(poison="POISON")
+    with pytest.raises(RuntimeFailure) as err:
+        results(Supervisor(engine, 1), rows(6, poisoned={2}), max_in_flight=1)
+    assert "'r2' was in flight at two deaths" in str(err.value)
+    assert "at least 2 lets a run quarantine it" in str(err.value)
+    told = Told()
+    out = results(Supervisor(DyingEngine(poison="POISON"), 2, told), rows(6, poisoned={2}), max_in_flight=1)
+    assert [q[0] for q in told.quarantines] == ["r2"] and len(out) == 6
+
+
+def test_a_quarantined_score_pair_takes_no_other_pair_of_its_query():
+    """The quarantine's key is the whole request: a cross-encoder row's pair included (it was
+    its first text alone, so every later row of the same query became an error row)."""
+    engine, told = DyingEngine(poison="POISON"), Told()
+    pairs = [
+        Row(shard="s", index=i, request_id=f"r{i}", kept={}, prompt="query q", pair=f"doc {i}")
+        for i in range(6)
+    ]
+    pairs[1].pair = "doc 1 POISON"
+    engine_rows = pairs
+    out = results(Supervisor(engine, 3, told), engine_rows, max_in_flight=1)
+    assert [q[0] for q in told.quarantines] == ["r1"]
+    assert [r_id for r_id, r in out.items() if r["error"]] == ["r1"]
+
+
 def test_engine_restarts_0_ends_the_run_at_the_first_death():
     engine = DyingEngine(deaths_after=[3])
     with pytest.raises(RuntimeFailure, match="engine_restarts"):

@@ -236,7 +236,9 @@ class DyingEngine(FakeEngine):
                 self.sent.append(row.request_id)
             if not in_flight:
                 return
-            poisoned = self.poison is not None and any(self.poison in r.prompt for r in in_flight)
+            poisoned = self.poison is not None and any(
+                self.poison in f"{r.prompt} {r.pair or ''}" for r in in_flight
+            )
             scheduled = bool(self.deaths_after) and self.finished >= self.deaths_after[0]
             if poisoned or scheduled:
                 if scheduled and not poisoned:
