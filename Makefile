@@ -141,17 +141,12 @@ demo: setup $(DEMO_MODELS) data
 	@echo "run summary JSON: $$(ls -t out/demo/_batchspec/runs/*.json | head -1)"
 	@echo "charts: out/demo-report.html"
 
-# two pytest processes side by side: one runs every test that starts or shares a vLLM engine, in
-# order (one engine at a time), the other the rest (tests/conftest.py marks them engine_group); the
-# second one's output follows the first's, and either failing fails the target
+# three pytest processes side by side (tools/run_tests.py): the tests on the shared in-process
+# engines, the engine tests whose engines run in processes of their own, and the tests that start
+# no engine (tests/conftest.py marks them); each lane's output follows, then each lane's wall time
+# and the engine start-ups by configuration; any lane failing fails the target
 test: models emulators airflow
-	@rest=$$(mktemp -t batchspec-tests.XXXXXX); \
-	env -u BATCHSPEC_TEST_ENGINE_LOG $(BIN)/python -m pytest -q -rs --durations=10 -m "not engine_group" tests >"$$rest" 2>&1 & pid=$$!; \
-	$(BIN)/python -m pytest -q -rs --durations=25 -m engine_group tests; engine=$$?; \
-	wait $$pid; other=$$?; \
-	echo "== the tests that start no engine (beside the engine tests):"; cat "$$rest"; rm -f "$$rest"; \
-	echo "make test: engine tests exit $$engine, the others exit $$other"; \
-	[ $$engine -eq 0 ] && [ $$other -eq 0 ]
+	$(BIN)/python tools/run_tests.py
 
 # no engine and no models: runs on a fresh clone right after `make setup`
 test-fast: setup emulators

@@ -363,6 +363,7 @@ def typed_answers(work: Path, rows: int, repeats: int) -> dict:
     from batchspec.engine.structured import check_answer, normalise
     from batchspec.io.answers import answer_column
     from batchspec.io.output_dir import OutputDir
+    from batchspec.io.output_formats import result_fields
     from batchspec.run.stages import output_fields
     from batchspec.spec.build import build_spec
 
@@ -396,7 +397,7 @@ def typed_answers(work: Path, rows: int, repeats: int) -> dict:
         pairs = cycled([(row, [results[i % len(results)]]) for i, row in enumerate(made)], rows)
 
         def run() -> float:
-            writer = out.format.writer(out, shard, spec.output, kept, {}, spec.result_fields())
+            writer = out.format.writer(out, shard, spec.output, kept, {}, result_fields(spec))
             gc.collect()
             try:
                 started = time.perf_counter()

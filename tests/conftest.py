@@ -18,12 +18,40 @@ sys.path.insert(0, str(ROOT / "tools"))
 #: marked by hand that reach vLLM's own classes, torch or transformers (a run checks its spec against
 #: vLLM's classes, on the fake engine too). Every other test must pass without vLLM.
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
+
+#: Tune's and auto's timed levels last half a second in the tests (4 s for users): the tests
+#: check what tune does with its measurements; the speed-ups themselves are `make bench`'s. Set
+#: before batchspec.tune is imported, and inherited by the `batchspec` subprocesses.
+os.environ.setdefault("BATCHSPEC_TEST_TUNE_LEVEL_S", "0.5")
 _NEEDS_VLLM = "needs vLLM installed (marker vllm)"
 
 
 #: The fixtures whose tests are in the engine group (below): a session's shared engines live in
 #: one process, and a Ray cluster is started once a module.
 _ENGINE_GROUP_FIXTURES = frozenset({"shared_engines", "ray_cluster"})
+
+#: The engine tests whose engines live in processes of their own (`batchspec` subprocesses of the
+#: CLI, tune, distill and kill tests, Ray replicas, Airflow's tasks), by file: marked
+#: ``own_processes``, they run in a lane of their own beside the tests on the shared in-process
+#: engines (tools/run_tests.py). A whole file, so that its module-scoped runs happen once.
+_OWN_PROCESS_FILES = frozenset(
+    {
+        "tests/cli/test_limits_e2e.py",
+        "tests/cli/test_tables_e2e.py",
+        "tests/distill/test_distill.py",
+        "tests/distill/test_distill_head.py",
+        "tests/engine/test_lifeline.py",
+        "tests/examples/test_airflow.py",
+        "tests/examples/test_examples.py",
+        "tests/run/test_ray.py",
+        "tests/run/test_recovery.py",
+        "tests/run/test_supervision.py",
+        "tests/tune/test_auto.py",
+        "tests/tune/test_heads_tune.py",
+        "tests/tune/test_knobs.py",
+        "tests/tune/test_tune.py",
+    }
+)
 
 
 def pytest_collection_modifyitems(items):
@@ -43,6 +71,8 @@ def pytest_collection_modifyitems(items):
             item.add_marker(pytest.mark.vllm)
         if item.get_closest_marker("engine") or _ENGINE_GROUP_FIXTURES.intersection(fixtures):
             item.add_marker(pytest.mark.engine_group)
+            if item.nodeid.split("::")[0] in _OWN_PROCESS_FILES:
+                item.add_marker(pytest.mark.own_processes)
         if not HAVE_VLLM and item.get_closest_marker("vllm"):
             item.add_marker(pytest.mark.skip(reason=_NEEDS_VLLM))
 
@@ -132,8 +162,11 @@ def pytest_terminal_summary(terminalreporter):
     path = os.environ.get(ENGINE_LOG_ENV)
     if not path or not Path(path).exists():
         return
+    lane = os.environ.get("BATCHSPEC_TEST_LANE")  # make test's lanes share one log
     records = [
-        r for r in map(json.loads, Path(path).read_text().splitlines()) if r["time"] >= _SESSION_STARTED - 1
+        r
+        for r in map(json.loads, Path(path).read_text().splitlines())
+        if r["time"] >= _SESSION_STARTED - 1 and r.get("lane") == lane
     ]
     by_file = collections.Counter(r["test"].split("::")[0] for r in records)
     by_test = collections.Counter(r["test"] for r in records)

@@ -10,6 +10,7 @@ from helpers.jobs import MODELS
 
 from batchspec.columns import COMMON_RESULT_NAMES, RESULT_NAMES, output_schema
 from batchspec.errors import SpecError
+from batchspec.io.output_formats import result_fields
 from batchspec.spec.build import build_spec
 from batchspec.spec.tasks import num_labels
 from batchspec.tasks import CROSS_ENCODE, EMBED, GENERATE, SCORE, TASK_NAMES, TASKS, task_for
@@ -35,10 +36,10 @@ def test_every_task_writes_the_columns_a_committed_file_is_checked_for():
 def test_an_embedding_is_a_fixed_size_vector_of_the_models_dimensions():
     spec = build_spec({**BASE, "task": "embed"})
     assert spec.dimensions == 256  # the tiny target's hidden_size
-    field = next(f for f in spec.result_fields() if f.name == "embedding")
+    field = next(f for f in result_fields(spec) if f.name == "embedding")
     assert field.type == pa.list_(pa.float32(), 256)
     assert build_spec({**BASE, "task": "embed", "pooling": {"dimensions": 64}}).dimensions == 64
-    assert build_spec(BASE).result_fields() == list(GENERATE.result_fields)
+    assert result_fields(build_spec(BASE)) == list(GENERATE.result_fields)
     assert EMBED.fields(None)[0].type == pa.list_(pa.float32())
 
 
@@ -157,7 +158,7 @@ def test_a_cross_encoder_scores_a_pair_in_one_request_and_templates_may_give_its
     assert spec.cross_encoder and spec.dimensions is None
     assert task_for(spec.task, spec.cross_encoder) is CROSS_ENCODE
     assert CROSS_ENCODE.pooling_task == "classify" and CROSS_ENCODE.pairs and CROSS_ENCODE.convert is None
-    assert spec.result_fields() == list(SCORE.result_fields)  # the same columns as the cosine's
+    assert result_fields(spec) == list(SCORE.result_fields)  # the same columns as the cosine's
     spec = build_spec(
         {
             **BASE,

@@ -49,6 +49,18 @@ def target_shape(text: str) -> str:
     return text
 
 
+def positive(text: str) -> int:
+    """A count's value (sizes, steps, batch size, patience): a positive integer, else an argparse
+    error naming the option, before any work."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
 def random_target(shape: str, tokenizer_dir: Path, out: Path) -> Path:
     """A Llama of ``shape`` (``HIDDEN,LAYERS,INTERMEDIATE``) with random weights in bf16 and the
     tokenizer of ``tokenizer_dir``, saved into ``out``."""
@@ -203,16 +215,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     parser.add_argument("--target", type=Path, default=ROOT / ".models" / "target")
     parser.add_argument("--draft", type=Path, default=ROOT / ".models" / "draft")
-    parser.add_argument("--sequences", type=int, default=224, help="held-out ones included")
-    parser.add_argument("--heldout", type=int, default=32)
-    parser.add_argument("--prompt-tokens", type=int, default=48)
-    parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--draft-steps", type=int, default=300)
-    parser.add_argument("--head-steps", type=int, default=150)
-    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--sequences", type=positive, default=224, help="held-out ones included")
+    parser.add_argument("--heldout", type=positive, default=32)
+    parser.add_argument("--prompt-tokens", type=positive, default=48)
+    parser.add_argument("--new-tokens", type=positive, default=64)
+    parser.add_argument("--draft-steps", type=positive, default=300)
+    parser.add_argument("--head-steps", type=positive, default=150)
+    parser.add_argument("--batch-size", type=positive, default=16)
     parser.add_argument(
         "--patience",
-        type=int,
+        type=positive,
         default=1000,
         help="held-out checks without a new best before training stops (default: never, so that "
         "every device runs the same steps)",
@@ -226,6 +238,8 @@ def main(argv: list[str] | None = None) -> int:
         "of .models/target: times and memory of a real size, held-out figures meaningless",
     )
     args = parser.parse_args(argv)
+    if not args.heldout < args.sequences:
+        parser.error("--heldout must be fewer than --sequences")
 
     import torch
 
@@ -237,8 +251,6 @@ def main(argv: list[str] | None = None) -> int:
     except SpecError as exc:
         print(f"gpu_check: {exc}", file=sys.stderr)
         return 2
-    if not 0 < args.heldout < args.sequences:
-        parser.error("--heldout must be at least 1 and fewer than --sequences")
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as work:
         if args.random_target:
             args.target = random_target(args.random_target, args.target, Path(work) / "target")

@@ -21,6 +21,8 @@ from batchspec.engine.reasoning import check_reasoning
 # call it, which is also where the tests' fake engine replaces it
 from batchspec.engine.vllm_info import vllm_version  # noqa: F401
 from batchspec.errors import SpecError, quoted
+from batchspec.io.input_formats import input_format
+from batchspec.spec.checkpoints import missing_path
 from batchspec.spec.fields import check_known_keys
 from batchspec.spec.methods import method
 from batchspec.spec.model import JobSpec
@@ -283,11 +285,19 @@ def check_speculative_method(speculative: dict, key: str = "speculative.method")
 
 def check_vllm_keys(spec: JobSpec) -> None:
     """Check ``model.engine``, ``speculative`` and ``sampling`` keys against vLLM's own config
-    classes, and build the job's SamplingParams once, so a typo exits 2 before any model loads."""
+    classes, and build the job's SamplingParams once, so a typo exits 2 before any model loads;
+    a target or speculative model given as a path with nothing there is refused too."""
     from vllm import SamplingParams
     from vllm.config import SpeculativeConfig
     from vllm.engine.arg_utils import EngineArgs
 
+    # a path with nothing there: vLLM would try it as a model id, after its start-up (tune's
+    # candidates are measured as skipped instead)
+    drafter = (spec.speculative or {}).get("model")
+    for key, model in (("model.target", spec.model.target), ("speculative.model", drafter)):
+        missing = missing_path(model)
+        if missing is not None:
+            raise SpecError(key, missing)
     engine_keys = {f.name for f in dataclasses.fields(EngineArgs)}
     check_known_keys(spec.model.engine, engine_keys, "model.engine")
     if spec.speculative is not None:
@@ -403,10 +413,18 @@ def _compile(constraint_json: str) -> None:
     structured.check_with_vllm(json.loads(constraint_json))
 
 
-def override_error(overrides: dict, columns: dict[str, str], exc: Exception) -> str:
-    """The error of a row whose own sampling values are refused, naming the columns."""
-    given = ", ".join(f"{columns.get(k, k)!r} ({k}) = {quoted(v)}" for k, v in overrides.items())
-    return f"invalid per-row sampling override: {exc} (columns: {given})"
+def override_sources(spec: JobSpec) -> tuple[str, dict[str, str]]:
+    """Where a row's own sampling values come from, for :func:`override_error`: its columns
+    (``input.sampling_columns``), or an OpenAI Batch line's body fields."""
+    return input_format(spec.input.format).override_sources(spec)
+
+
+def override_error(overrides: dict, sources: tuple[str, dict[str, str]], exc: Exception) -> str:
+    """The error of a row whose own sampling values are refused, naming where each came from
+    (:func:`override_sources`: the columns, or an OpenAI Batch line's body fields)."""
+    noun, names = sources
+    given = ", ".join(f"{names.get(k, k)!r} ({k}) = {quoted(v)}" for k, v in overrides.items())
+    return f"invalid per-row sampling override: {exc} ({noun}: {given})"
 
 
 def max_model_len(spec: JobSpec) -> int:

@@ -27,6 +27,7 @@ from batchspec.engine.checks import (
     check_row,
     check_vllm_keys,
     override_error,
+    override_sources,
     refuses_random_sampling,
     row_template_kwargs,
     template_kwargs,
@@ -248,7 +249,7 @@ class Engine:
         )
         # checked by check_vllm_keys before the engine started: a bad one never reaches here
         self.base_constraint = structured.normalise(constraint) if constraint is not None else None
-        self.sampling_columns = dict(spec.input.sampling_columns)
+        self.override_sources = override_sources(spec)
         self.refuse_random_sampling = refuses_random_sampling(spec)
         self.adapters = Adapters(spec)
         #: hold a request whose prefix another is computing (``execution.prefix_window`` > 0)
@@ -282,12 +283,12 @@ class Engine:
         try:
             params, asked = self.sampling_params(row.overrides)
         except Exception as exc:  # noqa: BLE001 (vLLM asserts on some values: AssertionError)
-            return None, error_result(override_error(row.overrides, self.sampling_columns, exc))
+            return None, error_result(override_error(row.overrides, self.override_sources, exc))
         asked = dataclasses.replace(asked, lora=lora)
         try:
             kwargs = row_template_kwargs(self.base_template_kwargs, row)
         except ValueError as exc:
-            return None, error_result(override_error(row.overrides, self.sampling_columns, exc))
+            return None, error_result(override_error(row.overrides, self.override_sources, exc))
         try:
             ids = prompt_token_ids(self.tokenizer, row, kwargs)
         except Exception as exc:  # a template or tokenizer failure belongs to this row only

@@ -153,12 +153,14 @@ def from_row(base: Mapping[str, Any] | None, overrides: Mapping[str, Any]) -> di
 
 def _check_schema(schema: Mapping[str, Any]) -> None:
     """A schema batchspec can check outputs against, safely: at most :data:`MAX_SCHEMA_DEPTH`
-    deep, every ``$ref`` local and acyclic, at most :data:`MAX_SCHEMA_NODES` objects and arrays
-    with every ``$ref`` followed, every ``pattern`` an RE2 expression, and valid under its own
-    meta-schema."""
+    deep, every reference (:data:`REFERENCES`) local and acyclic, every ``$schema`` a
+    meta-schema jsonschema knows and every ``$id`` local (nothing outside the schema is ever
+    resolved), at most :data:`MAX_SCHEMA_NODES` objects and arrays with every reference
+    followed, every ``pattern`` an RE2 expression, and valid under its own meta-schema."""
     import jsonschema
 
-    refs, patterns = _keywords(schema)
+    refs, names, patterns = _keywords(schema)
+    _check_names(names)
     _check_refs(schema, refs)
     for pattern in patterns:
         compile_regex(pattern)
@@ -173,14 +175,26 @@ def _check_schema(schema: Mapping[str, Any]) -> None:
 #: Keywords whose values map names to schemas: a name there (a property called "pattern" or
 #: "$ref") is no keyword.
 _NAMED = ("properties", "$defs", "definitions")
+#: The keywords jsonschema follows to another schema when it checks an output: each must point
+#: into the schema itself (``#`` or ``#/...``), never at a URL.
+REFERENCES = ("$ref", "$dynamicRef", "$recursiveRef")
+#: The keywords that name a schema by URI: ``$schema`` must be a meta-schema jsonschema knows
+#: (it is never fetched), ``$id`` local (``#...``), so that no reference resolves outside the
+#: schema.
+_NAMES = ("$schema", "$id")
+
+#: Where a keyword is (a JSON pointer's parts), the keyword, and the mapping holding it or its value.
+_Found = list[tuple[tuple, str, Any]]
 
 
-def _keywords(schema: Any) -> tuple[list[tuple[tuple, Mapping]], list[str]]:
+def _keywords(schema: Any) -> tuple[_Found, _Found, list[str]]:
     """One pass over a schema, with a stack of its own (never Python's): ConstraintError where
-    it nests deeper than :data:`MAX_SCHEMA_DEPTH`; else each ``$ref`` (where it is, as a JSON
-    pointer's parts, and the mapping that holds it) and the regular expressions of ``pattern``
-    and ``patternProperties``."""
-    refs: list[tuple[tuple, Mapping]] = []
+    it nests deeper than :data:`MAX_SCHEMA_DEPTH`; else each reference (where it is, as a JSON
+    pointer's parts, its keyword and the mapping that holds it), each ``$schema`` and ``$id``
+    (where, keyword, value) and the regular expressions of ``pattern`` and
+    ``patternProperties``."""
+    refs: _Found = []
+    names: _Found = []
     patterns: list[str] = []
     stack: list[tuple[tuple, Any]] = [((), schema)]
     while stack:
@@ -189,8 +203,8 @@ def _keywords(schema: Any) -> tuple[list[tuple[tuple, Mapping]], list[str]]:
             raise ConstraintError(f"json: the schema nests deeper than {MAX_SCHEMA_DEPTH} levels")
         if isinstance(node, Mapping):
             if not path or path[-1] not in _NAMED:
-                if "$ref" in node:
-                    refs.append((path, node))
+                refs.extend((path, keyword, node) for keyword in REFERENCES if keyword in node)
+                names.extend((path, keyword, node[keyword]) for keyword in _NAMES if keyword in node)
                 if isinstance(node.get("pattern"), str):
                     patterns.append(node["pattern"])
                 if isinstance(node.get("patternProperties"), Mapping):
@@ -199,44 +213,71 @@ def _keywords(schema: Any) -> tuple[list[tuple[tuple, Mapping]], list[str]]:
         else:
             children = enumerate(node)
         stack.extend(((*path, k), v) for k, v in children if isinstance(v, Mapping | list | tuple))
-    return refs, patterns
+    return refs, names, patterns
 
 
-def _check_refs(schema: Any, refs: list[tuple[tuple, Mapping]]) -> None:
-    """Every ``$ref`` (from :func:`_keywords`) is a JSON pointer into this schema (``#`` or
+def _where(path: tuple) -> str:
+    return "/".join(map(str, path)) or "(root)"
+
+
+def _check_names(names: _Found) -> None:
+    """Each ``$schema`` names a meta-schema jsonschema holds (draft 3 to 2020-12, never
+    fetched), each ``$id`` is local (``#...``): a schema that names a URL as its meta-schema
+    or as its own base is refused, as a remote reference is."""
+    import jsonschema
+
+    for path, keyword, value in names:
+        if keyword == "$schema":
+            known = isinstance(value, str) and jsonschema.validators.validator_for({keyword: value}, None)
+            if not known:
+                raise ConstraintError(
+                    f"json: $schema {quoted(value)} at {_where(path)}: not a meta-schema batchspec "
+                    "knows (json-schema.org's draft-03 to 2020-12); batchspec fetches no schema"
+                )
+        elif not isinstance(value, str) or not value.startswith("#"):
+            raise ConstraintError(
+                f"json: $id {quoted(value)} at {_where(path)}: only local identifiers ('#...') are "
+                "supported; batchspec resolves nothing outside the schema"
+            )
+
+
+def _check_refs(schema: Any, refs: _Found) -> None:
+    """Every reference (from :func:`_keywords`) is a JSON pointer into this schema (``#`` or
     ``#/...``) that resolves, no chain of them leads back into itself, and the schema with them
     followed stays within :data:`MAX_SCHEMA_NODES`: a schema that refers to the network, to
     itself (``{"$ref": "#"}``) or to one definition along too many paths is refused."""
-    targets: dict[int, tuple[tuple, Any]] = {}  # id of a $ref's mapping: (target's path, target)
-    for path, holder in refs:
-        ref = holder["$ref"]
-        where = "/".join(map(str, path)) or "(root)"
+    # id of a reference's mapping: (keyword, target's path, target) for each it holds
+    targets: dict[int, list[tuple[str, tuple, Any]]] = {}
+    for path, keyword, holder in refs:
+        ref = holder[keyword]
+        where = _where(path)
         if not isinstance(ref, str) or not (ref == "#" or ref.startswith("#/")):
             raise ConstraintError(
-                f"json: $ref {quoted(ref)} at {where}: only local references ('#/...') are supported"
+                f"json: {keyword} {quoted(ref)} at {where}: only local references ('#/...') are supported"
             )
-        targets[id(holder)] = _resolve(schema, ref, where)
+        targets.setdefault(id(holder), []).append((keyword, *_resolve(schema, ref, keyword, where)))
     _check_expanded(schema, targets)
 
 
-def _check_expanded(schema: Any, targets: dict[int, tuple[tuple, Any]]) -> None:
-    """Count the objects and arrays of the schema with each ``$ref`` replaced by its target,
+def _check_expanded(schema: Any, targets: dict[int, list[tuple[str, tuple, Any]]]) -> None:
+    """Count the objects and arrays of the schema with each reference replaced by its target,
     without replacing any: each node's count is kept (by identity), so a definition reached
     along many paths is counted once and added at each. Linear in the schema's size, with a
     stack of its own. ConstraintError on a cycle of references or past the limit."""
     counts: dict[int, int] = {}
 
-    def children(node: Any) -> Iterator[tuple[tuple | None, Any]]:
+    def children(node: Any) -> Iterator[tuple[tuple[str, tuple] | None, Any]]:
         values = node.values() if isinstance(node, Mapping) else node
         yield from ((None, v) for v in values if isinstance(v, Mapping | list | tuple))
-        if id(node) in targets and isinstance(targets[id(node)][1], Mapping | list | tuple):
-            yield targets[id(node)]
+        for keyword, path, target in targets.get(id(node), ()):
+            if isinstance(target, Mapping | list | tuple):
+                yield (keyword, path), target
 
     on_path = {id(schema)}
     stack = [[schema, children(schema), 1]]  # a node, its children left, its count so far
     while stack:
         frame = stack[-1]
-        target_path, child = next(frame[1], (None, None))
+        via, child = next(frame[1], (None, None))
         if child is None:
             stack.pop()
             on_path.discard(id(frame[0]))
@@ -245,10 +286,11 @@ def _check_expanded(schema: Any, targets: dict[int, tuple[tuple, Any]]) -> None:
                 stack[-1][2] += frame[2]
         elif id(child) in counts:
             frame[2] += counts[id(child)]
-        elif id(child) in on_path:  # only a $ref leads back up the tree
+        elif id(child) in on_path:  # only a reference leads back up the tree
+            keyword, target_path = via
             raise ConstraintError(
-                "json: $ref cycle through '#"
-                + "".join(f"/{p}" for p in target_path or ())
+                f"json: {keyword} cycle through '#"
+                + "".join(f"/{p}" for p in target_path)
                 + "': recursive schemas are not supported"
             )
         else:
@@ -258,13 +300,13 @@ def _check_expanded(schema: Any, targets: dict[int, tuple[tuple, Any]]) -> None:
         if stack and stack[-1][2] > MAX_SCHEMA_NODES:
             raise ConstraintError(
                 f"json: with each $ref replaced by what it points at, the schema holds more than "
-                f"{MAX_SCHEMA_NODES:,} objects and arrays (a $ref reached along many paths "
+                f"{MAX_SCHEMA_NODES:,} objects and arrays (a reference reached along many paths "
                 "multiplies: a definition that refers twice to the next doubles it at each level)"
             )
 
 
-def _resolve(schema: Any, ref: str, where: str) -> tuple[tuple, Any]:
-    """What a local ``$ref`` points at: its path and the node there."""
+def _resolve(schema: Any, ref: str, keyword: str, where: str) -> tuple[tuple, Any]:
+    """What a local reference points at: its path and the node there."""
     node, path = schema, []
     for raw in ref[2:].split("/") if ref != "#" else ():
         part = raw.replace("~1", "/").replace("~0", "~")
@@ -273,7 +315,7 @@ def _resolve(schema: Any, ref: str, where: str) -> tuple[tuple, Any]:
         elif isinstance(node, list | tuple) and part.isdigit() and int(part) < len(node):
             node, key = node[int(part)], int(part)
         else:
-            raise ConstraintError(f"json: $ref {quoted(ref)} at {where} points at nothing in the schema")
+            raise ConstraintError(f"json: {keyword} {quoted(ref)} at {where} points at nothing in the schema")
         path.append(key)
     return tuple(path), node
 
@@ -361,7 +403,7 @@ def _check_output(
             return False, "not a JSON object", NO_ANSWER
         import jsonschema
 
-        validator = _validator_class(constraint["json"])(constraint["json"])
+        validator = _validator_class(constraint["json"])(constraint["json"], registry=_no_retrieval())
         error = jsonschema.exceptions.best_match(validator.iter_errors(value))
         if error is not None:
             where = "/".join(map(str, error.absolute_path)) or "(root)"
@@ -376,6 +418,21 @@ def _validator_class(schema: Mapping[str, Any]):
 
     _jsonschema_on_re2()
     return jsonschema.validators.validator_for(schema)
+
+
+def _refuse_retrieval(uri: str):
+    raise LookupError(f"batchspec retrieves no schema ({uri[:200]}): only local references are followed")
+
+
+@functools.cache
+def _no_retrieval():
+    """jsonschema's registry for checking outputs: the meta-schemas it holds, and nothing it
+    may retrieve (its default fetches any URI a reference names, with urllib and no timeout).
+    A reference :func:`normalise` let through that points outside the schema is then that
+    output's ``cannot check the output``, never a request."""
+    from referencing import Registry
+
+    return Registry(retrieve=_refuse_retrieval)
 
 
 class _Re2Search:

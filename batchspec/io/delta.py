@@ -104,11 +104,11 @@ def _bounded_requests() -> dict[str, str]:
     a store that does not answer ends the operation within :func:`retry.budget_s`, exit 1."""
     from batchspec.io import retry
 
-    timeout = retry.REQUEST_TIMEOUT_S
+    timeout = retry.request_timeout_s()
     return {
         "timeout": f"{timeout:g}s",
         "connect_timeout": f"{min(timeout, 10.0):g}s",
-        "max_retries": str(max(retry.ATTEMPTS - 1, 0)),
+        "max_retries": str(max(retry.max_attempts() - 1, 0)),
         "retry_timeout": f"{max(retry.budget_s() - timeout, timeout):g}s",
     }
 

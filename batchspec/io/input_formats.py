@@ -48,6 +48,9 @@ class InputFormat:
     #: A table read at one pinned version through its log: the spec key that names the pin
     #: (``version``, ``snapshot``); None for files.
     pin_key: ClassVar[str | None] = None
+    #: The largest pin its library takes: a signed 64-bit number (Delta's version, Iceberg's
+    #: snapshot id), an unsigned one for Lance's version.
+    pin_max: ClassVar[int] = 2**63 - 1
     #: The library a table format reads with, and the extra that installs it.
     library: ClassVar[str | None] = None
     #: ``module:Class`` of a table's source (``shards``, ``latest``, ``reader``).
@@ -75,6 +78,11 @@ class InputFormat:
 
     #: ``module:Class`` of a file's reader, made with the input and output specs.
     file_reader: ClassVar[str] = "batchspec.io.reader:ParquetReader"
+
+    def override_sources(self, spec: JobSpec) -> tuple[str, dict[str, str]]:
+        """Where a row's own sampling values come from, as that row's error names them: what
+        they are and, per sampling key, its source (``input.sampling_columns``' columns)."""
+        return "columns", dict(spec.input.sampling_columns)
 
     def reader(self, shard: Shard, spec: JobSpec):
         """The reader of one of this format's files, its columns checked."""
@@ -108,6 +116,9 @@ class OpenAIBatchFormat(InputFormat):
         return named("batchspec.io.openai_batch:OpenAIBatchReader")(
             shard, spec, spec.execution.read_batch_rows
         )
+
+    def override_sources(self, spec):
+        return "fields", dict(named("batchspec.io.openai_batch:OVERRIDE_FIELDS"))
 
 
 class DeltaFormat(InputFormat):
@@ -143,6 +154,7 @@ class LanceFormat(InputFormat):
 
     name = "lance"
     pin_key = "version"
+    pin_max = 2**64 - 1
     library = "lance"
     source = "batchspec.io.lance:LanceInput"
     keys = ("version", "filter")

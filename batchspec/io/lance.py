@@ -9,13 +9,15 @@ fsspec ``storage_options`` are translated as for Delta (:func:`storage_options`)
 
 A commit is made idempotent twice over. Each commit's transaction carries the shards it adds in
 its properties (``batchspec.shards``), read back per version; and each shard's data files are
-named after it (``data/<shard>__<token>.lance``, the shard's name escaped to the characters
-object_store keeps as they are), so the current manifest alone says which shards it holds, after
-the versions that recorded them are cleaned up. A fragment written but not committed is named by
-no manifest: invisible."""
+named after it (``data/<key>__<token>.lance``, :func:`file_key`: the shard's name escaped to the
+characters object_store keeps as they are, or where that is long, its start and a hash of the
+name), so the current manifest alone says which shards it holds, after the versions that
+recorded them are cleaned up. A fragment written but not committed is named by no manifest:
+invisible; the commit of its shard by a later run removes it (:func:`_remove_leftovers`)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -26,9 +28,11 @@ from typing import TYPE_CHECKING, Any
 from batchspec.errors import InputDataError, RuntimeFailure, SpecError
 from batchspec.io.reader import ParquetReader
 from batchspec.io.records import CommitResult, FileFormat, Shard, ShardFile, TableFile, TableState
+from batchspec.io.retry import retry
 from batchspec.io.table_schema import check_output_schema
 from batchspec.io.tables import (
     DATA_DIR,
+    attempt_token,
     retry_commits,
     table_member,
 )
@@ -53,6 +57,13 @@ LINEAGE_PROPERTY = "batchspec.lineage"
 #: name never holds two underscores in a row (each ``_`` starts a ``_XX`` escape).
 FILE_SEP = "__"
 _KEPT = re.compile(r"[A-Za-z0-9.\-]")
+#: The longest a data file name's shard part (:func:`file_key`) may be, in bytes: with the
+#: separator, a token and the suffix, a name stays far below a file system's 255.
+KEY_MAX = 160
+#: Between the start of a long escaped name and the hash that stands for the whole of it: never
+#: in an escaped name, whose every ``_`` starts a ``_XX`` escape of upper-case hex digits.
+HASH_SEP = "_x"
+_HASH_HEX = 32
 
 
 # ------------------------------------------------------------------------------ shared
@@ -283,21 +294,42 @@ def _unescape(escaped: str) -> str | None:
         return None
 
 
+def file_key(shard_name: str) -> str:
+    """A shard's part of its data files' names: its name escaped (:func:`_escape`), or where
+    that is over :data:`KEY_MAX` bytes (a long name, or one of many non-ASCII characters, each
+    byte of which takes three), the escaped name's start, :data:`HASH_SEP` and a hash of the
+    name. Only the escaped form gives the shard's name back (:func:`shard_of`); either form says
+    whether a file is a shard's (:func:`key_of`)."""
+    escaped = _escape(shard_name)
+    if len(escaped) <= KEY_MAX:
+        return escaped
+    head = re.sub(r"_[0-9A-F]?$", "", escaped[: KEY_MAX - len(HASH_SEP) - _HASH_HEX])  # no half escape
+    return f"{head}{HASH_SEP}{hashlib.sha256(shard_name.encode()).hexdigest()[:_HASH_HEX]}"
+
+
 def data_file_name(shard_name: str, token: str) -> str:
     """A shard's data file, as a fragment names it (below the dataset's ``data/``)."""
-    return f"{_escape(shard_name)}{FILE_SEP}{token}.lance"
+    return f"{file_key(shard_name)}{FILE_SEP}{token}.lance"
 
 
-def shard_of(relative: str) -> str | None:
-    """The shard a data file (relative to the dataset's root) was written for; None for a file
-    batchspec did not write (a compaction's, another writer's)."""
+def key_of(relative: str) -> str | None:
+    """The :func:`file_key` a data file (relative to the dataset's root) was named with; None
+    for a file batchspec did not name (a compaction's, another writer's, Lance's own)."""
     prefix = DATA_DIR + "/"
     if not relative.startswith(prefix) or not relative.endswith(".lance"):
         return None
-    name, sep, _ = relative[len(prefix) : -len(".lance")].rpartition(FILE_SEP)
-    if not sep or not name or "_" in re.sub(r"_[0-9A-F]{2}", "", name):
+    key, sep, _ = relative[len(prefix) : -len(".lance")].rpartition(FILE_SEP)
+    head, hashed, digest = key.partition(HASH_SEP)
+    if not sep or not key or (hashed and not re.fullmatch(f"[0-9a-f]{{{_HASH_HEX}}}", digest)):
         return None
-    return _unescape(name)
+    return None if "_" in re.sub(r"_[0-9A-F]{2}", "", head) else key
+
+
+def shard_of(relative: str) -> str | None:
+    """The shard a data file (relative to the dataset's root) was written for, where its name
+    spells it; None for a file batchspec did not write, and for one named by a hash."""
+    key = key_of(relative)
+    return None if key is None or HASH_SEP in key else _unescape(key)
 
 
 @dataclass
@@ -396,9 +428,8 @@ def _name_after(out: OutputDir, shard_name: str, fragments: list) -> list[str]:
     random one), the fragment's metadata changed to it; the names, below ``data/``. A file
     moved and then not committed is named by no manifest."""
     from batchspec.io.output_dir import replace_durably
-    from batchspec.io.retry import retry
 
-    token = os.urandom(6).hex()
+    token = attempt_token()
     names = []
     for i, fragment in enumerate(fragments):
         for j, data in enumerate(fragment.files):
@@ -474,21 +505,35 @@ def _shards_of(properties: dict[str, str]) -> dict[str, dict]:
     return {n: lineage.get(n) if isinstance(lineage.get(n), dict) else {} for n in names}
 
 
-def _current_files(dataset, out: OutputDir) -> tuple[dict[str, str], dict[str, str]]:
+def _current_files(dataset, out: OutputDir) -> tuple[dict[str, str], dict[str, str], set[str]]:
     """The dataset's current fragments: batchspec's by shard (its first data file's URL), the
-    others by the path of their first data file."""
-    files, others = {}, {}
+    others by the path of their first data file; and the :func:`file_key` of every batchspec
+    data file among them. A file named by a hash is known by the shard whose key it has among
+    those the transactions record; with their versions cleaned up, by its path."""
+    files, others, keys, hashed = {}, {}, set(), {}
     for fragment in dataset.get_fragments():
         relative = data_files(dataset, fragment.metadata, out.display_url)
         if not relative:
             continue
         url = f"{out.display_url}/{relative[0]}"
+        key = key_of(relative[0])
         name = shard_of(relative[0])
+        if key is not None:
+            keys.add(key)
         if name is not None:
             files.setdefault(name, url)
+        elif key is not None and HASH_SEP in key:
+            hashed.setdefault(key, (relative[0], url))
         else:
             others[relative[0]] = url
-    return files, others
+    if hashed:
+        by_key = {file_key(name): name for name in recorded(dataset)}
+        for key, (relative, url) in hashed.items():
+            if key in by_key:
+                files.setdefault(by_key[key], url)
+            else:
+                others[relative] = url
+    return files, others, keys
 
 
 def table_state(out: OutputDir) -> TableState:
@@ -498,14 +543,14 @@ def table_state(out: OutputDir) -> TableState:
     dataset = _output(out)
     if dataset is None:
         return TableState(exists=False)
-    files, others = _current_files(dataset, out)
+    files, others, keys = _current_files(dataset, out)
     return TableState(
         exists=True,
         version=dataset.version,
         schema=dataset.schema,
         files=files,
         other_files=others,
-        is_committed=lambda name: name in files or name in recorded(dataset),
+        is_committed=lambda name: file_key(name) in keys or name in recorded(dataset),
     )
 
 
@@ -541,8 +586,9 @@ def commit(
             _ensure_dataset(out, schema)
             return None
         check_output_schema(canonical(dataset.schema), canonical(schema), "output.path", out.display_url)
-        current, _ = _current_files(dataset, out)
-        done = set(current) | set(recorded(dataset))
+        _, _, keys = _current_files(dataset, out)
+        names = recorded(dataset)
+        done = {f.shard for f in files if file_key(f.shard) in keys or f.shard in names}
         already = [f.shard for f in files if f.shard in done]
         todo = [f for f in files if f.shard not in done]
         if not todo:
@@ -568,9 +614,48 @@ def commit(
             raise RuntimeFailure(
                 f"committing to the Lance dataset {out.display_url} failed: {first_line(exc)}"
             ) from exc
+        try:
+            _remove_leftovers(out, [f.shard for f in todo], done_ds)
+        except Exception as exc:  # noqa: BLE001 (the shards are committed: a leftover is invisible)
+            log.warning("could not remove leftover data files of %s: %s", out.display_url, exc)
         return CommitResult(done_ds.version, [f.shard for f in todo], already)
 
     return retry_commits(attempt, f"committing to the Lance dataset {out.display_url}")
+
+
+def _remove_leftovers(out: OutputDir, shards: list[str], dataset) -> None:
+    """Remove the data files of ``shards``, just committed in ``dataset``'s version, that this
+    version does not name: those of attempts killed between writing their fragments and their
+    commit (one per kill), which no manifest names. None of them can be committed any more, as
+    every commit leaves out the shards the dataset holds: a run that took a shard over from a
+    process still alive is safe from it. ``data/`` is listed once a run (at its first commit):
+    the files there before it began."""
+    state = out.table_state
+    if state.listed is None:
+        folder = out.join(DATA_DIR)
+        out.fs.invalidate_cache(folder)
+        try:
+            found = retry(lambda: out.fs.ls(folder, detail=False), f"listing {sanitize_url(folder)}")
+        except FileNotFoundError:
+            found = []
+        finally:  # a cached listing would hide the files later attempts write (s3fs's info)
+            out.fs.invalidate_cache(folder)
+        state.listed = [f"{DATA_DIR}/{path.rstrip('/').rsplit('/', 1)[-1]}" for path in found]
+    keys = {file_key(name) for name in shards}
+    leftovers = [relative for relative in state.listed if key_of(relative) in keys]
+    if not leftovers:
+        return
+    # by file name: each holds its attempt's token, and a store may spell the folder otherwise
+    named = {
+        path.rstrip("/").rsplit("/", 1)[-1]
+        for fragment in dataset.get_fragments()
+        for path in data_files(dataset, fragment.metadata, out.display_url)
+    }
+    for relative in leftovers:
+        if relative.rsplit("/", 1)[-1] not in named:
+            log.info("removing %s: a data file of shard %s no commit named", relative, key_of(relative))
+            out.remove(out.join(relative))
+    state.listed = [relative for relative in state.listed if relative not in leftovers]
 
 
 # ------------------------------------------------------------------------------ report

@@ -76,6 +76,15 @@ CHAT_FIELDS = (
 )
 #: Completions body fields batchspec runs (beside ``model`` and ``prompt``).
 COMPLETION_FIELDS = (*_SAMPLING, "logprobs")
+#: The body field each of a line's sampling overrides comes from, as the row's error names it.
+OVERRIDE_FIELDS = {
+    **{key: f"body.{name}" for name, key in _SAMPLING.items()},
+    "logprobs": "body.logprobs",
+    "structured_outputs": "body.response_format",
+    "chat_template_kwargs": "body.chat_template_kwargs",
+    "thinking_token_budget": "body.thinking_token_budget",
+    "encoding_format": "body.encoding_format",
+}
 #: Body fields that change nothing batchspec generates: accepted and left alone.
 _NO_EFFECT = ("user", "metadata", "store")
 

@@ -15,6 +15,7 @@ Every bookkeeping path is built here, on :class:`OutputDir`, under ``<output.pat
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -27,7 +28,7 @@ import tempfile
 from fsspec.core import url_to_fs
 
 from batchspec.errors import InputDataError, quoted
-from batchspec.io.contained import plain_relative
+from batchspec.io.contained import name_max, plain_relative, short_name, too_long
 from batchspec.io.host import pid_alive, this_host
 from batchspec.io.output_formats import OUTPUT_FORMATS, OutputFormat, all_suffixes
 from batchspec.io.records import BOOKKEEPING_DIR, Shard, TableState
@@ -86,9 +87,11 @@ def _remove_dead_spools() -> None:
 
 
 def tmp_file_name(shard_name: str, suffix: str = ".parquet") -> str:
-    """A temporary file name that says which process owns it (flat: shard names may hold /);
-    ``suffix`` is the final file's (``.parquet``, ``.output.jsonl``, ``.errors.jsonl``)."""
-    flat = shard_name.replace("%", "%25").replace("/", "%2F")
+    """A temporary file name that says which process owns it; ``suffix`` is the final file's
+    (``.parquet``, ``.output.jsonl``, ``.errors.jsonl``). The shard is named by the start of
+    its name and a hash (:func:`short_name`, flat: shard names may hold /), so that a shard whose
+    own output name fits the file system never gets a temporary name that does not."""
+    flat = short_name(shard_name.replace("%", "%25").replace("/", "%2F"))
     return f"{flat}~{this_host()}~{os.getpid()}~{os.urandom(6).hex()}{suffix}.tmp"
 
 
@@ -167,6 +170,7 @@ class OutputDir:
         #: An Iceberg output: the table (``NAMESPACE.TABLE``) and its catalog's properties.
         self.table, self.catalog = table, dict(catalog or {})
         self._table_state = None
+        self._name_max: int | None = None
 
     @classmethod
     def of(cls, output) -> OutputDir:
@@ -201,14 +205,65 @@ class OutputDir:
         """A path below the output, from relative ``parts`` (a shard's name among them). The
         one gate of write containment: every path batchspec writes (outputs, manifests,
         leases, temporary files) is built here, and a name that is not plain and relative
-        (``..``, absolute, another store, a NUL) is refused, exit 3, whatever made it."""
+        (``..``, absolute, another store, a NUL) is refused, exit 3, whatever made it; so, on
+        local disk, is a path that a symbolic link already below the output leads elsewhere
+        (``out/sub -> /elsewhere``): the place is checked, not only the name."""
         relative = "/".join(parts)
         why = plain_relative(relative)
+        if why is None and self.is_local:
+            why = self._leaves(relative)
         if why is not None:
             raise InputDataError(
                 self.display_url, f"refused to use {quoted(relative)} below the output: {why}"
             )
         return posixpath.join(self.path, relative)
+
+    def _leaves(self, relative: str) -> str | None:
+        """Why the local path ``relative`` names is not below the output once symbolic links
+        are followed (each folder on the way, and the file itself), or None. The output's own
+        path may be a link: it is followed too."""
+        root = os.path.realpath(self.path)
+        real = os.path.realpath(posixpath.join(self.path, relative))
+        if real == root or real.startswith(root.rstrip("/") + "/"):
+            return None
+        return f"a symbolic link below the output leads it outside the output, to {quoted(real)}"
+
+    def check_folders(self) -> None:
+        """Exit 3 (:meth:`join`) where a folder batchspec or the table's library writes in is a
+        symbolic link leading out of the output (``_batchspec`` and its folders; a table's
+        data and log folders): found when a run plans, before anything is written."""
+        folders = [BOOKKEEPING_DIR] + [
+            f"{BOOKKEEPING_DIR}/{name}" for name in ("manifest", "locks", "runs", "tmp", "auto")
+        ]
+        folders += list(self.format.folders)
+        for folder in folders:
+            self.join(folder)
+
+    def unnamable(self, shard: Shard) -> str | None:
+        """Why a shard's files cannot be named on this output (local disk: one of its names'
+        segments is over the file system's limit, its output or data file, its manifest or its
+        lease), or None where they can. Temporary files and a Lance dataset's data files have
+        names of bounded length; these are the names that follow the shard's own."""
+        if not self.is_local:
+            return None
+        if self._name_max is None:
+            self._name_max = name_max(self.path)
+        limit = self._name_max
+        names = [
+            *self.format.file_names(shard.name),
+            f"{BOOKKEEPING_DIR}/manifest/{shard.name}.json",
+            f"{BOOKKEEPING_DIR}/locks/{shard.name}.json",
+        ]
+        for name in names:
+            segment = too_long(name, limit)
+            if segment is not None:
+                return (
+                    f"its output would need the file name {quoted(segment)} "
+                    f"({len(segment.encode())} bytes), longer than the {limit} bytes a file name "
+                    f"may have on {self.display_url}'s file system: give the input file a shorter "
+                    "name (the output mirrors the input's names)"
+                )
+        return None
 
     def output_path(self, shard: Shard) -> str:
         """The shard's output file (its results file, where the format has more than one)."""
@@ -284,6 +339,10 @@ class OutputDir:
                     return f.read()
             except FileNotFoundError:
                 return None
+            except OSError as exc:
+                if exc.errno == errno.ENAMETOOLONG:
+                    return None  # a name the file system cannot hold: no such file
+                raise
 
         data = retry(read, f"reading {path}")
         if data is None:
@@ -322,7 +381,11 @@ class OutputDir:
         data = (json.dumps(record, indent=2, sort_keys=True, default=str) + "\n").encode()
         if self.is_local:
             os.makedirs(posixpath.dirname(path), exist_ok=True)
-            tmp = f"{path}.{os.getpid()}.{os.urandom(4).hex()}.tmp"
+            # beside it, named so that it fits wherever the name itself does
+            tmp = posixpath.join(
+                posixpath.dirname(path),
+                f"{short_name(posixpath.basename(path))}.{os.getpid()}.{os.urandom(4).hex()}.tmp",
+            )
             with open(tmp, "wb") as f:
                 f.write(data)
             replace_durably(tmp, path)
@@ -356,6 +419,10 @@ class OutputDir:
                 st = os.stat(path)
             except FileNotFoundError:
                 return None
+            except OSError as exc:
+                if exc.errno == errno.ENAMETOOLONG:
+                    return None  # a name the file system cannot hold (a bad shard's): no such file
+                raise
             return {"size": st.st_size, "ino": st.st_ino, "mtime_ns": st.st_mtime_ns}
 
         def info():

@@ -22,13 +22,14 @@ from batchspec.errors import InputDataError
 from batchspec.io.input_formats import named
 from batchspec.io.records import METADATA_KEY, CommitResult, OutputLocation, Shard, ShardFile, TableState
 from batchspec.spec.model import OUTPUT_FORMATS as FORMAT_NAMES
+from batchspec.tasks import task_for
 
 if TYPE_CHECKING:
     import polars as pl
     import pyarrow as pa
 
     from batchspec.io.rows import Row
-    from batchspec.spec.model import OutputSpec
+    from batchspec.spec.model import JobSpec, OutputSpec
 
 
 class ResultWriter(Protocol):
@@ -141,6 +142,16 @@ class OutputFormat:
     def suffix(self) -> str:
         """The results file's suffix."""
         return next(iter(self.parts.values()))
+
+    @property
+    def folders(self) -> tuple[str, ...]:
+        """Folders below the output that a table's library writes in (its data, its log)."""
+        return ()
+
+    def file_names(self, shard_name: str) -> list[str]:
+        """A shard's committed files, relative to the output, as this format names them (a
+        data file with a token of its length): the names that must fit the store."""
+        return [shard_name + suffix for suffix in self.parts.values()]
 
     def writer(
         self,
@@ -274,6 +285,14 @@ class TableOutput(ParquetOutput):
 
         return importlib.import_module(self.module)
 
+    @property
+    def folders(self) -> tuple[str, ...]:
+        return (named("batchspec.io.tables:DATA_DIR"), self.marker)
+
+    def file_names(self, shard_name: str) -> list[str]:
+        tables = "batchspec.io.tables"
+        return [named(f"{tables}:data_file_path")(shard_name, named(f"{tables}:attempt_token")())]
+
     def writer(self, out, shard, output, kept_fields, metadata, result_fields=None):
         writer = named("batchspec.io.writer:TableFileWriter")
         return writer(
@@ -359,6 +378,11 @@ class LanceOutput(TableOutput):
             out, shard, kept_fields, metadata, output.row_group_rows, result_fields=result_fields
         )
 
+    def file_names(self, shard_name):
+        tables = "batchspec.io.tables"
+        name = self._lib().data_file_name(shard_name, named(f"{tables}:attempt_token")())
+        return [f"{named(f'{tables}:DATA_DIR')}/{name}"]
+
     def open_shard(self, out, name):
         """One of the dataset's current fragments (batchspec's by shard, others by path)."""
         from batchspec.columns import COMMON_RESULT_NAMES, REQUEST_ID
@@ -400,6 +424,13 @@ FORMAT_KEYS: dict[str, tuple[str, ...]] = {
 def output_format(name: str) -> OutputFormat:
     """The format ``output.format`` names (one of :data:`OUTPUT_FORMATS`)."""
     return OUTPUT_FORMATS[name]
+
+
+def result_fields(spec: JobSpec) -> list:
+    """The result columns of the job's task (after request_id and the kept columns): an
+    embedding's size fixed in the schema where the output format has fixed-size lists."""
+    fixed = output_format(spec.output.format).fixed_size_lists
+    return task_for(spec.task, spec.cross_encoder).fields(spec.dimensions if fixed else None)
 
 
 def all_suffixes() -> tuple[str, ...]:

@@ -130,6 +130,9 @@ class TableState:
     other_files: dict[str, str] = field(default_factory=dict)
     #: shard name -> whether the table records it (Delta asks the log per shard)
     is_committed: Callable[[str], bool] = lambda name: False
+    #: A Lance output: the files in its ``data/`` folder (relative to the root), listed when a
+    #: commit first asks, so that it removes its shards' leftovers (:mod:`batchspec.io.lance`)
+    listed: list[str] | None = None
 
 
 @dataclass

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import errno
 import logging
-import os
 import random
 import time
 from collections.abc import Callable
 from typing import TypeVar
 
+from batchspec import settings
 from batchspec.errors import BatchspecError, RuntimeFailure
 
 log = logging.getLogger(__name__)
@@ -26,27 +26,38 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-#: Attempts for one storage operation, and the first and largest backoff between them. Read at
-#: each use, so that tests (and embedding code) may change them.
-ATTEMPTS = int(os.environ.get("BATCHSPEC_STORAGE_ATTEMPTS", "5"))
-
-
-BACKOFF_S = float(os.environ.get("BATCHSPEC_STORAGE_BACKOFF_S", "0.5"))
-
-
+#: Attempts for one storage operation, the first and largest backoff between them, and the
+#: seconds one storage request may wait for an answer (a store that takes the connection and
+#: never answers costs this, not forever; given to the clients that take it, delta-rs's). None:
+#: the environment's ``BATCHSPEC_STORAGE_ATTEMPTS``, ``_BACKOFF_S``, ``_TIMEOUT_S``
+#: (:mod:`batchspec.settings`), read at each use; tests (and embedding code) may set them.
+ATTEMPTS: int | None = None
+BACKOFF_S: float | None = None
 MAX_BACKOFF_S = 20.0
+REQUEST_TIMEOUT_S: float | None = None
 
 
-#: Seconds one storage request may wait for an answer: a store that takes the connection and
-#: never answers costs this, not forever. Given to the clients that take it (delta-rs's).
-REQUEST_TIMEOUT_S = float(os.environ.get("BATCHSPEC_STORAGE_TIMEOUT_S", "30"))
+def max_attempts() -> int:
+    """Attempts for one storage operation (:data:`ATTEMPTS`)."""
+    return int(settings.STORAGE_ATTEMPTS.value()) if ATTEMPTS is None else ATTEMPTS
+
+
+def first_backoff_s() -> float:
+    """The first backoff between two attempts (:data:`BACKOFF_S`)."""
+    return settings.STORAGE_BACKOFF_S.value() if BACKOFF_S is None else BACKOFF_S
+
+
+def request_timeout_s() -> float:
+    """Seconds one storage request may wait for an answer (:data:`REQUEST_TIMEOUT_S`)."""
+    return settings.STORAGE_TIMEOUT_S.value() if REQUEST_TIMEOUT_S is None else REQUEST_TIMEOUT_S
 
 
 def budget_s() -> float:
     """The longest a client that retries by itself may keep retrying one operation: the time
     this module's own attempts would take at the most (each attempt's timeout, the backoffs)."""
-    backoffs = sum(min(MAX_BACKOFF_S, BACKOFF_S * 2**i) * 1.5 for i in range(ATTEMPTS - 1))
-    return ATTEMPTS * REQUEST_TIMEOUT_S + backoffs
+    tries, first = max_attempts(), first_backoff_s()
+    backoffs = sum(min(MAX_BACKOFF_S, first * 2**i) * 1.5 for i in range(tries - 1))
+    return tries * request_timeout_s() + backoffs
 
 
 _PERMANENT = (
@@ -177,7 +188,7 @@ def is_transient(exc: BaseException) -> bool:
 def backoff_s(failures: int) -> float:
     """Seconds to wait after the ``failures``-th failure of one operation: exponential from
     :data:`BACKOFF_S` up to :data:`MAX_BACKOFF_S`, with jitter so that workers spread out."""
-    return min(MAX_BACKOFF_S, BACKOFF_S * 2 ** (failures - 1)) * (0.5 + random.random())
+    return min(MAX_BACKOFF_S, first_backoff_s() * 2 ** (failures - 1)) * (0.5 + random.random())
 
 
 class Attempts:
@@ -191,7 +202,7 @@ class Attempts:
         on_retry: Callable[[int, BaseException, float], None] | None = None,
     ):
         self.what = what
-        self.limit = attempts or ATTEMPTS
+        self.limit = attempts or max_attempts()
         self.on_retry = on_retry
         self.failures = 0
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
+import os
 import random
 import time
 import urllib.parse
@@ -148,8 +149,16 @@ def refused_error(shard: Shard) -> InputDataError | None:
 # --------------------------------------------------------------------------------- output
 
 
+def attempt_token() -> str:
+    """A new token for one attempt's data file name (12 hex digits)."""
+    return os.urandom(6).hex()
+
+
 def data_file_path(shard_name: str, token: str) -> str:
-    """A shard's data file, relative to the table's root: one name per attempt."""
+    """A shard's data file, relative to the table's root: one name per attempt. It follows the
+    shard's name (its folders, then its last segment and the token): a shard whose name leaves
+    no room for the token on the store is a bad shard when the run checks its inputs
+    (:meth:`batchspec.io.output_dir.OutputDir.unnamable`)."""
     return f"{DATA_DIR}/{shard_name}{ATTEMPT_SEP}{token}.parquet"
 
 

@@ -59,7 +59,7 @@ _TRANSFERS = frozenset({"put_file", "get_file", "put", "get", "open", "open_asyn
 
 def bound_requests(fs):
     """``fs`` with each call of an async fsspec filesystem (s3fs, gcsfs, adlfs) ended after
-    :data:`batchspec.io.retry.REQUEST_TIMEOUT_S` (a transient error, so retried within the
+    :func:`batchspec.io.retry.request_timeout_s` (a transient error, so retried within the
     storage retries' budget): a store that takes the connection and never answers would
     otherwise hold a run for as long as its client's own defaults (minutes, for Azure's)."""
     import functools
@@ -69,7 +69,7 @@ def bound_requests(fs):
 
     from batchspec.io import retry
 
-    timeout_s = retry.REQUEST_TIMEOUT_S
+    timeout_s = retry.request_timeout_s()
     if not isinstance(fs, AsyncFileSystem) or vars(fs).get("_batchspec_timeout_s") == timeout_s:
         return fs
     # each sync method whose coroutine ``_name`` exists calls it with a deadline (what

@@ -113,11 +113,11 @@ class TableFileWriter(ParquetWriter):
     folder, where no reader looks until a table commit names it."""
 
     def commit(self) -> dict[str, Any]:
-        from batchspec.io.tables import data_file_path
+        from batchspec.io.tables import attempt_token, data_file_path
 
         self.flush()
         self._writer.close()
-        relative = data_file_path(self.shard.name, os.urandom(6).hex())
+        relative = data_file_path(self.shard.name, attempt_token())
         final = self.out.join(relative)
         self.out.publish(self.tmp_path, final)
         info = committed_info(self.out, final)

@@ -62,13 +62,9 @@ from batchspec.leases.protocol import (
 )
 from batchspec.leases.s3 import S3Store
 from batchspec.leases.stores import BestEffortStore, cas_store_for
+from batchspec.spec.model import ExecutionSpec
 
 log = logging.getLogger(__name__)
-
-
-#: Seconds a holder may go without renewing before another process may take its shard over
-#: (object stores only: a local lease ends with its process).
-LEASE_S = float(os.environ.get("BATCHSPEC_LEASE_S", "120"))
 
 
 # ---------------------------------------------------------------------- the lease set
@@ -219,10 +215,12 @@ class ShardLeases:
 
     ``owner`` (run_id, host, pid, started_at) is written into each lease record so that other
     processes can say who holds a shard. Use as a context manager (or call :meth:`start` and
-    :meth:`stop`) to keep held leases renewed every ``lease_s / 4``.
+    :meth:`stop`) to keep held leases renewed every ``lease_s / 4``. ``lease_s``: the seconds a
+    holder may go without renewing before another process may take its shard over (object
+    stores only: a local lease ends with its process), a job's ``execution.lease_s``.
     """
 
-    def __init__(self, out: OutputDir, owner: dict, lease_s: float = LEASE_S):
+    def __init__(self, out: OutputDir, owner: dict, lease_s: float = ExecutionSpec.lease_s):
         self.out = out
         self.owner = dict(owner)
         self.lease_s = float(lease_s)
@@ -559,6 +557,15 @@ def _lease_s_of(record: dict | None) -> float:
         return 0.0
 
 
-def holder_text(lock: dict) -> str:
-    """A lease holder in words: its run, host and pid."""
-    return f"run {lock.get('run_id')} on {lock.get('host')} pid {lock.get('pid')}"
+def holder_text(lock: dict | None) -> str:
+    """A lease holder in words: its run, host and pid, each one the record lacks said to be
+    unknown; where the record names none (no lease is held now, or it cannot be read), that the
+    holder is unknown, and why."""
+    lock = lock or {}
+    known = {k: v for k in ("run_id", "host", "pid") if (v := lock.get(k)) not in (None, "", "unknown")}
+    if not known:
+        return f"holder unknown: {lock.get('note') or 'no lease names one now'}"
+    return (
+        f"run {known.get('run_id', 'unknown')} on {known.get('host', 'an unknown host')} "
+        f"pid {known.get('pid', 'unknown')}"
+    )

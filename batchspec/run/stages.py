@@ -28,7 +28,7 @@ from batchspec.io.jsonl import JsonLinesReader
 from batchspec.io.listing import assign, check_worker, discover_shards
 from batchspec.io.locations import check_no_overlap, same_store
 from batchspec.io.output_dir import OutputDir
-from batchspec.io.output_formats import ResultWriter
+from batchspec.io.output_formats import ResultWriter, result_fields
 from batchspec.io.reader import ParquetReader, Row, open_reader
 from batchspec.io.records import Shard
 from batchspec.io.rows import SeenIds
@@ -81,6 +81,7 @@ def plan(
         spec.input.paths, spec.input.storage_options, spec.output.path, spec.output.storage_options
     )
     out = out or OutputDir.of(spec.output)
+    out.check_folders()  # exit 3 where a link below the output leads out of it
     if out.format.table and overwrite:
         raise SpecError(
             "--overwrite",
@@ -166,9 +167,12 @@ def check_inputs(
     """Check every pending shard's schema before loading any model: a missing column exits 3
     now (``bad_shard`` raises), or the shard is left out (``on_bad_shard: skip``). With a table
     output (``out``), its schema is checked against the job's columns (exit 2 naming one).
-    Returns the readable shards and each one's row count."""
+    Returns the readable shards and each one's row count. A shard whose output files cannot
+    be named on the output's store (a name over its file system's limit) is a bad shard too."""
     ok: list[Shard] = []
     row_counts: dict[str, int] = {}
+    if out is not None:
+        todo = [s for s in todo if _nameable(s, out, bad_shard)]
     if todo and todo[0].table is not None:
         return _check_table(spec, todo, bad_shard, out)
     kept: dict[str, tuple[list, set[str], bool]] = {}
@@ -185,6 +189,16 @@ def check_inputs(
     if out is not None and out.format.table and ok:
         ok = _conform_to_table(spec, ok, kept, bad_shard, out)
     return ok, row_counts
+
+
+def _nameable(shard: Shard, out: OutputDir, bad_shard: Callable[[Shard, InputDataError], None]) -> bool:
+    """Whether the shard's output files can be named on ``out``; else ``bad_shard`` (exit 3
+    naming the shard, or left out with ``on_bad_shard: skip``) before any other is read."""
+    why = out.unnamable(shard)
+    if why is None:
+        return True
+    bad_shard(shard, InputDataError(sanitize_url(shard.url), why))
+    return False
 
 
 def _conform_to_table(
@@ -208,12 +222,12 @@ def _conform_to_table(
     from batchspec.io.table_schema import conform_kept, kept_target
 
     table = out.table_state.schema if out.table_state.exists else None
-    ours = set(output_schema(output_fields(spec, []), spec.result_fields()).names)
+    ours = set(output_schema(output_fields(spec, []), result_fields(spec)).names)
     existing = None if table is None else [f for f in table if f.name not in ours]
     target = kept_target(
         [kept[s.name][:2] for s in shards], None if existing is None else pa.schema(existing)
     )
-    out.check_table_schema(output_fields(spec, target), spec.result_fields())
+    out.check_table_schema(output_fields(spec, target), result_fields(spec))
     good = []
     for s in shards:
         fields, untyped, json_lines = kept[s.name]
@@ -244,7 +258,7 @@ def _check_table(
             bad_shard(s, exc)  # raises unless on_bad_shard: skip
         return [], {}
     if out is not None and out.format.table:
-        out.check_table_schema(output_fields(spec, kept), spec.result_fields())
+        out.check_table_schema(output_fields(spec, kept), result_fields(spec))
     ok: list[Shard] = []
     row_counts: dict[str, int] = {}
     for s in todo:
@@ -268,7 +282,7 @@ def _check_table(
 
 def output_fields(spec: JobSpec, kept: list) -> list:
     """The columns an output file has beside the result columns, from the input's kept ones."""
-    results = {f.name for f in spec.result_fields()} if spec.task != "generate" else set()
+    results = {f.name for f in result_fields(spec)} if spec.task != "generate" else set()
     kept = [f for f in kept if f.name not in results]  # a pooling task's `embedding` wins, say
     answers = answer_column(spec)
     return answers.fields(kept) if answers is not None else kept
@@ -437,7 +451,7 @@ class ShardPipeline:
             metadata["input_pin"] = getattr(run.shard.table.source, "pin", None)
         kept = output_fields(spec, run.reader.kept_fields)  # a typed answer after the kept columns
         run.writer = self.out.format.writer(
-            self.out, run.shard, spec.output, kept, metadata, spec.result_fields()
+            self.out, run.shard, spec.output, kept, metadata, result_fields(spec)
         )
         run.started = time.monotonic()
         self.events.emit(
@@ -673,6 +687,8 @@ class ShardPipeline:
         """Our lease on this shard is gone: drop our copy (``ABANDONED``), never commit it."""
         self.drop(run, ShardState.ABANDONED)
         holder = self.leases.holder(run.shard.name) or {}
+        if all(holder.get(k) == self.leases.owner.get(k) for k in ("run_id", "host", "pid")):
+            holder = {"note": "the shard's lease still names this run"}  # names no other
         self.outcome.lost[run.shard.name] = f"{why}: {holder_text(holder)}"
         self.events.emit(
             "shard_conflict",

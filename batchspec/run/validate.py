@@ -13,8 +13,10 @@ from batchspec.columns import error_reason
 from batchspec.engine.checks import max_model_len
 from batchspec.engine.tokens import length_error, prompt_token_ids
 from batchspec.errors import EXIT_BAD_INPUT, InputDataError
+from batchspec.io.locations import check_no_overlap
 from batchspec.io.reader import open_reader
 from batchspec.io.states import ShardState
+from batchspec.redact import sanitize_url
 from batchspec.run.stages import plan
 from batchspec.spec.model import JobSpec
 
@@ -63,12 +65,17 @@ def validate_job(spec: JobSpec, worker_index: int = 0, num_workers: int = 1) -> 
         check_row,
         check_vllm_keys,
         override_error,
+        override_sources,
         row_template_kwargs,
         template_kwargs,
     )
     from batchspec.engine.lora import unknown_adapter
     from batchspec.engine.structured import normalise
 
+    # as a run does: overlapping locations first, then the keys vLLM takes (both exit 2)
+    check_no_overlap(
+        spec.input.paths, spec.input.storage_options, spec.output.path, spec.output.storage_options
+    )
     check_vllm_keys(spec)
     if spec.speculative_auto is not None:
         from batchspec.tune.auto import check_auto
@@ -78,6 +85,7 @@ def validate_job(spec: JobSpec, worker_index: int = 0, num_workers: int = 1) -> 
     constraint = spec.sampling.get("structured_outputs")
     base = normalise(constraint) if constraint is not None else None
     max_logprobs = spec.model.engine.get("max_logprobs", 20)
+    sources = override_sources(spec)
     given = spec.sampling.get(TEMPLATE_KWARGS)
     base_kwargs = template_kwargs(given) if given is not None else {}
     p = plan(spec, worker_index, num_workers)
@@ -92,6 +100,11 @@ def validate_job(spec: JobSpec, worker_index: int = 0, num_workers: int = 1) -> 
     for shard in shards:
         check = ShardCheck(shard.name, shard.url, states[shard.name])
         report.shards.append(check)
+        unnamable = p.out.unnamable(shard) if states[shard.name] is not ShardState.COMMITTED else None
+        if unnamable is not None:  # what a run's input check says of it
+            check.problem = str(InputDataError(sanitize_url(shard.url), unnamable))
+            report.exit_code = EXIT_BAD_INPUT
+            continue
         try:
             reader = open_reader(shard, spec)
         except InputDataError as exc:
@@ -108,12 +121,12 @@ def validate_job(spec: JobSpec, worker_index: int = 0, num_workers: int = 1) -> 
                     try:
                         check_row(base, row.overrides, max_logprobs, spec.execution.max_n)
                     except Exception as exc:  # noqa: BLE001 (what a run makes an error row)
-                        reason = override_error(row.overrides, spec.input.sampling_columns, exc)
+                        reason = override_error(row.overrides, sources, exc)
                 if reason is None:
                     try:
                         kwargs = row_template_kwargs(base_kwargs, row)
                     except ValueError as exc:
-                        kwargs, reason = None, override_error(row.overrides, spec.input.sampling_columns, exc)
+                        kwargs, reason = None, override_error(row.overrides, sources, exc)
                 if reason is None:
                     ids = prompt_token_ids(tokenizer, row, kwargs)
                     check.max_prompt_tokens = max(check.max_prompt_tokens, len(ids))

@@ -8,7 +8,7 @@ import dataclasses
 import json
 from typing import Any
 
-from batchspec.errors import SpecError
+from batchspec.errors import SpecError, quoted
 from batchspec.spec.checkpoints import method_of
 from batchspec.spec.fields import (
     Fields,
@@ -370,8 +370,8 @@ def _input_table(inp: Fields, fmt) -> dict:
     values = {
         "table": inp.get("table", str),
         "catalog": dict(inp.get("catalog", dict)),
-        "version": _version(inp, "version"),
-        "snapshot": _version(inp, "snapshot"),
+        "version": _version(inp, "version", fmt),
+        "snapshot": _version(inp, "snapshot", fmt),
         "filter": inp.get("filter", str),
     }
     if values["filter"] is not None:
@@ -379,10 +379,13 @@ def _input_table(inp: Fields, fmt) -> dict:
     return values
 
 
-def _version(fields: Fields, key: str) -> int | None:
+def _version(fields: Fields, key: str, fmt) -> int | None:
+    """A table's pin, 0 to the largest its library takes (``fmt.pin_max``)."""
     value = fields.get(key, int)
-    if value is not None and value < 0:
-        raise SpecError(f"{fields.name}.{key}", f"expected a {key} number, 0 or more, got {value}")
+    if value is not None and not 0 <= value <= fmt.pin_max:
+        raise SpecError(
+            f"{fields.name}.{key}", f"expected a {key} number, 0 to {fmt.pin_max}, got {quoted(value)}"
+        )
     return value
 
 

@@ -48,6 +48,17 @@ def local_path(model: Any) -> Path | None:
     return path if os.path.lexists(path) else None
 
 
+def missing_path(model: Any) -> str | None:
+    """Why ``model`` names nothing vLLM could load, or None: a path (absolute, or starting with
+    ``~`` or ``.``, as no model id does) with nothing there, which vLLM would try as a model id
+    and fail on after its start-up."""
+    if not isinstance(model, str) or not model.startswith(("/", "~", ".")) or "\0" in model:
+        return None
+    if os.path.lexists(Path(model).expanduser()):
+        return None
+    return f"{model}: no such file or directory (a path, not a model id)"
+
+
 def _json_kind(value: Any) -> str:
     if value is None:
         return "null"

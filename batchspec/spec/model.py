@@ -8,7 +8,7 @@ from typing import Any, Literal, get_args
 
 from batchspec.redact import public_spec
 from batchspec.redact import secret_values as _secret_values
-from batchspec.tasks import TaskName, task_for
+from batchspec.tasks import TaskName
 
 # Every choice a key offers is a Literal type on its field: spec/build.py checks each value
 # against its field's type, in one place.
@@ -377,14 +377,6 @@ class JobSpec:
     #: one label in its ``config.json``), which reads both texts in one request; else each text is
     #: embedded. Found when the spec is built, never given.
     cross_encoder: bool = False
-
-    def result_fields(self) -> list:
-        """The result columns of this job's task (after request_id and the kept columns): an
-        embedding's size fixed in the schema where the output format has fixed-size lists."""
-        from batchspec.io.output_formats import output_format  # lazy: io/ sits above spec/
-
-        fixed = output_format(self.output.format).fixed_size_lists
-        return task_for(self.task, self.cross_encoder).fields(self.dimensions if fixed else None)
 
     def public(self) -> dict[str, Any]:
         """The resolved spec as it may be persisted or logged (:func:`batchspec.redact.public_spec`):

@@ -52,3 +52,29 @@ def test_a_malformed_random_target_is_refused_naming_the_option(shape):
     )
     assert done.returncode == 2 and done.stdout == ""
     assert "--random-target" in done.stderr and repr(shape) in done.stderr
+
+
+@pytest.mark.parametrize(
+    "flag, value",
+    [
+        ("--batch-size", "0"),
+        ("--new-tokens", "0"),
+        ("--prompt-tokens", "-3"),
+        ("--sequences", "0"),
+        ("--heldout", "0"),
+        ("--draft-steps", "-1"),
+        ("--head-steps", "0"),
+        ("--patience", "x"),
+    ],
+)
+def test_a_count_that_is_not_positive_is_refused_naming_the_option_before_any_work(flag, value):
+    """``--batch-size 0`` was a traceback after a minute of generating continuations."""
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "gpu_check.py"), flag, value],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
+    assert done.returncode == 2 and done.stdout == "", done.stderr[-2000:]
+    assert f"argument {flag}: expected a positive integer, got {value!r}" in done.stderr, done.stderr

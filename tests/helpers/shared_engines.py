@@ -156,6 +156,7 @@ class SharedEngines:
         """The started engine for ``spec``'s model, engine arguments and speculation, ready to
         generate with ``spec``'s sampling."""
         key = self.key(spec)
+        _log_use(key, started=key not in self._engines)
         if key in self._engines:
             self._engines.move_to_end(key)
         else:
@@ -252,6 +253,27 @@ class SharedEngines:
             except psutil.Error:
                 pass
         psutil.wait_procs(procs, timeout=10)
+
+
+def _log_use(key: str, started: bool) -> None:
+    """With the suite's engine log on (tests/helpers/engine_counter), each request for a shared
+    engine is a line of ``LOG.shared``: the order of engine configurations the tests ask for, from
+    which the start-ups of another keep policy can be counted."""
+    import hashlib
+
+    path = os.environ.get("BATCHSPEC_TEST_ENGINE_LOG")
+    if not path:
+        return
+    line = json.dumps(
+        {
+            "key": hashlib.sha256(key.encode()).hexdigest()[:10],
+            "started": started,
+            "test": os.environ.get("PYTEST_CURRENT_TEST", "?"),
+            "time": round(time.time(), 1),
+        }
+    )
+    with open(f"{path}.shared", "a") as fh:
+        fh.write(line + "\n")
 
 
 def _available() -> int:

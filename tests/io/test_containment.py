@@ -100,6 +100,56 @@ def test_every_output_format_refuses_a_shard_name_outside_the_output(tmp_path, f
             build()
 
 
+# ------------------------------------------------------------------------------ symbolic links
+
+
+def _jsonl_job(tmp_path: Path, **output) -> dict:
+    return {
+        "name": "links",
+        "input": {"path": str(tmp_path / "in"), "prompt_column": "prompt", "format": "jsonl"},
+        "output": {"path": str(tmp_path / "out"), **output},
+        "model": {"target": "unused"},
+        "sampling": {"temperature": 0.0, "max_tokens": 8},
+    }
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "delta"])
+def test_a_link_inside_the_output_leading_out_of_it_is_exit_3(tmp_path, fmt):
+    """``out/sub -> elsewhere`` and an input ``sub/data.jsonl``: the output's name is plain and
+    relative, its place is not below the output; refused before anything is written there."""
+    for name in ("a.jsonl", "sub/data.jsonl"):
+        (tmp_path / "in" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "in" / name).write_text('{"prompt": "p"}\n')
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "data.parquet").write_bytes(b"not batchspec's")
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "sub").symlink_to(elsewhere)
+    if fmt == "delta":  # the table's data folder, which delta-rs and batchspec write in
+        (tmp_path / "out" / "sub").rename(tmp_path / "out" / "data")
+    spec = build_spec(_jsonl_job(tmp_path, format=fmt))
+    with pytest.raises(InputDataError, match="symbolic link below the output leads it outside") as caught:
+        run(spec)
+    assert caught.value.exit_code == 3 and str(tmp_path / "out") in str(caught.value)
+    assert _files_under(elsewhere) == {"data.parquet": b"not batchspec's"}
+
+
+def test_a_linked_bookkeeping_folder_is_exit_3_and_nothing_lands_where_it_leads(tmp_path):
+    """``out/_batchspec -> elsewhere``: no manifest, lease, temporary file or run summary there."""
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "a.jsonl").write_text('{"prompt": "p"}\n')
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "_batchspec").symlink_to(elsewhere)
+    spec = build_spec(_jsonl_job(tmp_path))
+    for _ in range(2):
+        with pytest.raises(InputDataError, match="symbolic link below the output") as caught:
+            run(spec)
+        assert caught.value.exit_code == 3 and "_batchspec" in str(caught.value)
+    assert _files_under(elsewhere) == {} and not list((tmp_path / "out").glob("*.parquet"))
+
+
 # ------------------------------------------------------------------------------ Delta
 
 

@@ -113,6 +113,48 @@ def test_a_sigkill_around_a_lance_commit_leaves_every_row_once(tmp_path, crash):
     assert rerun.returncode == 0, rerun.stderr
     assert lance_rows(spec) == _file_ids(3, 5)
     assert [s["state"] for s in job_status(spec)["shards"]] == ["committed"] * 3
+    # the killed attempt's files, named by no version, went when the rerun committed their shards
+    assert _data_files(tmp_path / "out.lance") == _named(spec)
+
+
+def _data_files(root) -> list[str]:
+    return sorted(p.name for p in (root / "data").iterdir())
+
+
+def _named(spec) -> list[str]:
+    """The data files the dataset's versions name, every version's."""
+    dataset = _dataset(spec)
+    return sorted(
+        {
+            data.path
+            for version in dataset.versions()
+            for fragment in dataset.checkout_version(version["version"]).get_fragments()
+            for data in fragment.metadata.files
+        }
+    )
+
+
+def test_a_shard_named_with_many_non_ascii_characters_into_a_lance_dataset(tmp_path):
+    """30 CJK characters (90 bytes; 270 escaped, each byte as _XX): its data file is named by
+    the escaped name's start and a hash of the name, under 255 bytes; status and a rerun find
+    the shard committed by it, and a report names it."""
+    from batchspec.report.read import load_output
+
+    name = "中" * 30
+    write_parquet(tmp_path / "in" / f"{name}.parquet", {"prompt": ["p0", "p1"], "k": [0, 1]})
+    shards(tmp_path, n=1, rows=2)
+    spec = build_spec(_files_job(tmp_path))
+    run(spec)
+    assert lance_rows(spec) == sorted([f"{name}/0", f"{name}/1", "s0/0", "s0/1"])
+    assert max(len(f.encode()) for f in _data_files(tmp_path / "out.lance")) < 255
+    assert {s["shard"]: s["state"] for s in job_status(spec)["shards"]} == {
+        name: "committed",
+        "s0": "committed",
+    }
+    _, events = run(spec)
+    assert [e for e, _ in events if e.startswith("shard_")] == ["shard_skipped"] * 2
+    assert lance_rows(spec) == sorted([f"{name}/0", f"{name}/1", "s0/0", "s0/1"])
+    assert sorted(load_output(spec.output.path, {}, None).shards) == sorted([name, "s0"])
 
 
 def test_two_workers_committing_at_once_to_a_lance_dataset(tmp_path):

@@ -19,7 +19,7 @@ from fsspec.implementations.memory import MemoryFileSystem
 from helpers.fake_runs import run
 from helpers.fakes import FakeEngine
 
-from batchspec.errors import RuntimeFailure
+from batchspec.errors import RuntimeFailure, SpecError
 from batchspec.io import host as host_mod
 from batchspec.io import retry as storage
 from batchspec.io.output_dir import OutputDir
@@ -191,3 +191,58 @@ def test_orphan_temp_files_of_dead_processes_are_removed(tmp_path):
         (tmp_path / name).write_bytes(b"x")
     assert remove_orphan_tmp_files(str(tmp_path)) == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([mine, other_host])
+
+
+# ---------------------------------------------------------------- settings from the environment
+
+
+BAD_SETTINGS = [
+    ("BATCHSPEC_STORAGE_TIMEOUT_S", "abc"),
+    ("BATCHSPEC_STORAGE_TIMEOUT_S", ""),
+    ("BATCHSPEC_STORAGE_TIMEOUT_S", "-1"),
+    ("BATCHSPEC_STORAGE_TIMEOUT_S", "nan"),
+    ("BATCHSPEC_STORAGE_TIMEOUT_S", "inf"),
+    ("BATCHSPEC_STORAGE_ATTEMPTS", "x"),
+    ("BATCHSPEC_STORAGE_ATTEMPTS", "0"),
+    ("BATCHSPEC_STORAGE_ATTEMPTS", "2.5"),
+    ("BATCHSPEC_STORAGE_BACKOFF_S", "-5"),
+]
+
+
+@pytest.mark.parametrize("name, value", BAD_SETTINGS)
+def test_a_bad_setting_in_the_environment_is_exit_2_naming_it(tmp_path, name, value):
+    """Every command checks the BATCHSPEC_* numbers first: exit 2 naming the variable, never a
+    traceback, a silent default or a timeout on every request."""
+    from click.testing import CliRunner
+
+    from batchspec.cli import main
+
+    job = tmp_path / "job.yaml"
+    job.write_text(json.dumps({"name": "env", "input": {"path": str(tmp_path / "in")}}))
+    for command in ("validate", "status"):
+        result = CliRunner().invoke(main, [command, str(job)], env={name: value})
+        assert result.exit_code == 2, result.output
+        assert result.stderr.startswith(f"batchspec: bad job spec: {name}: expected a "), result.stderr
+        assert f"got {value!r}" in result.stderr and "Traceback" not in result.output
+
+
+def test_a_bad_setting_is_exit_2_when_the_command_line_starts(tmp_path):
+    """Read when used, never at import: a process given one does not die importing batchspec."""
+    from helpers.jobs import run_cli
+
+    result = run_cli("status", str(tmp_path / "job.yaml"), env={"BATCHSPEC_STORAGE_TIMEOUT_S": "abc"})
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert "BATCHSPEC_STORAGE_TIMEOUT_S: expected a positive number, got 'abc'" in result.stderr
+
+
+def test_settings_are_read_at_each_use(monkeypatch):
+    monkeypatch.setenv("BATCHSPEC_STORAGE_ATTEMPTS", "7")
+    monkeypatch.setenv("BATCHSPEC_STORAGE_TIMEOUT_S", "2.5")
+    monkeypatch.setenv("BATCHSPEC_STORAGE_BACKOFF_S", "0")
+    assert (storage.max_attempts(), storage.request_timeout_s()) == (7, 2.5)
+    monkeypatch.setattr(storage, "BACKOFF_S", None)  # fast_backoff's, here the environment's
+    assert storage.backoff_s(3) == 0 and storage.budget_s() == 7 * 2.5
+    monkeypatch.setenv("BATCHSPEC_STORAGE_ATTEMPTS", "x")
+    with pytest.raises(SpecError) as err:
+        storage.retry(lambda: 1, "x")
+    assert err.value.key == "BATCHSPEC_STORAGE_ATTEMPTS" and err.value.exit_code == 2

@@ -510,3 +510,16 @@ def test_a_release_never_deletes_a_lease_taken_over_since_without_conditional_de
     assert third.holder("a")["run_id"] == "third"
     assert late.acquire("a")["run_id"] == "third"
     third.release("a")
+
+
+def test_a_holder_the_record_does_not_name_is_said_to_be_unknown_never_none():
+    """A split-brain loser names who took its shard: from a lease record that lacks the holder's
+    fields (gone, unreadable, written by an older version), in words, never "run None on None
+    pid None"."""
+    from batchspec.leases.shard_leases import holder_text
+
+    assert holder_text({"run_id": "r1", "host": "h", "pid": 7}) == "run r1 on h pid 7"
+    for record in (None, {}, {"run_id": None, "host": None, "pid": None}, {"note": "unreadable"}):
+        text = holder_text(record)
+        assert "None" not in text and "holder unknown" in text, text
+    assert holder_text({"run_id": "r2"}) == "run r2 on an unknown host pid unknown"

@@ -7,6 +7,7 @@ backtrack. The rows that need the engine run on it in tests/cli/test_bad_rows_e2
 
 from __future__ import annotations
 
+import http.server
 import json
 import os
 import signal
@@ -265,3 +266,129 @@ def test_a_backtracking_regex_is_checked_in_linear_time_and_the_other_threads_ru
         thread.join()
     gaps = [b - a for a, b in zip(beats, beats[1:], strict=False)]
     assert not gaps or max(gaps) < 1.0
+
+
+# ---------------------------------------------------------------- schemas that name a URL
+
+
+@pytest.fixture
+def schema_server():
+    """A web server on 127.0.0.1 that answers every request with a schema and counts them: the
+    host a schema names, which no check of it may reach."""
+    hits: list[str] = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            hits.append(self.path)
+            body = b'{"type": "string"}'
+            self.send_response(200)
+            self.send_header("Content-Type", "application/schema+json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_port}", hits
+    server.shutdown()
+    server.server_close()
+    thread.join()
+
+
+#: A schema per reference keyword, each naming a URL on the server (given as ``{url}``).
+REMOTE = {
+    "$ref": {"type": "object", "properties": {"a": {"$ref": "{url}/ref"}}},
+    "$dynamicRef": {"$dynamicRef": "{url}/dynamic"},
+    "$recursiveRef": {
+        "$schema": "https://json-schema.org/draft/2019-09/schema",
+        "items": {"$recursiveRef": "{url}/recursive"},
+    },
+    "$schema": {"$schema": "{url}/schema", "type": "string"},
+    "$id": {"$id": "{url}/id/", "$ref": "#/$defs/x", "$defs": {"x": {"type": "string"}}},
+}
+
+
+def _remote(keyword: str, url: str) -> dict:
+    return json.loads(json.dumps(REMOTE[keyword]).replace("{url}", url))
+
+
+@pytest.mark.vllm  # validate checks the job's sampling against vLLM's SamplingParams first
+@pytest.mark.parametrize("keyword", REMOTE)
+def test_validate_exits_2_on_a_job_schema_that_names_a_url_and_never_fetches_it(
+    tmp_path, schema_server, keyword
+):
+    from click.testing import CliRunner
+
+    from batchspec.cli import main
+
+    url, hits = schema_server
+    write_parquet(tmp_path / "in" / "a.parquet", {"prompt": ["x"]})
+    raw = {
+        "name": "remote",
+        "input": {"path": str(tmp_path / "in" / "*.parquet"), "prompt_column": "prompt"},
+        "output": {"path": str(tmp_path / "out")},
+        "model": {"target": "unused"},
+        "sampling": {"temperature": 0.0, "structured_outputs": {"json": _remote(keyword, url)}},
+    }
+    job = tmp_path / "job.yaml"
+    job.write_text(json.dumps(raw))
+    result = CliRunner().invoke(main, ["validate", str(job)])
+    assert result.exit_code == 2, result.output
+    assert f"sampling.structured_outputs: json: {keyword} " in result.stderr, result.stderr
+    assert hits == []
+
+
+@pytest.mark.parametrize("keyword", REMOTE)
+def test_an_openai_line_whose_schema_names_a_url_is_that_rows_error_naming_its_field(
+    tmp_path, schema_server, keyword
+):
+    """Each line of a request file brings its own schema: the check every row gets (in validate
+    and in the engine, before vLLM sees it) refuses it, naming the line's field, and sends no
+    request to the host it names."""
+    from batchspec.engine.checks import check_row, override_error, override_sources
+    from batchspec.io.listing import discover_shards
+    from batchspec.io.reader import open_reader
+
+    url, hits = schema_server
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": _remote(keyword, url)}}
+    line = {
+        "custom_id": "a",
+        "method": "POST",
+        "url": "/v1/chat/completions",
+        "body": {"model": "m", "messages": [{"role": "user", "content": "x"}], "response_format": fmt},
+    }
+    path = tmp_path / "in" / "requests.jsonl"
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps(line) + "\n")
+    spec = _spec(tmp_path, input={"path": str(path), "format": "openai"}, model={"target": "m"})
+    [shard] = discover_shards(spec.input.paths, {}, input_format="openai")
+    [row] = open_reader(shard, spec).rows()
+    assert row.error is None
+    with pytest.raises(structured.ConstraintError) as err:
+        check_row(None, row.overrides, 20)
+    message = override_error(row.overrides, override_sources(spec), err.value)
+    assert f"json: {keyword} " in message and "(fields: 'body.response_format' " in message, message
+    assert hits == []
+
+
+@pytest.mark.parametrize("keyword", REMOTE)
+def test_checking_an_output_against_a_schema_that_names_a_url_never_fetches_it(schema_server, keyword):
+    """The output check resolves nothing outside the schema, even for a schema that was never
+    through the checks above: each output's check is a verdict, never a request."""
+    url, hits = schema_server
+    schema = _remote(keyword, url)
+    for output in ('"x"', '{"a": "x"}', "[1]"):
+        valid, why, _ = structured.check_answer({"json": schema}, output, "stop")
+        assert valid is False or why is None
+    assert hits == []
+
+
+def test_a_known_meta_schema_is_never_fetched_and_still_checks():
+    for meta in ("https://json-schema.org/draft/2020-12/schema", "http://json-schema.org/draft-07/schema#"):
+        constraint = structured.normalise({"json": {"$schema": meta, "type": "object"}})
+        assert structured.check_output(constraint, "{}", "stop") == (True, None)
+        assert structured.check_output(constraint, "[]", "stop")[0] is False

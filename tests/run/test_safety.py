@@ -414,6 +414,7 @@ def test_an_unexpected_error_exits_1_with_summary(tmp_path):
 @pytest.mark.vllm
 def test_engine_that_fails_to_start_still_writes_summary_and_run_finished(tmp_path):
     shards(tmp_path, n=1, rows=3)
+    (tmp_path / "no-such-model").mkdir()  # a directory with no model in it (no path is refused first)
     job = write_job(
         tmp_path / "job.yaml",
         input={"path": str(tmp_path / "in" / "*.parquet"), "prompt_column": "prompt"},
@@ -470,6 +471,29 @@ def test_a_shard_skipped_mid_read_gives_its_lease_back(tmp_path):
     )
     assert other.acquire("s1") is None, f"s1's lease is still held: {held}"
     other.release_all()
+
+
+@pytest.mark.vllm
+def test_a_shard_lost_to_a_run_that_committed_it_names_its_holder_in_words(tmp_path, monkeypatch):
+    """A split-brain loser: before this run's commit, another run took the shard over,
+    committed it and gave its lease back. The exit-1 message said the holder was "run None on
+    None pid None"; it says in words that it is unknown."""
+    from batchspec.leases.shard_leases import ShardLeases
+
+    shards(tmp_path, n=2, rows=3)
+    confirm = ShardLeases.confirm
+
+    def taken_and_given_back(self, shard_name):
+        if shard_name == "s1":
+            os.unlink(self.out.lock_path(shard_name))  # the other run's release, on local disk
+        return confirm(self, shard_name)
+
+    monkeypatch.setattr(ShardLeases, "confirm", taken_and_given_back)
+    with pytest.raises(RuntimeFailure, match="lost their lease") as caught:
+        run(spec_with(tmp_path))
+    message = str(caught.value)
+    assert "s1 (taken over by another run before commit: holder unknown: no lease names one now)" in message
+    assert "None" not in message
 
 
 @pytest.mark.vllm

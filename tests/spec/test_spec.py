@@ -488,6 +488,57 @@ def test_cli_exits_2_naming_the_key(tmp_path):
         assert "did you mean 'temperature'" in result.stderr
 
 
+@pytest.mark.parametrize(
+    "fmt, key, largest",
+    [("lance", "version", 2**64 - 1), ("delta", "version", 2**63 - 1), ("iceberg", "snapshot", 2**63 - 1)],
+)
+def test_a_table_pin_past_what_its_library_takes_is_exit_2_naming_the_key(tmp_path, fmt, key, largest):
+    """Lance's versions are unsigned 64-bit numbers, Delta's versions and Iceberg's snapshot ids
+    signed ones: a larger pin was exit 1 ("int too big to convert") once the table was opened."""
+    from click.testing import CliRunner
+
+    from batchspec.cli import main
+
+    where = (
+        {"table": "ns.t", "catalog": {"type": "sql", "uri": f"sqlite:///{tmp_path}/c.db"}}
+        if fmt == "iceberg"
+        else {"path": str(tmp_path / "in")}
+    )
+    raw = {**BASE, "input": {"format": fmt, "prompt_column": "prompt", **where, key: largest + 1}}
+    result = CliRunner().invoke(main, ["validate", write(tmp_path, raw)])
+    assert result.exit_code == 2, result.output
+    assert f"input.{key}: expected a {key} number, 0 to {largest}, got {largest + 1}" in result.stderr
+    assert getattr(load(tmp_path, {**raw, "input": {**raw["input"], key: largest}}).input, key) == largest
+
+
+@pytest.mark.vllm  # validate checks the spec against vLLM's config classes first
+@pytest.mark.parametrize(
+    "section, key",
+    [
+        ({"model": {**BASE["model"], "target": "/an/absolute/path/that/does/not/exist"}}, "model.target"),
+        (
+            {"speculative": {"model": "/an/absolute/path/that/does/not/exist", "num_speculative_tokens": 2}},
+            "speculative.model",
+        ),
+        (
+            {"speculative": {"method": "eagle3", "model": "~/no-such-head", "num_speculative_tokens": 2}},
+            "speculative.model",
+        ),
+        ({"speculative": {"method": "auto", "drafts": ["./no-such-draft"]}}, "speculative.drafts[0]"),
+    ],
+)
+def test_a_model_path_with_nothing_there_is_exit_2_naming_the_key(tmp_path, section, key):
+    """A path is no model id: vLLM would try it as one after its start-up, and validate said
+    "spec OK"."""
+    from click.testing import CliRunner
+
+    from batchspec.cli import main
+
+    result = CliRunner().invoke(main, ["validate", write(tmp_path, {**BASE, **section})])
+    assert result.exit_code == 2, result.output
+    assert f"{key}: " in result.stderr and "no such" in result.stderr, result.stderr
+
+
 @pytest.mark.vllm
 def test_cli_exits_2_on_bad_yaml_and_bad_set(tmp_path):
     job = write(tmp_path, "input: [unclosed")

@@ -28,7 +28,10 @@ from batchspec.tune.render import render_table
 # --------------------------------------------------------------------------- the search
 
 
-def test_the_values_measured_around_a_level_and_a_token_budget():
+def test_the_values_measured_around_a_level_and_a_token_budget(monkeypatch):
+    import batchspec.tune.knobs
+
+    monkeypatch.setattr(batchspec.tune.knobs, "MIN_LEVEL_SECONDS", 4.0)  # users' level, not the suite's
     assert seq_values(4) == [2, 4, 8] and seq_values(1) == [1, 2] and seq_values(3) == [1, 3, 6]
     assert token_values(2048) == [1024, 4096] and token_values(1) == [2]
     assert passes_for(16, None) == 1 and passes_for(16, 10.0) == 1

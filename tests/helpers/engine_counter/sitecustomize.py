@@ -43,6 +43,8 @@ def _record(kwargs: dict, model) -> None:
     line = json.dumps(
         {
             "config": _configuration(kwargs, model),
+            # make test's lane (tools/run_tests.py), inherited by the lane's subprocesses
+            "lane": os.environ.get("BATCHSPEC_TEST_LANE"),
             "test": os.environ.get("PYTEST_CURRENT_TEST", "?"),
             "pid": os.getpid(),
             "time": round(time.time(), 1),
