@@ -363,8 +363,7 @@ def typed_answers(work: Path, rows: int, repeats: int) -> dict:
     from batchspec.engine.structured import check_answer, normalise
     from batchspec.io.answers import answer_column
     from batchspec.io.output_dir import OutputDir
-    from batchspec.io.output_formats import result_fields
-    from batchspec.run.stages import output_fields
+    from batchspec.io.output_formats import output_fields, result_fields
     from batchspec.spec.build import build_spec
 
     constrained = {"structured_outputs": {"json": SCHEMA}}

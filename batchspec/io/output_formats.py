@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from batchspec.errors import InputDataError
+from batchspec.io.answers import answer_column
 from batchspec.io.input_formats import named
 from batchspec.io.records import METADATA_KEY, CommitResult, OutputLocation, Shard, ShardFile, TableState
 from batchspec.spec.model import OUTPUT_FORMATS as FORMAT_NAMES
@@ -431,6 +432,14 @@ def result_fields(spec: JobSpec) -> list:
     embedding's size fixed in the schema where the output format has fixed-size lists."""
     fixed = output_format(spec.output.format).fixed_size_lists
     return task_for(spec.task, spec.cross_encoder).fields(spec.dimensions if fixed else None)
+
+
+def output_fields(spec: JobSpec, kept: list) -> list:
+    """The columns an output file has beside the result columns, from the input's kept ones."""
+    results = {f.name for f in result_fields(spec)} if spec.task != "generate" else set()
+    kept = [f for f in kept if f.name not in results]  # a pooling task's `embedding` wins, say
+    answers = answer_column(spec)
+    return answers.fields(kept) if answers is not None else kept
 
 
 def all_suffixes() -> tuple[str, ...]:

@@ -28,7 +28,7 @@ from batchspec.io.jsonl import JsonLinesReader
 from batchspec.io.listing import assign, check_worker, discover_shards
 from batchspec.io.locations import check_no_overlap, same_store
 from batchspec.io.output_dir import OutputDir
-from batchspec.io.output_formats import ResultWriter, result_fields
+from batchspec.io.output_formats import ResultWriter, output_fields, result_fields
 from batchspec.io.reader import ParquetReader, Row, open_reader
 from batchspec.io.records import Shard
 from batchspec.io.rows import SeenIds
@@ -171,8 +171,8 @@ def check_inputs(
     be named on the output's store (a name over its file system's limit) is a bad shard too."""
     ok: list[Shard] = []
     row_counts: dict[str, int] = {}
-    if out is not None:
-        todo = [s for s in todo if _nameable(s, out, bad_shard)]
+    if out is not None:  # exit 3 naming the shard, or left out with on_bad_shard: skip
+        todo = [s for s in todo if (why := out.unnamable(s)) is None or bad_shard(s, _unnamable(s, why))]
     if todo and todo[0].table is not None:
         return _check_table(spec, todo, bad_shard, out)
     kept: dict[str, tuple[list, set[str], bool]] = {}
@@ -191,14 +191,8 @@ def check_inputs(
     return ok, row_counts
 
 
-def _nameable(shard: Shard, out: OutputDir, bad_shard: Callable[[Shard, InputDataError], None]) -> bool:
-    """Whether the shard's output files can be named on ``out``; else ``bad_shard`` (exit 3
-    naming the shard, or left out with ``on_bad_shard: skip``) before any other is read."""
-    why = out.unnamable(shard)
-    if why is None:
-        return True
-    bad_shard(shard, InputDataError(sanitize_url(shard.url), why))
-    return False
+def _unnamable(shard: Shard, why: str) -> InputDataError:
+    return InputDataError(sanitize_url(shard.url), why)
 
 
 def _conform_to_table(
@@ -278,14 +272,6 @@ def _check_table(
             row_counts[s.name] = s.table.rows
         ok.append(s)
     return ok, row_counts
-
-
-def output_fields(spec: JobSpec, kept: list) -> list:
-    """The columns an output file has beside the result columns, from the input's kept ones."""
-    results = {f.name for f in result_fields(spec)} if spec.task != "generate" else set()
-    kept = [f for f in kept if f.name not in results]  # a pooling task's `embedding` wins, say
-    answers = answer_column(spec)
-    return answers.fields(kept) if answers is not None else kept
 
 
 # ---------------------------------------------------------------------------- 3. per shard
