@@ -144,6 +144,39 @@ if os.environ.get(ENGINE_LOG_ENV):
     _counter.install()
 
 
+#: CPU seconds (user and system) each test file cost: this process's and that of every process it
+#: started and waited for (``batchspec`` subprocesses, vLLM's own processes), read around each
+#: test; a shared engine's start-up counts for the test that started it. What a lane costs
+#: whatever else the cores were doing (wall times depend on the other lanes).
+_CPU_BY_FILE: dict[str, float] = {}
+
+
+def _cpu_seconds() -> float:
+    import resource
+
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    before = _cpu_seconds()
+    try:
+        return (yield)
+    finally:
+        name = item.nodeid.split("::")[0]
+        _CPU_BY_FILE[name] = _CPU_BY_FILE.get(name, 0.0) + _cpu_seconds() - before
+
+
+def _write_cpu_summary(terminalreporter, shown: int = 25) -> None:
+    if not _CPU_BY_FILE:
+        return
+    total = sum(_CPU_BY_FILE.values())
+    terminalreporter.section(f"CPU: {total / 60:.1f} min in {len(_CPU_BY_FILE)} test files")
+    for name, seconds in sorted(_CPU_BY_FILE.items(), key=lambda kv: -kv[1])[:shown]:
+        terminalreporter.write_line(f"{seconds:8.0f} s  {name}")
+
+
 def pytest_terminal_summary(terminalreporter):
     """Without vLLM, how many tests that need it were skipped; engine start-ups per test file
     and per test, when they were counted."""
@@ -159,6 +192,7 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.write_line(
             f"vLLM is not installed: {skipped} tests that need it were skipped (marker vllm)"
         )
+    _write_cpu_summary(terminalreporter)
     path = os.environ.get(ENGINE_LOG_ENV)
     if not path or not Path(path).exists():
         return

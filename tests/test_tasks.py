@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pyarrow as pa
 import pytest
-from helpers.jobs import MODELS
+from helpers.jobs import MODELS, run_cli_in_process
 
 from batchspec.columns import COMMON_RESULT_NAMES, RESULT_NAMES, output_schema
 from batchspec.errors import SpecError
@@ -215,7 +215,7 @@ def test_a_cross_encoder_takes_use_activation_as_classify_does():
 @pytest.mark.vllm
 @pytest.mark.models
 def test_scoring_with_a_classifier_of_three_labels_exits_2_before_any_engine(tmp_path):
-    from helpers.jobs import run_cli, write_job, write_parquet
+    from helpers.jobs import write_job, write_parquet
 
     write_parquet(tmp_path / "in" / "a.parquet", {"q": ["python"], "d": ["x = 1"]})
     job = write_job(
@@ -225,7 +225,7 @@ def test_scoring_with_a_classifier_of_three_labels_exits_2_before_any_engine(tmp
         output={"path": str(tmp_path / "out")},
         model={"target": str(MODELS / "classifier")},
     )
-    res = run_cli("run", str(job))
+    res = run_cli_in_process("run", str(job))
     assert res.returncode == 2, res.stderr
     assert "task" in res.stderr and "3 labels" in res.stderr and "one label" in res.stderr, res.stderr
     assert not (tmp_path / "out").exists()
@@ -288,7 +288,7 @@ def test_generation_rows_are_made_by_the_engines_row_maker():
 @pytest.mark.models
 @pytest.mark.parametrize("command", ["tune", "distill"])
 def test_tune_and_distill_refuse_a_pooling_job_naming_the_task(tmp_path, command):
-    from helpers.jobs import run_cli, write_job
+    from helpers.jobs import write_job
 
     job = write_job(
         tmp_path / "job.yaml",
@@ -297,7 +297,7 @@ def test_tune_and_distill_refuse_a_pooling_job_naming_the_task(tmp_path, command
         output={"path": str(tmp_path / "out")},
     )
     extra = ["--out", str(tmp_path / "draft")] if command == "distill" else []
-    res = run_cli(command, str(job), *extra)
+    res = run_cli_in_process(command, str(job), *extra)
     assert res.returncode == 2, res.stderr
     assert "task" in res.stderr and "no decoding" in res.stderr, res.stderr
     assert not (tmp_path / "out").exists() and not (tmp_path / "draft").exists()

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from helpers.jobs import NGRAM, read_output, run_cli, write_job, write_parquet
+from helpers.jobs import NGRAM, read_output, run_cli_in_process, write_job, write_parquet
 
 from batchspec.spec.load import load_spec
 
@@ -81,7 +81,7 @@ def test_validate_exits_2_naming_a_column_the_template_reads_and_the_input_lacks
         output={"path": str(tmp_path / "out")},
         sampling={"temperature": 0.0},
     )
-    result = run_cli("validate", str(job), timeout=180)
+    result = run_cli_in_process("validate", str(job))
     assert result.returncode == 2, result.stdout + result.stderr
     assert "input.prompt_template" in result.stderr and "column 'body'" in result.stderr, result.stderr
     assert "Loading" not in result.stderr and not (tmp_path / "out").exists()

@@ -30,7 +30,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from domain_data import write_shards
-from helpers.jobs import DRAFT, ENGINE, MODELS, ROOT, run_cli, write_job
+from helpers.jobs import DRAFT, ENGINE, MODELS, ROOT, run_cli, run_cli_in_process, write_job
 
 import batchspec.distill.data as distill_data
 import batchspec.distill.session as distill_mod
@@ -101,14 +101,13 @@ def _bad_draft(tmp: Path, models: Path, what: str) -> Path:
 def test_a_draft_with_another_vocabulary_exits_2_before_any_engine(tmp_path, models, what):
     job = _job(tmp_path, models, rows=8)
     out = tmp_path / "new-draft"
-    done = run_cli(
+    done = run_cli_in_process(
         "distill",
         str(job),
         "--draft",
         str(_bad_draft(tmp_path, models, what)),
         "--out",
         str(out),
-        timeout=120,
     )
     assert done.returncode == 2, done.stderr
     assert "bad job spec" in done.stderr and "--draft" in done.stderr
@@ -189,7 +188,7 @@ def test_a_second_distill_on_one_out_exits_1_naming_the_holder(tmp_path):
     out = tmp_path / "new-draft"
     holder = _holder_process(out)
     try:
-        done = run_cli("distill", str(job), "--init", "target", "--out", str(out), timeout=120)
+        done = run_cli_in_process("distill", str(job), "--init", "target", "--out", str(out))
         assert done.returncode == 1, done.stderr
         assert "--out" in done.stderr and "another batchspec distill" in done.stderr
         assert f"host {socket.gethostname()}, pid {holder.pid}, started 20" in done.stderr
@@ -213,7 +212,7 @@ def test_the_out_lock_never_follows_a_planted_link(tmp_path):
     (victim / "lock").write_text("precious\n")
     out = tmp_path / "new-draft"
     work_dir(out).symlink_to(victim)  # the work directory is a link to someone else's
-    done = run_cli("distill", str(_spec_job(tmp_path)), "--init", "target", "--out", str(out), timeout=120)
+    done = run_cli_in_process("distill", str(_spec_job(tmp_path)), "--init", "target", "--out", str(out))
     assert done.returncode == 2, done.stderr
     assert "--out" in done.stderr and "symbolic link" in done.stderr
     assert (victim / "lock").read_text() == "precious\n"
@@ -382,7 +381,7 @@ def test_an_out_beside_the_job_s_models_is_accepted(overlap_job):
 def test_distill_into_the_job_s_output_exits_2_before_any_engine(tmp_path):
     job = _spec_job(tmp_path)
     out = tmp_path / "run-out"
-    done = run_cli("distill", str(job), "--init", "target", "--out", str(out), timeout=120)
+    done = run_cli_in_process("distill", str(job), "--init", "target", "--out", str(out))
     assert done.returncode == 2, done.stderr
     assert "bad job spec: --out" in done.stderr and "output.path" in done.stderr
     assert "vLLM's own output" not in done.stderr

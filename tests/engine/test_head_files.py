@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from helpers.jobs import run_cli, write_parquet
+from helpers.jobs import run_cli_in_process, write_parquet
 
 from batchspec.errors import SpecError
 from batchspec.spec.build import build_spec
@@ -619,7 +619,7 @@ def test_validate_exits_2_naming_the_key_on_the_shorthand_form(tmp_path, target,
     raw = _raw(tmp_path, target, {"model": str(model), "num_speculative_tokens": 3})
     job = tmp_path / "job.yaml"
     job.write_text(json.dumps(raw))
-    result = run_cli("validate", str(job), timeout=300)
+    result = run_cli_in_process("validate", str(job))
     assert result.returncode == 2, result.stderr
     assert "speculative.model" in result.stderr and words in result.stderr, result.stderr
     assert "Traceback" not in result.stderr

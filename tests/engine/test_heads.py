@@ -14,7 +14,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from helpers.jobs import HEAD, MODELS, run_cli, write_job
+from helpers.jobs import HEAD, MODELS, run_cli_in_process, write_job
 
 from batchspec.errors import SpecError
 from batchspec.spec.build import build_spec
@@ -151,7 +151,7 @@ def test_validate_exits_2_naming_the_key_before_any_weights_load(tmp_path, head_
     _bend(head_copy, eagle_aux_hidden_state_layer_ids=[1, 2, 7])
     spec = _spec(tmp_path, {**HEAD, "model": str(head_copy)})
     job = write_job(tmp_path / "job.yaml", **{k: v for k, v in spec.items() if k != "name"})
-    result = run_cli("validate", str(job), timeout=180)
+    result = run_cli_in_process("validate", str(job))
     assert result.returncode == 2, result.stderr
     assert "speculative.model" in result.stderr and "eagle_aux_hidden_state_layer_ids" in result.stderr
 

@@ -63,6 +63,77 @@ def run_cli(
     )
 
 
+class EngineStarted(AssertionError):
+    """A command run by :func:`run_cli_in_process` went as far as starting an engine."""
+
+
+def run_cli_in_process(
+    *args: str, env: dict | None = None, cwd: Path | None = None
+) -> subprocess.CompletedProcess:
+    """``batchspec ARGS`` in this process, for a command that ends before any engine starts (a
+    refused spec, a planning error, `validate`, `status`, `report`): the console script's own
+    entry point (``batchspec.cli:main``) with its exit code and what it wrote to file descriptors
+    1 and 2, without paying vLLM's import (10-30 s) again in a new process. A command that starts
+    an engine fails the test (:class:`EngineStarted`): that belongs in :func:`run_cli`. The
+    environment, the working directory, the signal handlers and batchspec's logger are put back
+    afterwards; each exit code keeps at least one real console-script run elsewhere."""
+    import logging
+    import signal
+    import tempfile
+
+    import batchspec.engine.llm as llm
+    from batchspec.cli import main
+
+    environ, cwd_before = dict(os.environ), os.getcwd()
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    logger = logging.getLogger("batchspec")
+    log_state = (list(logger.handlers), logger.level)
+    engine_for = llm.engine_for
+    started = []
+
+    def no_engine(*a, **k):
+        started.append(True)
+        raise EngineStarted(f"batchspec {' '.join(args)} started an engine: use run_cli")
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = (os.dup(1), os.dup(2), sys.stdout, sys.stderr)
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        os.dup2(out.fileno(), 1)
+        os.dup2(err.fileno(), 2)
+        sys.stdout = open(os.dup(1), "w", buffering=1, closefd=True)
+        sys.stderr = open(os.dup(2), "w", buffering=1, closefd=True)
+        os.environ.update({"VLLM_CPU_KVCACHE_SPACE": "1", **INLINE_ENGINE, **(env or {})})
+        llm.engine_for = no_engine
+        code = 0
+        try:
+            os.chdir(cwd or ROOT)
+            main.main(list(args), prog_name="batchspec", standalone_mode=True)
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        finally:
+            llm.engine_for = engine_for
+            for stream in (sys.stdout, sys.stderr):
+                stream.close()
+            sys.stdout, sys.stderr = saved[2], saved[3]
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            os.close(saved[0])
+            os.close(saved[1])
+            os.chdir(cwd_before)
+            os.environ.clear()
+            os.environ.update(environ)
+            for sig, handler in handlers.items():
+                signal.signal(sig, handler)
+            logger.handlers[:], logger.level = log_state
+        if started:
+            raise EngineStarted(f"batchspec {' '.join(args)} started an engine: use run_cli")
+        out.seek(0)
+        err.seek(0)
+        stdout, stderr = out.read().decode(errors="replace"), err.read().decode(errors="replace")
+    return subprocess.CompletedProcess(["batchspec", *args], code, stdout, stderr)
+
+
 def read_output(out_dir: Path) -> pa.Table:
     """All committed output shards of a job, concatenated."""
     files = sorted(out_dir.glob("*.parquet"))

@@ -15,7 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 from helpers.fake_runs import run
 from helpers.fakes import FakeEngine
-from helpers.jobs import ROOT, run_cli, write_job, write_parquet
+from helpers.jobs import ROOT, run_cli_in_process, write_job, write_parquet
 
 from batchspec.columns import empty_result, error_result
 from batchspec.engine.structured import MAX_SCHEMA_NODES, ConstraintError, check_answer, normalise
@@ -422,6 +422,6 @@ def test_validate_exits_2_naming_the_key_on_a_ref_diamond(tmp_path):
         output={"path": str(tmp_path / "out"), "parse_json": True},
         sampling={"temperature": 0.0, "structured_outputs": {"json": diamond(26)}},
     )
-    result = run_cli("validate", str(job), timeout=180)
+    result = run_cli_in_process("validate", str(job))
     assert result.returncode == 2, result.stdout + result.stderr
     assert "sampling.structured_outputs: json: " in result.stderr and "$ref" in result.stderr

@@ -36,7 +36,7 @@ from helpers.emulators import (  # noqa: F401  (session fixtures)
     gcs_fs,
     gcs_server,
 )
-from helpers.jobs import DRAFT, MODELS, S3_SECRET, run_cli, write_job
+from helpers.jobs import DRAFT, MODELS, S3_SECRET, run_cli_in_process, write_job
 from helpers.leases import check_compare_and_swap, owner, race
 from helpers.recovery import Job
 from helpers.shared_engines import NoEngine, run_library
@@ -274,7 +274,7 @@ def test_a_job_killed_after_its_first_commit_then_rerun_has_every_row_once(
     # leases were taken by compare-and-swap: no best-effort warning in either run
     assert "best-effort" not in first.stderr + caplog.text
 
-    status = run_cli("status", str(job), env=store.env, timeout=120)
+    status = run_cli_in_process("status", str(job), env=store.env)
     assert status.returncode == 0 and "3 committed, 0 partial, 0 pending" in status.stdout, (
         status.stdout + status.stderr
     )
@@ -362,7 +362,7 @@ def test_openai_batch_files_killed_then_rerun_on_s3_answer_each_custom_id_once(
             # twin, with no figures of its own)
             generated += [s for line in results for s in line["batchspec"]["samples"] if s["twin_of"] is None]
     assert generated and all(s["spec_num_draft_tokens"] is not None for s in generated)
-    status = run_cli("status", str(job), env=store.env, timeout=120)
+    status = run_cli_in_process("status", str(job), env=store.env)
     assert status.returncode == 0 and "3 committed, 0 partial, 0 pending" in status.stdout, (
         status.stdout + status.stderr
     )

@@ -19,7 +19,7 @@ import pyarrow.parquet as pq
 import pytest
 from helpers.fake_runs import outputs, run, shards
 from helpers.fakes import FakeEngine
-from helpers.jobs import run_cli, write_job, write_parquet
+from helpers.jobs import run_cli, run_cli_in_process, write_job, write_parquet
 
 from batchspec import redact as redact_mod
 from batchspec.errors import InputDataError, RuntimeFailure, SpecError
@@ -214,7 +214,7 @@ def test_cli_refuses_overlap_before_writing_anything(tmp_path):
             sampling={"temperature": 0.0, "max_tokens": 4},
         )
         for command in commands:
-            result = run_cli(command, str(job), timeout=120)
+            result = run_cli_in_process(command, str(job))
             assert result.returncode == 2, (command, result.stderr)
             assert "output.path" in result.stderr and "input location" in result.stderr
         assert sorted(p.name for p in (tmp_path / "data").iterdir()) == before
@@ -272,13 +272,13 @@ def test_status_shows_stale_shards_and_orphan_outputs(tmp_path):
     )
     run(spec_with(tmp_path))
     (tmp_path / "in" / "s1.parquet").rename(tmp_path / "in" / "s9.parquet")
-    result = run_cli("status", str(job), "--set", "sampling.max_tokens=3", "--format", "json", timeout=120)
+    result = run_cli_in_process("status", str(job), "--set", "sampling.max_tokens=3", "--format", "json")
     assert result.returncode == 0, result.stderr
     rows = {r["shard"]: r for r in json.loads(result.stdout)}
     assert rows["s0"]["state"] == "stale" and rows["s0"]["changed"] == ["sampling"]
     assert rows["s9"]["state"] == "pending"
     assert rows["s1"]["state"] == "orphan" and rows["s1"]["input"] is None
-    text = run_cli("status", str(job), timeout=120).stdout
+    text = run_cli_in_process("status", str(job)).stdout
     assert "s1" in text and "orphan" in text and "1 orphan outputs" in text
 
 
@@ -386,7 +386,7 @@ def test_planning_errors_exit_with_their_code_and_a_json_error(tmp_path, path, c
         output={"path": str(tmp_path / "out")},
         sampling={"temperature": 0.0},
     )
-    result = run_cli("run", str(job), "--log-format", "json", timeout=120)
+    result = run_cli_in_process("run", str(job), "--log-format", "json")
     assert result.returncode == code, result.stderr
     events = [json.loads(line) for line in result.stderr.splitlines() if line.startswith("{")]
     assert "Traceback" not in result.stderr
@@ -512,7 +512,7 @@ def test_empty_input_is_fine_when_allowed(tmp_path):
         sampling={"temperature": 0.0},
     )
     assert run_cli("run", str(job), timeout=120).returncode == 3
-    cli = run_cli("run", str(job), "--set", "input.allow_empty=true", timeout=120)
+    cli = run_cli_in_process("run", str(job), "--set", "input.allow_empty=true")
     assert cli.returncode == 0, cli.stderr
     assert "ok: 0 shards committed, 0 rows" in cli.stderr
     assert len(list((tmp_path / "cli-out" / "_batchspec" / "runs").glob("*.json"))) == 2
@@ -641,11 +641,11 @@ def test_s3_overlap_spelled_with_another_endpoint_is_refused_before_any_work(tmp
         model={"target": str(tmp_path / "no-such-model")},
         sampling={"temperature": 0.0, "max_tokens": 4},
     )
-    checked = run_cli("validate", str(job), timeout=300)
+    checked = run_cli_in_process("validate", str(job))
     assert checked.returncode == 2, checked.stdout + checked.stderr
     assert "output.path" in checked.stderr and "input location" in checked.stderr
     assert options["secret"] not in checked.stderr
-    result = run_cli("run", str(job), "--log-format", "json", timeout=300)
+    result = run_cli_in_process("run", str(job), "--log-format", "json")
     assert result.returncode == 2, result.stderr
     assert options["secret"] not in result.stderr
     events = [json.loads(line) for line in result.stderr.splitlines() if line.startswith("{")]

@@ -7,7 +7,7 @@ own tokenizer here; test_e2e.py checks them against what a real run then refuses
 from __future__ import annotations
 
 import pyarrow as pa
-from helpers.jobs import run_cli, write_job, write_parquet
+from helpers.jobs import run_cli_in_process, write_job, write_parquet
 
 
 def _tokens(models, text: str) -> int:
@@ -29,7 +29,7 @@ def test_validate_counts_rows_that_would_be_refused(tmp_path, models):
         output={"path": str(tmp_path / "out")},
         sampling={"temperature": 0.0, "max_tokens": 32},
     )
-    result = run_cli("validate", str(job), timeout=180)
+    result = run_cli_in_process("validate", str(job))
     assert result.returncode == 0, result.stderr
     longest_a, longest_b = _tokens(models, too_long), _tokens(models, "def f():\n")
     assert longest_a >= 512  # the row is really too long, so the count below means something
@@ -52,7 +52,7 @@ def test_validate_exits_3_naming_shard_and_column(tmp_path, models):
         output={"path": str(tmp_path / "out")},
         sampling={"temperature": 0.0},
     )
-    result = run_cli("validate", str(job), timeout=180)
+    result = run_cli_in_process("validate", str(job))
     assert result.returncode == 3, result.stdout + result.stderr
     lines = result.stdout.splitlines()
     assert f"  bad: BAD: {bad}: missing prompt column 'prompt' (columns: text)" in lines

@@ -14,7 +14,7 @@ import threading
 
 import pytest
 from helpers.fake_runs import run, shards
-from helpers.jobs import run_cli, write_job
+from helpers.jobs import run_cli_in_process, write_job
 
 from batchspec.errors import SpecError
 from batchspec.run.stages import plan
@@ -347,7 +347,7 @@ def test_status_and_rerun_name_a_model_retrained_in_place(tmp_path, models, no_r
         run(spec)
     assert err.value.exit_code == 2 and "speculative.model" in str(err.value)
     job = write_job(tmp_path / "job.yaml", **sections)
-    result = run_cli("status", str(job), "--format", "json", timeout=120)
+    result = run_cli_in_process("status", str(job), "--format", "json")
     assert result.returncode == 0, result.stderr
     rows = {r["shard"]: r for r in json.loads(result.stdout)}
     assert {k: (r["state"], r["changed"]) for k, r in rows.items()} == {

@@ -6,7 +6,7 @@ import time
 
 import pytest
 import yaml
-from helpers.jobs import run_cli
+from helpers.jobs import run_cli, run_cli_in_process
 
 from batchspec.errors import SpecError
 from batchspec.redact import public_spec
@@ -481,8 +481,8 @@ def test_cli_exits_2_naming_the_key(tmp_path):
     raw = yaml.safe_load(yaml.safe_dump(BASE))
     raw["sampling"]["temprature"] = 0.3
     job = write(tmp_path, raw)
-    for command in ("run", "validate"):
-        result = run_cli(command, job, timeout=120)
+    # the console script once (what a scheduler runs); validate in this process, the same entry point
+    for result in (run_cli("run", job, timeout=120), run_cli_in_process("validate", job)):
         assert result.returncode == 2, result.stderr
         assert "sampling.temprature" in result.stderr
         assert "did you mean 'temperature'" in result.stderr
@@ -542,12 +542,12 @@ def test_a_model_path_with_nothing_there_is_exit_2_naming_the_key(tmp_path, sect
 @pytest.mark.vllm
 def test_cli_exits_2_on_bad_yaml_and_bad_set(tmp_path):
     job = write(tmp_path, "input: [unclosed")
-    result = run_cli("run", job, timeout=60)
+    result = run_cli_in_process("run", job)
     assert result.returncode == 2 and "not valid YAML" in result.stderr
     job = write(tmp_path, BASE)
-    result = run_cli("run", job, "--set", "sampling", timeout=60)
+    result = run_cli_in_process("run", job, "--set", "sampling")
     assert result.returncode == 2 and "KEY=VALUE" in result.stderr
-    result = run_cli("run", job, "--worker-index", "3", "--num-workers", "2", timeout=60)
+    result = run_cli_in_process("run", job, "--worker-index", "3", "--num-workers", "2")
     assert result.returncode == 2 and "--worker-index" in result.stderr
-    result = run_cli("run", str(tmp_path / "missing.yaml"), timeout=60)
+    result = run_cli_in_process("run", str(tmp_path / "missing.yaml"))
     assert result.returncode == 2

@@ -15,7 +15,7 @@ import pyarrow as pa
 import pytest
 import yaml
 from helpers.fakes import FakeTuneEngine
-from helpers.jobs import ENGINE, MODELS, ROOT, run_cli, write_job, write_parquet
+from helpers.jobs import ENGINE, MODELS, ROOT, run_cli, run_cli_in_process, write_job, write_parquet
 
 from batchspec.errors import SpecError
 from batchspec.spec.build import build_spec
@@ -349,10 +349,10 @@ def test_bad_spec_exits_2(tmp_path):
         "name: bad\ninput: {path: x.parquet, prompt_column: p}\noutput: {path: o}\n"
         "model: {target: t}\nsampling: {temprature: 0}\n"
     )
-    result = run_cli("tune", str(job), "--json")
+    result = run_cli_in_process("tune", str(job), "--json")
     assert result.returncode == 2, result.stderr
     assert "temprature" in result.stderr and result.stdout == ""
-    result = run_cli("tune", str(job), "--concurrency", "1,x")
+    result = run_cli_in_process("tune", str(job), "--concurrency", "1,x")
     assert result.returncode == 2 and "--concurrency" in result.stderr
 
 
@@ -363,7 +363,7 @@ def test_missing_input_exits_3(tmp_path, models):
         output={"path": str(tmp_path / "out")},
         sampling={"temperature": 0.0},
     )
-    result = run_cli("tune", str(job), "--json")
+    result = run_cli_in_process("tune", str(job), "--json")
     assert result.returncode == 3, result.stderr
     assert "none" in result.stderr
 
@@ -536,7 +536,7 @@ def test_tune_writes_a_valid_spec_with_the_recommended_section(tuned):
         expected = next(c["speculative"] for c in tuned.entries(label))
         assert section == expected
     assert spec["model"]["lora"] == LORA and spec["input"]["lora_column"] == "adapter"
-    result = run_cli("validate", str(written))
+    result = run_cli_in_process("validate", str(written))
     assert result.returncode == 0, result.stderr + result.stdout
 
 
