@@ -190,3 +190,20 @@ def test_counters_of_a_replaced_engine_add_up():
         {"spec_decode_num_drafts": 4, "spec_decode_num_accepted_tokens_per_pos": [2, 1, 1], "x": 1},
     ) == {"spec_decode_num_drafts": 14, "spec_decode_num_accepted_tokens_per_pos": [7, 4, 1], "x": 1}
     assert add_counters({}, {"a": 1}) == {"a": 1}
+
+
+def test_an_engine_start_sets_the_heap_aside_and_a_failed_one_gives_it_back():
+    import gc
+
+    from batchspec.engine.llm import _start_with_the_heap_frozen
+
+    gc.unfreeze()
+    assert _start_with_the_heap_frozen(gc.get_freeze_count) > 0  # frozen while vLLM starts
+    gc.unfreeze()  # (vLLM keeps its own start-up heap frozen until shutdown)
+
+    def fails():
+        raise RuntimeError("no engine")
+
+    with pytest.raises(RuntimeError):
+        _start_with_the_heap_frozen(fails)
+    assert gc.get_freeze_count() == 0
