@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 from helpers.jobs import MODELS, ROOT, S3_KEY, S3_SECRET, free_port
+from helpers.lanes import OWN_PROCESS_FILES
 
 sys.path.insert(0, str(ROOT / "tools"))
 
@@ -30,28 +31,9 @@ _NEEDS_VLLM = "needs vLLM installed (marker vllm)"
 #: one process, and a Ray cluster is started once a module.
 _ENGINE_GROUP_FIXTURES = frozenset({"shared_engines", "ray_cluster"})
 
-#: The engine tests whose engines live in processes of their own (`batchspec` subprocesses of the
-#: distill, kill, tune and auto tests, Ray replicas, Airflow's tasks), by file: marked
-#: ``own_processes``, they run in a lane of their own beside the tests on the shared in-process
-#: engines (tools/run_tests.py). A whole file, so that its module-scoped runs happen once. The
-#: table, limit and lifeline files run subprocesses too, but in the first lane: measured per file
-#: (``--durations=0``, on a machine busy with other work), that gives the lanes about 58 and 56
-#: minutes of test time rather than 45 and 68.
-_OWN_PROCESS_FILES = frozenset(
-    {
-        "tests/distill/test_distill.py",
-        "tests/distill/test_distill_head.py",
-        "tests/examples/test_airflow.py",
-        "tests/examples/test_examples.py",
-        "tests/run/test_ray.py",
-        "tests/run/test_recovery.py",
-        "tests/run/test_supervision.py",
-        "tests/tune/test_auto.py",
-        "tests/tune/test_heads_tune.py",
-        "tests/tune/test_knobs.py",
-        "tests/tune/test_tune.py",
-    }
-)
+#: The engine tests whose engines live in processes of their own, by file (tests/helpers/lanes.py):
+#: marked ``own_processes``, `make test` runs them beside the tests on the shared engines.
+_OWN_PROCESS_FILES = frozenset(OWN_PROCESS_FILES)
 
 
 def pytest_collection_modifyitems(items):
@@ -60,9 +42,9 @@ def pytest_collection_modifyitems(items):
     skip what needs vLLM where it is not installed.
 
     Every test that starts a vLLM engine, runs on a shared one or on the Ray cluster is also
-    marked ``engine_group``: `make test` runs those in one pytest process, in order, so that no
-    two engines ever run at once, and the rest (``-m "not engine_group"``) in a second process
-    beside it."""
+    marked ``engine_group``, and those of the files in ``OWN_PROCESS_FILES`` ``own_processes``:
+    `make test` runs each group in pytest processes of its own, side by side
+    (tools/run_tests.py)."""
     for item in items:
         fixtures = getattr(item, "fixturenames", ())
         if "models" in fixtures:

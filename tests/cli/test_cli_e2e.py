@@ -22,7 +22,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from helpers.fakes import run_fake_cli
-from helpers.jobs import DRAFT, read_output, run_cli, write_job
+from helpers.jobs import DRAFT, read_output, run_cli, run_cli_in_process, write_job
 
 from batchspec.io.writer import read_metadata
 from batchspec.spec.load import load_spec
@@ -402,7 +402,7 @@ class Workers:
 
 def _status(job: Path, *args: str) -> list[dict]:
     """`status --format json`: the fields docs/contract.md's status reports, for each shard."""
-    result = run_cli("status", str(job), "--format", "json", *args, timeout=120)
+    result = run_cli_in_process("status", str(job), "--format", "json", *args)
     assert result.returncode == 0, result.stderr
     return [{k: r[k] for k in ("shard", "state", "input", "output")} for r in json.loads(result.stdout)]
 

@@ -25,7 +25,17 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from helpers.jobs import DRAFT, HEAD, MODELS, NGRAM, read_output, run_cli, write_job, write_parquet
+from helpers.jobs import (
+    DRAFT,
+    HEAD,
+    MODELS,
+    NGRAM,
+    read_output,
+    run_cli,
+    run_cli_in_process,
+    write_job,
+    write_parquet,
+)
 
 from batchspec.io.writer import read_metadata
 from batchspec.spec.load import load_spec
@@ -528,7 +538,7 @@ def test_speculation_off_leaves_spec_columns_null(plain_run):
 
 def test_validate_predicts_the_refusals_of_the_real_run(spec_run):
     """What `validate` says (tokenizer only, no engine) against what the engine then did."""
-    result = run_cli("validate", str(spec_run.job), timeout=180)
+    result = run_cli_in_process("validate", str(spec_run.job))
     assert result.returncode == 0, result.stderr
     shards = run_summary(spec_run.out)["shards"]
     lines = {
@@ -577,7 +587,7 @@ def test_rerun_skips_committed_shards(spec_run, inputs):
     ]
     assert "engine_starting" not in events and "shard_started" not in events
     assert {p.name: p.stat().st_mtime_ns for p in out.glob("*.parquet")} == before
-    status = run_cli("status", str(spec_run.job), "--format", "json", timeout=60)
+    status = run_cli_in_process("status", str(spec_run.job), "--format", "json")
     assert status.returncode == 0, status.stderr
     assert [{k: r[k] for k in ("shard", "state", "input", "output")} for r in json.loads(status.stdout)] == [
         {
@@ -756,7 +766,7 @@ def test_report_on_real_output(spec_run, plain_run, tmp_path):
     assert report["acceptance_per_position"]["accepted"] == summary["acceptance_per_position"]["accepted"]
     assert report["lineage"]["run_id"] == [summary["run_id"]]
     assert (tmp_path / "r.html").read_text().count("<svg") >= 4
-    compare = run_cli("report", str(plain_run.out), str(spec_run.out), "--format", "json", timeout=120)
+    compare = run_cli_in_process("report", str(plain_run.out), str(spec_run.out), "--format", "json")
     assert compare.returncode == 0, compare.stderr
     matching = json.loads(compare.stdout)["matching"]
     plain = {r["request_id"]: r for r in read_output(plain_run.out).to_pylist()}

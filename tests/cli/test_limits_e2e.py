@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from helpers.jobs import MODELS, read_output, run_cli, write_job, write_parquet
+from helpers.jobs import MODELS, read_output, run_cli, run_cli_in_process, write_job, write_parquet
 
 pytestmark = pytest.mark.engine
 
@@ -58,7 +58,7 @@ def limits(tmp_path_factory, models):
         model={"target": str(MODELS / "target"), "engine": engine},
         sampling={"temperature": 0.0, "max_tokens": 32, "ignore_eos": True},
     )
-    validate = run_cli("validate", str(job), timeout=300)
+    validate = run_cli_in_process("validate", str(job))
     run = run_cli("run", str(job), "--no-progress", timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     rows = {r["request_id"]: r for r in read_output(root / "out").to_pylist()}

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pyarrow as pa
 import pytest
-from helpers.jobs import INLINE_ENGINE, MODELS, run_cli, write_job
+from helpers.jobs import INLINE_ENGINE, MODELS, run_cli, run_cli_in_process, write_job
 from helpers.recovery import Job
 from helpers.tables import iceberg_catalog, table_rows
 
@@ -63,6 +63,6 @@ def test_a_table_job_killed_and_rerun_holds_every_row_once(tmp_path, models, fmt
     spec = load_spec(str(job))
     ids = table_rows(spec)
     assert ids == sorted(f"r{i}-{j}" for i in ROWS for j in range(10))
-    status = run_cli("status", str(job))
+    status = run_cli_in_process("status", str(job))
     assert "3 committed" in status.stdout, status.stdout
     assert str(MODELS / "target") in spec.model.target

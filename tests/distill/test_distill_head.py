@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 from domain_data import write_shards
-from helpers.jobs import ENGINE, MODELS, run_cli, write_job
+from helpers.jobs import ENGINE, MODELS, run_cli, run_cli_in_process, write_job
 
 from batchspec.distill import eagle3
 from batchspec.distill import features as features_mod
@@ -184,12 +184,11 @@ def test_distill_trains_a_head_that_accepts_more_and_loads_in_vllm(tmp_path, ran
         assert secret not in path.read_bytes().decode("latin-1"), path
     assert card["job"]["spec"]["output"]["storage_options"] == {"secret": "***"}  # the public view
     # the installed head runs a job: its method comes from its config
-    run = run_cli(
+    run = run_cli_in_process(
         "validate",
         str(job),
         "--set",
         f"speculative={{model: {out}, num_speculative_tokens: 3}}",
         env={"HEAD_TEST_SECRET": secret},
-        timeout=180,
     )
     assert run.returncode == 0, run.stderr[-2000:]

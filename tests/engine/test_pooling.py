@@ -14,7 +14,16 @@ import math
 import numpy as np
 import pyarrow as pa
 import pytest
-from helpers.jobs import ENGINE, INLINE_ENGINE, MODELS, read_output, run_cli, write_job, write_parquet
+from helpers.jobs import (
+    ENGINE,
+    INLINE_ENGINE,
+    MODELS,
+    read_output,
+    run_cli,
+    run_cli_in_process,
+    write_job,
+    write_parquet,
+)
 from helpers.recovery import Job
 from helpers.tables import iceberg_catalog
 
@@ -80,7 +89,7 @@ def test_embeddings_are_vllms_own_and_bad_rows_are_errors(tmp_path, shared_engin
     assert errors["r11"].startswith("prompt too long: ") and "max_model_len 512" in errors["r11"], errors
     summary = run.summary
     assert summary["totals"]["rows"] == len(prompts) and summary["totals"]["errors"] == 3
-    report = run_cli("report", str(tmp_path / "out"), "--format", "json")
+    report = run_cli_in_process("report", str(tmp_path / "out"), "--format", "json")
     assert report.returncode == 0, report.stderr
     shown = json.loads(report.stdout)
     assert shown["task"] == "embed" and shown["lineage"]["task"] == ["embed"]
@@ -344,6 +353,6 @@ def test_openai_batch_embedding_lines_are_answered_in_openais_shape(tmp_path, sh
     assert sorted(errors) == ["d", "e", "f", "g", "h"]
     assert "body.input is a list" in errors["d"] and "64" in errors["e"] and "empty prompt" in errors["f"]
     assert "/v1/chat/completions" in errors["g"] and "body.temperature" in errors["h"]
-    report = run_cli("report", str(tmp_path / "out"), "--format", "json")
+    report = run_cli_in_process("report", str(tmp_path / "out"), "--format", "json")
     assert report.returncode == 0, report.stderr
     assert json.loads(report.stdout)["overall"]["rows"] == 8

@@ -18,7 +18,7 @@ import time
 import psutil
 import pyarrow.parquet as pq
 import pytest
-from helpers.jobs import DRAFT, INLINE_ENGINE, read_output, run_cli, write_job
+from helpers.jobs import DRAFT, INLINE_ENGINE, read_output, run_cli, run_cli_in_process, write_job
 from helpers.recovery import Job, check_output, input_ids
 
 from batchspec.spec.load import load_spec
@@ -123,7 +123,7 @@ def test_sigkill_at_random_moments_then_rerun(workload, reference, shared_engine
     assert lost == 0 and duplicated == 0 and len(ids) == len(all_ids)
     assert not list((out / "_batchspec" / "tmp").glob("*")), "orphan temp files not cleaned"
     assert not list((out / "_batchspec" / "locks").glob("*.json")), "leases not released"
-    status = run_cli("status", str(job), timeout=60)
+    status = run_cli_in_process("status", str(job))
     assert "4 committed, 0 partial, 0 pending" in status.stdout
 
 
