@@ -371,28 +371,45 @@ def add_counters(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+#: How long :func:`death_note` waits for a dead process's exit status: a killed process of a few
+#: GiB is seen gone (its sockets closed, vLLM's client raising) before the kernel has finished
+#: tearing it down and its status can be read, the longer the busier the machine.
+EXIT_STATUS_WAIT_S = 3.0
+
+
 def death_note(core, processes: list[tuple[Any, str]]) -> str | None:
     """Which of an engine's processes (psutil's, with their names) died, and how (its exit code
     or the signal that killed it, where vLLM started it), for the error that ends its stream;
     None when none is seen dead."""
     import signal
+    import time
 
-    import psutil
-
-    codes: dict[int, int | None] = {}
     manager = getattr(getattr(core, "resources", None), "engine_manager", None)
-    for proc in getattr(manager, "processes", None) or ():
-        try:
-            codes[proc.pid] = proc.exitcode
-        except Exception:  # noqa: BLE001 (best effort: the note only names the death)
-            continue
+    started = getattr(manager, "processes", None) or ()
+
+    def exit_codes() -> dict[int, int | None]:
+        codes: dict[int, int | None] = {}
+        for proc in started:
+            try:
+                codes[proc.pid] = proc.exitcode
+            except Exception:  # noqa: BLE001 (best effort: the note only names the death)
+                continue
+        return codes
+
+    codes = exit_codes()
+    deadline = time.monotonic() + EXIT_STATUS_WAIT_S
+    while (
+        codes
+        and all(code is None for code in codes.values())
+        and any(not _running(p) for p, _ in processes)
+        and time.monotonic() < deadline
+    ):
+        time.sleep(0.05)  # one of them is dying: its status comes once the kernel is done
+        codes = exit_codes()
     dead = []
     for p, name in processes:
-        try:
-            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
-                continue
-        except psutil.Error:
-            pass
+        if _running(p):
+            continue
         dead.append((codes.get(p.pid) is None, p.pid, name))  # one whose end is known first
     if not dead:
         return None
@@ -406,3 +423,13 @@ def death_note(core, processes: list[tuple[Any, str]]) -> str | None:
     elif code is not None:
         what += f", exit code {code}"
     return what
+
+
+def _running(p) -> bool:
+    """Whether psutil's ``p`` runs (a zombie has ended)."""
+    import psutil
+
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False

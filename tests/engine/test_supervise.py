@@ -207,3 +207,32 @@ def test_an_engine_start_sets_the_heap_aside_and_a_failed_one_gives_it_back():
     with pytest.raises(RuntimeError):
         _start_with_the_heap_frozen(fails)
     assert gc.get_freeze_count() == 0
+
+
+def test_a_death_note_waits_for_the_exit_status_of_a_process_still_being_torn_down():
+    """A killed EngineCore of a few GiB is seen gone before its status can be read (the busier
+    the machine, the longer): the note waits for it and says which signal, not only "died"."""
+    import threading
+    from types import SimpleNamespace
+
+    from batchspec.engine.supervise import death_note
+
+    class Dying:  # multiprocessing.Process's exitcode: None until the status is read
+        pid = 4242
+        exitcode = None
+
+    class Gone:  # psutil's view: the process no longer runs
+        pid = 4242
+
+        def is_running(self):
+            return False
+
+    dying = Dying()
+    core = SimpleNamespace(resources=SimpleNamespace(engine_manager=SimpleNamespace(processes=[dying])))
+    threading.Timer(0.3, lambda: setattr(dying, "exitcode", -9)).start()
+    assert (
+        death_note(core, [(Gone(), "VLLM::EngineCore")])
+        == "VLLM::EngineCore (pid 4242) died, killed by SIGKILL"
+    )
+    dying.exitcode = None  # never read: the note still names the death, after the wait
+    assert death_note(core, [(Gone(), "VLLM::EngineCore")]) == "VLLM::EngineCore (pid 4242) died"
