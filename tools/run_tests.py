@@ -4,9 +4,8 @@
   itself, one engine working at a time (tests/conftest.py marks them ``engine_group``);
 - **processes**: the engine tests whose engines live in other processes: ``batchspec``
   subprocesses (tune, distill, kills and restarts), Ray replicas and Airflow (marked
-  ``own_processes``, by file: tests/helpers/lanes.py). One pytest process a file, on
-  :data:`PROCESS_WORKERS` workers that each take the next file, longest first: such a file spends
-  most of its time waiting on one process at a time, so one worker alone left a core idle;
+  ``own_processes``, by file: tests/helpers/lanes.py). One pytest process a file, longest first,
+  on :data:`PROCESS_WORKERS` worker(s) that each take the next file;
 - **rest**: every test that starts no engine.
 
 Each lane's output is kept and printed whole when all have ended, then each lane's wall time (and
@@ -38,8 +37,11 @@ LANES = (
     ("rest", "not engine_group", 10),
 )
 PROCESSES_MARKER = "engine_group and own_processes"
-#: Workers of the processes lane, each running one file at a time.
-PROCESS_WORKERS = 2
+#: Workers of the processes lane, each running one file at a time. Two were tried: with the
+#: other lanes beside them, four test processes' engines on 2 cores (vLLM binds each engine's
+#: OpenMP threads to every core) slowed each other so far that a 4-s lease was lost and 48
+#: requests did not finish within 120 s of grace, and the whole took no less time.
+PROCESS_WORKERS = 1
 ENGINE_LOG_ENV = "BATCHSPEC_TEST_ENGINE_LOG"
 #: pytest's exit code when nothing is selected (a file of the processes lane under ``-k``): a pass
 NO_TESTS = 5

@@ -3,9 +3,8 @@
 The engine tests whose engines live in processes of their own (`batchspec` subprocesses of the
 distill, kill, tune and auto tests, Ray replicas, Airflow's tasks), by file: marked
 ``own_processes``, they leave the lane of the shared in-process engines and run one file per
-pytest process, two files at a time, beside it. A whole file, so that its module-scoped runs
-happen once. Most of such a file's time is spent waiting on one process at a time (a run, then
-its kill, then its rerun), so two of them side by side keep the second core busy.
+pytest process beside it (tools/run_tests.py). A whole file, so that its module-scoped runs
+happen once.
 
 Listed longest first: the files are handed out in this order, so that the longest never starts
 last. After each, the CPU seconds it cost in one run (the conftest's CPU summary, 2 cores, the other
