@@ -141,8 +141,8 @@ demo: setup $(DEMO_MODELS) data
 	@echo "run summary JSON: $$(ls -t out/demo/_batchspec/runs/*.json | head -1)"
 	@echo "charts: out/demo-report.html"
 
-# pytest processes side by side (tools/run_tests.py): the tests on the shared in-process engines,
-# the engine tests whose engines run in processes of their own (a pytest process a file),
+# three pytest processes side by side (tools/run_tests.py): the tests on the shared in-process
+# engines, the engine tests whose engines run in processes of their own,
 # and the tests that start no engine (tests/conftest.py marks them); each lane's output follows,
 # then each lane's wall time and the engine start-ups by configuration; any failure fails the target
 test: models emulators airflow

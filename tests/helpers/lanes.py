@@ -2,13 +2,13 @@
 
 The engine tests whose engines live in processes of their own (`batchspec` subprocesses of the
 distill, kill, tune and auto tests, Ray replicas, Airflow's tasks), by file: marked
-``own_processes``, they leave the lane of the shared in-process engines and run one file per
-pytest process beside it (tools/run_tests.py). A whole file, so that its module-scoped runs
+``own_processes``, they leave the lane of the shared in-process engines and run in a pytest
+process of their own beside it (tools/run_tests.py). A whole file, so that its module-scoped runs
 happen once.
 
-Listed longest first: the files are handed out in this order, so that the longest never starts
-last. After each, the CPU seconds it cost in one run (the conftest's CPU summary, 2 cores, the other
-lanes beside it), and for Ray's file, whose replicas are no children the summary sees, its wall time.
+Listed longest first, the order that lane runs them in. After each, the CPU seconds it cost in
+one run (the conftest's CPU summary, 2 cores, the other lanes beside it), and for Ray's file,
+whose replicas are no children the summary sees, its wall time.
 """
 
 from __future__ import annotations
