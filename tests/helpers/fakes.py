@@ -77,13 +77,60 @@ class FakeEngine:
         pass
 
 
+class TuneClock:
+    """The clock tune's modules read while :class:`FakeTuneEngine` stands in for vLLM: it moves
+    only when the fake engine "spends" time on a row, so what tune measures is exactly what the
+    test set (a row's cost, a speed-up) and never how busy the machine running the suite is
+    (with sleeps, a loaded CI machine once measured the 1.5x faster token budget 27% slower)."""
+
+    #: Modules whose ``time.monotonic`` is this clock: every reading tune's timing and deadlines
+    #: make, so a deadline is reached when the fake engine has spent the time.
+    MODULES = (
+        "batchspec.tune.measure",
+        "batchspec.tune.knobs",
+        "batchspec.tune.session",
+        "batchspec.tune.auto",
+    )
+
+    def __init__(self):
+        self.now = time.monotonic()
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+    def __getattr__(self, name):  # the rest of the time module, for the modules patched
+        return getattr(time, name)
+
+
+def use_fake_tune_engine(monkeypatch) -> TuneClock:
+    """Put :class:`FakeTuneEngine` in place of vLLM's engine and :class:`TuneClock` in place of
+    the clock of tune's modules; returns the clock."""
+    import importlib
+
+    import batchspec.engine.llm
+
+    clock = TuneClock()
+    monkeypatch.setattr(batchspec.engine.llm, "Engine", FakeTuneEngine)
+    monkeypatch.setattr(FakeTuneEngine, "clock", clock)
+    for name in TuneClock.MODULES:
+        monkeypatch.setattr(importlib.import_module(name), "time", clock)
+    return clock
+
+
 class FakeTuneEngine:
     """Stands in for batchspec.engine.llm.Engine where only tune's bookkeeping is under test (the
-    real engine runs the same paths in the `engine` tests above). Draft position i is accepted
+    real engine runs the same paths in the `engine` tests above); install it with
+    :func:`use_fake_tune_engine`, whose clock its rows advance. Draft position i is accepted
     with a fixed rate; ``lossy`` makes speculative candidates change one row's text; ``speedup``
     divides a speculative candidate's time per row; a draft whose path holds "refuse" is refused
     as vLLM refuses a config (its message quoting the path). ``started`` lists the speculative
     config of every engine made (None: speculation off)."""
+
+    #: The clock a row's time is spent on (set by :func:`use_fake_tune_engine`).
+    clock: TuneClock | None = None
 
     lossy = False
     speedup = 1.0
@@ -117,7 +164,7 @@ class FakeTuneEngine:
             per_row = 1 / self.knob_speed(self.max_num_seqs, self.max_num_batched_tokens, max_in_flight)
         for row in rows:
             steps = 10
-            time.sleep(0.001 * steps * (1 + 0.1 * self.k) * per_row / (self.speedup if self.k else 1.0))
+            self.clock.sleep(0.001 * steps * (1 + 0.1 * self.k) * per_row / (self.speedup if self.k else 1.0))
             self.counters["spec_decode_num_drafts"] += steps
             for i, r in enumerate(rates):
                 self.counters["spec_decode_num_accepted_tokens_per_pos"][i] += round(steps * r)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 import yaml
-from helpers.fakes import FakeEngine, FakeTuneEngine
+from helpers.fakes import FakeEngine, FakeTuneEngine, use_fake_tune_engine
 from helpers.jobs import MODELS, ROOT, run_cli, write_job, write_parquet
 
 from batchspec.errors import SpecError
@@ -88,7 +88,7 @@ def auto_job(tmp_path, monkeypatch):
     import batchspec.engine.checks
     import batchspec.engine.llm
 
-    monkeypatch.setattr(batchspec.engine.llm, "Engine", FakeTuneEngine)
+    use_fake_tune_engine(monkeypatch)
     monkeypatch.setattr(batchspec.engine.checks, "check_vllm_keys", lambda spec: None)
     monkeypatch.setattr(FakeTuneEngine, "speedup", 4.0)
     monkeypatch.setattr(FakeTuneEngine, "started", [])
@@ -239,7 +239,7 @@ def test_the_record_holds_no_credential(tmp_path, monkeypatch):
     import batchspec.engine.checks
     import batchspec.engine.llm
 
-    monkeypatch.setattr(batchspec.engine.llm, "Engine", FakeTuneEngine)
+    use_fake_tune_engine(monkeypatch)
     monkeypatch.setattr(batchspec.engine.checks, "check_vllm_keys", lambda spec: None)
     monkeypatch.setattr(FakeTuneEngine, "speedup", 4.0)
     monkeypatch.setenv("DRAFT_TOKEN", "tok-5ecret-99")

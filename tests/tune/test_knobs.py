@@ -10,7 +10,7 @@ import time
 
 import pytest
 import yaml
-from helpers.fakes import FakeTuneEngine
+from helpers.fakes import FakeTuneEngine, use_fake_tune_engine
 from helpers.jobs import ENGINE, MODELS, run_cli, write_job, write_parquet
 
 from batchspec.errors import SpecError
@@ -164,7 +164,7 @@ def knob_job(tmp_path, monkeypatch):
     import batchspec.tune.knobs
     import batchspec.tune.measure
 
-    monkeypatch.setattr(batchspec.engine.llm, "Engine", FakeTuneEngine)
+    use_fake_tune_engine(monkeypatch)
     monkeypatch.setattr(batchspec.tune.measure, "MIN_LEVEL_SECONDS", 0.05)
     monkeypatch.setattr(batchspec.tune.knobs, "MIN_LEVEL_SECONDS", 0.05)
     monkeypatch.setattr(FakeTuneEngine, "started", [])

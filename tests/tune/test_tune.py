@@ -14,7 +14,7 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 import yaml
-from helpers.fakes import FakeTuneEngine
+from helpers.fakes import FakeTuneEngine, use_fake_tune_engine
 from helpers.jobs import ENGINE, MODELS, ROOT, run_cli, run_cli_in_process, write_job, write_parquet
 
 from batchspec.errors import SpecError
@@ -609,9 +609,8 @@ def test_cli_registers_tune():
 
 @pytest.fixture()
 def fake_job(tmp_path, monkeypatch):
-    import batchspec.engine.llm
 
-    monkeypatch.setattr(batchspec.engine.llm, "Engine", FakeTuneEngine)
+    use_fake_tune_engine(monkeypatch)
     write_parquet(
         tmp_path / "in" / "a.parquet",
         {"id": [f"a{i}" for i in range(10)], "prompt": [f"prompt {i}" for i in range(10)]},
