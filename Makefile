@@ -141,12 +141,13 @@ demo: setup $(DEMO_MODELS) data
 	@echo "run summary JSON: $$(ls -t out/demo/_batchspec/runs/*.json | head -1)"
 	@echo "charts: out/demo-report.html"
 
-# three pytest processes side by side (tools/run_tests.py): the tests on the shared in-process
-# engines, the engine tests whose engines run in processes of their own,
-# and the tests that start no engine (tests/conftest.py marks them); each lane's output follows,
-# then each lane's wall time and the engine start-ups by configuration; any failure fails the target
+# pytest processes three at a time (tools/run_tests.py): the tests on the shared in-process
+# engines, the tests that start no engine, then a process a file for the engine tests whose
+# engines run in processes of their own (tests/conftest.py marks them); each one's output follows,
+# then each one's wall time and the engine start-ups by configuration; any failure fails the
+# target. TEST_ALSO='--also NAME=COMMAND' runs a command among them (CI: Python 3.13's tests).
 test: models emulators airflow
-	$(BIN)/python tools/run_tests.py
+	$(BIN)/python tools/run_tests.py $(TEST_ALSO)
 
 # no engine and no models: runs on a fresh clone right after `make setup`
 test-fast: setup emulators

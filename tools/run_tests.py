@@ -1,25 +1,35 @@
-"""`make test`: the suite in three pytest processes side by side (lanes), then what it cost.
+"""`make test`: the suite in pytest processes, three at a time on the machine, then what it cost.
+
+The work, in the order it starts:
 
 - **engines**: the tests on the session's shared engines, which run in the pytest process
   itself, one engine working at a time (tests/conftest.py marks them ``engine_group``);
+- **rest**: every test that starts no engine;
 - **processes**: the engine tests whose engines live in other processes: ``batchspec``
   subprocesses (tune, distill, kills and restarts), Ray replicas and Airflow (marked
-  ``own_processes``, by file: tests/helpers/lanes.py), one at a time, the files longest first;
-- **rest**: every test that starts no engine.
+  ``own_processes``, by file: tests/helpers/lanes.py), a pytest process a file, the files
+  longest first;
+- whatever ``--also NAME=COMMAND`` adds (CI's Python 3.13 run), among those files
+  (:data:`ALSO_AFTER`).
 
-Each lane's output is kept and printed whole when all have ended, then each lane's wall time and,
-where ``BATCHSPEC_TEST_ENGINE_LOG`` names a file, the engine start-ups by configuration across
-the lanes. Exits 0 only if every lane passed. Extra arguments go to every pytest process.
+At most :data:`SLOTS` of them run at once: the first three at the start, and each time one ends
+the next in the list starts, so the processes files go one after another from the start and on
+two slots once the shorter of the other two has ended, and the cores stay busy to the end
+instead of one long file running alone. More than three at once was tried (two processes files
+beside the other lanes): four test processes' engines on 2 cores (vLLM binds each engine's
+OpenMP threads to every core) slowed each other so far that a 4-s lease was lost and 48 requests
+did not finish within 120 s of grace.
 
-One pytest process for the processes lane: two side by side were tried, and with the other lanes
-beside them four test processes' engines on 2 cores (vLLM binds each engine's OpenMP threads to
-every core) slowed each other so far that a 4-s lease was lost and 48 requests did not finish
-within 120 s of grace; one pytest process a file, one after another, paid a collection a file.
+Each one's output is kept and printed whole when all have ended (and, as it comes, in the folder
+the first line names), then each one's wall time and, where ``BATCHSPEC_TEST_ENGINE_LOG`` names a
+file, the engine start-ups by configuration across them. Exits 0 only if every one passed.
+Extra arguments go to every pytest process.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 import os
 import subprocess
@@ -33,49 +43,123 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from helpers.lanes import OWN_PROCESS_FILES  # noqa: E402  (the tests' own list)
 
-#: (name, marker expression, the paths to collect, how many slowest tests to print)
-LANES = (
-    ("engines", "engine_group and not own_processes", ["tests"], 25),
-    ("processes", "engine_group and own_processes", list(OWN_PROCESS_FILES), 25),
-    ("rest", "not engine_group", ["tests"], 10),
-)
+#: How many run at once on the machine.
+SLOTS = 3
+#: The ``--also`` commands start after this many processes files: CI's Python 3.13 run (about 6
+#: minutes beside the others) after the long files and before the short ones that fill the end.
+ALSO_AFTER = 3
 ENGINE_LOG_ENV = "BATCHSPEC_TEST_ENGINE_LOG"
 #: pytest's exit code when nothing is selected (under ``-k``): a pass
 NO_TESTS = 5
 
 
+@dataclasses.dataclass
+class Unit:
+    """One pytest process (or ``--also`` command): its name, command and what it showed."""
+
+    name: str
+    cmd: list[str]
+    #: what to print of it: the marker expression or the command
+    what: str
+    proc: subprocess.Popen | None = None
+    started: float = 0.0
+    status: int | None = None
+    wall: float = 0.0
+    out: object = None
+
+
+def _pytest(name: str, marker: str, paths: list[str], durations: int, argv: list[str]) -> Unit:
+    cmd = [sys.executable, "-m", "pytest", "-q", "-rs", f"--durations={durations}", "-m", marker]
+    return Unit(name, [*cmd, *paths, *argv], f"-m {marker!r} {' '.join(paths)}")
+
+
+def units(argv: list[str], also: list[tuple[str, str]]) -> list[Unit]:
+    """The work in the order it starts."""
+    work = [
+        _pytest("engines", "engine_group and not own_processes", ["tests"], 25, argv),
+        _pytest("rest", "not engine_group", ["tests"], 10, argv),
+    ]
+    for i, path in enumerate(OWN_PROCESS_FILES):
+        if i == ALSO_AFTER:
+            work += [Unit(name, ["bash", "-c", command], command) for name, command in also]
+        name = "processes:" + Path(path).stem.removeprefix("test_")
+        work.append(_pytest(name, "engine_group and own_processes", [path], 10, argv))
+    if len(OWN_PROCESS_FILES) <= ALSO_AFTER:
+        work += [Unit(name, ["bash", "-c", command], command) for name, command in also]
+    return work
+
+
+def _also(values: list[str]) -> list[tuple[str, str]]:
+    pairs = []
+    for value in values:
+        name, sep, command = value.partition("=")
+        if not sep or not name or not command:
+            raise SystemExit(f"run_tests.py: --also takes NAME=COMMAND, not {value!r}")
+        pairs.append((name, command))
+    return pairs
+
+
+def _split_args(argv: list[str]) -> tuple[list[str], list[str]]:
+    """``--also NAME=COMMAND`` (any number) from the arguments for pytest."""
+    rest, also, i = [], [], 0
+    while i < len(argv):
+        if argv[i] == "--also" and i + 1 < len(argv):
+            also.append(argv[i + 1])
+            i += 2
+        elif argv[i].startswith("--also="):
+            also.append(argv[i].removeprefix("--also="))
+            i += 1
+        else:
+            rest.append(argv[i])
+            i += 1
+    return rest, also
+
+
 def main(argv: list[str]) -> int:
     started = time.time()
+    pytest_args, also = _split_args(argv)
+    work = units(pytest_args, _also(also))
     logs = Path(tempfile.mkdtemp(prefix="batchspec-lanes-"))
-    print(f"make test: {len(LANES)} lanes side by side; their output, as it comes, in {logs}", flush=True)
-    procs = []
-    for name, marker, paths, durations in LANES:
-        out = (logs / f"{name}.log").open("w+")
-        cmd = [sys.executable, "-m", "pytest", "-q", "-rs", f"--durations={durations}", "-m", marker]
-        env = {**os.environ, "BATCHSPEC_TEST_LANE": name}
-        proc = subprocess.Popen(
-            [*cmd, *paths, *argv], stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, env=env
-        )
-        procs.append((name, out, time.monotonic(), proc))
-    ended: dict[str, tuple[int, float]] = {}
-    while len(ended) < len(procs):  # each lane's own wall time, whichever ends first
-        for name, _, lane_started, proc in procs:
-            status = proc.poll()
-            if status is not None and name not in ended:
-                ended[name] = (0 if status == NO_TESTS else status, time.monotonic() - lane_started)
+    print(
+        f"make test: {len(work)} pytest processes and commands, {SLOTS} at a time; their output, "
+        f"as it comes, in {logs}",
+        flush=True,
+    )
+    waiting = list(work)
+    running: list[Unit] = []
+    while waiting or running:
+        while waiting and len(running) < SLOTS:
+            unit = waiting.pop(0)
+            unit.out = (logs / f"{unit.name.replace(':', '-')}.log").open("w+")
+            env = {**os.environ, "BATCHSPEC_TEST_LANE": unit.name}
+            unit.started = time.monotonic()
+            unit.proc = subprocess.Popen(
+                unit.cmd, stdout=unit.out, stderr=subprocess.STDOUT, cwd=ROOT, env=env
+            )
+            running.append(unit)
         time.sleep(1)
-    results = [(name, *ended[name]) for name, _, _, _ in procs]
-    for (name, out, _, _), (_, status, wall) in zip(procs, results, strict=True):
-        out.seek(0)
-        print(f"\n======== lane {name} (exit {status}, {wall:.0f} s)", flush=True)
-        sys.stdout.write(out.read())
-    print("\n======== make test: the lanes, side by side")
-    for name, status, wall in results:
-        marker = next(m for n, m, _, _ in LANES if n == name)
-        print(f"  {name:<10} exit {status}  {wall:6.0f} s ({wall / 60:.1f} min)  -m {marker!r}")
-    print(f"  all        {time.time() - started:6.0f} s ({(time.time() - started) / 60:.1f} min)")
+        for unit in list(running):  # each one's own wall time, whichever ends first
+            status = unit.proc.poll()
+            if status is not None:
+                unit.status = 0 if status == NO_TESTS else status
+                unit.wall = time.monotonic() - unit.started
+                running.remove(unit)
+    for unit in work:
+        unit.out.seek(0)
+        print(f"\n======== {unit.name} (exit {unit.status}, {unit.wall:.0f} s)", flush=True)
+        sys.stdout.write(unit.out.read())
+    print(f"\n======== make test: {SLOTS} at a time, each one's wall time from its start")
+    for unit in work:
+        offset = unit.started - work[0].started
+        print(
+            f"  {unit.name:<24} exit {unit.status}  {unit.wall:6.0f} s ({unit.wall / 60:4.1f} min)"
+            f"  from {offset / 60:4.1f} min  {unit.what}"
+        )
+    print(
+        f"  all                      {time.time() - started:6.0f} s ({(time.time() - started) / 60:.1f} min)"
+    )
     _startups(started)
-    return 0 if all(status == 0 for _, status, _ in results) else 1
+    return 0 if all(unit.status == 0 for unit in work) else 1
 
 
 def _startups(since: float) -> None:

@@ -6,23 +6,22 @@ distill, kill, tune and auto tests, Ray replicas, Airflow's tasks), by file: mar
 process of their own beside it (tools/run_tests.py). A whole file, so that its module-scoped runs
 happen once.
 
-Listed longest first, the order that lane runs them in. After each, the CPU seconds it cost in
-one run (the conftest's CPU summary, 2 cores, the other lanes beside it), and for Ray's file,
-whose replicas are no children the summary sees, its wall time.
+Listed longest first, the order `make test` starts them in (a pytest process a file). After
+each, its wall time in one fresh clone's CI run (2 cores, the other lanes beside it).
 """
 
 from __future__ import annotations
 
 OWN_PROCESS_FILES = (
-    "tests/run/test_recovery.py",  # 491
-    "tests/run/test_ray.py",  # ~400 s wall
-    "tests/tune/test_tune.py",  # 259
-    "tests/examples/test_airflow.py",  # 209 (its Airflow processes: 390 s wall)
-    "tests/run/test_supervision.py",  # 168
-    "tests/distill/test_distill_head.py",  # 167
-    "tests/distill/test_distill.py",  # 165
-    "tests/tune/test_auto.py",  # 136
+    "tests/run/test_recovery.py",  # 1,039 s
+    "tests/tune/test_tune.py",  # 453
+    "tests/run/test_ray.py",  # 443
+    "tests/run/test_supervision.py",  # 271
+    "tests/examples/test_airflow.py",  # 172
+    "tests/tune/test_auto.py",  # 117
     "tests/examples/test_examples.py",  # 114
-    "tests/tune/test_heads_tune.py",  # 66
-    "tests/tune/test_knobs.py",  # 46
+    "tests/distill/test_distill.py",  # 90
+    "tests/distill/test_distill_head.py",  # 65
+    "tests/tune/test_heads_tune.py",  # 50
+    "tests/tune/test_knobs.py",  # 43
 )
