@@ -7,9 +7,20 @@ import os
 import sys
 from pathlib import Path
 
-import pytest
-from helpers.jobs import MODELS, ROOT, S3_KEY, S3_SECRET, free_port
-from helpers.lanes import OWN_PROCESS_FILES
+#: One OpenMP thread a process, unbound: `make test` runs three pytest processes at once on a
+#: 2-core machine, each with engines (in its process, in `batchspec` subprocesses, in vLLM's own
+#: processes). With torch's default of a thread a core, the threads of one parallel region wait
+#: spinning for a peer the other processes hold off the core: three runs of one job side by side
+#: took 84 s with the default and 47 s with one thread each, their generating 37 s and 6 s (one
+#: alone: 28 and 31 s). vLLM's own engine processes bind their threads to core 0 unless told
+#: not to, so that all of them would share one core. Set before torch is imported anywhere in the
+#: run, and inherited by every process the tests start. Not a setting batchspec makes for users.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+
+import pytest  # noqa: E402
+from helpers.jobs import MODELS, ROOT, S3_KEY, S3_SECRET, free_port  # noqa: E402
+from helpers.lanes import OWN_PROCESS_FILES  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "tools"))
 
