@@ -47,13 +47,20 @@ _ENGINE_GROUP_FIXTURES = frozenset({"shared_engines", "ray_cluster"})
 _OWN_PROCESS_FILES = frozenset(OWN_PROCESS_FILES)
 
 
+def _has_own_processes(nodeid: str) -> bool:
+    """Whether ``OWN_PROCESS_FILES`` names the test's file or its test function (every
+    parameter of it)."""
+    return nodeid.split("::")[0] in _OWN_PROCESS_FILES or nodeid.split("[")[0] in _OWN_PROCESS_FILES
+
+
 def pytest_collection_modifyitems(items):
     """Mark every test that needs the built models, so `make test-fast` (no models, no engine)
     can leave them out on a fresh clone; mark the engine and models tests as needing vLLM, and
     skip what needs vLLM where it is not installed.
 
     Every test that starts a vLLM engine, runs on a shared one or on the Ray cluster is also
-    marked ``engine_group``, and those of the files in ``OWN_PROCESS_FILES`` ``own_processes``:
+    marked ``engine_group``, and those ``OWN_PROCESS_FILES`` names (a file, or one test function
+    of a file) ``own_processes``:
     `make test` runs each group in pytest processes of its own, side by side
     (tools/run_tests.py)."""
     for item in items:
@@ -64,7 +71,7 @@ def pytest_collection_modifyitems(items):
             item.add_marker(pytest.mark.vllm)
         if item.get_closest_marker("engine") or _ENGINE_GROUP_FIXTURES.intersection(fixtures):
             item.add_marker(pytest.mark.engine_group)
-            if item.nodeid.split("::")[0] in _OWN_PROCESS_FILES:
+            if _has_own_processes(item.nodeid):
                 item.add_marker(pytest.mark.own_processes)
         if not HAVE_VLLM and item.get_closest_marker("vllm"):
             item.add_marker(pytest.mark.skip(reason=_NEEDS_VLLM))

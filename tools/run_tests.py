@@ -82,7 +82,8 @@ def units(argv: list[str], also: list[tuple[str, str]]) -> list[Unit]:
     for i, path in enumerate(OWN_PROCESS_FILES):
         if i == ALSO_AFTER:
             work += [Unit(name, ["bash", "-c", command], command) for name, command in also]
-        name = "processes:" + Path(path).stem.removeprefix("test_")
+        file, _, function = path.partition("::")
+        name = "processes:" + Path(file).stem.removeprefix("test_") + (":" + function if function else "")
         work.append(_pytest(name, "engine_group and own_processes", [path], 10, argv))
     if len(OWN_PROCESS_FILES) <= ALSO_AFTER:
         work += [Unit(name, ["bash", "-c", command], command) for name, command in also]
@@ -130,7 +131,7 @@ def main(argv: list[str]) -> int:
     while waiting or running:
         while waiting and len(running) < SLOTS:
             unit = waiting.pop(0)
-            unit.out = (logs / f"{unit.name.replace(':', '-')}.log").open("w+")
+            unit.out = (logs / f"{unit.name.replace(':', '-')[:80]}.log").open("w+")
             env = {**os.environ, "BATCHSPEC_TEST_LANE": unit.name}
             unit.started = time.monotonic()
             unit.proc = subprocess.Popen(

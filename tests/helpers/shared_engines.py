@@ -116,9 +116,11 @@ class NoEngine:
 
 #: Memory (bytes) to leave free when another engine starts: below it, the least recently used
 #: engines are shut down first. An in-process engine of the tiny models holds about 1.5 GiB (its
-#: 1-GiB KV cache and vLLM's own state); the other pytest process and its `batchspec`
-#: subprocesses need room beside them.
-KEEP_FREE = 6 << 30
+#: 1-GiB KV cache and vLLM's own state); the two other pytest processes `make test` runs, their
+#: `batchspec` subprocesses and Ray replicas need room beside them. 6 GiB was too little once:
+#: this process held 14 GiB of engines while a Ray run started its replicas, and Ray's memory
+#: monitor (which kills a worker once the machine is 95% used) killed a replica.
+KEEP_FREE = 10 << 30
 
 
 class SharedEngines:
