@@ -7,8 +7,8 @@ The work, in the order it starts:
 - **rest**: every test that starts no engine;
 - **processes**: the engine tests whose engines live in other processes: ``batchspec``
   subprocesses (tune, distill, kills and restarts), Ray replicas and Airflow (marked
-  ``own_processes``, by file: tests/helpers/lanes.py), a pytest process a file, the files
-  longest first;
+  ``own_processes``, by file or test function: tests/helpers/lanes.py), a pytest process
+  each, the longest first;
 - whatever ``--also NAME=COMMAND`` adds (CI's Python 3.13 run), among those files
   (:data:`ALSO_AFTER`).
 
@@ -16,9 +16,9 @@ At most :data:`SLOTS` of them run at once: the first three at the start, and eac
 the next in the list starts, so the processes files go one after another from the start and on
 two slots once the shorter of the other two has ended, and the cores stay busy to the end
 instead of one long file running alone. More than three at once was tried (two processes files
-beside the other lanes): four test processes' engines on 2 cores (vLLM binds each engine's
-OpenMP threads to every core) slowed each other so far that a 4-s lease was lost and 48 requests
-did not finish within 120 s of grace.
+beside the other lanes, torch's default of an OpenMP thread a core then): four test processes'
+engines on 2 cores slowed each other so far that a 4-s lease was lost and 48 requests did not
+finish within 120 s of grace.
 
 Each one's output is kept and printed whole when all have ended (and, as it comes, in the folder
 the first line names), then each one's wall time and, where ``BATCHSPEC_TEST_ENGINE_LOG`` names a
@@ -28,6 +28,7 @@ Extra arguments go to every pytest process.
 
 from __future__ import annotations
 
+import argparse
 import collections
 import dataclasses
 import json
@@ -73,53 +74,32 @@ def _pytest(name: str, marker: str, paths: list[str], durations: int, argv: list
     return Unit(name, [*cmd, *paths, *argv], f"-m {marker!r} {' '.join(paths)}")
 
 
-def units(argv: list[str], also: list[tuple[str, str]]) -> list[Unit]:
-    """The work in the order it starts."""
+def units(argv: list[str], also: list[str]) -> list[Unit]:
+    """The work in the order it starts (``also``: ``NAME=COMMAND`` each)."""
     work = [
         _pytest("engines", "engine_group and not own_processes", ["tests"], 25, argv),
         _pytest("rest", "not engine_group", ["tests"], 10, argv),
     ]
-    for i, path in enumerate(OWN_PROCESS_FILES):
-        if i == ALSO_AFTER:
-            work += [Unit(name, ["bash", "-c", command], command) for name, command in also]
+    for path in OWN_PROCESS_FILES:
         file, _, function = path.partition("::")
         name = "processes:" + Path(file).stem.removeprefix("test_") + (":" + function if function else "")
         work.append(_pytest(name, "engine_group and own_processes", [path], 10, argv))
-    if len(OWN_PROCESS_FILES) <= ALSO_AFTER:
-        work += [Unit(name, ["bash", "-c", command], command) for name, command in also]
-    return work
-
-
-def _also(values: list[str]) -> list[tuple[str, str]]:
-    pairs = []
-    for value in values:
+    commands = []
+    for value in also:
         name, sep, command = value.partition("=")
         if not sep or not name or not command:
             raise SystemExit(f"run_tests.py: --also takes NAME=COMMAND, not {value!r}")
-        pairs.append((name, command))
-    return pairs
-
-
-def _split_args(argv: list[str]) -> tuple[list[str], list[str]]:
-    """``--also NAME=COMMAND`` (any number) from the arguments for pytest."""
-    rest, also, i = [], [], 0
-    while i < len(argv):
-        if argv[i] == "--also" and i + 1 < len(argv):
-            also.append(argv[i + 1])
-            i += 2
-        elif argv[i].startswith("--also="):
-            also.append(argv[i].removeprefix("--also="))
-            i += 1
-        else:
-            rest.append(argv[i])
-            i += 1
-    return rest, also
+        commands.append(Unit(name, ["bash", "-c", command], command))
+    work[2 + ALSO_AFTER : 2 + ALSO_AFTER] = commands
+    return work
 
 
 def main(argv: list[str]) -> int:
     started = time.time()
-    pytest_args, also = _split_args(argv)
-    work = units(pytest_args, _also(also))
+    parser = argparse.ArgumentParser(allow_abbrev=False, add_help=False)
+    parser.add_argument("--also", action="append", default=[])
+    known, pytest_args = parser.parse_known_args(argv)
+    work = units(pytest_args, known.also)
     logs = Path(tempfile.mkdtemp(prefix="batchspec-lanes-"))
     print(
         f"make test: {len(work)} pytest processes and commands, {SLOTS} at a time; their output, "
