@@ -142,8 +142,8 @@ demo: setup $(DEMO_MODELS) data
 	@echo "charts: out/demo-report.html"
 
 # pytest processes three at a time (tools/run_tests.py): the tests on the shared in-process
-# engines, the tests that start no engine, then a process a file for the engine tests whose
-# engines run in processes of their own (tests/conftest.py marks them); each one's output follows,
+# engines, the tests that start no engine, then a process each (a file or one test function) for
+# the engine tests whose engines run in processes of their own (tests/helpers/lanes.py); each output follows,
 # then each one's wall time and the engine start-ups by configuration; any failure fails the
 # target. TEST_ALSO='--also NAME=COMMAND' runs a command among them (CI: Python 3.13's tests).
 test: models emulators airflow
