@@ -21,9 +21,10 @@ engines on 2 cores slowed each other so far that a 4-s lease was lost and 48 req
 finish within 120 s of grace.
 
 Each one's output is kept and printed whole when all have ended (and, as it comes, in the folder
-the first line names), then each one's wall time and, where ``BATCHSPEC_TEST_ENGINE_LOG`` names a
-file, the engine start-ups by configuration across them. Exits 0 only if every one passed.
-Extra arguments go to every pytest process.
+the first line names), then each one's wall time and CPU time (its own and that of every process
+under it that was waited for: the engines' processes, `batchspec` runs), and, where
+``BATCHSPEC_TEST_ENGINE_LOG`` names a file, the engine start-ups by configuration across them.
+Exits 0 only if every one passed. Extra arguments go to every pytest process.
 """
 
 from __future__ import annotations
@@ -66,6 +67,8 @@ class Unit:
     started: float = 0.0
     status: int | None = None
     wall: float = 0.0
+    #: CPU seconds (user and system) of it and of every process of its that it waited for
+    cpu: float = 0.0
     out: object = None
 
 
@@ -119,26 +122,30 @@ def main(argv: list[str]) -> int:
             )
             running.append(unit)
         time.sleep(1)
-        for unit in list(running):  # each one's own wall time, whichever ends first
-            status = unit.proc.poll()
-            if status is not None:
+        for unit in list(running):  # each one's own wall and CPU time, whichever ends first
+            pid, wait_status, usage = os.wait4(unit.proc.pid, os.WNOHANG)
+            if pid:
+                unit.proc.returncode = status = os.waitstatus_to_exitcode(wait_status)
                 unit.status = 0 if status == NO_TESTS else status
                 unit.wall = time.monotonic() - unit.started
+                unit.cpu = usage.ru_utime + usage.ru_stime
                 running.remove(unit)
     for unit in work:
         unit.out.seek(0)
         print(f"\n======== {unit.name} (exit {unit.status}, {unit.wall:.0f} s)", flush=True)
         sys.stdout.write(unit.out.read())
-    print(f"\n======== make test: {SLOTS} at a time, each one's wall time from its start")
+    print(
+        f"\n======== make test: {SLOTS} at a time, each one's wall time from its start and its CPU "
+        f"time ({os.cpu_count()} cores)"
+    )
     for unit in work:
         offset = unit.started - work[0].started
         print(
             f"  {unit.name:<24} exit {unit.status}  {unit.wall:6.0f} s ({unit.wall / 60:4.1f} min)"
-            f"  from {offset / 60:4.1f} min  {unit.what}"
+            f"  from {offset / 60:4.1f} min  CPU {unit.cpu / 60:4.1f} min  {unit.what}"
         )
-    print(
-        f"  all                      {time.time() - started:6.0f} s ({(time.time() - started) / 60:.1f} min)"
-    )
+    wall, cpu = time.time() - started, sum(unit.cpu for unit in work)
+    print(f"  all                      {wall:6.0f} s ({wall / 60:.1f} min)  CPU {cpu / 60:.1f} min")
     _startups(started)
     return 0 if all(unit.status == 0 for unit in work) else 1
 
