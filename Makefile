@@ -148,13 +148,15 @@ demo: setup $(DEMO_MODELS) data
 	@echo "run summary JSON: $$(ls -t out/demo/_batchspec/runs/*.json | head -1)"
 	@echo "charts: out/demo-report.html"
 
-# pytest processes three at a time (tools/run_tests.py): the tests on the shared in-process
-# engines, the tests that start no engine, then a process each (a file or one test function) for
-# the engine tests whose engines run in processes of their own (tests/helpers/lanes.py); each output follows,
-# then each one's wall time and the engine start-ups by configuration; any failure fails the
-# target. TEST_ALSO='--also NAME=COMMAND' runs a command among them (CI: Python 3.13's tests).
-test: models emulators airflow
-	$(BIN)/python tools/run_tests.py $(TEST_ALSO)
+# pytest processes three at a time (tools/run_tests.py): `make models` first, and beside it the
+# tests that need no model (on an empty model cache they run while the models train); then the
+# tests on the shared in-process engines, the other tests that start no engine, and a process each
+# (a file or one test function) for the engine tests whose engines run in processes of their own
+# (tests/helpers/lanes.py); each output follows, then each one's wall and CPU time and the engine
+# start-ups by configuration; any failure fails the target. TEST_ALSO='--also NAME=COMMAND' runs a
+# command among them (CI: Python 3.13's tests).
+test: setup emulators airflow
+	$(BIN)/python tools/run_tests.py --models "$(MAKE) --no-print-directory -j3 models" $(TEST_ALSO)
 
 # no engine and no models: runs on a fresh clone right after `make setup`
 test-fast: setup emulators

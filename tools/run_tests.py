@@ -2,23 +2,28 @@
 
 The work, in the order it starts:
 
+- **models** (``--models COMMAND``, `make test` passes ``make models``): builds the tiny models,
+  or restores them from the model cache in seconds; every unit that needs them waits for it, the
+  others run beside it, so that on an empty cache the tests that need no model run while the
+  models train;
 - **engines**: the tests on the session's shared engines, which run in the pytest process
   itself, one engine working at a time (tests/conftest.py marks them ``engine_group``);
-- **rest**: every test that starts no engine;
+- **rest**: every test that starts no engine and needs no model; **rest:models**, those that
+  need the models but no engine;
 - **processes**: the engine tests whose engines live in other processes: ``batchspec``
   subprocesses (tune, distill, kills and restarts), Ray replicas and Airflow (marked
   ``own_processes``, by file or test function: tests/helpers/lanes.py), a pytest process
   each, the longest first;
-- whatever ``--also NAME=COMMAND`` adds (CI's Python 3.13 run), among those files
-  (:data:`ALSO_AFTER`).
+- whatever ``--also NAME=COMMAND`` adds (CI's Python 3.13 run, which needs no model), among
+  those files (:data:`ALSO_AFTER`).
 
-At most :data:`SLOTS` of them run at once: the first three at the start, and each time one ends
-the next in the list starts, so the processes files go one after another from the start and on
-two slots once the shorter of the other two has ended, and the cores stay busy to the end
-instead of one long file running alone. More than three at once was tried (two processes files
-beside the other lanes, torch's default of an OpenMP thread a core then): four test processes'
-engines on 2 cores slowed each other so far that a 4-s lease was lost and 48 requests did not
-finish within 120 s of grace.
+At most :data:`SLOTS` of them run at once: the first three that can start at the start, and each
+time one ends the next in the list that can start (its models built), so the processes files go
+one after another from early on and on two slots once the shorter of the other two has ended, and
+the cores stay busy to the end instead of one long file running alone. More than three at once was
+tried (two processes files beside the other lanes, torch's default of an OpenMP thread a core
+then): four test processes' engines on 2 cores slowed each other so far that a 4-s lease was lost
+and 48 requests did not finish within 120 s of grace.
 
 Each one's output is kept and printed whole when all have ended (and, as it comes, in the folder
 the first line names), then each one's wall time and CPU time (its own and that of every process
@@ -53,6 +58,8 @@ ALSO_AFTER = 3
 ENGINE_LOG_ENV = "BATCHSPEC_TEST_ENGINE_LOG"
 #: pytest's exit code when nothing is selected (under ``-k``): a pass
 NO_TESTS = 5
+#: The name of the unit that builds the models.
+MODELS = "models"
 
 
 @dataclasses.dataclass
@@ -63,6 +70,8 @@ class Unit:
     cmd: list[str]
     #: what to print of it: the marker expression or the command
     what: str
+    #: whether it waits for the models unit
+    needs_models: bool = True
     proc: subprocess.Popen | None = None
     started: float = 0.0
     status: int | None = None
@@ -72,16 +81,21 @@ class Unit:
     out: object = None
 
 
-def _pytest(name: str, marker: str, paths: list[str], durations: int, argv: list[str]) -> Unit:
+def _pytest(
+    name: str, marker: str, paths: list[str], durations: int, argv: list[str], needs_models: bool = True
+) -> Unit:
     cmd = [sys.executable, "-m", "pytest", "-q", "-rs", f"--durations={durations}", "-m", marker]
-    return Unit(name, [*cmd, *paths, *argv], f"-m {marker!r} {' '.join(paths)}")
+    return Unit(name, [*cmd, *paths, *argv], f"-m {marker!r} {' '.join(paths)}", needs_models)
 
 
-def units(argv: list[str], also: list[str]) -> list[Unit]:
-    """The work in the order it starts (``also``: ``NAME=COMMAND`` each)."""
+def units(argv: list[str], also: list[str], models: str | None = None) -> list[Unit]:
+    """The work in the order it starts (``also``: ``NAME=COMMAND`` each; ``models``: the command
+    that builds the models, first)."""
+    first = [Unit(MODELS, ["bash", "-c", models], models, needs_models=False)] if models else []
     work = [
         _pytest("engines", "engine_group and not own_processes", ["tests"], 25, argv),
-        _pytest("rest", "not engine_group", ["tests"], 10, argv),
+        _pytest("rest", "not engine_group and not models", ["tests"], 10, argv, needs_models=False),
+        _pytest("rest:models", "not engine_group and models", ["tests"], 5, argv),
     ]
     for path in OWN_PROCESS_FILES:
         file, _, function = path.partition("::")
@@ -92,17 +106,18 @@ def units(argv: list[str], also: list[str]) -> list[Unit]:
         name, sep, command = value.partition("=")
         if not sep or not name or not command:
             raise SystemExit(f"run_tests.py: --also takes NAME=COMMAND, not {value!r}")
-        commands.append(Unit(name, ["bash", "-c", command], command))
-    work[2 + ALSO_AFTER : 2 + ALSO_AFTER] = commands
-    return work
+        commands.append(Unit(name, ["bash", "-c", command], command, needs_models=False))
+    work[3 + ALSO_AFTER : 3 + ALSO_AFTER] = commands
+    return first + work
 
 
 def main(argv: list[str]) -> int:
     started = time.time()
     parser = argparse.ArgumentParser(allow_abbrev=False, add_help=False)
     parser.add_argument("--also", action="append", default=[])
+    parser.add_argument("--models")
     known, pytest_args = parser.parse_known_args(argv)
-    work = units(pytest_args, known.also)
+    work = units(pytest_args, known.also, known.models)
     logs = Path(tempfile.mkdtemp(prefix="batchspec-lanes-"))
     print(
         f"make test: {len(work)} pytest processes and commands, {SLOTS} at a time; their output, "
@@ -112,8 +127,16 @@ def main(argv: list[str]) -> int:
     waiting = list(work)
     running: list[Unit] = []
     while waiting or running:
-        while waiting and len(running) < SLOTS:
-            unit = waiting.pop(0)
+        models = next((u for u in work if u.name == MODELS), None)
+        built = models is None or models.status == 0
+        if models is not None and models.status not in (None, 0):  # what needs them cannot run
+            for unit in [u for u in waiting if u.needs_models]:
+                waiting.remove(unit)
+                unit.status, unit.what = 1, f"not run: the models were not built ({unit.what})"
+                unit.out, unit.started = tempfile.TemporaryFile("w+"), time.monotonic()
+        while len(running) < SLOTS and (ready := [u for u in waiting if built or not u.needs_models]):
+            unit = ready[0]
+            waiting.remove(unit)
             unit.out = (logs / f"{unit.name.replace(':', '-')[:80]}.log").open("w+")
             env = {**os.environ, "BATCHSPEC_TEST_LANE": unit.name}
             unit.started = time.monotonic()

@@ -215,7 +215,9 @@ def fake_cuda(monkeypatch):
     return calls
 
 
-def test_the_engine_is_shut_down_and_its_memory_seen_free_before_the_target_loads(tmp_path, fake_cuda):
+def test_the_engine_is_shut_down_and_its_memory_seen_free_before_the_target_loads(
+    models, tmp_path, fake_cuda
+):
     said: list[str] = []
     opts = DistillOptions(
         out=tmp_path / "head", method="eagle3", device="cuda", sample=12, heldout=2, steps=2, evaluate=False
@@ -237,7 +239,7 @@ def test_the_engine_is_shut_down_and_its_memory_seen_free_before_the_target_load
     assert any("forward pass on cuda" in line for line in said)
 
 
-def test_the_draft_trains_on_cuda_once_the_engine_s_memory_is_free(tmp_path, fake_cuda, monkeypatch):
+def test_the_draft_trains_on_cuda_once_the_engine_s_memory_is_free(models, tmp_path, fake_cuda, monkeypatch):
     import torch
 
     draft = torch.nn.Linear(4, 4)

@@ -23,8 +23,9 @@ BATCH_ROWS, BATCH_TOKENS = 16, 24
 #: Seeded samples of one prompt per engine and the tokens compared (2nd to 6th).
 DIST_SAMPLES, DIST_POSITIONS = 400, range(1, 6)
 #: Seeded rows of long prompts all in flight at once: more prompt tokens than one engine step
-#: takes, so prompts are split over steps (chunked prefill).
-SEEDED_ROWS, SEEDED_PROMPT_TOKENS, SEEDED_TOKENS, SEEDED_WAVE = 48, 109, 16, 4
+#: takes, so prompts are split over steps (chunked prefill). Alone, they go in waves whose
+#: prompts take at most half of one step's token budget, so that none is split.
+SEEDED_ROWS, SEEDED_PROMPT_TOKENS, SEEDED_TOKENS = 48, 109, 16
 #: Below this the spec-on and spec-off samples are taken to come from different distributions.
 MIN_P_VALUE = 0.01
 #: The prompt of the distribution test: code in the style the tiny models learnt, which repeats
@@ -315,11 +316,10 @@ def probe(llm, config: dict) -> dict:
     seeded_params = [
         SamplingParams(**SAMPLED, seed=1000 + i, max_tokens=SEEDED_TOKENS) for i in range(len(seeded))
     ]
-    alone = []
-    for start in range(0, len(seeded), SEEDED_WAVE):
-        alone += token_ids(
-            generate(seeded[start : start + SEEDED_WAVE], seeded_params[start : start + SEEDED_WAVE])[0]
-        )
+    alone, wave = [], max(1, result["max_num_batched_tokens"] // (2 * SEEDED_PROMPT_TOKENS))
+    result["seeded_wave"] = wave
+    for start in range(0, len(seeded), wave):
+        alone += token_ids(generate(seeded[start : start + wave], seeded_params[start : start + wave])[0])
     result["seeded_alone"] = alone
     try:
         result["seeded_together"] = token_ids(generate(seeded, seeded_params)[0])
@@ -411,8 +411,11 @@ def test_seeded_rows_survive_chunked_prefill_and_keep_their_seed(which, spec_off
     if which == "off" and method == "ngram":
         pytest.skip("speculation off: checked once")
     result = spec_off if which == "off" else on
-    # all rows in flight at once hold more prompt tokens than one step takes: prompts are split
+    # all rows in flight at once hold more prompt tokens than one step takes: prompts are split;
+    # alone, they went in waves (more than one), each wave's prompts in one step
     assert SEEDED_ROWS * SEEDED_PROMPT_TOKENS > result["max_num_batched_tokens"]
+    assert result["seeded_wave"] < SEEDED_ROWS
+    assert result["seeded_wave"] * SEEDED_PROMPT_TOKENS <= result["max_num_batched_tokens"]
     assert "seeded_error" not in result, result["seeded_error"] + "\n" + result["log"]
     # a seed gives the same tokens however the scheduler split the prompts
     same = [a == b for a, b in zip(result["seeded_together"], result["seeded_alone"], strict=True)]

@@ -136,7 +136,7 @@ def test_a_head_and_a_draft_given_as_each_other_are_refused(tmp_path, models):
 @pytest.mark.skipif(
     importlib.util.find_spec("arctic_inference") is not None, reason="arctic-inference installed"
 )
-def test_suffix_decoding_without_its_package_is_refused_naming_it(tmp_path):
+def test_suffix_decoding_without_its_package_is_refused_naming_it(models, tmp_path):
     with pytest.raises(SpecError) as err:
         _check(tmp_path, {"method": "suffix", "num_speculative_tokens": 8})
     assert err.value.key == "speculative.method" and "arctic-inference" in str(err.value)

@@ -80,7 +80,7 @@ def test_vllm_compiles_what_batchspec_passes_and_refuses_what_it_cannot(tmp_path
         ({"n": True}, "sampling.n"),
     ],
 )
-def test_a_bad_job_wide_value_is_a_spec_error_naming_the_key(tmp_path, sampling, key):
+def test_a_bad_job_wide_value_is_a_spec_error_naming_the_key(models, tmp_path, sampling, key):
     job = write_job(
         tmp_path / "j.yaml",
         input={"path": str(tmp_path / "*.parquet"), "prompt_column": "p"},

@@ -414,7 +414,7 @@ def test_many_refs_are_counted_in_linear_time():
 
 
 @pytest.mark.vllm  # validate checks the sampling keys against vLLM's SamplingParams
-def test_validate_exits_2_naming_the_key_on_a_ref_diamond(tmp_path):
+def test_validate_exits_2_naming_the_key_on_a_ref_diamond(models, tmp_path):
     write_parquet(tmp_path / "in" / "a.parquet", {"prompt": ["x"]})
     job = write_job(
         tmp_path / "diamond.yaml",

@@ -117,7 +117,7 @@ def test_with_on_bad_shard_skip_the_others_are_committed(tmp_path):
     assert states == dict.fromkeys(["a", "x" * 247, "z"], "committed")
 
 
-def test_validate_names_a_shard_whose_output_name_cannot_exist(tmp_path):
+def test_validate_names_a_shard_whose_output_name_cannot_exist(models, tmp_path):
     from batchspec.run.validate import validate_job
 
     for name in ("a.jsonl", "x" * 249 + ".jsonl"):

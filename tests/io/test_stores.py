@@ -383,7 +383,9 @@ def _garble_footer(data: bytes) -> bytes:
 
 @pytest.mark.vllm
 @pytest.mark.parametrize("corruption", ["garbled footer", "not parquet"])
-def test_a_corrupt_shard_exits_3_naming_it_before_any_row_is_generated(store_env, tmp_path, corruption):
+def test_a_corrupt_shard_exits_3_naming_it_before_any_row_is_generated(
+    models, store_env, tmp_path, corruption
+):
     """Through the library with an engine that fails the test if a row reaches it; the CLI's
     exit 3 before the engine starts: test_cli_e2e.py::test_missing_column_exits_3_before_the_
     engine_starts."""

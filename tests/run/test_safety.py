@@ -379,7 +379,7 @@ def test_engine_log_is_private_and_never_follows_a_planted_link(tmp_path):
         pytest.param("{tmp}/nothing/*.parquet", 3, "no input shards", marks=pytest.mark.vllm),
     ],
 )
-def test_planning_errors_exit_with_their_code_and_a_json_error(tmp_path, path, code, words):
+def test_planning_errors_exit_with_their_code_and_a_json_error(models, tmp_path, path, code, words):
     job = write_job(
         tmp_path / "job.yaml",
         input={"path": path.format(tmp=tmp_path), "prompt_column": "prompt"},
@@ -497,7 +497,7 @@ def test_a_shard_lost_to_a_run_that_committed_it_names_its_holder_in_words(tmp_p
 
 
 @pytest.mark.vllm
-def test_empty_input_is_fine_when_allowed(tmp_path):
+def test_empty_input_is_fine_when_allowed(models, tmp_path):
     (tmp_path / "in").mkdir()
     with pytest.raises(InputDataError):
         run(spec_with(tmp_path))
