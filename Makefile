@@ -21,10 +21,8 @@ ENGINE := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/n
 
 setup: $(VENV)/.installed
 
-# pip installs without compiling (--no-compile): compiling all of the venv's 29,000 modules took
-# 130 of the 234 CPU-seconds of the install, and the tests import about 5,000 of them. Each module
-# is compiled the first time it is imported instead, so bytecode writing stays on in every recipe
-# (an environment's PYTHONDONTWRITEBYTECODE would have it compiled again in every process).
+# pip installs without compiling each module: a module is compiled when first imported instead,
+# so bytecode writing stays on in every recipe (why, with the figures: docs/development.md).
 PIP_INSTALL := pip install --quiet --no-compile
 unexport PYTHONDONTWRITEBYTECODE
 
