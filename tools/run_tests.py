@@ -97,6 +97,7 @@ def units(argv: list[str], also: list[str], models: str | None = None) -> list[U
         _pytest("rest", "not engine_group and not models", ["tests"], 10, argv, needs_models=False),
         _pytest("rest:models", "not engine_group and models", ["tests"], 5, argv),
     ]
+    also_at = len(work) + ALSO_AFTER
     for path in OWN_PROCESS_FILES:
         file, _, function = path.partition("::")
         name = "processes:" + Path(file).stem.removeprefix("test_") + (":" + function if function else "")
@@ -107,7 +108,7 @@ def units(argv: list[str], also: list[str], models: str | None = None) -> list[U
         if not sep or not name or not command:
             raise SystemExit(f"run_tests.py: --also takes NAME=COMMAND, not {value!r}")
         commands.append(Unit(name, ["bash", "-c", command], command, needs_models=False))
-    work[3 + ALSO_AFTER : 3 + ALSO_AFTER] = commands
+    work[also_at:also_at] = commands
     return first + work
 
 
@@ -126,8 +127,8 @@ def main(argv: list[str]) -> int:
     )
     waiting = list(work)
     running: list[Unit] = []
+    models = next((u for u in work if u.name == MODELS), None)
     while waiting or running:
-        models = next((u for u in work if u.name == MODELS), None)
         built = models is None or models.status == 0
         if models is not None and models.status not in (None, 0):  # what needs them cannot run
             for unit in [u for u in waiting if u.needs_models]:
