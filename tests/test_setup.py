@@ -100,9 +100,48 @@ def test_make_setup_installs_the_gpu_extra_where_nvidia_smi_lists_a_gpu(tmp_path
         text=True,
         check=True,
     ).stdout
-    installs = [line for line in plan.splitlines() if "pip install" in line]
+    installs = [line for line in plan.splitlines() if "uv_install.py" in line and "--uninstall" not in line]
     assert len(installs) == 1, plan
     if gpu:
         assert '".[gpu,' in installs[0] and "cpu.lock" not in installs[0]
     else:
         assert '".[cpu,' in installs[0] and "-c requirements/cpu.lock" in installs[0]
+
+
+def test_uv_installs_under_pips_settings(tmp_path, monkeypatch):
+    """tools/uv_install.py hands pip's settings (its config files and PIP_* variables, the later
+    winning) to uv's variables: a local folder that is not there is left out, as pip ignores it;
+    a variable the caller set is kept; each package is the best match over every index."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        from uv_install import pip_settings, uv_environment
+    finally:
+        sys.path.remove(str(ROOT / "tools"))
+    wheels, index, lock = tmp_path / "wheels", tmp_path / "simple", tmp_path / "c.txt"
+    wheels.mkdir(), index.mkdir(), lock.write_text("torch<=9\n")
+    config = tmp_path / "pip.conf"
+    config.write_text(
+        "[global]\n"
+        f"find-links = {wheels} {tmp_path / 'gone'}\n"
+        f"extra-index-url = file://{index} file://{tmp_path / 'gone'} https://example.test/simple\n"
+        f"constraint = {lock}\n"
+        "timeout = 60\n"
+        "[install]\ntrusted-host = example.test\n"
+        "[download]\nno-index = true\n"
+    )
+    for name in [v for v in os.environ if v.startswith("PIP_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("PIP_CONFIG_FILE", str(config))
+    monkeypatch.setenv("PIP_DEFAULT_TIMEOUT", "180")  # a variable after the file: it wins
+    settings = pip_settings(sys.executable)
+    env = uv_environment(settings, {"UV_CONSTRAINT": "mine.txt"})
+    assert env["UV_FIND_LINKS"] == str(wheels)
+    assert env["UV_INDEX"] == f"file://{index} https://example.test/simple"
+    assert env["UV_CONSTRAINT"] == "mine.txt"  # the caller's
+    assert env["UV_HTTP_TIMEOUT"] == "180"
+    assert env["UV_INSECURE_HOST"] == "example.test"
+    assert env["UV_INDEX_STRATEGY"] == "unsafe-best-match"
+    assert "UV_NO_INDEX" not in env  # [download] is not pip install's section
+    assert "UV_DEFAULT_INDEX" not in env
