@@ -26,9 +26,10 @@ then): four test processes' engines on 2 cores slowed each other so far that a 4
 and 48 requests did not finish within 120 s of grace.
 
 Each one's output is kept and printed whole when all have ended (and, as it comes, in the folder
-the first line names), then each one's wall time and CPU time (its own and that of every process
-under it that was waited for: the engines' processes, `batchspec` runs), and, where
-``BATCHSPEC_TEST_ENGINE_LOG`` names a file, the engine start-ups by configuration across them.
+the first line names), then, where ``BATCHSPEC_TEST_ENGINE_LOG`` names a file, the engine
+start-ups by configuration across them, and last each one's wall time and CPU time (its own and
+that of every process under it that was waited for: the engines' processes, `batchspec` runs)
+and which failed.
 Exits 0 only if every one passed. Extra arguments go to every pytest process.
 """
 
@@ -158,6 +159,8 @@ def main(argv: list[str]) -> int:
         unit.out.seek(0)
         print(f"\n======== {unit.name} (exit {unit.status}, {unit.wall:.0f} s)", flush=True)
         sys.stdout.write(unit.out.read())
+    _startups(started)
+    # last, so that the end of the output (all a CI log may keep) holds it
     print(
         f"\n======== make test: {SLOTS} at a time, each one's wall time from its start and its CPU "
         f"time ({os.cpu_count()} cores)"
@@ -170,7 +173,8 @@ def main(argv: list[str]) -> int:
         )
     wall, cpu = time.time() - started, sum(unit.cpu for unit in work)
     print(f"  all                      {wall:6.0f} s ({wall / 60:.1f} min)  CPU {cpu / 60:.1f} min")
-    _startups(started)
+    failed = [unit.name for unit in work if unit.status != 0]
+    print(f"make test: {'failed: ' + ', '.join(failed) if failed else 'all passed'}")
     return 0 if all(unit.status == 0 for unit in work) else 1
 
 

@@ -8,8 +8,9 @@ seconds where pip took minutes, and compiles none of them (the figures: docs/dev
 uv reads settings of its own, not pip's. So that a machine set up for pip (an index, extra indexes,
 find-links folders, constraint files, a CA bundle) installs the same way, what ``pip config list``
 shows (pip's files and ``PIP_*`` variables) is passed to uv in its variables, unless the caller
-set that variable already. A local folder that does not exist is left out, as pip ignores it. uv takes each package from the best match over every index,
-as pip does (``UV_INDEX_STRATEGY=unsafe-best-match``), not from the first index that has it.
+set that variable already. A local folder that does not exist is left out, as pip ignores it.
+uv takes each package from the best match over every index, as pip does
+(``UV_INDEX_STRATEGY=unsafe-best-match``), not from the first index that has it.
 """
 
 from __future__ import annotations

@@ -54,7 +54,9 @@ class Job:
         self.events.put(None)
 
     def wait_for(self, event: str, timeout: float = 240) -> dict | None:
-        """The first log record of this event, or None if the process ended first."""
+        """The first log record of this event, or None if the process ended first. Past
+        ``timeout`` the run is killed (never left running behind a failed test) and the error
+        holds the end of what it logged."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             try:
@@ -65,7 +67,8 @@ class Job:
                 return None
             if record.get("event") == event:
                 return record
-        raise TimeoutError(f"no {event} event in {timeout}s")
+        self.kill_group()
+        raise TimeoutError(f"no {event} event in {timeout}s; the run's log ends:\n{self.stderr[-3000:]}")
 
     def kill_group(self, sig=signal.SIGKILL) -> None:
         try:
