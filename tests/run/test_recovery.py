@@ -18,7 +18,7 @@ import time
 import psutil
 import pyarrow.parquet as pq
 import pytest
-from helpers.jobs import DRAFT, INLINE_ENGINE, read_output, run_cli, run_cli_in_process, write_job
+from helpers.jobs import DRAFT, INLINE_ENGINE, read_output, run_cli_in_process, write_job
 from helpers.recovery import Job, check_output, input_ids
 
 from batchspec.spec.load import load_spec
@@ -217,11 +217,12 @@ def test_engine_killed_twice_once_while_restarting_is_restarted_in_place(workloa
     assert not list((workload / "enginedeath" / "_batchspec" / "locks").glob("*.json"))
 
 
-def test_sigterm_while_the_engine_restarts_stops_the_run(workload, reference):
+def test_sigterm_while_the_engine_restarts_stops_the_run(workload, reference, shared_engines):
     """SIGKILL of the EngineCore in the middle of generating, then a SIGTERM to batchspec while
     the new engine starts: a stop, not a failed restart. The run ends with 143 within one engine
     start-up, what it committed before is complete, nothing partial is visible, no engine
-    process is left, and a rerun finishes the job."""
+    process is left, and a rerun finishes the job (on the shared engine: the runs after each
+    kill in test_sigkill_at_random_moments_then_rerun are processes' reruns)."""
     expected = input_ids(workload / "in")
     job = make_job(workload, "restart-term")
     run = Job(job)
@@ -239,8 +240,8 @@ def test_sigterm_while_the_engine_restarts_stops_the_run(workload, reference):
     while run.group_alive() and time.monotonic() < deadline:
         time.sleep(0.5)
     assert not run.group_alive(), "engine processes left behind"
-    rerun = run_cli("run", str(job), "--no-progress")
-    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    rerun = shared_engines.run(load_spec(job))
+    assert rerun.exit_code == 0, rerun.log[-3000:]
     assert check_output(workload / "restart-term", expected, reference) == {
         shard: len(ids) for shard, ids in expected.items()
     }
