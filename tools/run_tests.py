@@ -8,12 +8,12 @@ The work, in the order it starts:
   models train;
 - **engines**: the tests on the session's shared engines, which run in the pytest process
   itself, one engine working at a time (tests/conftest.py marks them ``engine_group``);
-- **rest**: every test that starts no engine and needs no model; **rest:models**, those that
-  need the models but no engine;
+- **rest**: every test that starts no engine and needs no model;
 - **processes**: the engine tests whose engines live in other processes: ``batchspec``
   subprocesses (tune, distill, kills and restarts), Ray replicas and Airflow (marked
   ``own_processes``, by file or test function: tests/helpers/lanes.py), a pytest process
-  each, the longest first;
+  each, the longest first, and **rest:models**, the tests that need the models but no engine,
+  among the last two of them;
 - whatever ``--also NAME=COMMAND`` adds (CI's Python 3.13 run, which needs no model), among
   those files (:data:`ALSO_AFTER`).
 
@@ -23,7 +23,10 @@ one after another from early on and on two slots once the shorter of the other t
 the cores stay busy to the end instead of one long file running alone. More than three at once was
 tried (two processes files beside the other lanes, torch's default of an OpenMP thread a core
 then): four test processes' engines on 2 cores slowed each other so far that a 4-s lease was lost
-and 48 requests did not finish within 120 s of grace.
+and 48 requests did not finish within 120 s of grace. Every unit but the latency-bound ones
+(tests/helpers/lanes.py: the Ray file, which mostly waits on the processes it starts) runs at a
+lower CPU priority (:data:`NICE`): in one run the Ray file, at the same priority as the others,
+took 986 s for 2 CPU-minutes and ended last, its CLI test 457 s (68 s alone).
 
 Each one's output is kept and printed whole when all have ended (and, as it comes, in the folder
 the first line names), then, where ``BATCHSPEC_TEST_ENGINE_LOG`` names a file, the engine
@@ -49,7 +52,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
-from helpers.lanes import OWN_PROCESS_FILES  # noqa: E402  (the tests' own list)
+from helpers.lanes import LATENCY_BOUND, OWN_PROCESS_FILES  # noqa: E402  (the tests' own lists)
 
 #: How many run at once on the machine.
 SLOTS = 3
@@ -57,6 +60,8 @@ SLOTS = 3
 #: minutes beside the others) after the long files and before the short ones that fill the end.
 ALSO_AFTER = 3
 ENGINE_LOG_ENV = "BATCHSPEC_TEST_ENGINE_LOG"
+#: How much lower the CPU priority of every unit but the latency-bound ones is (``nice``)
+NICE = 4
 #: pytest's exit code when nothing is selected (under ``-k``): a pass
 NO_TESTS = 5
 #: The name of the unit that builds the models.
@@ -73,6 +78,8 @@ class Unit:
     what: str
     #: whether it waits for the models unit
     needs_models: bool = True
+    #: whether it keeps the normal CPU priority (tests/helpers/lanes.py: LATENCY_BOUND)
+    latency_bound: bool = False
     proc: subprocess.Popen | None = None
     started: float = 0.0
     status: int | None = None
@@ -96,13 +103,15 @@ def units(argv: list[str], also: list[str], models: str | None = None) -> list[U
     work = [
         _pytest("engines", "engine_group and not own_processes", ["tests"], 25, argv),
         _pytest("rest", "not engine_group and not models", ["tests"], 10, argv, needs_models=False),
-        _pytest("rest:models", "not engine_group and models", ["tests"], 5, argv),
     ]
     also_at = len(work) + ALSO_AFTER
     for path in OWN_PROCESS_FILES:
         file, _, function = path.partition("::")
         name = "processes:" + Path(file).stem.removeprefix("test_") + (":" + function if function else "")
         work.append(_pytest(name, "engine_group and own_processes", [path], 10, argv))
+        work[-1].latency_bound = path in LATENCY_BOUND
+    # short and bound by CPU: among the last, to fill the cores at the end
+    work.insert(len(work) - 2, _pytest("rest:models", "not engine_group and models", ["tests"], 5, argv))
     commands = []
     for value in also:
         name, sep, command = value.partition("=")
@@ -143,7 +152,12 @@ def main(argv: list[str]) -> int:
             env = {**os.environ, "BATCHSPEC_TEST_LANE": unit.name}
             unit.started = time.monotonic()
             unit.proc = subprocess.Popen(
-                unit.cmd, stdout=unit.out, stderr=subprocess.STDOUT, cwd=ROOT, env=env
+                unit.cmd,
+                stdout=unit.out,
+                stderr=subprocess.STDOUT,
+                cwd=ROOT,
+                env=env,
+                preexec_fn=None if unit.latency_bound else _lower_priority,
             )
             running.append(unit)
         time.sleep(1)
@@ -176,6 +190,12 @@ def main(argv: list[str]) -> int:
     failed = [unit.name for unit in work if unit.status != 0]
     print(f"make test: {'failed: ' + ', '.join(failed) if failed else 'all passed'}")
     return 0 if all(unit.status == 0 for unit in work) else 1
+
+
+def _lower_priority() -> None:
+    """In the child, before its command: :data:`NICE` lower CPU priority, for it and every
+    process it starts."""
+    os.nice(NICE)
 
 
 def _startups(since: float) -> None:
