@@ -25,8 +25,8 @@ tried (two processes files beside the other lanes, torch's default of an OpenMP 
 then): four test processes' engines on 2 cores slowed each other so far that a 4-s lease was lost
 and 48 requests did not finish within 120 s of grace. Every unit but the latency-bound ones
 (tests/helpers/lanes.py: the Ray file, which mostly waits on the processes it starts) runs at a
-lower CPU priority (:data:`NICE`): in one run the Ray file, at the same priority as the others,
-took 986 s for 2 CPU-minutes and ended last, its CLI test 457 s (68 s alone).
+lower CPU priority (:data:`NICE`), so that the Ray file is not the one left running at the end
+(the figures: docs/development.md).
 
 Each one's output is kept and printed whole when all have ended (and, as it comes, in the folder
 the first line names), then, where ``BATCHSPEC_TEST_ENGINE_LOG`` names a file, the engine
