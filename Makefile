@@ -147,8 +147,8 @@ demo: setup $(DEMO_MODELS) data
 	@echo "run summary JSON: $$(ls -t out/demo/_batchspec/runs/*.json | head -1)"
 	@echo "charts: out/demo-report.html"
 
-# pytest processes three at a time (tools/run_tests.py): `make models` first, and beside it the
-# tests that need no model (on an empty model cache they run while the models train); then the
+# pytest processes three at a time (tools/run_tests.py): `make models` first (on an empty model
+# cache the others start while it trains, once the models they wait for are built); then the
 # tests on the shared in-process engines, the other tests that start no engine, and a process each
 # (a file or one test function) for the engine tests whose engines run in processes of their own
 # (tests/helpers/lanes.py); each output follows, then each one's wall and CPU time and the engine

@@ -20,7 +20,7 @@ os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 
 import pytest  # noqa: E402
 from helpers.jobs import MODELS, ROOT, S3_KEY, S3_SECRET, free_port  # noqa: E402
-from helpers.lanes import OWN_PROCESS_FILES  # noqa: E402
+from helpers.lanes import LATE_MODELS, MODEL_MARKERS, OWN_PROCESS_FILES  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "tools"))
 
@@ -75,19 +75,47 @@ def pytest_collection_modifyitems(items):
                 item.add_marker(pytest.mark.own_processes)
         if not HAVE_VLLM and item.get_closest_marker("vllm"):
             item.add_marker(pytest.mark.skip(reason=_NEEDS_VLLM))
+    # last, in their order: on an empty model cache their models are built last (tests/helpers/lanes.py)
+    items.sort(key=lambda item: item.get_closest_marker("reasoner") is not None)
 
 
 @pytest.fixture(scope="session")
 def models() -> Path:
-    """The tiny target/draft pair, the target's LoRA adapters, the reasoning pair, the
-    cross-encoder and the EAGLE-3 head; `make models` builds them (make test does so first)."""
-    names = ("target", "draft", "lora-upper", "lora-comment", "reasoner", "reasoner-draft", "cross-encoder")
-    for name in names:
-        if not (MODELS / name / ".batchspec-complete").exists():
-            pytest.fail(f"{MODELS / name} is not built: run `make models` first")
-    if not (MODELS / "head" / "batchspec-model.json").exists():
-        pytest.fail(f"{MODELS / 'head'} is not built: run `make models` first")
+    """The tiny models `make models` builds (make test does so first): every one but the late ones
+    (tests/helpers/lanes.py), which a test marked ``reasoner`` waits for itself."""
+    _wait_for_models(tuple(name for name in MODEL_MARKERS if name not in LATE_MODELS))
     return MODELS
+
+
+#: The pid of the process building the models, where `make test` started this pytest process
+#: while it works (tools/run_tests.py)
+_MODELS_PID_ENV = "BATCHSPEC_TEST_MODELS_PID"
+
+
+def _wait_for_models(names: tuple[str, ...]) -> None:
+    """Fail unless each of these models is built, waiting for it while the process building the
+    models, if any, lives."""
+    pid = int(os.environ.get(_MODELS_PID_ENV) or 0)
+    for name in names:
+        marker = MODELS / name / MODEL_MARKERS[name]
+        while not marker.exists() and pid and _alive(pid):
+            _time.sleep(2)
+        if not marker.exists():
+            pytest.fail(f"{MODELS / name} is not built: run `make models` first")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def pytest_runtest_setup(item):
+    """A test marked ``reasoner`` needs the late models (tests/helpers/lanes.py): built last."""
+    if item.get_closest_marker("reasoner"):
+        _wait_for_models(LATE_MODELS)
 
 
 @pytest.fixture(scope="session")

@@ -3,9 +3,11 @@
 The work, in the order it starts:
 
 - **models** (``--models COMMAND``, `make test` passes ``make models``): builds the tiny models,
-  or restores them from the model cache in seconds; every unit that needs them waits for it, the
-  others run beside it, so that on an empty cache the tests that need no model run while the
-  models train;
+  or restores them from the model cache in seconds. On an empty cache the others start while it
+  works, as soon as what they wait for is built (tests/helpers/lanes.py): the units that need no
+  model once the first models are (the target and its draft, trained on both cores, so that they
+  are not slowed by tests beside them), the ones that need models once all but the late ones are;
+  a test that needs a late one waits for it (tests/conftest.py), last in its pytest process;
 - **engines**: the tests on the session's shared engines, which run in the pytest process
   itself, one engine working at a time (tests/conftest.py marks them ``engine_group``);
 - **rest**: every test that starts no engine and needs no model;
@@ -52,7 +54,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
-from helpers.lanes import LATENCY_BOUND, OWN_PROCESS_FILES  # noqa: E402  (the tests' own lists)
+from helpers.lanes import (  # noqa: E402  (the tests' own lists)
+    FIRST_MODELS,
+    LATE_MODELS,
+    LATENCY_BOUND,
+    MODEL_MARKERS,
+    OWN_PROCESS_FILES,
+)
 
 #: How many run at once on the machine.
 SLOTS = 3
@@ -66,6 +74,14 @@ NICE = 4
 NO_TESTS = 5
 #: The name of the unit that builds the models.
 MODELS = "models"
+#: Where `make models` puts them (tests/helpers/jobs.py: MODELS)
+MODELS_DIR = ROOT / ".models"
+#: What a unit that needs models waits for while they are built: every one but the late ones
+#: (tests/helpers/lanes.py; the tests that need those wait for them themselves)
+MOST_MODELS = tuple(name for name in MODEL_MARKERS if name not in LATE_MODELS)
+#: The variable that tells a unit started while the models are built the pid of the process
+#: building them (tests/conftest.py waits for a model while it lives)
+MODELS_PID_ENV = "BATCHSPEC_TEST_MODELS_PID"
 
 
 @dataclasses.dataclass
@@ -76,7 +92,8 @@ class Unit:
     cmd: list[str]
     #: what to print of it: the marker expression or the command
     what: str
-    #: whether it waits for the models unit
+    #: whether it needs models (else it needs none but waits for the first ones to be built:
+    #: tests/helpers/lanes.py's FIRST_MODELS)
     needs_models: bool = True
     #: whether it keeps the normal CPU priority (tests/helpers/lanes.py: LATENCY_BOUND)
     latency_bound: bool = False
@@ -139,17 +156,18 @@ def main(argv: list[str]) -> int:
     running: list[Unit] = []
     models = next((u for u in work if u.name == MODELS), None)
     while waiting or running:
-        built = models is None or models.status == 0
         if models is not None and models.status not in (None, 0):  # what needs them cannot run
             for unit in [u for u in waiting if u.needs_models]:
                 waiting.remove(unit)
                 unit.status, unit.what = 1, f"not run: the models were not built ({unit.what})"
                 unit.out, unit.started = tempfile.TemporaryFile("w+"), time.monotonic()
-        while len(running) < SLOTS and (ready := [u for u in waiting if built or not u.needs_models]):
+        while len(running) < SLOTS and (ready := [u for u in waiting if _can_start(u, models, started)]):
             unit = ready[0]
             waiting.remove(unit)
             unit.out = (logs / f"{unit.name.replace(':', '-')[:80]}.log").open("w+")
             env = {**os.environ, "BATCHSPEC_TEST_LANE": unit.name}
+            if models is not None and models.status is None and unit is not models:
+                env[MODELS_PID_ENV] = str(models.proc.pid)
             unit.started = time.monotonic()
             unit.proc = subprocess.Popen(
                 unit.cmd,
@@ -190,6 +208,32 @@ def main(argv: list[str]) -> int:
     failed = [unit.name for unit in work if unit.status != 0]
     print(f"make test: {'failed: ' + ', '.join(failed) if failed else 'all passed'}")
     return 0 if all(unit.status == 0 for unit in work) else 1
+
+
+def _can_start(unit: Unit, models: Unit | None, since: float) -> bool:
+    """Whether ``unit`` can start now: the models unit at once; the others once the models are
+    built, or while they are, once those it waits for are built (:data:`MOST_MODELS` for a unit
+    that needs models, the first ones for the others); the ones that need none also when the
+    models failed."""
+    if unit is models or models is None or models.status == 0:
+        return True
+    if models.status is not None:
+        return not unit.needs_models
+    return _built(MOST_MODELS if unit.needs_models else FIRST_MODELS, since)
+
+
+def _built(names: tuple[str, ...], since: float) -> bool:
+    """Whether each of these models was built or restored by this run: the file written last in
+    it there, created since ``since`` (its inode's change time, which a restore's copy does not
+    keep), for one from an earlier run may be one that `make models` is about to build again."""
+    for name in names:
+        try:
+            # a second's slack: the file system's clock is coarser than time.time()
+            if (MODELS_DIR / name / MODEL_MARKERS[name]).stat().st_ctime < since - 1:
+                return False
+        except FileNotFoundError:
+            return False
+    return True
 
 
 def _lower_priority() -> None:

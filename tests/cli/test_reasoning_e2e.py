@@ -16,7 +16,7 @@ from helpers.openai_format import read_openai_output
 
 from batchspec.spec.load import load_spec
 
-pytestmark = [pytest.mark.engine, pytest.mark.vllm]
+pytestmark = [pytest.mark.engine, pytest.mark.vllm, pytest.mark.reasoner]
 
 REASONER = {"target": str(MODELS / "reasoner"), "engine": dict(ENGINE), "reasoning_parser": "qwen3"}
 DRAFT = {"method": "draft_model", "model": str(MODELS / "reasoner-draft"), "num_speculative_tokens": 4}

@@ -123,6 +123,7 @@ def test_verify_steps_are_the_thinkings_until_one_begins_past_its_end():
 
 @pytest.mark.vllm
 @pytest.mark.models
+@pytest.mark.reasoner
 def test_the_parser_is_checked_against_vllms_registry_and_the_vocabulary():
     from batchspec.engine.checks import check_vllm_keys
 
@@ -159,6 +160,7 @@ THOUGHT = "<think>\nI read 1 line.\n</think>\n\nx = 2"
 
 @pytest.mark.vllm
 @pytest.mark.models
+@pytest.mark.reasoner
 def test_outputs_split_as_vllms_server_splits_them():
     tok, splitter, ids = reasoner()
     split = splitter.split
@@ -179,6 +181,7 @@ def test_outputs_split_as_vllms_server_splits_them():
 
 @pytest.mark.vllm
 @pytest.mark.models
+@pytest.mark.reasoner
 @pytest.mark.parametrize(
     "messages",
     [
@@ -217,6 +220,7 @@ def test_a_marker_in_the_rows_text_never_ends_the_thinking(messages):
 
 @pytest.mark.vllm
 @pytest.mark.models
+@pytest.mark.reasoner
 def test_each_request_carries_what_its_own_template_said():
     from batchspec.engine.llm import Engine
 
@@ -240,6 +244,7 @@ def test_each_request_carries_what_its_own_template_said():
 
 @pytest.mark.vllm
 @pytest.mark.models
+@pytest.mark.reasoner
 def test_a_text_prompt_is_the_rows_own_text_and_the_output_decides():
     tok, splitter, ids = reasoner()
     # a text prompt written as the template writes thinking off: still the row's text
@@ -263,6 +268,7 @@ def test_a_text_prompt_is_the_rows_own_text_and_the_output_decides():
 
 @pytest.mark.vllm
 @pytest.mark.models
+@pytest.mark.reasoner
 def test_a_template_that_writes_no_row_text_or_fails_on_the_mark():
     tok, splitter, _ = reasoner()
     # a template that writes none of the row's text wrote all of the prompt

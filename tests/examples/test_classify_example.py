@@ -15,7 +15,7 @@ from helpers.jobs import MODELS, ROOT
 
 from batchspec.spec.load import load_spec
 
-pytestmark = [pytest.mark.engine, pytest.mark.vllm]
+pytestmark = [pytest.mark.engine, pytest.mark.vllm, pytest.mark.reasoner]
 
 EXAMPLE = ROOT / "examples" / "classify" / "classify.yaml"
 

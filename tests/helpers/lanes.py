@@ -36,3 +36,30 @@ OWN_PROCESS_FILES = (
 #: priority (tools/run_tests.py), so that on a loaded machine these get the CPU the moment they
 #: need it, instead of queueing behind the CPU-bound ones and ending last.
 LATENCY_BOUND = frozenset({"tests/run/test_ray.py"})
+
+#: Every model `make models` builds (the Makefile's ``models`` target), by the file written
+#: last in its folder under ``.models``: a model is built when that file is there.
+MODEL_MARKERS = {
+    "target": ".batchspec-complete",
+    "draft": ".batchspec-complete",
+    "draft-large": ".batchspec-complete",
+    "target-large": ".batchspec-complete",
+    "lora-upper": ".batchspec-complete",
+    "lora-comment": ".batchspec-complete",
+    "head": "batchspec-model.json",
+    "head-large": "batchspec-model.json",
+    "classifier": ".batchspec-complete",
+    "cross-encoder": ".batchspec-complete",
+    "reasoner": ".batchspec-complete",
+    "reasoner-draft": ".batchspec-complete",
+}
+
+#: What the models are built from, and so built first (about 6 minutes on an empty model cache,
+#: on both cores): `make test` starts the tests that need no model once these are built, not
+#: before, so that they do not slow it down (tools/run_tests.py).
+FIRST_MODELS = ("target", "draft")
+
+#: Built last (about 12 minutes on one core after the first): `make test` starts the tests that
+#: need models once every other one is built, and a test that needs these is marked ``reasoner``:
+#: it runs last in its pytest process and waits there until they are built (tests/conftest.py).
+LATE_MODELS = ("reasoner", "reasoner-draft")
