@@ -283,7 +283,7 @@ def train(target: Path, adapter: Adapter, steps: int, batch: int = BATCH):
     import torch
     from transformers import AutoTokenizer, LlamaForCausalLM
 
-    from batchspec.distill.train import lr_at
+    from batchspec.distill.recipe import lr_at
 
     torch.manual_seed(adapter.seed)
     gen = torch.Generator().manual_seed(adapter.seed)

@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 # what `batchspec distill --init target` does, and its learning-rate schedule: one copy of each
-from batchspec.distill.train import init_draft_from_target, lr_at
+from batchspec.distill.recipe import init_draft_from_target, lr_at
 
 SEED = 1234
 VOCAB_SIZE = 2048

@@ -41,7 +41,7 @@ from tiny_models import (  # noqa: E402  (a sibling script, not a package)
     stdlib_files,
 )
 
-from batchspec.distill.train import lr_at  # noqa: E402
+from batchspec.distill.recipe import lr_at  # noqa: E402
 
 SEED = 4321
 THINK_START, THINK_END = "<think>", "</think>"

@@ -78,6 +78,13 @@ PARAMS_PER_TOKEN = 32
 #: domains measured one window and more passes gained as much or more in less time.
 MAX_WINDOWS = 1
 
+#: The same for a new EAGLE-3 head (distill without ``--head``): eight. A head starts with
+#: nothing learnt but its output layer, and on a small job one window a prompt left it short of
+#: data: trained with the defaults on 100 code prompts it reached a mean acceptance length of 2.03
+#: with one window and 2.45 with eight, against 2.46 for the draft (benchmarks/head_job.py,
+#: BENCHMARKS.md).
+NEW_HEAD_WINDOWS = 8
+
 #: vLLM's ``max_tokens`` when the job sets none.
 VLLM_DEFAULT_MAX_TOKENS = 16
 
@@ -105,17 +112,19 @@ class DataPlan:
         return dataclasses.asdict(self)
 
 
-def plan_data(steps: int, batch_size: int, window: int, prompts: int, parameters: int) -> DataPlan:
+def plan_data(
+    steps: int, batch_size: int, window: int, prompts: int, parameters: int, max_windows: int = MAX_WINDOWS
+) -> DataPlan:
     """The sizing rule: the target's tokens to train on must be at least
     ``steps x batch_size x window / MAX_EPOCHS`` (no window trained on more than MAX_EPOCHS
     times on average) and at least ``parameters / PARAMS_PER_TOKEN``; continuations grow, a
-    window of ``window`` tokens at a time, up to MAX_WINDOWS windows, until the training
-    prompts give that many."""
+    window of ``window`` tokens at a time, up to ``max_windows`` windows (the trainer's:
+    :data:`MAX_WINDOWS`, :data:`NEW_HEAD_WINDOWS`), until the training prompts give that many."""
     wanted = max(
         math.ceil(steps * batch_size * window / MAX_EPOCHS), math.ceil(parameters / PARAMS_PER_TOKEN)
     )
     per_window = max(1, prompts) * window
-    windows = min(MAX_WINDOWS, max(1, math.ceil(wanted / per_window)))
+    windows = min(max_windows, max(1, math.ceil(wanted / per_window)))
     return DataPlan(window=window, windows=windows, wanted_tokens=wanted, planned_tokens=per_window * windows)
 
 

@@ -488,7 +488,8 @@ def train_head(
     import torch
 
     from batchspec.distill import device as devices
-    from batchspec.distill.train import MAX_TORCH_THREADS, EarlyStop, eval_interval, lr_at
+    from batchspec.distill.recipe import lr_at
+    from batchspec.distill.train import MAX_TORCH_THREADS, EarlyStop, eval_interval
 
     say = say or (lambda msg: None)
     device = device or devices.resolve("auto")

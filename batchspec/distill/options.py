@@ -40,7 +40,8 @@ class DistillOptions:
     )
     method: str = option(
         DRAFT_MODEL.name,
-        "What to train: a draft model, or an EAGLE-3 head on the target's hidden states.",
+        "What to train: a draft model; a parallel draft (pard: a draft model that proposes a "
+        "step's k tokens in one pass); or an EAGLE-3 head on the target's hidden states.",
         choices=TRAINABLE,
     )
     head: str | None = option(
@@ -52,6 +53,11 @@ class DistillOptions:
         "head reads (default: 1, the middle one, the last).",
         metavar="I,J,K",
         layer_ids=True,
+    )
+    mask_token: int | None = option(
+        help="With --method pard: the id of the token the draft reads in the places it predicts "
+        "(default: the one --draft's config names, else the tokenizer's pad token).",
+        type=int,
     )
     max_minutes: float | None = option(
         help="Bound the data and the training to this many minutes (the evaluation then runs to its end).",

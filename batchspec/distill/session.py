@@ -291,7 +291,9 @@ def _distill(spec: JobSpec, opts: DistillOptions, say: Callable[[str], None]) ->
     draft = trainer.start(spec, opts, say)
     parameters = sum(p.numel() for p in draft.parameters())
     window = job_window(spec)
-    plan = plan_data(opts.steps, opts.batch_size, window, len(sample.train), parameters)
+    plan = plan_data(
+        opts.steps, opts.batch_size, window, len(sample.train), parameters, trainer.max_windows(opts)
+    )
     say(
         f"data: {plan.wanted_tokens} target tokens wanted (the larger of steps x batch x "
         f"{window} / {MAX_EPOCHS} and {parameters} parameters / {PARAMS_PER_TOKEN}): "
@@ -360,7 +362,7 @@ def _distill(spec: JobSpec, opts: DistillOptions, say: Callable[[str], None]) ->
                 before_counts = {}
                 before = evaluate(
                     spec,
-                    opts.start,
+                    trainer.baseline(spec, opts, work, say),
                     sample.heldout,
                     k,
                     opts.eval_concurrency,

@@ -7,13 +7,13 @@ Imports torch and transformers, never vLLM."""
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
+from batchspec.distill.recipe import init_draft_from_target, lr_at
 from batchspec.errors import SpecError
 
 #: At most this many CPU threads for training: the machine is shared with the engine's processes.
@@ -78,16 +78,6 @@ def check_vocabulary(target: str, draft: str, key: str = "--draft") -> None:
         raise SpecError(key, f"{where} have different special tokens ({d_special} vs {t_special})")
 
 
-def init_draft_from_target(draft, target) -> None:
-    """Start the draft as the target's first layers (as many as the draft has) plus its
-    embeddings, final norm and head."""
-    draft.model.embed_tokens.load_state_dict(target.model.embed_tokens.state_dict())
-    draft.model.norm.load_state_dict(target.model.norm.state_dict())
-    draft.lm_head.load_state_dict(target.lm_head.state_dict())
-    for i, layer in enumerate(draft.model.layers):
-        layer.load_state_dict(target.model.layers[i].state_dict())
-
-
 def draft_from_target(target_dir: str, layers: int):
     """A new ``layers``-layer draft with the target's architecture, embeddings, first layers,
     final norm and head."""
@@ -105,12 +95,18 @@ def draft_from_target(target_dir: str, layers: int):
     return draft
 
 
-def lr_at(step: int, steps: int, peak: float, warmup: int = 50) -> float:
-    """Linear warm-up to ``peak``, then a cosine down to a tenth of it."""
-    if step < warmup:
-        return peak * (step + 1) / warmup
-    progress = (step - warmup) / max(1, steps - warmup)
-    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+class Objective(Protocol):
+    """What a draft learns other than the next token (:func:`train_draft`'s ``objective``): its
+    batches and its validation figure."""
+
+    def batch(self, examples: list[Example], idx: list[int], pad_id: int, topk: bool, gen: Any) -> tuple:
+        """:func:`_batch`'s inputs, attention mask, labels and teacher, and each labelled
+        position's share of the loss (a tensor like the labels, summing to 1 over them)."""
+        ...
+
+    def acceptance(self, draft: Any, examples: list[Example], k: int, device: str) -> float:
+        """The validation figure: :func:`greedy_acceptance`'s, for this way of drafting."""
+        ...
 
 
 #: Evaluations of the validation figure without a new best before training stops.
@@ -329,6 +325,7 @@ def train_draft(
     deadline: float | None = None,
     device: str | None = None,
     k: int = 4,
+    objective: Objective | None = None,
 ) -> TrainResult:
     """Train ``draft`` in place on the target's continuations (cut into ``window``-token
     windows): cross-entropy on the target's tokens plus ``kl_weight`` x KL(target top-K ||
@@ -340,7 +337,8 @@ def train_draft(
     Training also stops at ``deadline`` (``time.monotonic()``), where given.
     ``device``: ``"cuda"`` trains in bf16 autocast with fp32 master weights, ``"cpu"`` in fp32
     with at most :data:`MAX_TORCH_THREADS` threads; None: CUDA where present
-    (:func:`batchspec.distill.device.resolve`)."""
+    (:func:`batchspec.distill.device.resolve`). ``objective``: another objective's batches and
+    validation figure (a parallel draft's: batchspec/distill/pard.py); None: the next token's."""
     import torch
     import torch.nn.functional as F
 
@@ -360,7 +358,7 @@ def train_draft(
 
     def check(step: int) -> None:
         nonlocal best_state
-        value = greedy_acceptance(draft, held, k, device)
+        value = (objective.acceptance if objective else greedy_acceptance)(draft, held, k, device)
         history.append((step, round(value, 4)))
         if watch.record(step, value):
             best_state = {n: v.detach().to("cpu", copy=True) for n, v in draft.state_dict().items()}
@@ -385,19 +383,28 @@ def train_draft(
                 say(f"--max-minutes reached: training stopped at step {run} of {steps}")
                 break
             idx = torch.randint(0, len(examples), (batch_size,), generator=gen).tolist()
-            ids, mask, labels, teacher = _batch(examples, idx, pad_id, topk)
+            if objective is None:
+                ids, mask, labels, teacher = _batch(examples, idx, pad_id, topk)
+                weight = None
+            else:
+                ids, mask, labels, teacher, weight = objective.batch(examples, idx, pad_id, topk, gen)
             ids, mask, labels = ids.to(device), mask.to(device), labels.to(device)
             on = labels != -100
             with autocast:
                 logits = _logits(draft, ids, mask, on)
             logp = F.log_softmax(logits, dim=-1)
             target_tokens = labels[on]
-            loss = F.nll_loss(logp, target_tokens)
+            # each labelled position's share of the loss: equal, or the objective's
+            share = None if weight is None else weight.to(device)[on]
+            if share is None:
+                loss = F.nll_loss(logp, target_tokens)
+            else:
+                loss = (F.nll_loss(logp, target_tokens, reduction="none") * share).sum()
             if teacher is not None and kl_weight:
                 t_ids, t_prob = teacher[0].to(device)[on], teacher[1].to(device)[on]
                 student = logp.gather(-1, t_ids)
-                kl = (t_prob * (torch.log(t_prob.clamp(min=1e-12)) - student)).sum(-1).mean()
-                loss = loss + kl_weight * kl
+                kl = (t_prob * (torch.log(t_prob.clamp(min=1e-12)) - student)).sum(-1)
+                loss = loss + kl_weight * (kl.mean() if share is None else (kl * share).sum())
             for group in opt.param_groups:
                 group["lr"] = lr_at(step, steps, lr, warmup)
             opt.zero_grad(set_to_none=True)

@@ -1,5 +1,5 @@
-"""distill's trainers, one per method it trains: what differs between training a draft model
-and an EAGLE-3 head, and nothing else (:mod:`batchspec.distill.session` runs the steps they
+"""distill's trainers, one per method it trains: what differs between training a draft model, a
+parallel draft and an EAGLE-3 head, and nothing else (:mod:`batchspec.distill.session` runs the steps they
 share: the sample, the target's text, the evaluation, the install decision, the card).
 
 Each method's object (:mod:`batchspec.spec.methods`) names its trainer here by
@@ -11,13 +11,18 @@ trainer:
 - ``train(spec, opts, model, examples, validation, steps, ...)``: the training, its result a
   :class:`batchspec.distill.train.TrainResult` (or EAGLE-3's own, with the same fields);
 - ``save(model, spec, built, parameters, say)``: the model as vLLM loads it, into ``built``,
-  returning its layers for the card.
+  returning its layers for the card;
+- ``baseline(spec, opts, work, say)``: the drafter the new one must beat, as the held-out
+  evaluation runs it (None: none);
+- ``max_windows(opts)``: how long the target's continuations may grow for it, in windows of the
+  job's length.
 
 torch, transformers and the trainers' own modules are imported inside each call, so that
 checking the options imports none of them."""
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -25,7 +30,7 @@ from typing import Any
 from batchspec.distill.card import public_path
 from batchspec.distill.options import DistillOptions, job_k
 from batchspec.errors import SpecError
-from batchspec.spec.methods import DRAFT_MODEL, EAGLE3
+from batchspec.spec.methods import DRAFT_MODEL, EAGLE3, PARD
 from batchspec.spec.model import JobSpec
 
 Say = Callable[[str], None]
@@ -41,6 +46,8 @@ class DraftModelTrainer:
         for name, given in (("--head", opts.head), ("--aux-layers", opts.aux_layers)):
             if given:
                 raise SpecError(name, "applies to --method eagle3 (an EAGLE-3 head) only")
+        if opts.mask_token is not None and self.method is not PARD:
+            raise SpecError("--mask-token", "applies to --method pard (a parallel draft) only")
         if opts.init == "draft" and not opts.draft:
             raise SpecError("--draft", "give the draft to start from, or --init target --layers N")
 
@@ -93,7 +100,18 @@ class DraftModelTrainer:
             deadline=deadline,
             device=device,
             k=opts.k or job_k(spec),
+            objective=self.objective(spec, opts, draft),
         )
+
+    def objective(self, spec: JobSpec, opts: DistillOptions, draft: Any) -> Any:
+        """What the draft learns beyond the target's next token (None: nothing)."""
+        return None
+
+    def max_windows(self, opts: DistillOptions) -> int:
+        """The longest continuation, in windows of the job's length (batchspec/distill/data.py)."""
+        from batchspec.distill.data import MAX_WINDOWS
+
+        return MAX_WINDOWS
 
     def save(self, draft: Any, spec: JobSpec, built: Path, parameters: int, say: Say) -> int:
         from batchspec.distill import train
@@ -102,6 +120,71 @@ class DraftModelTrainer:
         layers = draft.config.num_hidden_layers
         say(f"built the new draft ({parameters / 1e6:.2f}M parameters, {layers} layers)")
         return layers
+
+    def baseline(self, spec: JobSpec, opts: DistillOptions, work: Path, say: Say) -> str | None:
+        """The drafter the new one must beat, as the evaluation runs it: ``--draft``."""
+        return opts.start
+
+
+class ParallelDraftTrainer(DraftModelTrainer):
+    """A parallel draft (PARD): a draft model, started as :class:`DraftModelTrainer`'s, that
+    also learns to propose the k - 1 tokens after the next from mask tokens, so that vLLM drafts
+    a whole step in one pass (batchspec/distill/pard.py); its config names the mask token."""
+
+    method = PARD
+
+    def check(self, spec: JobSpec, opts: DistillOptions) -> None:
+        super().check(spec, opts)
+        self.mask_token(spec, opts)
+
+    def mask_token(self, spec: JobSpec, opts: DistillOptions) -> int:
+        """The mask token the draft reads (``--mask-token``, the starting draft's own, else the
+        pad token: batchspec/distill/pard.py); checked before any work."""
+        from batchspec.distill import pard
+        from batchspec.distill.train import tokenizer_vocab
+        from batchspec.spec.checkpoints import read_config, text_config
+
+        source = opts.draft if opts.init == "draft" and opts.draft else spec.model.target
+        config = text_config(read_config(source) or {})
+        _, special = tokenizer_vocab(source)
+        return pard.choose_mask_token(config, int(config.get("vocab_size") or 0), special, opts.mask_token)
+
+    def start(self, spec: JobSpec, opts: DistillOptions, say: Say) -> Any:
+        from batchspec.distill.pard import WRITTEN_KEY
+
+        draft = super().start(spec, opts, say)
+        mask = self.mask_token(spec, opts)
+        setattr(draft.config, WRITTEN_KEY, mask)  # saved with it, in its config.json
+        say(f"parallel draft: mask token {mask}, {opts.k or job_k(spec)} tokens a pass")
+        return draft
+
+    def objective(self, spec: JobSpec, opts: DistillOptions, draft: Any) -> Any:
+        from batchspec.distill.pard import WRITTEN_KEY, ParallelObjective
+
+        return ParallelObjective(k=opts.k or job_k(spec), mask=getattr(draft.config, WRITTEN_KEY))
+
+    def baseline(self, spec: JobSpec, opts: DistillOptions, work: Path, say: Say) -> str | None:
+        """``--draft`` drafting in parallel: where its config names no mask token, a copy of it
+        (its weights linked, not copied) whose config names the one the new draft reads, so
+        that both are judged drafting the same way."""
+        from batchspec.distill import pard
+        from batchspec.spec.checkpoints import read_config
+        from batchspec.spec.methods import mask_token
+
+        if not opts.start or mask_token(read_config(opts.start) or {}) is not None:
+            return opts.start
+        copy = work / "baseline-parallel"
+        if copy.exists():
+            shutil.rmtree(copy)
+        copy.mkdir(parents=True)
+        for item in Path(opts.start).expanduser().resolve().iterdir():
+            (copy / item.name).symlink_to(item)
+        (copy / "config.json").unlink()
+        shutil.copyfile(Path(opts.start).expanduser() / "config.json", copy / "config.json")
+        mask = self.mask_token(spec, opts)
+        pard.write_mask_token(copy, mask)
+        say(f"the starting draft, judged drafting in parallel: mask token {mask}")
+        return str(copy)
 
 
 class Eagle3Trainer:
@@ -127,6 +210,8 @@ class Eagle3Trainer:
                 "--init" if opts.init != "draft" else "--layers",
                 "applies to draft models: a head is one decoder layer on the target's hidden states",
             )
+        if opts.mask_token is not None:
+            raise SpecError("--mask-token", "applies to --method pard (a parallel draft) only")
         if opts.logprobs:
             raise SpecError(
                 "--logprobs",
@@ -251,6 +336,17 @@ class Eagle3Trainer:
         say(f"built the new head ({parameters / 1e6:.2f}M parameters)")
         return 1
 
+    def baseline(self, spec: JobSpec, opts: DistillOptions, work: Path, say: Say) -> str | None:
+        """The head the new one must beat: ``--head``."""
+        return opts.start
+
+    def max_windows(self, opts: DistillOptions) -> int:
+        """A new head's continuations are longer than a draft's (batchspec/distill/data.py)."""
+        from batchspec.distill.data import MAX_WINDOWS, NEW_HEAD_WINDOWS
+
+        return MAX_WINDOWS if opts.head else NEW_HEAD_WINDOWS
+
 
 DRAFT_MODEL_TRAINER = DraftModelTrainer()
+PARD_TRAINER = ParallelDraftTrainer()
 EAGLE3_TRAINER = Eagle3Trainer()

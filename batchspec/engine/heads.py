@@ -30,7 +30,7 @@ from batchspec.spec.checkpoints import (
     parse_json,
     text_config,
 )
-from batchspec.spec.methods import DRAFT_MODEL, detect, reads_hidden_states
+from batchspec.spec.methods import PARD, detect, is_draft, mask_token, reads_hidden_states
 from batchspec.spec.methods import method as method_named
 
 #: The most header bytes read from a head's weight files, all of them together. A head's
@@ -239,13 +239,20 @@ def check_speculative_model(
     if config is None:
         return
     found = detect(config)
-    if method_named(method) is DRAFT_MODEL and reads_hidden_states(found):
+    if is_draft(method) and reads_hidden_states(found):
         raise SpecError(
             f"{key}.method",
             f"{model} is an {found.upper()} head (its config.json says so), not a draft model: "
             f"use method: {found}",
         )
-    if head and method_named(found) is DRAFT_MODEL:
+    if method_named(method) is PARD and not reads_hidden_states(found) and mask_token(config) is None:
+        raise SpecError(
+            f"{key}.model",
+            f"{model} names no mask token in its config.json ({', '.join(PARD.config_keys)}), which a "
+            "parallel draft reads in the places it predicts: train one with `batchspec distill "
+            "--method pard`, or use method: draft_model",
+        )
+    if head and is_draft(found):
         raise SpecError(
             f"{key}.method",
             f"{model} is a draft model (architectures {quoted(config.get('architectures'))}), not "

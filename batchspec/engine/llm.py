@@ -42,6 +42,7 @@ from batchspec.engine.supervise import EngineDied, add_counters, death_note
 from batchspec.engine.tokens import length_error, prompt_token_ids
 from batchspec.errors import Interrupted, RuntimeFailure, SpecError, interrupted_within
 from batchspec.io.reader import Row
+from batchspec.spec.methods import vllm_speculative
 from batchspec.spec.model import JobSpec
 from batchspec.tasks import GENERATE, TASKS
 
@@ -222,7 +223,7 @@ class Engine:
             # the answer is constrained, and the thinking budget counted, by vLLM's parser
             kwargs["reasoning_parser"] = spec.model.reasoning_parser
         if self.spec_enabled:
-            kwargs["speculative_config"] = dict(spec.speculative)
+            kwargs["speculative_config"] = vllm_speculative(spec.speculative)
             # each verify step's acceptance, to split a reasoning output's between its parts
             detail = "detailed" if spec.model.reasoning_parser is not None else "summary"
             kwargs.setdefault("per_request_spec_decode_metrics", detail)

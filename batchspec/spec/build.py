@@ -19,6 +19,7 @@ from batchspec.spec.fields import (
     section,
     suggest,
 )
+from batchspec.spec.methods import DRAFT_MODEL, PARD
 from batchspec.spec.model import (
     DEFAULT_JOB_NAME,
     ROW_OVERRIDABLE,
@@ -564,8 +565,14 @@ def _speculative(raw: dict) -> dict[str, Any] | None:
             "speculative.method", "give a method (draft_model, ngram, eagle, ...) or a draft model"
         )
     if speculative.get("model") and not speculative.get("method"):
-        # what the checkpoint's config says it is (a head or a draft model), never its name
+        # what the checkpoint's config says it is (a head, a draft model or a parallel one), never
+        # its name
         speculative["method"] = method_of(speculative["model"])
+    if speculative.get("method") == DRAFT_MODEL.name and speculative.get("parallel_drafting") is True:
+        # vLLM's way of saying a parallel draft: batchspec's name for it (vllm_speculative turns
+        # it back), so that checks, labels and records say what runs
+        del speculative["parallel_drafting"]
+        speculative["method"] = PARD.name
     return speculative
 
 

@@ -30,7 +30,7 @@ from batchspec.redact import sanitize_url
 
 #: The methods batchspec knows (vLLM's ``SpeculativeConfig.method`` takes more; those pass
 #: through unchecked).
-SpeculativeMethod = Literal["draft_model", "eagle3", "eagle", "ngram", "suffix"]
+SpeculativeMethod = Literal["draft_model", "pard", "eagle3", "eagle", "ngram", "suffix"]
 
 
 @dataclass(frozen=True)
@@ -64,6 +64,13 @@ class Method:
     architecture: str | None = None
     #: Checkpoint detection: ``model_type`` values that mean it.
     model_types: tuple[str, ...] = ()
+    #: Checkpoint detection: ``config.json`` keys whose integer value means it (a parallel
+    #: draft's mask token).
+    config_keys: tuple[str, ...] = ()
+    #: How vLLM's ``speculative_config`` says it, where not by this name: its ``method`` and the
+    #: keys that go with it (:func:`vllm_speculative`).
+    vllm_method: str | None = None
+    vllm_keys: tuple[tuple[str, Any], ...] = ()
     #: Its head reads the target's auxiliary layers (EAGLE-3's ids, checked against the target).
     aux_layers: bool = False
     #: A package vLLM imports for it, checked before weights load (None: none beyond vLLM).
@@ -104,6 +111,19 @@ DRAFT_MODEL = Method(
     batch_size_k=True,
     trainer_ref="batchspec.distill.trainers:DRAFT_MODEL_TRAINER",
 )
+#: Where a parallel draft's ``config.json`` names its mask token, in the order vLLM looks.
+MASK_TOKEN_KEYS = ("mask_token_id", "pard_token", "ptd_token_id")
+
+#: A parallel draft (PARD): a draft model vLLM runs once a step, k - 1 mask tokens after the
+#: request's last token, proposing all k tokens in that one pass; its config names the mask token.
+PARD = Method(
+    "pard",
+    role="draft",
+    config_keys=MASK_TOKEN_KEYS,
+    vllm_method="draft_model",
+    vllm_keys=(("parallel_drafting", True),),
+    trainer_ref="batchspec.distill.trainers:PARD_TRAINER",
+)
 EAGLE3 = Method(
     "eagle3",
     role="head",
@@ -130,7 +150,7 @@ SUFFIX = Method(
 
 #: Every method batchspec knows, by name. Detection asks them in this order (EAGLE-3 before
 #: EAGLE: an ``Eagle3...`` architecture holds both names).
-METHODS: dict[str, Method] = {m.name: m for m in (DRAFT_MODEL, EAGLE3, EAGLE, NGRAM, SUFFIX)}
+METHODS: dict[str, Method] = {m.name: m for m in (DRAFT_MODEL, PARD, EAGLE3, EAGLE, NGRAM, SUFFIX)}
 
 #: The names of the methods whose model is a head on the target's hidden states.
 HEAD_METHODS = tuple(m.name for m in METHODS.values() if m.reads_hidden_states)
@@ -166,7 +186,38 @@ def detect(config: dict) -> str:
             isinstance(model_type, str) and model_type in m.model_types
         ):
             return m.name
+    for m in METHODS.values():
+        if any(
+            isinstance(config.get(key), int) and not isinstance(config.get(key), bool)
+            for key in m.config_keys
+        ):
+            return m.name
     return DRAFT_MODEL.name
+
+
+def mask_token(config: dict) -> int | None:
+    """The mask token a parallel draft's config names, as vLLM reads it (None: none)."""
+    for key in MASK_TOKEN_KEYS:
+        value = config.get(key)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return None
+
+
+def is_draft(name: Any) -> bool:
+    """Whether the method named ``name`` runs a draft model of its own (sequential or parallel)."""
+    known = method(name)
+    return known is not None and known.role == "draft"
+
+
+def vllm_speculative(section: dict) -> dict:
+    """A job's ``speculative`` section as vLLM's ``speculative_config`` takes it: a method vLLM
+    names otherwise (``pard``: ``draft_model`` with ``parallel_drafting``) translated, any other
+    as written."""
+    known = method(section.get("method"))
+    if known is None or known.vllm_method is None:
+        return dict(section)
+    return {**section, "method": known.vllm_method, **dict(known.vllm_keys)}
 
 
 def family_label(name: Any, label: str, has_model: bool) -> str:
