@@ -79,10 +79,8 @@ PARAMS_PER_TOKEN = 32
 MAX_WINDOWS = 1
 
 #: The same for a new EAGLE-3 head (distill without ``--head``): eight. A head starts with
-#: nothing learnt but its output layer, and on a small job one window a prompt left it short of
-#: data: trained with the defaults on 100 code prompts it reached a mean acceptance length of 2.03
-#: with one window and 2.45 with eight, against 2.46 for the draft (benchmarks/head_job.py,
-#: BENCHMARKS.md).
+#: nothing learnt but its output layer, and on a small job one window a prompt leaves it short of
+#: data (benchmarks/head_job.py; BENCHMARKS.md, "A head on a small job").
 NEW_HEAD_WINDOWS = 8
 
 #: vLLM's ``max_tokens`` when the job sets none.
