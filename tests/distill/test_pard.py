@@ -215,3 +215,28 @@ def test_distill_trains_gates_and_installs_a_parallel_draft_that_runs_with_greed
         sorted((tmp / "pard" / "out" / "_batchspec" / "runs").glob("*.json"))[-1].read_text()
     )
     assert "pard" in json.dumps(summary)
+
+
+def test_tune_weighs_a_parallel_draft_in_parallel_and_a_token_a_pass(tmp_path, models):
+    import shutil
+
+    from batchspec.spec.build import build_spec
+    from batchspec.tune.search_space import candidates
+
+    draft = Path(shutil.copytree(models / "draft", tmp_path / "fast"))
+    config = json.loads((draft / "config.json").read_text())
+    (draft / "config.json").write_text(json.dumps({**config, "pard_token": 0}))
+    spec = load_spec(_job(tmp_path, None))
+    _, families = candidates(spec, [str(draft), str(models / "draft")], [2, 3], ngram=False)
+    methods = {name: [(c.k, c.speculative["method"]) for c in fam] for name, fam in families.items()}
+    assert methods == {
+        "pard:fast": [(2, "pard"), (3, "pard")],
+        "fast": [(2, "draft_model"), (3, "draft_model")],
+        "draft": [(2, "draft_model"), (3, "draft_model")],
+    }
+    # vLLM's own spelling is the same method
+    raw = {
+        **spec.raw,
+        "speculative": {"method": "draft_model", "parallel_drafting": True, "model": str(draft)},
+    }
+    assert build_spec(raw).speculative == {"method": "pard", "model": str(draft)}
