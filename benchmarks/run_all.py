@@ -25,6 +25,8 @@ STEPS = [
     ["benchmarks/distill.py", "--json", str(OUT / "distill.json")],
     ["benchmarks/distill_small.py", "--json", str(OUT / "distill-small.json")],
     ["benchmarks/heads.py", "--fresh", "--json", str(OUT / "heads.json")],
+    ["benchmarks/head_job.py", "--json", str(OUT / "head-job.json")],
+    ["benchmarks/parallel_drafts.py", "--fresh", "--json", str(OUT / "parallel-drafts.json")],
     ["benchmarks/tune.py", "--json", str(OUT / "tune.json")],
     [
         "benchmarks/tune.py",
