@@ -88,8 +88,11 @@ HEAD_PROMPTS := $(MODELS)/head-prompts/part-00000.parquet
 $(HEAD_PROMPTS): tools/demo_data.py | $(VENV)/.installed
 	$(BIN)/python tools/demo_data.py $(MODELS)/head-prompts --shards 1 --rows 200 --seed 7
 
+# On one thread, as the other builds beside it under -j (the same weights on any machine), and
+# its engines' threads not bound to core 0 (vLLM's default on the CPU build).
 $(MODELS)/head/batchspec-model.json: batchspec/distill/eagle3.py tools/head-job.yaml $(HEAD_PROMPTS) $(MODELS)/target/.batchspec-complete
-	$(call CACHED,head,batchspec) $(BIN)/batchspec distill tools/head-job.yaml --method eagle3 --out $(MODELS)/head --sample 200 \
+	$(call CACHED,head,batchspec) env OMP_NUM_THREADS=1 VLLM_CPU_OMP_THREADS_BIND=nobind \
+		$(BIN)/batchspec distill tools/head-job.yaml --method eagle3 --out $(MODELS)/head --sample 200 \
 		--holdout 24 --steps 150 --batch-size 8 --k 3
 
 $(MODELS)/head-large/batchspec-model.json: tools/grow_model.py $(MODELS)/head/batchspec-model.json $(MODELS)/target-large/.batchspec-complete

@@ -240,3 +240,19 @@ def test_tune_weighs_a_parallel_draft_in_parallel_and_a_token_a_pass(tmp_path, m
         "speculative": {"method": "draft_model", "parallel_drafting": True, "model": str(draft)},
     }
     assert build_spec(raw).speculative == {"method": "pard", "model": str(draft)}
+
+
+@pytest.mark.engine
+def test_tune_measures_the_parallel_draft_beside_its_weights_drafting_a_token_a_pass(parallel):
+    tmp, job, out, done = parallel
+    assert done.returncode == 0, done.stderr[-3000:]
+    tuned = run_cli(
+        "tune", str(job), "--sample", "8", "--concurrency", "1", "--k", str(K), "--no-ngram",
+        "--no-batch-knobs", "--draft", str(out), "--json",
+    )  # fmt: skip
+    assert tuned.returncode == 0, tuned.stderr[-3000:]
+    entries = {c["label"]: c for c in json.loads(tuned.stdout)["candidates"]}
+    assert {"off", f"pard:{out.name} k={K}", f"{out.name} k={K}", f"draft k={K}"} <= set(entries)
+    parallel_entry = entries[f"pard:{out.name} k={K}"]
+    assert parallel_entry["speculative"]["method"] == "pard" and not parallel_entry["skipped"]
+    assert parallel_entry["output_tokens_per_s"] > 0 and parallel_entry["mean_acceptance_length"] > 1
