@@ -55,7 +55,7 @@ def write_job(
         "model": {"target": str(target), "engine": dict(ENGINE)},
         "speculative": {
             "method": "draft_model",
-            "model": str(ROOT / ".models" / "draft"),
+            "model": str(target.parent / "draft"),
             "num_speculative_tokens": K,
         },
         "sampling": {"temperature": 0.0, "max_tokens": MAX_TOKENS, "ignore_eos": True},
