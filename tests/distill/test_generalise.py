@@ -13,6 +13,7 @@ import pytest
 from batchspec.distill.data import (
     MAX_EPOCHS,
     MAX_WINDOWS,
+    NEW_HEAD_WINDOWS,
     Sample,
     generation_request,
     plan_data,
@@ -34,6 +35,20 @@ def test_a_small_job_gets_continuations_of_the_job_s_length_and_fewer_steps():
     assert MAX_WINDOWS == 1 and plan.windows == 1 and plan.planned_tokens == 60 * 32
     # 60 windows support 60 steps of 16 at 16 passes each: not 300
     assert supported_steps(60, 16, 300) == 60 * MAX_EPOCHS // 16 == 60
+
+
+def test_a_new_head_gets_longer_continuations_and_a_draft_or_a_continued_head_does_not(tmp_path):
+    from batchspec.distill.options import DistillOptions
+    from batchspec.distill.trainers import DRAFT_MODEL_TRAINER, EAGLE3_TRAINER, PARD_TRAINER
+
+    # the 1.57M-parameter head on 72 prompts x 64 tokens (4,608): it wants 49,184
+    plan = plan_data(300, 16, 64, 72, 1_573_888, NEW_HEAD_WINDOWS)
+    assert NEW_HEAD_WINDOWS == 8 and plan.windows == 8 and plan.planned_tokens == 72 * 64 * 8
+    assert plan_data(300, 16, 64, 72, 1_573_888).windows == 1
+    new, continued = DistillOptions(out=tmp_path, method="eagle3"), DistillOptions(out=tmp_path, head="h")
+    assert EAGLE3_TRAINER.max_windows(new) == NEW_HEAD_WINDOWS
+    assert EAGLE3_TRAINER.max_windows(continued) == MAX_WINDOWS
+    assert DRAFT_MODEL_TRAINER.max_windows(new) == PARD_TRAINER.max_windows(new) == MAX_WINDOWS
 
 
 def test_enough_prompts_need_no_more_passes():
