@@ -208,7 +208,9 @@ def test_distill_trains_gates_and_installs_a_parallel_draft_that_runs_with_greed
         ran = run_cli("run", str(_job(tmp / name, speculative, rows=24)))
         assert ran.returncode == 0, ran.stderr[-3000:]
         runs[name] = read_output(tmp / name / "out").sort_by("id")
-    assert runs["pard"].column("text").to_pylist() == runs["off"].column("text").to_pylist()
+    assert (
+        runs["pard"].column("generated_text").to_pylist() == runs["off"].column("generated_text").to_pylist()
+    )
     drafted = runs["pard"].column("spec_num_draft_tokens")
     accepted = runs["pard"].column("spec_num_accepted_tokens")
     assert pc.min(drafted).as_py() > 0 and pc.sum(accepted).as_py() > 0
