@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pyarrow.compute as pc
 import pytest
-import torch
 from domain_data import write_shards
 from helpers.jobs import DRAFT, ENGINE, MODELS, read_output, run_cli, run_cli_in_process, write_job
 
@@ -31,10 +30,15 @@ MASK = 0
 
 
 def _example(tokens: list[int], prompt_len: int) -> Example:
+    import torch
+
     return Example(torch.tensor(tokens, dtype=torch.long), prompt_len)
 
 
+@pytest.mark.vllm  # torch
 def test_the_batch_puts_k_minus_1_masks_after_a_drawn_point_and_labels_the_tokens_after_it():
+    import torch
+
     ex = _example([5, 6, 7, 10, 11, 12, 13, 14], prompt_len=3)  # prompt 5 6 7, window 10..14
     objective = ParallelObjective(k=K, mask=MASK)
     seen = set()
@@ -69,7 +73,7 @@ class _Rule:
 
     def __init__(self, vocab: int, masks_right: bool):
         self.vocab, self.masks_right, self.training = vocab, masks_right, True
-        self.model, self.lm_head = self, torch.nn.Identity()
+        self.model, self.lm_head = self, lambda hidden: hidden
 
     def train(self, mode: bool = True):
         self.training = mode
@@ -78,6 +82,8 @@ class _Rule:
         self.training = False
 
     def __call__(self, input_ids):
+        import torch
+
         batch, width = input_ids.shape
         out = torch.zeros((batch, width, self.vocab))
         for b in range(batch):
@@ -92,6 +98,7 @@ class _Rule:
         return type("Out", (), {"last_hidden_state": out})
 
 
+@pytest.mark.vllm  # torch
 def test_parallel_acceptance_steps_as_vllm_does():
     windows = [_example(list(range(2, 2 + 3 + n)), prompt_len=3) for n in (7, 10, 1)]
     for right, hits in ((True, True), (False, None)):
