@@ -126,20 +126,28 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def large_tier_arguments(doc: str, work: str, train_rows: int, concurrency: str, sample: int):
+    """The options of a benchmark that trains drafters on one prompt set with the tiny target and
+    measures them with ``target-large`` on another (this one and benchmarks/parallel_drafts.py)."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--models", type=Path, default=ROOT / ".models")
-    parser.add_argument("--work", type=Path, default=ROOT / "bench-results" / "heads")
-    parser.add_argument("--train-rows", type=int, default=600)
+    parser.add_argument("--work", type=Path, default=ROOT / "bench-results" / work)
+    parser.add_argument("--train-rows", type=int, default=train_rows)
     parser.add_argument("--hidden-rows", type=int, default=160)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--concurrency", default="1,16,64")
+    parser.add_argument("--concurrency", default=concurrency)
     parser.add_argument("--k", default="3")
-    parser.add_argument("--sample", type=int, default=32)
+    parser.add_argument("--sample", type=int, default=sample)
     parser.add_argument("--fresh", action="store_true")
     parser.add_argument("--json", type=Path, default=None)
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def large_tier_jobs(args, seeds: tuple[int, int]) -> tuple[Path, Path, Path, Path]:
+    """(models, work, the training job on the tiny target, the hidden job on ``target-large``):
+    JSON-record prompts (tools/domain_data.py) written once into the work folder (``--fresh``:
+    again), with ``seeds`` for the two sets."""
     from domain_data import write_shards
 
     models, work = args.models.resolve(), args.work.resolve()
@@ -147,10 +155,16 @@ def main() -> int:
         shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True, exist_ok=True)
     if not (work / "train").exists():
-        write_shards(work / "train", rows=args.train_rows, shards=2, seed=11)
-        write_shards(work / "hidden", rows=args.hidden_rows, shards=1, seed=12)
+        write_shards(work / "train", rows=args.train_rows, shards=2, seed=seeds[0])
+        write_shards(work / "hidden", rows=args.hidden_rows, shards=1, seed=seeds[1])
     train = write_job(work, "train", work / "train", models / "target", args.max_tokens)
     hidden = write_job(work, "hidden", work / "hidden", models / "target-large", args.max_tokens)
+    return models, work, train, hidden
+
+
+def main() -> int:
+    args = large_tier_arguments(__doc__, "heads", train_rows=600, concurrency="1,16,64", sample=32)
+    models, work, train, hidden = large_tier_jobs(args, seeds=(11, 12))
     report: dict = {"domain": "JSON records (tools/domain_data.py)", "max_tokens": args.max_tokens}
     common = [
         "--sample",

@@ -17,9 +17,7 @@ Usage: ``python benchmarks/parallel_drafts.py [--models .models] [--work bench-r
 
 from __future__ import annotations
 
-import argparse
 import os
-import shutil
 import sys
 from pathlib import Path
 
@@ -28,7 +26,7 @@ sys.path.insert(0, str(ROOT / "tools"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from common import print_report  # noqa: E402
-from heads import batchspec, level_rows, markdown, write_job  # noqa: E402
+from heads import batchspec, large_tier_arguments, large_tier_jobs, level_rows, markdown  # noqa: E402
 
 
 def pays_up_to(rows: list[dict], candidate: str, noise: dict) -> int | None:
@@ -47,30 +45,8 @@ def pays_up_to(rows: list[dict], candidate: str, noise: dict) -> int | None:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", type=Path, default=ROOT / ".models")
-    parser.add_argument("--work", type=Path, default=ROOT / "bench-results" / "pard")
-    parser.add_argument("--train-rows", type=int, default=400)
-    parser.add_argument("--hidden-rows", type=int, default=160)
-    parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--concurrency", default="1,4,16,64")
-    parser.add_argument("--k", default="3")
-    parser.add_argument("--sample", type=int, default=64)
-    parser.add_argument("--fresh", action="store_true")
-    parser.add_argument("--json", type=Path, default=None)
-    args = parser.parse_args()
-    from domain_data import write_shards
-
-    models, work = args.models.resolve(), args.work.resolve()
-    if args.fresh:
-        shutil.rmtree(work, ignore_errors=True)
-    work.mkdir(parents=True, exist_ok=True)
-    if not (work / "train").exists():
-        write_shards(work / "train", rows=args.train_rows, shards=2, seed=21)
-        write_shards(work / "hidden", rows=args.hidden_rows, shards=1, seed=22)
-    train = write_job(work, "train", work / "train", models / "target", args.max_tokens)
-    hidden = write_job(work, "hidden", work / "hidden", models / "target-large", args.max_tokens)
+    args = large_tier_arguments(__doc__, "pard", train_rows=400, concurrency="1,4,16,64", sample=64)
+    models, work, train, hidden = large_tier_jobs(args, seeds=(21, 22))
     report: dict = {"domain": "JSON records (tools/domain_data.py)", "max_tokens": args.max_tokens}
     common = [
         "--draft",
