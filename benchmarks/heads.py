@@ -162,6 +162,32 @@ def large_tier_jobs(args, seeds: tuple[int, int]) -> tuple[Path, Path, Path, Pat
     return models, work, train, hidden
 
 
+def tune_drafts(hidden: Path, args, drafts: list[Path], labels: dict[str, str]) -> dict:
+    """``batchspec tune`` of the hidden job with these drafters (no n-gram) at the options'
+    concurrency, k and sample: what it recommends, its noise and losslessness, and a row per
+    level and candidate (:func:`level_rows`)."""
+    tune = batchspec(
+        "tune",
+        str(hidden),
+        "--concurrency",
+        args.concurrency,
+        "--k",
+        args.k,
+        "--no-ngram",
+        "--sample",
+        str(args.sample),
+        *(arg for path in drafts for arg in ("--draft", str(path))),
+        "--json",
+    )
+    return {
+        "recommended": tune.get("recommended"),
+        "noise": tune.get("noise"),
+        "lossless": tune.get("lossless"),
+        "wall_s": tune.get("wall_s"),
+        "rows": level_rows(tune, labels),
+    }
+
+
 def main() -> int:
     args = large_tier_arguments(__doc__, "heads", train_rows=600, concurrency="1,16,64", sample=32)
     models, work, train, hidden = large_tier_jobs(args, seeds=(11, 12))
@@ -223,33 +249,7 @@ def main() -> int:
         "eagle3:head-json": "job-trained head",
         "off": "off",
     }
-    tune = batchspec(
-        "tune",
-        str(hidden),
-        "--concurrency",
-        args.concurrency,
-        "--k",
-        args.k,
-        "--no-ngram",
-        "--sample",
-        str(args.sample),
-        "--draft",
-        str(draft),
-        "--draft",
-        str(untrained),
-        "--draft",
-        str(models / "head-large"),
-        "--draft",
-        str(head),
-        "--json",
-    )
-    report["tune"] = {
-        "recommended": tune.get("recommended"),
-        "noise": tune.get("noise"),
-        "lossless": tune.get("lossless"),
-        "wall_s": tune.get("wall_s"),
-        "rows": level_rows(tune, labels),
-    }
+    report["tune"] = tune_drafts(hidden, args, [draft, untrained, models / "head-large", head], labels)
     report["load_average"] = os.getloadavg()
     print_report(report, args.json)
     print(markdown(report["tune"]["rows"]))

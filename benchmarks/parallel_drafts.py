@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT / "tools"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from common import print_report  # noqa: E402
-from heads import batchspec, large_tier_arguments, large_tier_jobs, level_rows, markdown  # noqa: E402
+from heads import batchspec, large_tier_arguments, large_tier_jobs, markdown, tune_drafts  # noqa: E402
 
 
 def pays_up_to(rows: list[dict], candidate: str, noise: dict) -> int | None:
@@ -74,31 +74,8 @@ def main() -> int:
         "pard:draft-pard": "parallel draft",
         "draft-pard": "parallel draft's weights, a token a pass",
     }
-    tune = batchspec(
-        "tune",
-        str(hidden),
-        "--concurrency",
-        args.concurrency,
-        "--k",
-        args.k,
-        "--no-ngram",
-        "--sample",
-        str(args.sample),
-        "--draft",
-        str(drafts["sequential"]),
-        "--draft",
-        str(drafts["parallel"]),
-        "--json",
-    )
-    rows = level_rows(tune, labels)
-    noise = tune.get("noise") or {}
-    report["tune"] = {
-        "recommended": tune.get("recommended"),
-        "noise": tune.get("noise"),
-        "lossless": tune.get("lossless"),
-        "wall_s": tune.get("wall_s"),
-        "rows": rows,
-    }
+    report["tune"] = tune_drafts(hidden, args, [drafts["sequential"], drafts["parallel"]], labels)
+    rows, noise = report["tune"]["rows"], report["tune"]["noise"] or {}
     report["pays_up_to"] = {name: pays_up_to(rows, name, noise) for name in set(labels.values()) - {"off"}}
     report["load_average"] = os.getloadavg()
     print_report(report, args.json)
