@@ -163,8 +163,8 @@ def large_tier_jobs(args, seeds: tuple[int, int]) -> tuple[Path, Path, Path, Pat
 
 
 def tune_drafts(hidden: Path, args, drafts: list[Path], labels: dict[str, str]) -> dict:
-    """``batchspec tune`` of the hidden job with these drafters (no n-gram) at the options'
-    concurrency, k and sample: what it recommends, its noise and losslessness, and a row per
+    """``batchspec tune`` of the hidden job with these drafters (no n-gram, no batch knobs) at the
+    options' concurrency, k and sample: what it recommends, its noise and losslessness, and a row per
     level and candidate (:func:`level_rows`)."""
     tune = batchspec(
         "tune",
@@ -174,6 +174,7 @@ def tune_drafts(hidden: Path, args, drafts: list[Path], labels: dict[str, str]) 
         "--k",
         args.k,
         "--no-ngram",
+        "--no-batch-knobs",  # the drafters are compared, not the batch knobs
         "--sample",
         str(args.sample),
         *(arg for path in drafts for arg in ("--draft", str(path))),

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from batchspec.spec.checkpoints import head_layer_config, text_config
+from batchspec.spec.methods import MASK_HIDDEN, mask_token
 
 #: The weight file a head is written to.
 WEIGHTS = "model.safetensors"
@@ -36,6 +37,9 @@ WEIGHTS = "model.safetensors"
 TTT_STEPS = 3
 #: Weight of draft step s's loss: STEP_DECAY ** s.
 STEP_DECAY = 0.8
+#: Drafting points a training sequence is drafted from in parallel in one pass (a parallel
+#: head's), and evenly spread points a held-out one is measured at.
+PARALLEL_POINTS, EVAL_POINTS = 4, 8
 #: Tokens of a sequence one training example holds: a random span of each sequence per batch
 #: (rotary attention depends on distances only, so a span trains like the same tokens in place;
 #: the cost of a step grows with its tokens).
@@ -164,6 +168,20 @@ def _module():
             self.lm_head = linear(hidden, vocab)
             inv = 1.0 / (_rope_theta(layer) ** (torch.arange(0, self.head_dim, 2).float() / self.head_dim))
             self.register_buffer("inv_freq", inv, persistent=False)
+            self.fed = fed
+            self.mask_hidden = None
+            if mask_token(config) is not None:
+                self.make_parallel(mask_token(config))
+
+        def make_parallel(self, mask: int) -> None:
+            """Make this a parallel head (P-EAGLE) reading ``mask`` at its mask positions: the
+            config names the token (where vLLM reads it), and ``mask_hidden``, the hidden state
+            those positions read in place of the target's (zeros until trained), is added."""
+            for where in (self.config, self.config.get("transformer_layer_config")):
+                if isinstance(where, dict):
+                    where["mask_token_id"] = int(mask)
+            if self.mask_hidden is None:
+                self.mask_hidden = nn.Parameter(torch.zeros(1, self.fed, device=self.fc.weight.device))
 
         # ---- the pieces of vLLM's forward
         def rms(self, x, weight):
@@ -208,6 +226,42 @@ def _module():
             x = self.down_proj(torch.nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
             residual = x + residual
             return self.lm_head(self.rms(residual, self.norm)), residual
+
+        def parallel(self, tokens, aux, points, k: int):
+            """One pass as vLLM drafts in parallel, for several drafting points at once.
+
+            ``tokens`` (B, L) and ``aux`` (B, L, fed) as :meth:`unroll` reads them; ``points``
+            (B, G): positions to draft from. The pass holds every position ``t < L - 1`` (reading
+            token ``t + 1`` and the target's state at ``t``, as step 0 of :meth:`unroll`) and,
+            for each point ``p``, ``k - 1`` mask positions (the mask token's embedding beside
+            ``fc(mask_hidden)``, rotary positions ``p + 1 ..``) that see the positions up to
+            ``p`` and their own group's earlier masks, and that no other position sees. Returns
+            (logits at every position (B, L - 1, V): each proposes token ``t + 2``; logits of
+            the masks (B, G, k - 1, V): mask ``j`` of point ``p`` proposes token ``p + 2 + j``)."""
+            b, length = tokens.shape
+            t, (_, groups), m = length - 1, points.shape, k - 1
+            dev = tokens.device
+            mask_id = mask_token(self.config)
+            toks = torch.cat([tokens[:, 1:], torch.full((b, groups * m), mask_id, device=dev)], 1)
+            fused = self.fc(torch.cat([aux[:, :-1].float(), self.mask_hidden.expand(b, groups * m, -1)], 1))
+            steps = torch.arange(1, m + 1, device=dev)
+            positions = torch.cat(
+                [torch.arange(t, device=dev).expand(b, t), (points.unsqueeze(-1) + steps).reshape(b, -1)], 1
+            )
+            q, keys, values, residual = self.qkv(toks, fused, positions)
+            n = t + groups * m
+            allowed = torch.zeros(b, n, n, dtype=torch.bool, device=dev)
+            allowed[:, :t, :t] = torch.ones(t, t, dtype=torch.bool, device=dev).tril()
+            upto = torch.arange(t, device=dev)
+            group_causal = torch.ones(m, m, dtype=torch.bool, device=dev).tril()
+            for g in range(groups):
+                rows = slice(t + g * m, t + (g + 1) * m)
+                allowed[:, rows, :t] = (upto <= points[:, g : g + 1]).unsqueeze(1)
+                allowed[:, rows, rows] = group_causal
+            scores = (q @ keys.transpose(-1, -2)) * self.head_dim**-0.5
+            weights = torch.softmax(scores.masked_fill(~allowed.unsqueeze(1), float("-inf")), dim=-1)
+            logits, _ = self.finish(weights @ values, residual)
+            return logits[:, :t], logits[:, t:].reshape(b, groups, m, -1)
 
         def unroll(self, tokens, aux, steps: int) -> list:
             """Logits of each draft step at each position ``t`` of ``tokens`` (B, L): step ``s``
@@ -300,7 +354,10 @@ _NAMES = {
     "down_proj.weight": "layers.0.mlp.down_proj.weight",
     "norm": "norm.weight",
     "lm_head.weight": "lm_head.weight",
+    "mask_hidden": MASK_HIDDEN,
 }
+#: Weights a head may lack (a parallel head's only).
+_OPTIONAL = {MASK_HIDDEN}
 
 
 def save_head(head, out: Path) -> None:
@@ -326,9 +383,15 @@ def load_head(path: str, target_dir: str):
     for file in sorted(Path(path).glob("*.safetensors")):
         state.update(load_file(str(file)))
     back = {v: k for k, v in _NAMES.items()}
-    missing = [name for name in _NAMES.values() if name not in state]
+    missing = [name for name in _NAMES.values() if name not in state and name not in _OPTIONAL]
     if missing:
         raise ValueError(f"{path}: the head's weights lack {', '.join(missing)}")
+    if head.mask_hidden is None:
+        state.pop(MASK_HIDDEN, None)  # no mask token named: vLLM drafts a token a pass and skips it
+    elif MASK_HIDDEN not in state:
+        state[MASK_HIDDEN] = head.mask_hidden.detach().clone()  # named in the config, not trained yet
+    else:
+        state[MASK_HIDDEN] = state[MASK_HIDDEN].reshape(head.mask_hidden.shape)
     head.load_state_dict({back[k]: v.float() for k, v in state.items() if k in back}, strict=True)
     head.config = config
     return head
@@ -415,6 +478,69 @@ def step_losses(head, batch: dict, steps: int = TTT_STEPS) -> tuple[Any, list, i
     return total / max(weight, 1e-9), right, positions
 
 
+def parallel_losses(head, batch: dict, k: int, points=None, gen=None) -> tuple[Any, int, int]:
+    """(the loss, tokens right in a row summed over the drafting points, the points counted) of
+    a batch drafted in parallel (:meth:`Eagle3Head.parallel`): the next token at every position
+    and the ``k - 1`` after it from each point's masks, the two halves weighing the same.
+    ``points`` (B, G): where to draft from; None: :data:`PARALLEL_POINTS` a row drawn with
+    ``gen``."""
+    import torch
+    import torch.nn.functional as F
+
+    tokens, labels, lengths = batch["tokens"], batch["labels"], batch["lengths"]
+    b, length = tokens.shape
+    if length < 3:
+        return head.fc.weight.sum() * 0.0, 0, 0
+    last = (lengths - 2).clamp(min=0).cpu()  # the last position that drafts (reads token p + 1)
+    if points is None:
+        drawn = torch.rand(b, PARALLEL_POINTS, generator=gen)
+        points = (drawn * (last + 1).unsqueeze(1)).long()
+    points = points.to(tokens.device)
+    real, masks = head.parallel(tokens, batch["aux"], points, k)
+    pos = torch.arange(length - 1, device=tokens.device)
+    valid = (pos + 1).unsqueeze(0) < lengths.unsqueeze(1)
+    loss = F.cross_entropy(real[valid], labels[:, 1:][valid]) if valid.any() else real.sum() * 0.0
+    # the label of the token each proposal is for: p + 1 + j, j = 0 (the real position) .. k - 1
+    where = points.unsqueeze(-1) + 1 + torch.arange(k, device=tokens.device)  # (B, G, k)
+    ok = where < lengths.view(b, 1, 1)
+    wanted = labels.gather(1, where.clamp(max=length - 1).view(b, -1)).view(b, -1, k)
+    first = real.gather(1, points.unsqueeze(-1).expand(-1, -1, real.shape[-1]))  # (B, G, V)
+    if ok[..., 1:].any():
+        mask_loss = F.cross_entropy(masks[ok[..., 1:]], wanted[..., 1:][ok[..., 1:]])
+        loss = 0.5 * loss + 0.5 * mask_loss
+    proposed = torch.cat([first.argmax(-1).unsqueeze(-1), masks.argmax(-1)], dim=-1)
+    run = (proposed == wanted) & ok
+    right = int(run.long().cumprod(-1).sum())
+    return loss, right, int(ok[..., 0].sum())
+
+
+def parallel_expected_accepted(head, files: list[Path], k: int, batch_size: int = 16) -> float:
+    """:func:`expected_accepted` for a head drafting in parallel: mean over held-out drafting
+    points (:data:`EVAL_POINTS` evenly spread over each sequence) of the tokens right in a row of
+    the ``k`` one pass proposes."""
+    import torch
+
+    from batchspec.distill.device import autocast
+
+    device = head.fc.weight.device.type
+    right_total, counted = 0, 0
+    head.eval()
+    with torch.no_grad(), autocast(device):
+        for path in files:
+            chunk = _load_chunk(path)
+            n = chunk["tokens"].shape[0]
+            for i in range(0, n, batch_size):
+                batch = _take(chunk, list(range(i, min(n, i + batch_size))))
+                last = (batch["lengths"] - 2).clamp(min=0)
+                spread = (torch.arange(EVAL_POINTS) + 0.5) / EVAL_POINTS
+                points = (spread.unsqueeze(0) * (last + 1).unsqueeze(1)).long()
+                _, right, points_counted = parallel_losses(head, _on(batch, device), k, points)
+                right_total += right
+                counted += points_counted
+    head.train()
+    return right_total / counted if counted else 0.0
+
+
 def _on(batch: dict, device: str) -> dict:
     """A batch's tensors on ``device``."""
     return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
@@ -478,13 +604,16 @@ def train_head(
     deadline: float | None = None,
     interval_s: float = 10.0,
     device: str | None = None,
+    parallel_k: int | None = None,
 ) -> HeadTrainResult:
     """Train ``head`` in place (AdamW, warm-up then cosine); keep the weights with the best
     held-out :func:`expected_accepted`, measured about 20 times over the run, and stop after
     ``patience`` measurements without a new best, or at ``deadline`` (time.monotonic).
     ``device``: as the draft trainer's (:func:`batchspec.distill.train.train_draft`): bf16
     autocast with fp32 master weights on CUDA, fp32 on at most MAX_TORCH_THREADS threads on
-    the CPU; None: CUDA where present. The head is back on the CPU when this returns."""
+    the CPU; None: CUDA where present. ``parallel_k``: train a parallel head (P-EAGLE) drafting
+    this many tokens a pass (:func:`parallel_losses`, measured by
+    :func:`parallel_expected_accepted`). The head is back on the CPU when this returns."""
     import torch
 
     from batchspec.distill import device as devices
@@ -504,7 +633,10 @@ def train_head(
 
     def check(step: int) -> None:
         nonlocal best_state
-        value = expected_accepted(head, validation, batch_size)
+        if parallel_k:
+            value = parallel_expected_accepted(head, validation, parallel_k, batch_size)
+        else:
+            value = expected_accepted(head, validation, batch_size)
         history.append((step, round(value, 4)))
         if watch.record(step, value):
             best_state = {k: v.detach().to("cpu", copy=True) for k, v in head.state_dict().items()}
@@ -522,13 +654,17 @@ def train_head(
         if validation:
             check(0)
         batches = _batches(files, batch_size, rng)
+        points = torch.Generator().manual_seed(seed)
         for step in range(steps):
             if deadline is not None and time.monotonic() > deadline:
                 by_time = True
                 say(f"--max-minutes reached: training stopped at step {run} of {steps}")
                 break
             with devices.autocast(device):
-                loss, _, _ = step_losses(head, _on(next(batches), device))
+                if parallel_k:
+                    loss, _, _ = parallel_losses(head, _on(next(batches), device), parallel_k, gen=points)
+                else:
+                    loss, _, _ = step_losses(head, _on(next(batches), device))
             for group in opt.param_groups:
                 group["lr"] = lr_at(step, steps, lr, warmup)
             opt.zero_grad(set_to_none=True)
@@ -573,6 +709,11 @@ def train_head(
         stopped_by_time=by_time,
         history=history,
         device=device,
+        metric=(
+            f"held-out tokens right in a row, of {parallel_k} drafted in one pass"
+            if parallel_k
+            else HeadTrainResult.metric
+        ),
     )
 
 

@@ -41,22 +41,25 @@ class DistillOptions:
     method: str = option(
         DRAFT_MODEL.name,
         "What to train: a draft model; a parallel draft (pard: a draft model that proposes a "
-        "step's k tokens in one pass); or an EAGLE-3 head on the target's hidden states.",
+        "step's k tokens in one pass); an EAGLE-3 head on the target's hidden states; or a "
+        "parallel EAGLE-3 head (peagle: a head that proposes a step's k tokens in one pass).",
         choices=TRAINABLE,
     )
     head: str | None = option(
-        help="With --method eagle3: the head to continue from (and to compare against); none: a new head.",
+        help="With --method eagle3 or peagle: the head to continue from (and to compare against); "
+        "none: a new head.",
         path=True,
     )
     aux_layers: tuple[int, ...] | None = option(
-        help="With --method eagle3 and no --head: the target's layers whose hidden states the new "
+        help="With --method eagle3 or peagle and no --head: the target's layers whose hidden states the new "
         "head reads (default: 1, the middle one, the last).",
         metavar="I,J,K",
         layer_ids=True,
     )
     mask_token: int | None = option(
-        help="With --method pard: the id of the token the draft reads in the places it predicts "
-        "(default: the one --draft's config names, else the tokenizer's pad token).",
+        help="With --method pard or peagle: the id of the token the drafter reads in the places it "
+        "predicts (default: the one --draft's or --head's config names, else the tokenizer's pad "
+        "token).",
         type=int,
     )
     max_minutes: float | None = option(

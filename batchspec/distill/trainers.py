@@ -1,6 +1,7 @@
 """distill's trainers, one per method it trains: what differs between training a draft model, a
-parallel draft and an EAGLE-3 head, and nothing else (:mod:`batchspec.distill.session` runs the steps they
-share: the sample, the target's text, the evaluation, the install decision, the card).
+parallel draft, an EAGLE-3 head and a parallel one, and nothing else
+(:mod:`batchspec.distill.session` runs the steps they share: the sample, the target's text,
+the evaluation, the install decision, the card).
 
 Each method's object (:mod:`batchspec.spec.methods`) names its trainer here by
 ``"module:name"``; :meth:`batchspec.spec.methods.Method.trainer` imports it on first use. A
@@ -30,7 +31,7 @@ from typing import Any
 from batchspec.distill.card import public_path
 from batchspec.distill.options import DistillOptions, job_k
 from batchspec.errors import SpecError
-from batchspec.spec.methods import DRAFT_MODEL, EAGLE3, PARD
+from batchspec.spec.methods import DRAFT_MODEL, EAGLE3, PARD, PEAGLE
 from batchspec.spec.model import JobSpec
 
 Say = Callable[[str], None]
@@ -45,7 +46,7 @@ class DraftModelTrainer:
     def check(self, spec: JobSpec, opts: DistillOptions) -> None:
         for name, given in (("--head", opts.head), ("--aux-layers", opts.aux_layers)):
             if given:
-                raise SpecError(name, "applies to --method eagle3 (an EAGLE-3 head) only")
+                raise SpecError(name, "applies to --method eagle3 or peagle (an EAGLE-3 head) only")
         if opts.mask_token is not None and self.method is not PARD:
             raise SpecError("--mask-token", "applies to --method pard (a parallel draft) only")
         if opts.init == "draft" and not opts.draft:
@@ -203,27 +204,28 @@ class Eagle3Trainer:
         if opts.draft:
             raise SpecError(
                 "--draft",
-                "--method eagle3 trains a head: give the head to start from with --head (none: a new head)",
+                f"--method {self.method.name} trains a head: give the head to start from with --head "
+                "(none: a new head)",
             )
         if opts.init != "draft" or opts.layers != 1:
             raise SpecError(
                 "--init" if opts.init != "draft" else "--layers",
                 "applies to draft models: a head is one decoder layer on the target's hidden states",
             )
-        if opts.mask_token is not None:
-            raise SpecError("--mask-token", "applies to --method pard (a parallel draft) only")
+        if opts.mask_token is not None and self.method is not PEAGLE:
+            raise SpecError("--mask-token", "applies to --method pard or peagle (a parallel drafter) only")
         if opts.logprobs:
             raise SpecError(
                 "--logprobs",
                 "a head learns the target's greedy token from the target's own forward pass (its "
-                "full logits, no top-K needed): leave --logprobs out with --method eagle3",
+                f"full logits, no top-K needed): leave --logprobs out with --method {self.method.name}",
             )
         target = read_config(spec.model.target)
         if target is None:
             raise SpecError(
                 "model.target",
-                f"{spec.model.target}: --method eagle3 reads the target's hidden states with its own "
-                "forward pass, so the target must be a local model directory with a config.json",
+                f"{spec.model.target}: --method {self.method.name} reads the target's hidden states "
+                "with its own forward pass, so the target must be a local model directory with a config.json",
             )
         target = text_config(target)
         layers = int(target.get("num_hidden_layers") or 0)
@@ -232,13 +234,13 @@ class Eagle3Trainer:
             if config is None:
                 raise SpecError("--head", f"{opts.head}: not a local model directory with a config.json")
             found = detect(config)
-            if found != self.method.name:
+            if found not in (EAGLE3.name, PEAGLE.name):
                 raise SpecError(
                     "--head", f"{opts.head} is not an EAGLE-3 head (its config.json says {found})"
                 )
             if opts.aux_layers:
                 raise SpecError("--aux-layers", "--head has its own auxiliary layers: leave --aux-layers out")
-            check_head_fits(Path(opts.head).expanduser(), config, target, self.method.name, "--head")
+            check_head_fits(Path(opts.head).expanduser(), config, target, found, "--head")
         if opts.aux_layers is not None:
             bad = [i for i in opts.aux_layers if not 0 <= i < layers]
             if bad or not opts.aux_layers:
@@ -327,7 +329,12 @@ class Eagle3Trainer:
             patience=opts.patience,
             deadline=deadline,
             device=device,
+            parallel_k=self.parallel_k(spec, opts),
         )
+
+    def parallel_k(self, spec: JobSpec, opts: DistillOptions) -> int | None:
+        """Tokens a pass a parallel head learns to draft (None: a head drafting one a step)."""
+        return None
 
     def save(self, head: Any, spec: JobSpec, built: Path, parameters: int, say: Say) -> int:
         from batchspec.distill import eagle3
@@ -347,6 +354,64 @@ class Eagle3Trainer:
         return MAX_WINDOWS if opts.head else NEW_HEAD_WINDOWS
 
 
+class ParallelHeadTrainer(Eagle3Trainer):
+    """A parallel EAGLE-3 head (P-EAGLE): an EAGLE-3 head, new or continued from ``--head``, that
+    also learns ``mask_hidden`` and to propose the k - 1 tokens after the next from mask
+    positions, so that vLLM drafts a whole step in one pass (:meth:`batchspec.distill.eagle3.
+    Eagle3Head.parallel`); its config names the mask token."""
+
+    method = PEAGLE
+
+    def check(self, spec: JobSpec, opts: DistillOptions) -> None:
+        super().check(spec, opts)
+        self.mask_token(spec, opts)
+
+    def mask_token(self, spec: JobSpec, opts: DistillOptions) -> int:
+        """``--mask-token``, the starting head's own, else the target's pad token (the rules of
+        batchspec/distill/pard.py, over the target's vocabulary, which a head proposes in)."""
+        from batchspec.distill import pard
+        from batchspec.distill.train import tokenizer_vocab
+        from batchspec.spec.checkpoints import read_config, text_config
+        from batchspec.spec.methods import mask_token
+
+        target = text_config(read_config(spec.model.target) or {})
+        head = read_config(opts.head) if opts.head else None
+        own = {"mask_token_id": mask_token(head)} if head and mask_token(head) is not None else {}
+        _, special = tokenizer_vocab(spec.model.target)
+        return pard.choose_mask_token(own, int(target.get("vocab_size") or 0), special, opts.mask_token)
+
+    def start(self, spec: JobSpec, opts: DistillOptions, say: Say) -> Any:
+        head = super().start(spec, opts, say)
+        mask = self.mask_token(spec, opts)
+        head.make_parallel(mask)
+        say(f"parallel head: mask token {mask}, {self.parallel_k(spec, opts)} tokens a pass")
+        return head
+
+    def parallel_k(self, spec: JobSpec, opts: DistillOptions) -> int | None:
+        return opts.k or job_k(spec)
+
+    def baseline(self, spec: JobSpec, opts: DistillOptions, work: Path, say: Say) -> str | None:
+        """``--head`` drafting in parallel: where it is a head drafting a token a pass, a copy
+        of it naming the new head's mask token, with ``mask_hidden`` zeros (what it starts from
+        here), so that both are judged drafting the same way."""
+        from batchspec.distill import eagle3
+        from batchspec.spec.checkpoints import read_config
+        from batchspec.spec.methods import mask_token
+
+        if not opts.start or mask_token(read_config(opts.start) or {}) is not None:
+            return opts.start
+        copy = work / "baseline-parallel"
+        if copy.exists():
+            shutil.rmtree(copy)
+        head = eagle3.load_head(opts.start, spec.model.target)
+        mask = self.mask_token(spec, opts)
+        head.make_parallel(mask)
+        eagle3.save_head(head, copy)
+        say(f"the starting head, judged drafting in parallel: mask token {mask}")
+        return str(copy)
+
+
 DRAFT_MODEL_TRAINER = DraftModelTrainer()
 PARD_TRAINER = ParallelDraftTrainer()
 EAGLE3_TRAINER = Eagle3Trainer()
+PEAGLE_TRAINER = ParallelHeadTrainer()

@@ -15,6 +15,7 @@ safetensors library checks it when vLLM loads the file. What a checkpoint is com
 
 from __future__ import annotations
 
+import math
 import os
 import struct
 from dataclasses import dataclass
@@ -30,7 +31,7 @@ from batchspec.spec.checkpoints import (
     parse_json,
     text_config,
 )
-from batchspec.spec.methods import PARD, detect, is_draft, mask_token, reads_hidden_states
+from batchspec.spec.methods import MASK_HIDDEN, detect, is_draft, mask_token, reads_hidden_states
 from batchspec.spec.methods import method as method_named
 
 #: The most header bytes read from a head's weight files, all of them together. A head's
@@ -65,7 +66,7 @@ DTYPE_BYTES = {
 #: The dtypes a d2t mapping may have (token id offsets are whole numbers), as struct formats.
 INT_FORMATS = {"I8": "b", "U8": "B", "I16": "h", "U16": "H", "I32": "i", "U32": "I", "I64": "q", "U64": "Q"}
 #: The tensors the checks read, of all a head's weight files hold.
-CHECKED_TENSORS = ("d2t", "lm_head.weight", "fc.weight")
+CHECKED_TENSORS = ("d2t", "lm_head.weight", "fc.weight", MASK_HIDDEN)
 #: safetensors' sizes and offsets are 64-bit: a larger number cannot be loaded.
 _U64 = 2**64
 
@@ -245,12 +246,18 @@ def check_speculative_model(
             f"{model} is an {found.upper()} head (its config.json says so), not a draft model: "
             f"use method: {found}",
         )
-    if method_named(method) is PARD and not reads_hidden_states(found) and mask_token(config) is None:
+    known = method_named(method)
+    if (
+        known is not None
+        and known.sequential
+        and mask_token(config) is None
+        and (reads_hidden_states(found) == known.reads_hidden_states)
+    ):
         raise SpecError(
             f"{key}.model",
-            f"{model} names no mask token in its config.json ({', '.join(PARD.config_keys)}), which a "
-            "parallel draft reads in the places it predicts: train one with `batchspec distill "
-            "--method pard`, or use method: draft_model",
+            f"{model} names no mask token in its config.json ({', '.join(known.config_keys)}), which "
+            f"a parallel {known.role} reads in the places it predicts: train one with `batchspec "
+            f"distill --method {known.name}`, or use method: {known.sequential}",
         )
     if head and is_draft(found):
         raise SpecError(
@@ -258,7 +265,8 @@ def check_speculative_model(
             f"{model} is a draft model (architectures {quoted(config.get('architectures'))}), not "
             f"an {method.upper()} head: use method: draft_model",
         )
-    if head and reads_hidden_states(found) and found != method:
+    sequential = getattr(method_named(found), "sequential", None)  # a parallel head's also drafts so
+    if head and reads_hidden_states(found) and method not in (found, sequential):
         raise SpecError(f"{key}.method", f"{model} is an {found.upper()} head: use method: {found}")
     if not head:
         return
@@ -376,3 +384,15 @@ def check_head_fits(directory: Path, config: dict, target: dict, method: str, ke
             f"the head's fc takes {fc[1]} inputs and {len(ids)} auxiliary layers of the target give "
             f"{len(ids) * t_hidden}: its eagle_aux_hidden_state_layer_ids do not match its weights",
         )
+    if known.sequential and t_hidden:
+        # a parallel head's mask positions read this in place of the target's hidden states
+        mask_hidden = tensors.get(MASK_HIDDEN)
+        wanted = len(ids) * t_hidden
+        if mask_hidden is None or math.prod(mask_hidden.shape) != wanted:
+            raise SpecError(
+                key,
+                f"a parallel {method.upper()} head needs a {MASK_HIDDEN} tensor of {wanted} values (its "
+                f"mask positions' hidden state, {len(ids)} auxiliary layers of {t_hidden}); its weights "
+                f"hold {'none' if mask_hidden is None else list(mask_hidden.shape)}: train one with "
+                f"`batchspec distill --method {method}`, or use method: {known.sequential}",
+            )

@@ -19,7 +19,7 @@ from batchspec.spec.fields import (
     section,
     suggest,
 )
-from batchspec.spec.methods import DRAFT_MODEL, PARD
+from batchspec.spec.methods import METHODS, REFUSED, parallel_form
 from batchspec.spec.model import (
     DEFAULT_JOB_NAME,
     ROW_OVERRIDABLE,
@@ -568,11 +568,16 @@ def _speculative(raw: dict) -> dict[str, Any] | None:
         # what the checkpoint's config says it is (a head, a draft model or a parallel one), never
         # its name
         speculative["method"] = method_of(speculative["model"])
-    if speculative.get("method") == DRAFT_MODEL.name and speculative.get("parallel_drafting") is True:
-        # vLLM's way of saying a parallel draft: batchspec's name for it (vllm_speculative turns
+    refused = REFUSED.get(speculative.get("method")) if isinstance(speculative.get("method"), str) else None
+    if refused:
+        raise SpecError("speculative.method", f"{speculative['method']}: {refused}")
+    parallel = parallel_form(speculative.get("method"), speculative)
+    if parallel is not None:
+        # vLLM's way of saying a parallel drafter: batchspec's name for it (vllm_speculative turns
         # it back), so that checks, labels and records say what runs
-        del speculative["parallel_drafting"]
-        speculative["method"] = PARD.name
+        for key, _ in METHODS[parallel].vllm_keys:
+            del speculative[key]
+        speculative["method"] = parallel
     return speculative
 
 

@@ -30,7 +30,7 @@ from batchspec.redact import sanitize_url
 
 #: The methods batchspec knows (vLLM's ``SpeculativeConfig.method`` takes more; those pass
 #: through unchecked).
-SpeculativeMethod = Literal["draft_model", "pard", "eagle3", "eagle", "ngram", "suffix"]
+SpeculativeMethod = Literal["draft_model", "pard", "eagle3", "peagle", "eagle", "ngram", "suffix"]
 
 
 @dataclass(frozen=True)
@@ -65,8 +65,12 @@ class Method:
     #: Checkpoint detection: ``model_type`` values that mean it.
     model_types: tuple[str, ...] = ()
     #: Checkpoint detection: ``config.json`` keys whose integer value means it (a parallel
-    #: draft's mask token).
+    #: drafter's mask token; a head's may sit in its ``transformer_layer_config``).
     config_keys: tuple[str, ...] = ()
+    #: A parallel drafter's weights also draft a token a pass: the method that runs them so
+    #: (``tune`` weighs both; a config naming the mask token turns this one's detection into
+    #: the parallel one).
+    sequential: str | None = None
     #: How vLLM's ``speculative_config`` says it, where not by this name: its ``method`` and the
     #: keys that go with it (:func:`vllm_speculative`).
     vllm_method: str | None = None
@@ -120,6 +124,7 @@ PARD = Method(
     "pard",
     role="draft",
     config_keys=MASK_TOKEN_KEYS,
+    sequential="draft_model",
     vllm_method="draft_model",
     vllm_keys=(("parallel_drafting", True),),
     trainer_ref="batchspec.distill.trainers:PARD_TRAINER",
@@ -127,10 +132,27 @@ PARD = Method(
 EAGLE3 = Method(
     "eagle3",
     role="head",
-    speculators_types=("eagle3", "peagle"),
+    speculators_types=("eagle3",),
     architecture="eagle3",
     aux_layers=True,
     trainer_ref="batchspec.distill.trainers:EAGLE3_TRAINER",
+)
+#: A parallel EAGLE-3 head's weight vLLM reads at its mask positions in place of the target's
+#: hidden states (P-EAGLE's; vLLM 0.32's ``llama_eagle3.py`` loads it by this name).
+MASK_HIDDEN = "mask_hidden"
+#: A parallel EAGLE-3 head (P-EAGLE): an EAGLE-3 head vLLM runs once a step, k - 1 mask
+#: positions after the request's last token (the mask token's embedding beside a learned
+#: ``mask_hidden`` in place of the target's hidden states), proposing all k tokens in that pass.
+PEAGLE = Method(
+    "peagle",
+    role="head",
+    speculators_types=("peagle",),
+    config_keys=MASK_TOKEN_KEYS,
+    sequential="eagle3",
+    vllm_method="eagle3",
+    vllm_keys=(("parallel_drafting", True),),
+    aux_layers=True,
+    trainer_ref="batchspec.distill.trainers:PEAGLE_TRAINER",
 )
 EAGLE = Method(
     "eagle", role="head", speculators_types=("eagle",), architecture="eagle", model_types=("eagle",)
@@ -150,7 +172,18 @@ SUFFIX = Method(
 
 #: Every method batchspec knows, by name. Detection asks them in this order (EAGLE-3 before
 #: EAGLE: an ``Eagle3...`` architecture holds both names).
-METHODS: dict[str, Method] = {m.name: m for m in (DRAFT_MODEL, PARD, EAGLE3, EAGLE, NGRAM, SUFFIX)}
+METHODS: dict[str, Method] = {m.name: m for m in (DRAFT_MODEL, PARD, EAGLE3, PEAGLE, EAGLE, NGRAM, SUFFIX)}
+
+#: Methods vLLM 0.32 lists that batchspec refuses before any work (exit 2, naming
+#: ``speculative.method``), and why; docs/speculation.md says what was tried.
+REFUSED: dict[str, str] = {
+    "dflash": (
+        "DFlash (a block-diffusion drafter) has not run on vLLM 0.32's CPU build here: a DFlash "
+        "drafter built for the tiny target failed on its first step, and batchspec can neither "
+        "check nor train one; use pard (a parallel draft) or peagle (a parallel EAGLE-3 head), "
+        "which draft k tokens in one pass and run here"
+    ),
+}
 
 #: The names of the methods whose model is a head on the target's hidden states.
 HEAD_METHODS = tuple(m.name for m in METHODS.values() if m.reads_hidden_states)
@@ -172,9 +205,19 @@ def reads_hidden_states(name: Any) -> bool:
 
 def detect(config: dict) -> str:
     """What a checkpoint's config says it is: a method's name (speculators' algorithm name as
-    written where batchspec does not know it), ``draft_model`` where nothing names a head. Takes
-    a config whose fields have any type (a mistyped one is
+    written where batchspec does not know it), ``draft_model`` where nothing names a head; a
+    drafter whose config names a mask token is its method's parallel form (``pard``,
+    ``peagle``). Takes a config whose fields have any type (a mistyped one is
     :func:`batchspec.spec.checkpoints.load_config`'s to refuse)."""
+    found = _named(config)
+    parallel = next((m for m in METHODS.values() if m.sequential == found), None)
+    if parallel is not None and mask_token(config) is not None:
+        return parallel.name
+    return found
+
+
+def _named(config: dict) -> str:
+    """The method a config names by type, architecture or model type (draft_model: none)."""
     kind = config.get("speculators_model_type")
     if isinstance(kind, str) and kind:
         return next((m.name for m in METHODS.values() if kind in m.speculators_types), kind)
@@ -186,22 +229,32 @@ def detect(config: dict) -> str:
             isinstance(model_type, str) and model_type in m.model_types
         ):
             return m.name
-    for m in METHODS.values():
-        if any(
-            isinstance(config.get(key), int) and not isinstance(config.get(key), bool)
-            for key in m.config_keys
-        ):
-            return m.name
     return DRAFT_MODEL.name
 
 
 def mask_token(config: dict) -> int | None:
-    """The mask token a parallel draft's config names, as vLLM reads it (None: none)."""
-    for key in MASK_TOKEN_KEYS:
-        value = config.get(key)
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
+    """The mask token a parallel drafter's config names, as vLLM reads it (None: none): at its
+    top level, or for a head in speculators' format, in its ``transformer_layer_config``."""
+    layer = config.get("transformer_layer_config")
+    for where in (config, layer if isinstance(layer, dict) else {}):
+        for key in MASK_TOKEN_KEYS:
+            value = where.get(key)
+            if isinstance(value, int) and not isinstance(value, bool):
+                return value
     return None
+
+
+def parallel_form(name: Any, keys: dict) -> str | None:
+    """The parallel method a ``speculative_config`` means by vLLM's spelling (``name`` with
+    ``keys``: ``draft_model`` or ``eagle3`` with ``parallel_drafting: true``), else None."""
+    return next(
+        (
+            m.name
+            for m in METHODS.values()
+            if m.vllm_method == name and m.vllm_keys and all(keys.get(k) == v for k, v in m.vllm_keys)
+        ),
+        None,
+    )
 
 
 def is_draft(name: Any) -> bool:

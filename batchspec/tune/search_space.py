@@ -10,7 +10,8 @@ from pathlib import Path
 from batchspec.redact import sanitize_url
 from batchspec.spec.build import build_spec
 from batchspec.spec.checkpoints import method_of
-from batchspec.spec.methods import DRAFT_MODEL, NGRAM, PARD, family_label
+from batchspec.spec.methods import NGRAM, family_label
+from batchspec.spec.methods import method as method_named
 from batchspec.spec.model import JobSpec
 from batchspec.tune.model import (
     NGRAM_BASE,
@@ -45,9 +46,9 @@ def candidates(
 
     The job's own speculative config is a family (its other keys kept, only k varies); each
     ``--draft`` adds a family with the method its checkpoint calls for (``draft_model``,
-    ``pard`` for a parallel draft, or ``eagle3``/``eagle`` for a head:
-    batchspec.spec.checkpoints), and a parallel draft a second one drafting sequentially
-    (``draft_model``), so that tune weighs both ways of running it."""
+    ``pard`` for a parallel draft, ``eagle3``/``eagle`` for a head, ``peagle`` for a parallel
+    head: batchspec.spec.checkpoints), and a parallel drafter a second one drafting a token a
+    pass (``draft_model``, ``eagle3``), so that tune weighs both ways of running it."""
     fixed = [Candidate("off", None, "off")]
     job = dict(spec.speculative) if spec.speculative else None
     job_ngram = bool(job) and job.get("method") == NGRAM.name
@@ -76,9 +77,10 @@ def candidates(
         # a head or a draft model: what its checkpoint's config says, never its name
         bases.append({"method": method_of(path), "model": path})
     for base in list(bases):
-        # a parallel draft is a draft model too: weighed drafting a token a pass beside
-        if base.get("method") == PARD.name:
-            bases.insert(bases.index(base) + 1, {"method": DRAFT_MODEL.name, "model": base.get("model")})
+        # a parallel drafter (a draft or a head) drafts a token a pass too: weighed so beside
+        sequential = getattr(method_named(base.get("method")), "sequential", None)
+        if sequential:
+            bases.insert(bases.index(base) + 1, {"method": sequential, "model": base.get("model")})
     families: dict[str, list[Candidate]] = {}
     for base in bases:
         name = draft_label(base.get("model") or base.get("method", "draft"), set(families))

@@ -1,11 +1,15 @@
-"""Parallel drafts (``batchspec distill --method pard``; batchspec/distill/pard.py): the training
-batch's layout and the validation figure stepped as vLLM steps, without an engine; the mask token
-chosen or refused before any work; and, on the real engine, a parallel draft distilled from the
-tiny draft, gated against that draft drafting in parallel, installed with its mask token, and run
-by `batchspec run` with greedy text equal to speculation off and its acceptance in the columns.
+"""Parallel drafting: parallel drafts (``batchspec distill --method pard``;
+batchspec/distill/pard.py) and parallel EAGLE-3 heads (``--method peagle``; P-EAGLE,
+batchspec/distill/eagle3.py). Without an engine: the training batch's layout, the one-pass
+forward and the validation figures stepped as vLLM steps; the mask token chosen or refused before
+any work; the specs vLLM would refuse (a drafter naming no mask token, a head without
+``mask_hidden``, DFlash) refused at validate. On the real engine, each kind distilled from the
+tiny model's own (the draft, the head), gated against that drafter drafting in parallel,
+installed with its mask token, run by `batchspec run` with greedy text equal to speculation off
+and its acceptance in the columns, and weighed by `tune` both in parallel and a token a pass.
 
-Engine time: about 4 minutes (distill's generation and two evaluations, two runs, and a tune of
-off and the draft and parallel draft at k=3)."""
+Engine time: about 8 minutes (for each kind: distill's generation and two evaluations, two runs,
+and a tune at k=3)."""
 
 from __future__ import annotations
 
@@ -266,3 +270,238 @@ def test_tune_measures_the_parallel_draft_beside_its_weights_drafting_a_token_a_
     parallel_entry = entries[f"pard:{out.name} k={K}"]
     assert parallel_entry["speculative"]["method"] == "pard" and not parallel_entry["skipped"]
     assert parallel_entry["output_tokens_per_s"] > 0 and parallel_entry["mean_acceptance_length"] > 1
+
+
+# ---------------------------------------------------------------------------- P-EAGLE
+
+
+def _head(models: Path, mask: int | None = MASK):
+    """The tiny target's head (``make models``), made parallel when ``mask`` is given."""
+    from batchspec.distill import eagle3
+
+    head = eagle3.load_head(str(models / "head"), str(models / "target"))
+    if mask is not None:
+        head.make_parallel(mask)
+    return head
+
+
+@pytest.mark.vllm  # torch
+def test_a_parallel_heads_pass_drafts_its_real_positions_as_step_0_and_each_mask_group_sees_its_prefix(
+    models,
+):
+    import torch
+
+    head = _head(models)
+    with torch.no_grad():
+        head.mask_hidden.normal_()
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(3, 2000, (2, 20), generator=gen)
+    aux = torch.randn(2, 20, head.fed, generator=gen)
+    points = torch.tensor([[3, 10], [0, 17]])
+    with torch.no_grad():
+        real, masks = head.parallel(tokens, aux, points, K)
+        step0 = head.unroll(tokens, aux, 1)[0]
+        assert real.shape == step0.shape and masks.shape == (2, 2, K - 1, real.shape[-1])
+        # the mask positions change nothing the real positions compute (no real position sees them)
+        assert torch.allclose(real, step0, atol=1e-5)
+        # a group sees the positions up to its point and nothing after (position t reads token t + 1)
+        later_tokens, later_aux = tokens.clone(), aux.clone()
+        later_tokens[0, 5:], later_aux[0, 4:] = 7, 0.0
+        _, changed = head.parallel(later_tokens, later_aux, points, K)
+    assert torch.allclose(changed[0, 0], masks[0, 0], atol=1e-5)
+    assert not torch.allclose(changed[0, 1], masks[0, 1])
+    assert torch.allclose(changed[1], masks[1], atol=1e-5)
+
+
+@pytest.mark.vllm  # torch
+def test_a_parallel_heads_loss_trains_mask_hidden_and_its_figure_counts_a_run_of_k(models):
+    import torch
+
+    from batchspec.distill.eagle3 import parallel_losses
+
+    head = _head(models)
+    tokens = torch.randint(3, 2000, (2, 12))
+    batch = {
+        "tokens": tokens,
+        "aux": torch.randn(2, 12, head.fed),
+        "labels": torch.randint(3, 2000, (2, 12)),
+        "lengths": torch.tensor([12, 6]),
+    }
+    loss, _, counted = parallel_losses(head, batch, K, gen=torch.Generator().manual_seed(1))
+    loss.backward()
+    assert counted == 2 * 4 and float(head.mask_hidden.grad.abs().sum()) > 0
+    # the figure: right in a row from each point, the real position's token first, then the masks'
+    with torch.no_grad():
+        points = torch.tensor([[2], [1]])
+        real, masks = head.parallel(tokens, batch["aux"], points, K)
+        labels = batch["labels"].clone()
+        labels[0, 3] = real[0, 2].argmax()  # point 2: its real position is right,
+        labels[0, 4] = masks[0, 0, 0].argmax()  # its first mask too,
+        labels[0, 5] = (masks[0, 0, 1].argmax() + 1) % 2000  # its second not: 2 in a row
+        labels[1, 2] = (real[1, 1].argmax() + 1) % 2000  # point 1 of row 1: wrong at once
+        _, right, counted = parallel_losses(head, {**batch, "labels": labels}, K, points)
+    assert (right, counted) == (2, 2)
+
+
+@pytest.mark.vllm  # torch
+def test_a_parallel_head_is_written_as_vllm_loads_it_and_read_back(models, tmp_path):
+    import torch
+    from safetensors.torch import load_file
+
+    from batchspec.distill import eagle3
+
+    head = _head(models, mask=5)
+    with torch.no_grad():
+        head.mask_hidden.fill_(0.25)
+    eagle3.save_head(head, tmp_path / "p")
+    config = json.loads((tmp_path / "p" / "config.json").read_text())
+    assert config["mask_token_id"] == 5 and config["transformer_layer_config"]["mask_token_id"] == 5
+    assert detect(config) == "peagle"
+    assert load_file(str(tmp_path / "p" / "model.safetensors"))["mask_hidden"].shape == (1, head.fed)
+    back = eagle3.load_head(str(tmp_path / "p"), str(models / "target"))
+    assert torch.equal(back.mask_hidden, head.mask_hidden.detach())
+    # the sequential head written by make models has no mask: none read
+    assert _head(models, mask=None).mask_hidden is None
+
+
+def test_peagle_is_eagle3_drafting_in_parallel_and_dflash_is_refused(tmp_path, models):
+    from batchspec.spec.build import build_spec
+
+    layer = {"model_type": "llama", "hidden_size": 256}
+    head = {"speculators_model_type": "eagle3", "transformer_layer_config": layer}
+    assert detect(head) == "eagle3"
+    assert detect({**head, "transformer_layer_config": {**layer, "mask_token_id": 0}}) == "peagle"
+    assert detect({**head, "mask_token_id": 3}) == "peagle"
+    assert detect({"speculators_model_type": "peagle"}) == "peagle"
+    section = {"method": "peagle", "model": "h", "num_speculative_tokens": 3}
+    assert vllm_speculative(section) == {**section, "method": "eagle3", "parallel_drafting": True}
+    spec = load_spec(_job(tmp_path, None))
+    raw = {**spec.raw, "speculative": {"method": "eagle3", "parallel_drafting": True, "model": "h"}}
+    assert build_spec(raw).speculative == {"method": "peagle", "model": "h"}
+    raw["speculative"] = {"method": "dflash", "model": str(models / "draft"), "num_speculative_tokens": 3}
+    with pytest.raises(SpecError, match="DFlash") as err:
+        build_spec(raw)
+    assert err.value.key == "speculative.method"
+
+
+def _head_job(tmp: Path, head: Path) -> Path:
+    return _job(
+        tmp, {"method": "eagle3", "parallel_drafting": True, "model": str(head), "num_speculative_tokens": K}
+    )
+
+
+def test_a_parallel_head_vllm_could_not_run_exits_2_at_validate(tmp_path, models):
+    import shutil
+
+    # a head naming no mask token (make models' sequential head), in vLLM's own spelling
+    done = run_cli_in_process("validate", str(_head_job(tmp_path / "a", models / "head")))
+    assert done.returncode == 2, done.stderr
+    assert "speculative.model" in done.stderr and "mask token" in done.stderr and "peagle" in done.stderr
+    # a head naming one but holding no mask_hidden: vLLM would refuse it when its weights load
+    head = Path(shutil.copytree(models / "head", tmp_path / "named"))
+    config = json.loads((head / "config.json").read_text())
+    (head / "config.json").write_text(json.dumps({**config, "mask_token_id": 0}))
+    done = run_cli_in_process("validate", str(_head_job(tmp_path / "b", head)))
+    assert done.returncode == 2, done.stderr
+    assert "speculative.model" in done.stderr and "mask_hidden" in done.stderr
+    # DFlash, by the command a user runs
+    job = _job(
+        tmp_path / "c", {"method": "dflash", "model": str(models / "draft"), "num_speculative_tokens": K}
+    )
+    done = run_cli_in_process("validate", str(job))
+    assert done.returncode == 2 and "speculative.method" in done.stderr, done.stderr
+
+
+def test_peagle_options_are_checked_before_any_work(tmp_path, models):
+    spec = load_spec(_job(tmp_path))
+    refused = (
+        ({"draft": str(models / "draft")}, "--draft"),
+        ({"head": str(models / "draft")}, "--head"),
+        ({"mask_token": 5000}, "--mask-token"),
+        ({"logprobs": 4}, "--logprobs"),
+    )
+    for given, key in refused:
+        opts = DistillOptions(out=tmp_path / "d", method="peagle", **given)
+        with pytest.raises(SpecError) as err:
+            check_options(spec, opts)
+        assert err.value.key == key, (given, err.value)
+    # a sequential head to continue, and a mask token of the vocabulary, are taken
+    check_options(
+        spec, DistillOptions(out=tmp_path / "d", method="peagle", head=str(models / "head"), mask_token=3)
+    )
+
+
+def test_tune_weighs_a_parallel_head_in_parallel_and_a_token_a_pass(tmp_path, models):
+    from batchspec.distill import eagle3
+    from batchspec.tune.search_space import candidates
+
+    eagle3.save_head(_head(models), tmp_path / "fast-head")
+    spec = load_spec(_job(tmp_path, None))
+    _, families = candidates(spec, [str(tmp_path / "fast-head")], [3], ngram=False)
+    methods = {name: [c.speculative["method"] for c in fam] for name, fam in families.items()}
+    assert methods == {"peagle:fast-head": ["peagle"], "eagle3:fast-head": ["eagle3"]}
+
+
+@pytest.fixture(scope="module")
+def parallel_head(tmp_path_factory, models):
+    """A parallel head distilled from the tiny target's head on a job's own prompts (the gate on)."""
+    tmp = tmp_path_factory.mktemp("peagle")
+    job = _job(tmp)
+    out = tmp / "parallel-head"
+    done = run_cli(
+        "distill", str(job), "--method", "peagle", "--head", str(models / "head"), "--out", str(out),
+        "--sample", "48", "--holdout", "12", "--steps", "60", "--batch-size", "8", "--json",
+    )  # fmt: skip
+    return tmp, job, out, done
+
+
+@pytest.mark.engine
+def test_distill_trains_gates_and_installs_a_parallel_head_that_runs_with_greedy_text_equal_to_off(
+    parallel_head, models
+):
+    from safetensors import safe_open
+
+    tmp, job, out, done = parallel_head
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout)
+    decision = result["decision"]
+    # judged against the starting head drafting in parallel (mask_hidden zeros: untrained for it)
+    assert "judged drafting in parallel: mask token 0" in done.stderr
+    assert decision["install"] and not decision["forced"], decision
+    assert decision["gain"] > decision["margin"] > 0
+    config = json.loads((out / "config.json").read_text())
+    assert config["transformer_layer_config"]["mask_token_id"] == 0
+    with safe_open(str(out / "model.safetensors"), "pt") as weights:
+        assert float(weights.get_tensor("mask_hidden").abs().sum()) > 0  # trained, not the zeros
+    card = json.loads((out / "batchspec-model.json").read_text())
+    assert card["method"] == "peagle" and card["role"] == "head"
+
+    runs = {}
+    for name, speculative in (("peagle", {"model": str(out), "num_speculative_tokens": K}), ("off", None)):
+        ran = run_cli("run", str(_job(tmp / name, speculative, rows=24)))
+        assert ran.returncode == 0, ran.stderr[-3000:]
+        runs[name] = read_output(tmp / name / "out").sort_by("id")
+    assert (
+        runs["peagle"].column("generated_text").to_pylist()
+        == runs["off"].column("generated_text").to_pylist()
+    )
+    drafted = runs["peagle"].column("spec_num_draft_tokens")
+    accepted = runs["peagle"].column("spec_num_accepted_tokens")
+    assert pc.min(drafted).as_py() > 0 and pc.sum(accepted).as_py() > 0
+
+
+@pytest.mark.engine
+def test_tune_measures_the_parallel_head_beside_its_weights_drafting_a_token_a_pass(parallel_head):
+    tmp, job, out, done = parallel_head
+    assert done.returncode == 0, done.stderr[-3000:]
+    tuned = run_cli(
+        "tune", str(job), "--sample", "8", "--concurrency", "1", "--k", str(K), "--no-ngram",
+        "--no-batch-knobs", "--draft", str(out), "--json",
+    )  # fmt: skip
+    assert tuned.returncode == 0, tuned.stderr[-3000:]
+    entries = {c["label"]: c for c in json.loads(tuned.stdout)["candidates"]}
+    assert {f"peagle:{out.name} k={K}", f"eagle3:{out.name} k={K}"} <= set(entries)
+    for label in (f"peagle:{out.name} k={K}", f"eagle3:{out.name} k={K}"):
+        entry = entries[label]
+        assert not entry["skipped"] and entry["output_tokens_per_s"] > 0, entry
+        assert entry["mean_acceptance_length"] > 1, entry
