@@ -8,12 +8,15 @@ the target's token's position proposes the first token, the i-th mask the (i + 1
 ``ptd_token_id``).
 
 What distill teaches it (:class:`ParallelObjective`): on each training window, the target's
-next token at every position of the window (as a sequential draft learns it), and, from one
-point of the window drawn at random, the k - 1 tokens after the next with mask tokens in their
-places: the PARD objective (Chen et al., "PARD: Accelerating LLM Inference with Low-Cost
-PARallel Draft Model Adaptation", 2025), one drawn point a window. The two halves weigh the same
-in the loss. The validation figure is the acceptance greedy parallel drafting reaches on the
-held-out windows, stepped as vLLM steps (:func:`parallel_acceptance`).
+next token at every position of the window (as a sequential draft learns it), and, from
+:data:`POINTS` points of the window drawn at random, the k - 1 tokens after the next with mask
+tokens in their places: the PARD objective (Chen et al., "PARD: Accelerating LLM Inference with
+Low-Cost PARallel Draft Model Adaptation", 2025). The points' masks are packed after the window
+in one pass, each group at the rotary positions it would hold and seeing only the window up to
+its point and its own earlier masks (an attention mask per row), so that a window trains every
+point at the cost of its masks alone. The two halves weigh the same in the loss. The
+validation figure is the acceptance greedy parallel drafting reaches on the held-out windows,
+stepped as vLLM steps (:func:`parallel_acceptance`).
 
 Imports torch inside the calls that need it, never vLLM."""
 
@@ -27,6 +30,8 @@ from typing import Any
 from batchspec.errors import SpecError
 from batchspec.spec.methods import mask_token
 
+#: Points a training window is drafted from in parallel (each k - 1 masks packed after it).
+POINTS = 4
 #: What distill writes the mask token as in a draft's ``config.json``.
 WRITTEN_KEY = "pard_token"
 
@@ -69,59 +74,70 @@ class ParallelObjective:
     mask: int
 
     def batch(self, examples: list, idx: list[int], pad_id: int, topk: bool, gen: Any) -> tuple:
-        """Each window's tokens up to a point drawn in it, then ``k - 1`` mask tokens: labels
-        are the target's next token at every position of the window before the point (and at
-        the point), and the tokens after it at the masks; the two groups weigh half the loss
-        each."""
+        """Each window's tokens, then for each of :data:`POINTS` points drawn in it ``k - 1``
+        mask tokens: labels are the target's next token at every position of the window, and at
+        each point's masks the tokens after the point's next; the two groups weigh half the loss
+        each. The attention mask is a dict of the model's keyword arguments (a boolean mask per
+        row and the positions), which the training loop passes on."""
         import torch
 
         chosen = [examples[i] for i in idx]
+        masks = self.k - 1
         rows = []
         for ex in chosen:
             tokens, start = ex.tokens.tolist(), ex.prompt_len
-            # the first token predicted from the masks' row: from start (the window's first
-            # token) to its last
-            point = start + int(torch.randint(0, len(tokens) - start, (1,), generator=gen))
-            masks = self.k - 1
-            ids = tokens[:point] + [self.mask] * masks
-            labels = [-100] * (start - 1) + tokens[start : point + 1]
-            labels += [tokens[point + j] if point + j < len(tokens) else -100 for j in range(1, masks + 1)]
-            # the index in the window's tokens of each label (for the teacher's top-K)
-            where = [*range(start, point + 1), *range(point + 1, point + 1 + masks)]
-            rows.append((ids, labels, where, point - start + 1))
-        width = max(len(r[0]) for r in rows)
-        ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-        attn = torch.zeros((len(rows), width), dtype=torch.long)
-        labels = torch.full((len(rows), width), -100, dtype=torch.long)
-        is_mask = torch.zeros((len(rows), width), dtype=torch.bool)
+            n = len(tokens)
+            # a point: the index of the token the last real position before the masks predicts,
+            # from start (the window's first token) to its last
+            points = [start + int(torch.randint(0, n - start, (1,), generator=gen)) for _ in range(POINTS)]
+            labels = [-100] * (start - 1) + tokens[start:] + [-100]
+            where = [*range(start - 1), *range(start, n), -1]  # the index of each label's token
+            for p in points:
+                labels += [tokens[p + j] if p + j < n else -100 for j in range(1, masks + 1)]
+                where += [p + j for j in range(1, masks + 1)]
+            rows.append((tokens, points, labels, where))
+        width = max(len(r[0]) + POINTS * masks for r in rows)
+        b = len(rows)
+        ids = torch.full((b, width), pad_id, dtype=torch.long)
+        allowed = torch.eye(width, dtype=torch.bool).repeat(b, 1, 1)  # a pad sees itself only
+        positions = torch.zeros((b, width), dtype=torch.long)
+        labels = torch.full((b, width), -100, dtype=torch.long)
+        is_mask = torch.zeros((b, width), dtype=torch.bool)
         k_top = max((ex.topk_ids.shape[1] for ex in chosen if ex.topk_ids is not None), default=0)
         teacher = None
         if topk and k_top:
-            teacher = (
-                torch.zeros((len(rows), width, k_top), dtype=torch.long),
-                torch.zeros((len(rows), width, k_top)),
-            )
-        for b, ((row_ids, row_labels, where, ar), ex) in enumerate(zip(rows, chosen, strict=True)):
-            n = len(row_ids)
-            ids[b, :n] = torch.tensor(row_ids)
-            attn[b, :n] = 1
-            labels[b, : len(row_labels)] = torch.tensor(row_labels)
-            first = ex.prompt_len - 1
-            is_mask[b, first + ar : n] = True
+            teacher = (torch.zeros((b, width, k_top), dtype=torch.long), torch.zeros((b, width, k_top)))
+        group = torch.ones(masks, masks, dtype=torch.bool).tril()
+        for r, ((tokens, points, row_labels, where), ex) in enumerate(zip(rows, chosen, strict=True)):
+            n = len(tokens)
+            ids[r, :n] = torch.tensor(tokens)
+            ids[r, n : n + POINTS * masks] = self.mask
+            allowed[r, :n, :n] = torch.ones(n, n, dtype=torch.bool).tril()
+            positions[r, :n] = torch.arange(n)
+            for g, p in enumerate(points):
+                at = slice(n + g * masks, n + (g + 1) * masks)
+                # mask j of the point sits where token p + j - 1 would: after the real tokens
+                # up to p - 1, which it sees, and its group's earlier masks
+                allowed[r, at, :p] = True
+                allowed[r, at, at] = group
+                positions[r, at] = torch.arange(p, p + masks)
+                is_mask[r, at] = True
+            labels[r, : len(row_labels)] = torch.tensor(row_labels)
             if teacher is not None and ex.topk_ids is not None:
                 for j, t in enumerate(where):
                     o = t - ex.prompt_len  # the output token's index
-                    if 0 <= o < ex.topk_ids.shape[0] and labels[b, first + j] != -100:
+                    if 0 <= o < ex.topk_ids.shape[0] and labels[r, j] != -100:
                         kk = ex.topk_ids.shape[1]
-                        teacher[0][b, first + j, :kk] = ex.topk_ids[o]
-                        teacher[1][b, first + j, :kk] = ex.topk_prob[o]
+                        teacher[0][r, j, :kk] = ex.topk_ids[o]
+                        teacher[1][r, j, :kk] = ex.topk_prob[o]
         on = labels != -100
-        weight = torch.zeros((len(rows), width))
-        for group in (on & ~is_mask, on & is_mask):
-            count = int(group.sum())
+        weight = torch.zeros((b, width))
+        for part in (on & ~is_mask, on & is_mask):
+            count = int(part.sum())
             if count:
-                weight[group] = 0.5 / count if int((on & is_mask).sum()) else 1.0 / count
-        return ids, attn, labels, teacher, weight
+                weight[part] = 0.5 / count if int((on & is_mask).sum()) else 1.0 / count
+        inputs = {"attention_mask": allowed.unsqueeze(1), "position_ids": positions}
+        return ids, inputs, labels, teacher, weight
 
     def acceptance(self, draft: Any, examples: list, k: int, device: str, batch_size: int = 16) -> float:
         """:func:`parallel_acceptance` at this objective's mask token (``k``: the job's)."""

@@ -100,8 +100,9 @@ class Objective(Protocol):
     batches and its validation figure."""
 
     def batch(self, examples: list[Example], idx: list[int], pad_id: int, topk: bool, gen: Any) -> tuple:
-        """:func:`_batch`'s inputs, attention mask, labels and teacher, and each labelled
-        position's share of the loss (a tensor like the labels, summing to 1 over them)."""
+        """:func:`_batch`'s inputs, attention mask (or a dict of the model's keyword arguments:
+        its own attention mask and positions), labels and teacher, and each labelled position's
+        share of the loss (a tensor like the labels, summing to 1 over them)."""
         ...
 
     def acceptance(self, draft: Any, examples: list[Example], k: int, device: str) -> float:
@@ -243,7 +244,10 @@ def _batch(examples: list[Example], idx: list[int], pad_id: int, topk: bool):
 
 
 def _logits(draft, ids, mask, on):
-    """The draft's logits at the label positions ``on`` (fp32)."""
+    """The draft's logits at the label positions ``on`` (fp32). ``mask``: the attention mask, or
+    a dict of the model's keyword arguments (an objective's own attention mask and positions)."""
+    if isinstance(mask, dict):
+        return draft.lm_head(draft.model(input_ids=ids, **mask).last_hidden_state[on]).float()
     # Right padding under causal attention: no real token attends to a pad, so no mask is
     # needed (building one cost a third of each step here). The head runs on the labels'
     # positions only: prompts are most of the tokens.
@@ -388,7 +392,8 @@ def train_draft(
                 weight = None
             else:
                 ids, mask, labels, teacher, weight = objective.batch(examples, idx, pad_id, topk, gen)
-            ids, mask, labels = ids.to(device), mask.to(device), labels.to(device)
+            ids, labels = ids.to(device), labels.to(device)
+            mask = {k: v.to(device) for k, v in mask.items()} if isinstance(mask, dict) else mask.to(device)
             on = labels != -100
             with autocast:
                 logits = _logits(draft, ids, mask, on)

@@ -40,34 +40,70 @@ def _example(tokens: list[int], prompt_len: int) -> Example:
 
 
 @pytest.mark.vllm  # torch
-def test_the_batch_puts_k_minus_1_masks_after_a_drawn_point_and_labels_the_tokens_after_it():
+def test_the_batch_packs_k_minus_1_masks_for_each_drawn_point_and_labels_the_tokens_after_it():
     import torch
 
+    from batchspec.distill.pard import POINTS
+
     ex = _example([5, 6, 7, 10, 11, 12, 13, 14], prompt_len=3)  # prompt 5 6 7, window 10..14
+    tokens, n, m = ex.tokens.tolist(), 8, K - 1
     objective = ParallelObjective(k=K, mask=MASK)
     seen = set()
     gen = torch.Generator().manual_seed(0)
-    for _ in range(40):
-        ids, attn, labels, teacher, weight = objective.batch([ex], [0], pad_id=1, topk=False, gen=gen)
+    for _ in range(12):
+        ids, inputs, labels, teacher, weight = objective.batch([ex], [0], pad_id=1, topk=False, gen=gen)
         row, lab, w = ids[0].tolist(), labels[0].tolist(), weight[0]
-        n = int(attn[0].sum())
-        point = n - (K - 1)  # the drawn point: the real tokens before it, then the masks
-        seen.add(point)
-        assert 3 <= point <= 7 and teacher is None
-        assert row[:point] == ex.tokens[:point].tolist() and row[point:n] == [MASK] * (K - 1)
-        # the next token at each real position from the prompt's last on, the tokens after it at the masks
-        tokens = ex.tokens.tolist()
-        want = (
-            [-100] * 2
-            + tokens[3 : point + 1]
-            + [tokens[p] if p < 8 else -100 for p in range(point + 1, point + K)]
-        )
-        assert lab[:n] == want
-        masked = [lab[i] != -100 for i in range(point, n)]
+        allowed, positions = inputs["attention_mask"][0, 0], inputs["position_ids"][0].tolist()
+        assert teacher is None and len(row) == n + POINTS * m
+        # the window whole, causal, its next token labelled at every position from the prompt's last on
+        assert row[:n] == tokens and positions[:n] == list(range(n))
+        assert torch.equal(allowed[:n, :n], torch.ones(n, n, dtype=torch.bool).tril())
+        assert not allowed[:n, n:].any()  # no real position sees a mask
+        assert lab[:n] == [-100] * 2 + tokens[3:] + [-100]
+        for g in range(POINTS):
+            at = range(n + g * m, n + (g + 1) * m)
+            point = positions[at[0]]  # the first mask sits where token `point` would
+            seen.add(point)
+            assert 3 <= point <= 7 and [row[i] for i in at] == [MASK] * m
+            assert [positions[i] for i in at] == list(range(point, point + m))
+            for j, i in enumerate(at):
+                # the real tokens before the point and the group's earlier masks, nothing else
+                assert allowed[i].nonzero().flatten().tolist() == [*range(point), *at[: j + 1]]
+                assert lab[i] == (tokens[point + j + 1] if point + j + 1 < n else -100)
         # half the loss on the next tokens, half on the masks' (where any is labelled)
-        assert abs(float(w[:point].sum()) - (0.5 if any(masked) else 1.0)) < 1e-6
+        masked = any(lab[i] != -100 for i in range(n, len(row)))
+        assert abs(float(w[:n].sum()) - (0.5 if masked else 1.0)) < 1e-6
         assert abs(float(w.sum()) - 1.0) < 1e-6
     assert seen == {3, 4, 5, 6, 7}  # every point of the window is drawn
+
+
+@pytest.mark.vllm  # torch
+def test_a_packed_batch_gives_each_mask_what_a_pass_truncated_at_its_point_gives(models):
+    """The packing changes nothing the draft computes: each mask's logits equal those of the
+    mask in a pass over the window cut at its point, as vLLM runs it."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from batchspec.distill.train import _logits
+
+    draft = LlamaForCausalLM.from_pretrained(models / "draft", dtype=torch.float32).eval()
+    tokens = torch.randint(3, 2000, (20,), generator=torch.Generator().manual_seed(3)).tolist()
+    objective = ParallelObjective(k=K, mask=MASK)
+    ids, inputs, labels, _, _ = objective.batch(
+        [_example(tokens, prompt_len=6)], [0], pad_id=1, topk=False, gen=torch.Generator().manual_seed(4)
+    )
+    everywhere = torch.ones_like(labels, dtype=torch.bool)
+    with torch.no_grad():
+        packed = _logits(draft, ids, inputs, everywhere).view(ids.shape[1], -1)
+        alone = _logits(draft, torch.tensor([tokens]), None, torch.ones(1, 20, dtype=torch.bool))
+        assert torch.allclose(packed[:20], alone, atol=1e-4)  # the real positions
+        positions = inputs["position_ids"][0].tolist()
+        for i in range(20, ids.shape[1]):
+            first = 20 + (i - 20) // (K - 1) * (K - 1)
+            point, j = positions[first], i - first
+            cut = torch.tensor([tokens[:point] + [MASK] * (K - 1)])
+            truncated = _logits(draft, cut, None, torch.ones_like(cut, dtype=torch.bool))
+            assert torch.allclose(packed[i], truncated[point + j], atol=1e-4), (i, point, j)
 
 
 class _Rule:

@@ -66,7 +66,7 @@ def test_the_method_comes_from_the_checkpoint_never_its_name(tmp_path, models):
     # vLLM's own formats: an Eagle3 architecture, an EAGLE-1 one
     assert checkpoint_method({"architectures": ["LlamaForCausalLMEagle3"]}) == "eagle3"
     assert checkpoint_method({"architectures": ["EagleLlamaForCausalLM"]}) == "eagle"
-    assert checkpoint_method({"speculators_model_type": "peagle"}) == "eagle3"
+    assert checkpoint_method({"speculators_model_type": "peagle"}) == "peagle"  # a parallel head
     assert method_of("org/some-hub-id") == "draft_model"  # not readable before vLLM
     # the shorthand: a model and no method gets the checkpoint's method
     spec = build_spec(_spec(tmp_path, {"model": str(plain), "num_speculative_tokens": 3}))
