@@ -422,16 +422,19 @@ def _batches(files: list[Path], batch_size: int, rng: random.Random) -> Iterator
 
 def _take(chunk: dict, idx: list[int], span: int | None = None, rng: random.Random | None = None) -> dict:
     """The sequences ``idx`` of a chunk; with ``span``, a random span of at most that many
-    tokens of each (the whole of a shorter one)."""
+    tokens of each (the whole of a shorter one). ``prompts``: each one's prompt tokens in what
+    is taken (none where a chunk written before they were recorded)."""
     import torch
 
     sel = torch.tensor(idx)
     lengths = chunk["lengths"][sel].long()
+    prompts = chunk["prompts"][sel].long() if "prompts" in chunk else torch.zeros_like(lengths)
     width = int(lengths.max())
     if span is None or width <= span:
         return {
             "tokens": chunk["tokens"][sel, :width].long(),
             "lengths": lengths,
+            "prompts": prompts,
             "labels": chunk["labels"][sel, :width].long(),
             "aux": chunk["aux"][sel, :width],
         }
@@ -442,6 +445,7 @@ def _take(chunk: dict, idx: list[int], span: int | None = None, rng: random.Rand
     return {
         "tokens": chunk["tokens"][rows, cols].long(),
         "lengths": (lengths - torch.tensor(starts)).clamp(max=span),
+        "prompts": (prompts - torch.tensor(starts)).clamp(min=0),
         "labels": chunk["labels"][rows, cols].long(),
         "aux": chunk["aux"][rows, cols],
     }
@@ -483,7 +487,8 @@ def parallel_losses(head, batch: dict, k: int, points=None, gen=None) -> tuple[A
     a batch drafted in parallel (:meth:`Eagle3Head.parallel`): the next token at every position
     and the ``k - 1`` after it from each point's masks, the two halves weighing the same.
     ``points`` (B, G): where to draft from; None: :data:`PARALLEL_POINTS` a row drawn with
-    ``gen``."""
+    ``gen`` from the prompt's last position on (:func:`draft_points`: where vLLM drafts, the
+    tokens after a point being the target's own)."""
     import torch
     import torch.nn.functional as F
 
@@ -491,10 +496,8 @@ def parallel_losses(head, batch: dict, k: int, points=None, gen=None) -> tuple[A
     b, length = tokens.shape
     if length < 3:
         return head.fc.weight.sum() * 0.0, 0, 0
-    last = (lengths - 2).clamp(min=0).cpu()  # the last position that drafts (reads token p + 1)
     if points is None:
-        drawn = torch.rand(b, PARALLEL_POINTS, generator=gen)
-        points = (drawn * (last + 1).unsqueeze(1)).long()
+        points = draft_points(batch, torch.rand(b, PARALLEL_POINTS, generator=gen))
     points = points.to(tokens.device)
     real, masks = head.parallel(tokens, batch["aux"], points, k)
     pos = torch.arange(length - 1, device=tokens.device)
@@ -514,6 +517,17 @@ def parallel_losses(head, batch: dict, k: int, points=None, gen=None) -> tuple[A
     return loss, right, int(ok[..., 0].sum())
 
 
+def draft_points(batch: dict, where) -> Any:
+    """Drafting points (B, G) at ``where`` (B, G, each in [0, 1)) of the way from each
+    sequence's last prompt position (its first drafting point, where vLLM drafts the reply's
+    second token) to its last position that reads a token (``length - 2``)."""
+    import torch
+
+    last = (batch["lengths"].cpu() - 2).clamp(min=0)
+    first = torch.minimum((batch["prompts"].cpu() - 1).clamp(min=0), last)
+    return first.unsqueeze(1) + (where * (last - first + 1).unsqueeze(1)).long()
+
+
 def parallel_expected_accepted(head, files: list[Path], k: int, batch_size: int = 16) -> float:
     """:func:`expected_accepted` for a head drafting in parallel: mean over held-out drafting
     points (:data:`EVAL_POINTS` evenly spread over each sequence) of the tokens right in a row of
@@ -531,9 +545,8 @@ def parallel_expected_accepted(head, files: list[Path], k: int, batch_size: int 
             n = chunk["tokens"].shape[0]
             for i in range(0, n, batch_size):
                 batch = _take(chunk, list(range(i, min(n, i + batch_size))))
-                last = (batch["lengths"] - 2).clamp(min=0)
                 spread = (torch.arange(EVAL_POINTS) + 0.5) / EVAL_POINTS
-                points = (spread.unsqueeze(0) * (last + 1).unsqueeze(1)).long()
+                points = draft_points(batch, spread.expand(len(batch["lengths"]), -1))
                 _, right, points_counted = parallel_losses(head, _on(batch, device), k, points)
                 right_total += right
                 counted += points_counted

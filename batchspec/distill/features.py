@@ -176,9 +176,11 @@ def collect_features(
                 ids[i, : len(s)] = torch.tensor(s)
                 mask[i, : len(s)] = 1
             aux, labels = target.features(ids, mask, aux_layers)
+            prompts = [min(len(r["prompt_token_ids"]), len(s)) for r, s in zip(chunk, seqs, strict=True)]
             tensors = {
                 "tokens": ids.to(torch.int32),
                 "lengths": mask.sum(1).to(torch.int32),
+                "prompts": torch.tensor(prompts, dtype=torch.int32),
                 "labels": labels,
                 "aux": aux.contiguous(),
             }
