@@ -568,3 +568,30 @@ def test_tune_measures_the_parallel_head_beside_its_weights_drafting_a_token_a_p
         entry = entries[label]
         assert not entry["skipped"] and entry["output_tokens_per_s"] > 0, entry
         assert entry["mean_acceptance_length"] > 1, entry
+
+
+@pytest.mark.parametrize("kind", ["pard", "peagle"])
+def test_auto_writes_a_parallel_drafter_where_tune_recommends_it(tmp_path, models, kind):
+    """`speculative: auto` runs the section of what tune's measurements recommend: a parallel
+    drafter is one of its candidates, both ways, and chosen as any other."""
+    import shutil
+
+    from batchspec.distill import eagle3
+    from batchspec.tune.auto import _section
+
+    if kind == "pard":
+        drafter = Path(shutil.copytree(models / "draft", tmp_path / "fast"))
+        config = json.loads((drafter / "config.json").read_text())
+        (drafter / "config.json").write_text(json.dumps({**config, "pard_token": 0}))
+        sequential = "fast k=3"
+    else:
+        drafter = tmp_path / "fast"
+        eagle3.save_head(_head(models), drafter)
+        sequential = "eagle3:fast k=3"
+    auto = {"method": "auto", "drafts": [str(drafter)], "k": [K]}
+    spec = load_spec(_job(tmp_path, auto))
+    section, label, level = _section(spec, {1: f"{kind}:fast k=3", 16: f"{kind}:fast k=3"})
+    assert (label, level) == (f"{kind}:fast k=3", 16)
+    assert section == {"method": kind, "model": str(drafter), "num_speculative_tokens": K}
+    section, label, _ = _section(spec, {1: sequential, 16: sequential})
+    assert label == sequential and section["method"] == ("draft_model" if kind == "pard" else "eagle3")
