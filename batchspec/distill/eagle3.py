@@ -528,46 +528,26 @@ def draft_points(batch: dict, where) -> Any:
     return first.unsqueeze(1) + (where * (last - first + 1).unsqueeze(1)).long()
 
 
-def parallel_expected_accepted(head, files: list[Path], k: int, batch_size: int = 16) -> float:
-    """:func:`expected_accepted` for a head drafting in parallel: mean over held-out drafting
-    points (:data:`EVAL_POINTS` evenly spread over each sequence) of the tokens right in a row of
-    the ``k`` one pass proposes."""
-    import torch
-
-    from batchspec.distill.device import autocast
-
-    device = head.fc.weight.device.type
-    right_total, counted = 0, 0
-    head.eval()
-    with torch.no_grad(), autocast(device):
-        for path in files:
-            chunk = _load_chunk(path)
-            n = chunk["tokens"].shape[0]
-            for i in range(0, n, batch_size):
-                batch = _take(chunk, list(range(i, min(n, i + batch_size))))
-                spread = (torch.arange(EVAL_POINTS) + 0.5) / EVAL_POINTS
-                points = draft_points(batch, spread.expand(len(batch["lengths"]), -1))
-                _, right, points_counted = parallel_losses(head, _on(batch, device), k, points)
-                right_total += right
-                counted += points_counted
-    head.train()
-    return right_total / counted if counted else 0.0
-
-
 def _on(batch: dict, device: str) -> dict:
     """A batch's tensors on ``device``."""
     return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
 
-def expected_accepted(head, files: list[Path], batch_size: int = 16, steps: int = TTT_STEPS) -> float:
+def expected_accepted(
+    head, files: list[Path], batch_size: int = 16, steps: int = TTT_STEPS, parallel_k: int | None = None
+) -> float:
     """Mean over held-out positions of the tokens the head gets right in a row, up to
     ``steps``: the tokens a greedy verification would accept per step beyond the target's own.
-    On the head's device, in bf16 autocast there where it is CUDA (as it trains)."""
+    ``parallel_k``: drafting in parallel instead, the tokens right in a row of the ``parallel_k``
+    one pass proposes, from :data:`EVAL_POINTS` points spread over each sequence where vLLM
+    drafts (:func:`draft_points`). On the head's device, in bf16 autocast there where it is CUDA
+    (as it trains)."""
     import torch
 
     from batchspec.distill.device import autocast
 
     device = head.fc.weight.device.type
+    spread = (torch.arange(EVAL_POINTS) + 0.5) / EVAL_POINTS
     right_total, positions = 0, 0
     head.eval()
     with torch.no_grad(), autocast(device):
@@ -575,10 +555,14 @@ def expected_accepted(head, files: list[Path], batch_size: int = 16, steps: int 
             chunk = _load_chunk(path)
             n = chunk["tokens"].shape[0]
             for i in range(0, n, batch_size):
-                _, right, counted = step_losses(
-                    head, _on(_take(chunk, list(range(i, min(n, i + batch_size)))), device), steps
-                )
-                right_total += sum(right)
+                batch = _take(chunk, list(range(i, min(n, i + batch_size))))
+                if parallel_k:
+                    points = draft_points(batch, spread.expand(len(batch["lengths"]), -1))
+                    _, right, counted = parallel_losses(head, _on(batch, device), parallel_k, points)
+                else:
+                    _, per_step, counted = step_losses(head, _on(batch, device), steps)
+                    right = sum(per_step)
+                right_total += right
                 positions += counted
     head.train()
     return right_total / positions if positions else 0.0
@@ -626,7 +610,7 @@ def train_head(
     autocast with fp32 master weights on CUDA, fp32 on at most MAX_TORCH_THREADS threads on
     the CPU; None: CUDA where present. ``parallel_k``: train a parallel head (P-EAGLE) drafting
     this many tokens a pass (:func:`parallel_losses`, measured by
-    :func:`parallel_expected_accepted`). The head is back on the CPU when this returns."""
+    :func:`expected_accepted`). The head is back on the CPU when this returns."""
     import torch
 
     from batchspec.distill import device as devices
@@ -646,10 +630,7 @@ def train_head(
 
     def check(step: int) -> None:
         nonlocal best_state
-        if parallel_k:
-            value = parallel_expected_accepted(head, validation, parallel_k, batch_size)
-        else:
-            value = expected_accepted(head, validation, batch_size)
+        value = expected_accepted(head, validation, batch_size, parallel_k=parallel_k)
         history.append((step, round(value, 4)))
         if watch.record(step, value):
             best_state = {k: v.detach().to("cpu", copy=True) for k, v in head.state_dict().items()}

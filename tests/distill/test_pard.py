@@ -219,17 +219,44 @@ def test_a_parallel_draft_whose_config_names_no_mask_token_exits_2_at_validate(t
     assert "speculative.model" in done.stderr and "mask token" in done.stderr
 
 
-@pytest.fixture(scope="module")
-def parallel(tmp_path_factory, models):
-    """A parallel draft distilled from the tiny draft on a job's own prompts (the gate on)."""
-    tmp = tmp_path_factory.mktemp("pard")
+def _distilled(tmp_path_factory, name: str, *options: str):
+    """``batchspec distill`` of a job's own prompts into ``name`` with ``options``: (the work
+    folder, the job, the output, the finished process)."""
+    tmp = tmp_path_factory.mktemp(name)
     job = _job(tmp)
-    out = tmp / "parallel-draft"
+    out = tmp / name
     done = run_cli(
-        "distill", str(job), "--method", "pard", "--draft", str(models / "draft"), "--out", str(out),
+        "distill", str(job), *options, "--out", str(out),
         "--sample", "48", "--holdout", "12", "--steps", "60", "--batch-size", "8", "--json",
     )  # fmt: skip
     return tmp, job, out, done
+
+
+def _greedy_equals_off(tmp: Path, drafter: Path, method: str) -> None:
+    """`batchspec run` with ``drafter`` (named by its checkpoint alone: its config says
+    ``method``) gives speculation off's greedy text, with its acceptance in the columns and its
+    method in the run summary."""
+    runs = {}
+    for name, speculative in ((method, {"model": str(drafter), "num_speculative_tokens": K}), ("off", None)):
+        ran = run_cli("run", str(_job(tmp / name, speculative, rows=24)))
+        assert ran.returncode == 0, ran.stderr[-3000:]
+        runs[name] = read_output(tmp / name / "out").sort_by("id")
+    assert (
+        runs[method].column("generated_text").to_pylist() == runs["off"].column("generated_text").to_pylist()
+    )
+    drafted = runs[method].column("spec_num_draft_tokens")
+    accepted = runs[method].column("spec_num_accepted_tokens")
+    assert pc.min(drafted).as_py() > 0 and pc.sum(accepted).as_py() > 0
+    summary = sorted((tmp / method / "out" / "_batchspec" / "runs").glob("*.json"))[-1].read_text()
+    assert f'"{method}"' in summary
+
+
+@pytest.fixture(scope="module")
+def parallel(tmp_path_factory, models):
+    """A parallel draft distilled from the tiny draft on a job's own prompts (the gate on)."""
+    return _distilled(
+        tmp_path_factory, "parallel-draft", "--method", "pard", "--draft", str(models / "draft")
+    )
 
 
 @pytest.mark.engine
@@ -251,21 +278,7 @@ def test_distill_trains_gates_and_installs_a_parallel_draft_that_runs_with_greed
     assert card["method"] == "pard" and card["role"] == "draft"
 
     # run by its checkpoint alone (no method: the config says pard), then with speculation off
-    runs = {}
-    for name, speculative in (("pard", {"model": str(out), "num_speculative_tokens": K}), ("off", None)):
-        ran = run_cli("run", str(_job(tmp / name, speculative, rows=24)))
-        assert ran.returncode == 0, ran.stderr[-3000:]
-        runs[name] = read_output(tmp / name / "out").sort_by("id")
-    assert (
-        runs["pard"].column("generated_text").to_pylist() == runs["off"].column("generated_text").to_pylist()
-    )
-    drafted = runs["pard"].column("spec_num_draft_tokens")
-    accepted = runs["pard"].column("spec_num_accepted_tokens")
-    assert pc.min(drafted).as_py() > 0 and pc.sum(accepted).as_py() > 0
-    summary = json.loads(
-        sorted((tmp / "pard" / "out" / "_batchspec" / "runs").glob("*.json"))[-1].read_text()
-    )
-    assert "pard" in json.dumps(summary)
+    _greedy_equals_off(tmp, out, "pard")
 
 
 def test_tune_weighs_a_parallel_draft_in_parallel_and_a_token_a_pass(tmp_path, models):
@@ -291,22 +304,6 @@ def test_tune_weighs_a_parallel_draft_in_parallel_and_a_token_a_pass(tmp_path, m
         "speculative": {"method": "draft_model", "parallel_drafting": True, "model": str(draft)},
     }
     assert build_spec(raw).speculative == {"method": "pard", "model": str(draft)}
-
-
-@pytest.mark.engine
-def test_tune_measures_the_parallel_draft_beside_its_weights_drafting_a_token_a_pass(parallel):
-    tmp, job, out, done = parallel
-    assert done.returncode == 0, done.stderr[-3000:]
-    tuned = run_cli(
-        "tune", str(job), "--sample", "8", "--concurrency", "1", "--k", str(K), "--no-ngram",
-        "--no-batch-knobs", "--draft", str(out), "--json",
-    )  # fmt: skip
-    assert tuned.returncode == 0, tuned.stderr[-3000:]
-    entries = {c["label"]: c for c in json.loads(tuned.stdout)["candidates"]}
-    assert {"off", f"pard:{out.name} k={K}", f"{out.name} k={K}", f"draft k={K}"} <= set(entries)
-    parallel_entry = entries[f"pard:{out.name} k={K}"]
-    assert parallel_entry["speculative"]["method"] == "pard" and not parallel_entry["skipped"]
-    assert parallel_entry["output_tokens_per_s"] > 0 and parallel_entry["mean_acceptance_length"] > 1
 
 
 # ---------------------------------------------------------------------------- P-EAGLE
@@ -509,14 +506,7 @@ def test_a_parallel_head_from_a_head_is_judged_against_that_head_drafting_in_par
 @pytest.fixture(scope="module")
 def parallel_head(tmp_path_factory, models):
     """A new parallel head distilled on a job's own prompts (no head to beat: installed)."""
-    tmp = tmp_path_factory.mktemp("peagle")
-    job = _job(tmp)
-    out = tmp / "parallel-head"
-    done = run_cli(
-        "distill", str(job), "--method", "peagle", "--out", str(out),
-        "--sample", "48", "--holdout", "12", "--steps", "60", "--batch-size", "8", "--json",
-    )  # fmt: skip
-    return tmp, job, out, done
+    return _distilled(tmp_path_factory, "parallel-head", "--method", "peagle")
 
 
 @pytest.mark.engine
@@ -539,23 +529,18 @@ def test_distill_trains_and_installs_a_parallel_head_that_runs_with_greedy_text_
     card = json.loads((out / "batchspec-model.json").read_text())
     assert card["method"] == "peagle" and card["role"] == "head"
 
-    runs = {}
-    for name, speculative in (("peagle", {"model": str(out), "num_speculative_tokens": K}), ("off", None)):
-        ran = run_cli("run", str(_job(tmp / name, speculative, rows=24)))
-        assert ran.returncode == 0, ran.stderr[-3000:]
-        runs[name] = read_output(tmp / name / "out").sort_by("id")
-    assert (
-        runs["peagle"].column("generated_text").to_pylist()
-        == runs["off"].column("generated_text").to_pylist()
-    )
-    drafted = runs["peagle"].column("spec_num_draft_tokens")
-    accepted = runs["peagle"].column("spec_num_accepted_tokens")
-    assert pc.min(drafted).as_py() > 0 and pc.sum(accepted).as_py() > 0
+    _greedy_equals_off(tmp, out, "peagle")
 
 
 @pytest.mark.engine
-def test_tune_measures_the_parallel_head_beside_its_weights_drafting_a_token_a_pass(parallel_head):
-    tmp, job, out, done = parallel_head
+@pytest.mark.parametrize(
+    ("drafter", "parallel", "sequential"),
+    [("parallel", "pard:{}", "{}"), ("parallel_head", "peagle:{}", "eagle3:{}")],
+)
+def test_tune_measures_a_parallel_drafter_beside_its_weights_drafting_a_token_a_pass(
+    request, drafter, parallel, sequential
+):
+    tmp, job, out, done = request.getfixturevalue(drafter)
     assert done.returncode == 0, done.stderr[-3000:]
     tuned = run_cli(
         "tune", str(job), "--sample", "8", "--concurrency", "1", "--k", str(K), "--no-ngram",
@@ -563,8 +548,10 @@ def test_tune_measures_the_parallel_head_beside_its_weights_drafting_a_token_a_p
     )  # fmt: skip
     assert tuned.returncode == 0, tuned.stderr[-3000:]
     entries = {c["label"]: c for c in json.loads(tuned.stdout)["candidates"]}
-    assert {f"peagle:{out.name} k={K}", f"eagle3:{out.name} k={K}"} <= set(entries)
-    for label in (f"peagle:{out.name} k={K}", f"eagle3:{out.name} k={K}"):
+    labels = [f"{parallel.format(out.name)} k={K}", f"{sequential.format(out.name)} k={K}"]
+    assert {"off", *labels} <= set(entries), sorted(entries)
+    assert entries[labels[0]]["speculative"]["method"] == parallel.split(":")[0]
+    for label in labels:
         entry = entries[label]
         assert not entry["skipped"] and entry["output_tokens_per_s"] > 0, entry
         assert entry["mean_acceptance_length"] > 1, entry
