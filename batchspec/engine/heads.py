@@ -259,6 +259,17 @@ def check_speculative_model(
             f"a parallel {known.role} reads in the places it predicts: train one with `batchspec "
             f"distill --method {known.name}`, or use method: {known.sequential}",
         )
+    mask = mask_token(config)
+    if known is not None and known.sequential and mask is not None:
+        # the token is read through the drafter's embedding (a head's: the target's)
+        own = head_layer_config(config) if reads_hidden_states(found) else text_config(config)
+        vocab = own.get("vocab_size")
+        if isinstance(vocab, int) and not isinstance(vocab, bool) and not 0 <= mask < vocab:
+            raise SpecError(
+                f"{key}.model",
+                f"{model}'s config.json names the mask token {mask}, not a token id of its "
+                f"vocabulary (0..{vocab - 1})",
+            )
     if head and is_draft(found):
         raise SpecError(
             f"{key}.method",

@@ -217,6 +217,16 @@ def test_a_parallel_draft_whose_config_names_no_mask_token_exits_2_at_validate(t
     done = run_cli_in_process("validate", str(job))
     assert done.returncode == 2, done.stderr
     assert "speculative.model" in done.stderr and "mask token" in done.stderr
+    # one naming a token outside its vocabulary: vLLM would fail on its first parallel step
+    import shutil
+
+    draft = Path(shutil.copytree(models / "draft", tmp_path / "outside"))
+    config = json.loads((draft / "config.json").read_text())
+    (draft / "config.json").write_text(json.dumps({**config, "pard_token": config["vocab_size"]}))
+    job = _job(tmp_path / "b", {"method": "pard", "model": str(draft), "num_speculative_tokens": K})
+    done = run_cli_in_process("validate", str(job))
+    assert done.returncode == 2, done.stderr
+    assert "speculative.model" in done.stderr and "not a token id" in done.stderr
 
 
 def _distilled(tmp_path_factory, name: str, *options: str):
