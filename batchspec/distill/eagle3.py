@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from batchspec.distill.peagle import EVAL_POINTS, draft_points, parallel_losses
 from batchspec.spec.checkpoints import head_layer_config, text_config
 from batchspec.spec.methods import MASK_HIDDEN, mask_token
 
@@ -37,9 +38,6 @@ WEIGHTS = "model.safetensors"
 TTT_STEPS = 3
 #: Weight of draft step s's loss: STEP_DECAY ** s.
 STEP_DECAY = 0.8
-#: Drafting points a training sequence is drafted from in parallel in one pass (a parallel
-#: head's), and evenly spread points a held-out one is measured at.
-PARALLEL_POINTS, EVAL_POINTS = 4, 8
 #: Tokens of a sequence one training example holds: a random span of each sequence per batch
 #: (rotary attention depends on distances only, so a span trains like the same tokens in place;
 #: the cost of a step grows with its tokens).
@@ -226,42 +224,6 @@ def _module():
             x = self.down_proj(torch.nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
             residual = x + residual
             return self.lm_head(self.rms(residual, self.norm)), residual
-
-        def parallel(self, tokens, aux, points, k: int):
-            """One pass as vLLM drafts in parallel, for several drafting points at once.
-
-            ``tokens`` (B, L) and ``aux`` (B, L, fed) as :meth:`unroll` reads them; ``points``
-            (B, G): positions to draft from. The pass holds every position ``t < L - 1`` (reading
-            token ``t + 1`` and the target's state at ``t``, as step 0 of :meth:`unroll`) and,
-            for each point ``p``, ``k - 1`` mask positions (the mask token's embedding beside
-            ``fc(mask_hidden)``, rotary positions ``p + 1 ..``) that see the positions up to
-            ``p`` and their own group's earlier masks, and that no other position sees. Returns
-            (logits at every position (B, L - 1, V): each proposes token ``t + 2``; logits of
-            the masks (B, G, k - 1, V): mask ``j`` of point ``p`` proposes token ``p + 2 + j``)."""
-            b, length = tokens.shape
-            t, (_, groups), m = length - 1, points.shape, k - 1
-            dev = tokens.device
-            mask_id = mask_token(self.config)
-            toks = torch.cat([tokens[:, 1:], torch.full((b, groups * m), mask_id, device=dev)], 1)
-            fused = self.fc(torch.cat([aux[:, :-1].float(), self.mask_hidden.expand(b, groups * m, -1)], 1))
-            steps = torch.arange(1, m + 1, device=dev)
-            positions = torch.cat(
-                [torch.arange(t, device=dev).expand(b, t), (points.unsqueeze(-1) + steps).reshape(b, -1)], 1
-            )
-            q, keys, values, residual = self.qkv(toks, fused, positions)
-            n = t + groups * m
-            allowed = torch.zeros(b, n, n, dtype=torch.bool, device=dev)
-            allowed[:, :t, :t] = torch.ones(t, t, dtype=torch.bool, device=dev).tril()
-            upto = torch.arange(t, device=dev)
-            group_causal = torch.ones(m, m, dtype=torch.bool, device=dev).tril()
-            for g in range(groups):
-                rows = slice(t + g * m, t + (g + 1) * m)
-                allowed[:, rows, :t] = (upto <= points[:, g : g + 1]).unsqueeze(1)
-                allowed[:, rows, rows] = group_causal
-            scores = (q @ keys.transpose(-1, -2)) * self.head_dim**-0.5
-            weights = torch.softmax(scores.masked_fill(~allowed.unsqueeze(1), float("-inf")), dim=-1)
-            logits, _ = self.finish(weights @ values, residual)
-            return logits[:, :t], logits[:, t:].reshape(b, groups, m, -1)
 
         def unroll(self, tokens, aux, steps: int) -> list:
             """Logits of each draft step at each position ``t`` of ``tokens`` (B, L): step ``s``
@@ -480,52 +442,6 @@ def step_losses(head, batch: dict, steps: int = TTT_STEPS) -> tuple[Any, list, i
         if s == 0:
             positions = int(valid.sum())
     return total / max(weight, 1e-9), right, positions
-
-
-def parallel_losses(head, batch: dict, k: int, points=None, gen=None) -> tuple[Any, int, int]:
-    """(the loss, tokens right in a row summed over the drafting points, the points counted) of
-    a batch drafted in parallel (:meth:`Eagle3Head.parallel`): the next token at every position
-    and the ``k - 1`` after it from each point's masks, the two halves weighing the same.
-    ``points`` (B, G): where to draft from; None: :data:`PARALLEL_POINTS` a row drawn with
-    ``gen`` from the prompt's last position on (:func:`draft_points`: where vLLM drafts, the
-    tokens after a point being the target's own)."""
-    import torch
-    import torch.nn.functional as F
-
-    tokens, labels, lengths = batch["tokens"], batch["labels"], batch["lengths"]
-    b, length = tokens.shape
-    if length < 3:
-        return head.fc.weight.sum() * 0.0, 0, 0
-    if points is None:
-        points = draft_points(batch, torch.rand(b, PARALLEL_POINTS, generator=gen))
-    points = points.to(tokens.device)
-    real, masks = head.parallel(tokens, batch["aux"], points, k)
-    pos = torch.arange(length - 1, device=tokens.device)
-    valid = (pos + 1).unsqueeze(0) < lengths.unsqueeze(1)
-    loss = F.cross_entropy(real[valid], labels[:, 1:][valid]) if valid.any() else real.sum() * 0.0
-    # the label of the token each proposal is for: p + 1 + j, j = 0 (the real position) .. k - 1
-    where = points.unsqueeze(-1) + 1 + torch.arange(k, device=tokens.device)  # (B, G, k)
-    ok = where < lengths.view(b, 1, 1)
-    wanted = labels.gather(1, where.clamp(max=length - 1).view(b, -1)).view(b, -1, k)
-    first = real.gather(1, points.unsqueeze(-1).expand(-1, -1, real.shape[-1]))  # (B, G, V)
-    if ok[..., 1:].any():
-        mask_loss = F.cross_entropy(masks[ok[..., 1:]], wanted[..., 1:][ok[..., 1:]])
-        loss = 0.5 * loss + 0.5 * mask_loss
-    proposed = torch.cat([first.argmax(-1).unsqueeze(-1), masks.argmax(-1)], dim=-1)
-    run = (proposed == wanted) & ok
-    right = int(run.long().cumprod(-1).sum())
-    return loss, right, int(ok[..., 0].sum())
-
-
-def draft_points(batch: dict, where) -> Any:
-    """Drafting points (B, G) at ``where`` (B, G, each in [0, 1)) of the way from each
-    sequence's last prompt position (its first drafting point, where vLLM drafts the reply's
-    second token) to its last position that reads a token (``length - 2``)."""
-    import torch
-
-    last = (batch["lengths"].cpu() - 2).clamp(min=0)
-    first = torch.minimum((batch["prompts"].cpu() - 1).clamp(min=0), last)
-    return first.unsqueeze(1) + (where * (last - first + 1).unsqueeze(1)).long()
 
 
 def _on(batch: dict, device: str) -> dict:

@@ -335,6 +335,8 @@ def test_a_parallel_heads_pass_drafts_its_real_positions_as_step_0_and_each_mask
 ):
     import torch
 
+    from batchspec.distill.peagle import parallel_pass
+
     head = _head(models)
     with torch.no_grad():
         head.mask_hidden.normal_()
@@ -343,7 +345,7 @@ def test_a_parallel_heads_pass_drafts_its_real_positions_as_step_0_and_each_mask
     aux = torch.randn(2, 20, head.fed, generator=gen)
     points = torch.tensor([[3, 10], [0, 17]])
     with torch.no_grad():
-        real, masks = head.parallel(tokens, aux, points, K)
+        real, masks = parallel_pass(head, tokens, aux, points, K)
         step0 = head.unroll(tokens, aux, 1)[0]
         assert real.shape == step0.shape and masks.shape == (2, 2, K - 1, real.shape[-1])
         # the mask positions change nothing the real positions compute (no real position sees them)
@@ -351,7 +353,7 @@ def test_a_parallel_heads_pass_drafts_its_real_positions_as_step_0_and_each_mask
         # a group sees the positions up to its point and nothing after (position t reads token t + 1)
         later_tokens, later_aux = tokens.clone(), aux.clone()
         later_tokens[0, 5:], later_aux[0, 4:] = 7, 0.0
-        _, changed = head.parallel(later_tokens, later_aux, points, K)
+        _, changed = parallel_pass(head, later_tokens, later_aux, points, K)
     assert torch.allclose(changed[0, 0], masks[0, 0], atol=1e-5)
     assert not torch.allclose(changed[0, 1], masks[0, 1])
     assert torch.allclose(changed[1], masks[1], atol=1e-5)
@@ -361,7 +363,7 @@ def test_a_parallel_heads_pass_drafts_its_real_positions_as_step_0_and_each_mask
 def test_a_parallel_heads_loss_trains_mask_hidden_and_its_figure_counts_a_run_of_k(models):
     import torch
 
-    from batchspec.distill.eagle3 import draft_points, parallel_losses
+    from batchspec.distill.peagle import draft_points, parallel_losses, parallel_pass
 
     head = _head(models)
     tokens = torch.randint(3, 2000, (2, 12))
@@ -381,7 +383,7 @@ def test_a_parallel_heads_loss_trains_mask_hidden_and_its_figure_counts_a_run_of
     # the figure: right in a row from each point, the real position's token first, then the masks'
     with torch.no_grad():
         points = torch.tensor([[2], [1]])
-        real, masks = head.parallel(tokens, batch["aux"], points, K)
+        real, masks = parallel_pass(head, tokens, batch["aux"], points, K)
         labels = batch["labels"].clone()
         labels[0, 3] = real[0, 2].argmax()  # point 2: its real position is right,
         labels[0, 4] = masks[0, 0, 0].argmax()  # its first mask too,
