@@ -18,6 +18,7 @@ import json
 from pathlib import Path
 
 import pyarrow.compute as pc
+import pyarrow.parquet as pq
 import pytest
 from domain_data import write_shards
 from helpers.jobs import DRAFT, ENGINE, MODELS, read_output, run_cli, run_cli_in_process, write_job
@@ -245,7 +246,7 @@ def _distilled(tmp_path_factory, name: str, *options: str):
 def _greedy_equals_off(tmp: Path, drafter: Path, method: str) -> None:
     """`batchspec run` with ``drafter`` (named by its checkpoint alone: its config says
     ``method``) gives speculation off's greedy text, with its acceptance in the columns and its
-    method in the run summary."""
+    method in each output file's metadata."""
     runs = {}
     for name, speculative in ((method, {"model": str(drafter), "num_speculative_tokens": K}), ("off", None)):
         ran = run_cli("run", str(_job(tmp / name, speculative, rows=24)))
@@ -257,8 +258,9 @@ def _greedy_equals_off(tmp: Path, drafter: Path, method: str) -> None:
     drafted = runs[method].column("spec_num_draft_tokens")
     accepted = runs[method].column("spec_num_accepted_tokens")
     assert pc.min(drafted).as_py() > 0 and pc.sum(accepted).as_py() > 0
-    summary = sorted((tmp / method / "out" / "_batchspec" / "runs").glob("*.json"))[-1].read_text()
-    assert f'"{method}"' in summary
+    for part in (tmp / method / "out").glob("*.parquet"):
+        meta = json.loads(pq.read_schema(part).metadata[b"batchspec"])
+        assert meta["speculative_method"] == method, meta
 
 
 @pytest.fixture(scope="module")
@@ -546,11 +548,11 @@ def test_distill_trains_and_installs_a_parallel_head_that_runs_with_greedy_text_
 
 @pytest.mark.engine
 @pytest.mark.parametrize(
-    ("drafter", "parallel", "sequential"),
+    ("drafter", "in_parallel", "sequential"),
     [("parallel", "pard:{}", "{}"), ("parallel_head", "peagle:{}", "eagle3:{}")],
 )
 def test_tune_measures_a_parallel_drafter_beside_its_weights_drafting_a_token_a_pass(
-    request, drafter, parallel, sequential
+    request, drafter, in_parallel, sequential
 ):
     tmp, job, out, done = request.getfixturevalue(drafter)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -560,9 +562,9 @@ def test_tune_measures_a_parallel_drafter_beside_its_weights_drafting_a_token_a_
     )  # fmt: skip
     assert tuned.returncode == 0, tuned.stderr[-3000:]
     entries = {c["label"]: c for c in json.loads(tuned.stdout)["candidates"]}
-    labels = [f"{parallel.format(out.name)} k={K}", f"{sequential.format(out.name)} k={K}"]
+    labels = [f"{in_parallel.format(out.name)} k={K}", f"{sequential.format(out.name)} k={K}"]
     assert {"off", *labels} <= set(entries), sorted(entries)
-    assert entries[labels[0]]["speculative"]["method"] == parallel.split(":")[0]
+    assert entries[labels[0]]["speculative"]["method"] == in_parallel.split(":")[0]
     for label in labels:
         entry = entries[label]
         assert not entry["skipped"] and entry["output_tokens_per_s"] > 0, entry

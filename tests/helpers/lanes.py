@@ -21,7 +21,7 @@ OWN_PROCESS_FILES = (
     "tests/engine/test_pooling.py::test_a_pooling_job_killed_and_rerun_holds_every_row_once",  # 207
     "tests/examples/test_airflow.py",  # 159
     "tests/distill/test_distill.py",  # 125
-    "tests/distill/test_pard.py",  # 240 (an empty model cache's run, beside two others)
+    "tests/distill/test_pard.py",  # 368 (parallel drafts and heads; a warm run, beside two others)
     "tests/tune/test_tune.py",  # 114
     "tests/cli/test_tables_e2e.py",  # 112
     "tests/tune/test_auto.py",  # 103
