@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from batchspec.engine.heads import check_head_with_lora, check_speculative_model
+from batchspec.engine.images import check_images
 from batchspec.engine.lora import check_lora
 from batchspec.engine.reasoning import check_reasoning
 
@@ -334,6 +335,7 @@ def check_vllm_keys(spec: JobSpec) -> None:
     check_lora(spec)
     check_reasoning(spec)
     check_pooling(spec)
+    check_images(spec)
 
 
 def check_constraint(constraint, key: str) -> dict:

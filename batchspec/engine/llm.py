@@ -33,6 +33,7 @@ from batchspec.engine.checks import (
     row_template_kwargs,
     template_kwargs,
 )
+from batchspec.engine.images import ImagePrompts, RowImageError
 from batchspec.engine.lifeline import arm
 from batchspec.engine.lora import Adapters, check_lora
 from batchspec.engine.pacing import PrefixPacer
@@ -41,6 +42,7 @@ from batchspec.engine.rows import Asked
 from batchspec.engine.supervise import EngineDied, add_counters, death_note
 from batchspec.engine.tokens import length_error, prompt_token_ids
 from batchspec.errors import Interrupted, RuntimeFailure, SpecError, interrupted_within
+from batchspec.io.images import text_only
 from batchspec.io.reader import Row
 from batchspec.spec.methods import vllm_speculative
 from batchspec.spec.model import JobSpec
@@ -93,6 +95,8 @@ class Prepared(NamedTuple):
     params: Any  # vllm.SamplingParams
     asked: Asked
     lora_request: Any  # vllm.lora.request.LoRARequest or None
+    #: a row with images: vLLM's engine input (its images processed); None: ``token_ids``
+    prompt: Any = None
 
     @property
     def sequences(self) -> int:
@@ -272,6 +276,8 @@ class Engine:
         #: hold a request whose prefix another is computing (``execution.prefix_window`` > 0)
         self.pace_prefixes = spec.execution.prefix_window > 0
         self.max_n = spec.execution.max_n
+        #: rows with images: read, checked and rendered by vLLM's chat renderer
+        self.images = ImagePrompts(spec)
 
     # ------------------------------------------------------------------ requests
 
@@ -307,7 +313,13 @@ class Engine:
         except ValueError as exc:
             return None, error_result(override_error(row.overrides, self.override_sources, exc))
         try:
-            ids = prompt_token_ids(self.tokenizer, row, kwargs)
+            if row.images:
+                prompt = self.images.prepare(self.llm, row, kwargs)
+                ids = list(prompt["prompt_token_ids"])
+            else:
+                prompt, ids = None, prompt_token_ids(self.tokenizer, row, kwargs)
+        except RowImageError as exc:
+            return None, error_result(str(exc))
         except Exception as exc:  # a template or tokenizer failure belongs to this row only
             return None, error_result(f"cannot render prompt: {exc}")
         if self.refuse_random_sampling and params.temperature > 0:
@@ -316,9 +328,10 @@ class Engine:
         if too_long is not None:
             return None, error_result(too_long, num_prompt_tokens=len(ids))
         if self.reasoning is not None:
-            ended = self.reasoning.prompt_ends_thinking(row.messages, kwargs)
+            messages = text_only(row.messages) if row.images else row.messages
+            ended = self.reasoning.prompt_ends_thinking(messages, kwargs)
             asked = dataclasses.replace(asked, thinking_ended=ended)
-        return Prepared(ids, params, asked, lora_request), None
+        return Prepared(ids, params, asked, lora_request, prompt), None
 
     def stream(
         self,
@@ -364,7 +377,9 @@ class Engine:
             try:
                 self.engine.add_request(
                     request_id,
-                    TokensPrompt(prompt_token_ids=request.token_ids),
+                    request.prompt
+                    if request.prompt is not None
+                    else TokensPrompt(prompt_token_ids=request.token_ids),
                     request.params,
                     lora_request=request.lora_request,
                 )

@@ -29,7 +29,7 @@ from batchspec.columns import OUTPUT_NAMES
 from batchspec.errors import InputDataError, SpecError
 from batchspec.io.records import Shard
 from batchspec.io.retry import Attempts, is_transient, retry
-from batchspec.io.rows import Row, check_messages, pair_error
+from batchspec.io.rows import Row, add_image_columns, pair_error, set_messages
 from batchspec.io.templates import check_columns, prompt_template
 from batchspec.io.urls import is_local_fs
 from batchspec.spec.model import InputSpec, OutputSpec
@@ -308,7 +308,7 @@ class JsonLinesReader:
                 column=spec.text_column,
             )
         if output_spec.keep_columns is None:
-            texts = {spec.text_column, *(spec.pair_columns or ())}
+            texts = {spec.text_column, *(spec.pair_columns or ()), *spec.image_columns}
             names = [k for k in keys if k not in texts and k not in OUTPUT_NAMES]
         else:
             for column in output_spec.keep_columns:
@@ -411,9 +411,11 @@ class JsonLinesReader:
             if text is not None and not (isinstance(text, list) and all(isinstance(m, dict) for m in text)):
                 errors.append(f"bad messages: line {number} has no list of {{role, content}} objects")
             else:
-                row.messages = text
-                problem = check_messages(text)
+                problem = set_messages(row, text)
                 errors.append(problem and f"{problem}: line {number}")
+        if not any(errors):
+            problem = add_image_columns(row, spec.image_columns, record)
+            errors.append(problem and f"{problem}: line {number}")
         for param, column in spec.sampling_columns.items():
             value = record.get(column)
             if value is not None:

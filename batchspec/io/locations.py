@@ -318,14 +318,21 @@ def _norm(fs, path: str) -> str:
 
 
 def check_no_overlap(
-    paths: tuple[str, ...] | list[str], input_options: dict, output_url: str, output_options: dict
+    paths: tuple[str, ...] | list[str],
+    input_options: dict,
+    output_url: str,
+    output_options: dict,
+    image_roots: tuple[str, ...] | list[str] = (),
 ) -> None:
-    """Exit 2 when the output location equals, lies inside, or contains an input location: a run
-    would overwrite its own inputs, or read its own outputs back on the next run. Locations are
-    compared by what they name (:func:`store_location`), and two that could be one count as one."""
+    """Exit 2 when the output location equals, lies inside, or contains an input location (or a
+    location images are read from, ``input.image_roots``): a run would overwrite its own inputs,
+    or read its own outputs back on the next run. Locations are compared by what they name
+    (:func:`store_location`), and two that could be one count as one."""
     out = store_location(output_url, output_options, "output.path")
-    for url in paths:
-        loc = store_location(url, input_options, "input.path", pattern=True)
+    named = [(url, "input.path", "input", True) for url in paths]
+    named += [(url, "input.image_roots", "image", False) for url in image_roots]
+    for url, key, what, pattern in named:
+        loc = store_location(url, input_options, key, pattern=pattern)
         where = location_overlap(out, loc)
         if where is None:
             continue
@@ -336,8 +343,8 @@ def check_no_overlap(
             else ""
         )
         raise SpecError(
-            "output.path",
-            f"the output location {sanitize_url(output_url)!r} {where} the input "
+            "output.path" if what == "input" else key,
+            f"the output location {sanitize_url(output_url)!r} {where} the {what} "
             f"location {sanitize_url(url)!r}"
             f"{_store_words(loc.endpoint, out.endpoint)}: a run would overwrite or "
             "re-read its own files; write the output to a separate directory or "

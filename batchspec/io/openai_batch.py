@@ -40,7 +40,7 @@ import pyarrow as pa
 from batchspec.errors import quoted
 from batchspec.io.jsonl import BadLine, JsonLinesReader, cut_text, unreadable
 from batchspec.io.records import Shard
-from batchspec.io.rows import Row, check_messages, id_digest
+from batchspec.io.rows import Row, id_digest, set_messages
 from batchspec.redact import sanitize_url
 from batchspec.spec.model import JobSpec
 
@@ -212,7 +212,7 @@ class OpenAIBatchReader(JsonLinesReader):
             self._embedding(row, number, body)
             return
         if url == CHAT:
-            row.messages = _messages(body.get("messages"), number)
+            _messages(row, body.get("messages"), number)
             fields = CHAT_FIELDS
         else:
             prompt = body.get("prompt")
@@ -264,27 +264,14 @@ class OpenAIBatchReader(JsonLinesReader):
         row.overrides["encoding_format"] = body.get("encoding_format") or "float"
 
 
-def _messages(messages: Any, number: int) -> list[dict[str, str]]:
-    """Chat messages with text content (OpenAI's text parts joined)."""
+def _messages(row: Row, messages: Any, number: int) -> None:
+    """The row's chat messages: text content, or OpenAI's text and ``image_url`` parts (the
+    images read when the row is generated: batchspec/io/images.py)."""
     if not isinstance(messages, list) or not all(isinstance(m, Mapping) for m in messages):
         raise _LineError(f"bad messages: line {number}, body.messages is not a list of objects")
-    out = []
-    for i, message in enumerate(messages):
-        content = message.get("content")
-        if isinstance(content, list):
-            if not all(
-                isinstance(p, Mapping) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                for p in content
-            ):
-                raise _LineError(
-                    f"unsupported content: line {number}, body.messages[{i}] has a part that is not text"
-                )
-            content = "".join(p["text"] for p in content)
-        out.append({"role": message.get("role"), "content": content})
-    problem = check_messages(out)
+    problem = set_messages(row, [dict(m) for m in messages])
     if problem:
-        raise _LineError(f"{problem}: line {number}")
-    return out
+        raise _LineError(f"{problem.replace(' messages[', ' body.messages[', 1)}: line {number}")
 
 
 def _sampling(overrides: dict[str, Any], key: str, value: Any, body: dict, number: int, chat: bool) -> None:

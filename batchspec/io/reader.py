@@ -21,7 +21,7 @@ from batchspec.errors import InputDataError, SpecError
 from batchspec.io.input_formats import INPUT_FORMATS, input_format
 from batchspec.io.records import Shard
 from batchspec.io.retry import Attempts, is_transient, retry
-from batchspec.io.rows import Row, check_messages, pair_error
+from batchspec.io.rows import Row, add_image_columns, pair_error, set_messages
 from batchspec.io.templates import check_columns, prompt_template
 from batchspec.io.urls import is_local_fs
 from batchspec.spec.model import InputSpec, JobSpec, OutputSpec
@@ -35,6 +35,20 @@ def _is_text(t: pa.DataType) -> bool:
         pa.types.is_string(t)
         or pa.types.is_large_string(t)
         or (hasattr(pa.types, "is_string_view") and pa.types.is_string_view(t))
+    )
+
+
+def _is_image(t: pa.DataType) -> bool:
+    """A column of images: bytes, URLs, or lists of them (all null: no type to check)."""
+    if pa.types.is_list(t) or pa.types.is_large_list(t):
+        t = t.value_type
+    return (
+        pa.types.is_binary(t)
+        or pa.types.is_large_binary(t)
+        or pa.types.is_fixed_size_binary(t)
+        or (hasattr(pa.types, "is_binary_view") and pa.types.is_binary_view(t))
+        or _is_text(t)
+        or pa.types.is_null(t)
     )
 
 
@@ -132,6 +146,15 @@ class ParquetReader:
             require(spec.id_column, "id")
         for param, column in spec.sampling_columns.items():
             require(column, f"sampling_columns.{param}")
+        for column in spec.image_columns:
+            image = require(column, "image")
+            if not _is_image(image.type):
+                raise InputDataError(
+                    url,
+                    f"image column {column!r} has type {image.type}, expected binary (image "
+                    "bytes), string (URLs) or a list of them",
+                    column=column,
+                )
         if spec.lora_column:
             lora = require(spec.lora_column, "LoRA adapter")
             if not (_is_text(lora.type) or pa.types.is_null(lora.type)):
@@ -143,7 +166,7 @@ class ParquetReader:
                 )
 
         if output_spec.keep_columns is None:
-            texts = {spec.text_column, *(spec.pair_columns or ())}
+            texts = {spec.text_column, *(spec.pair_columns or ()), *spec.image_columns}
             kept = [f for f in schema if f.name not in texts and f.name not in OUTPUT_NAMES]
         else:
             for column in output_spec.keep_columns:
@@ -205,6 +228,7 @@ class ParquetReader:
             spec.text_column,
             *(spec.pair_columns or ()),
             *self._template_columns,
+            *spec.image_columns,
             spec.id_column,
             spec.lora_column,
             *spec.sampling_columns.values(),
@@ -279,8 +303,10 @@ class ParquetReader:
                 row.pair = values[spec.pair_columns[1]]
                 row.error = row.error or pair_error(row.pair, spec.pair_columns[1])
         else:
-            row.messages = values[spec.messages_column]
-            row.error = row.error or check_messages(row.messages)
+            problem = set_messages(row, values[spec.messages_column])
+            row.error = row.error or problem
+        if row.error is None:
+            row.error = add_image_columns(row, spec.image_columns, values)
         for param, column in spec.sampling_columns.items():
             value = values[column]
             if value is not None:

@@ -212,7 +212,11 @@ class _Job:
         # cheap checks first: overlapping locations, then a misspelled vLLM key, both exit 2
         # before any input is listed or read
         check_no_overlap(
-            spec.input.paths, spec.input.storage_options, spec.output.path, spec.output.storage_options
+            spec.input.paths,
+            spec.input.storage_options,
+            spec.output.path,
+            spec.output.storage_options,
+            spec.input.image_roots,
         )
         check_vllm_keys(spec)
         if spec.speculative_auto is not None:

@@ -78,7 +78,11 @@ def plan(
 
     check_worker(worker_index, num_workers)
     check_no_overlap(
-        spec.input.paths, spec.input.storage_options, spec.output.path, spec.output.storage_options
+        spec.input.paths,
+        spec.input.storage_options,
+        spec.output.path,
+        spec.output.storage_options,
+        spec.input.image_roots,
     )
     out = out or OutputDir.of(spec.output)
     out.check_folders()  # exit 3 where a link below the output leads out of it

@@ -11,8 +11,10 @@ from dataclasses import dataclass, field
 
 from batchspec.columns import error_reason
 from batchspec.engine.checks import max_model_len
+from batchspec.engine.images import takes_images
 from batchspec.engine.tokens import length_error, prompt_token_ids
-from batchspec.errors import EXIT_BAD_INPUT, InputDataError
+from batchspec.errors import EXIT_BAD_INPUT, InputDataError, SpecError
+from batchspec.io.images import ImageError, ImageLimits, read_image
 from batchspec.io.locations import check_no_overlap
 from batchspec.io.reader import open_reader
 from batchspec.io.states import ShardState
@@ -74,7 +76,11 @@ def validate_job(spec: JobSpec, worker_index: int = 0, num_workers: int = 1) -> 
 
     # as a run does: overlapping locations first, then the keys vLLM takes (both exit 2)
     check_no_overlap(
-        spec.input.paths, spec.input.storage_options, spec.output.path, spec.output.storage_options
+        spec.input.paths,
+        spec.input.storage_options,
+        spec.output.path,
+        spec.output.storage_options,
+        spec.input.image_roots,
     )
     check_vllm_keys(spec)
     if spec.speculative_auto is not None:
@@ -96,6 +102,7 @@ def validate_job(spec: JobSpec, worker_index: int = 0, num_workers: int = 1) -> 
         trust_remote_code=spec.model.engine.get("trust_remote_code") is True,
     )
     max_len = max_model_len(spec)
+    images = _ImageCheck(spec)
     report = ValidationReport(spec.name, max_len, [])
     for shard in shards:
         check = ShardCheck(shard.name, shard.url, states[shard.name])
@@ -127,6 +134,8 @@ def validate_job(spec: JobSpec, worker_index: int = 0, num_workers: int = 1) -> 
                         kwargs = row_template_kwargs(base_kwargs, row)
                     except ValueError as exc:
                         kwargs, reason = None, override_error(row.overrides, sources, exc)
+                if reason is None and row.images:
+                    reason = images.check(row)
                 if reason is None:
                     ids = prompt_token_ids(tokenizer, row, kwargs)
                     check.max_prompt_tokens = max(check.max_prompt_tokens, len(ids))
@@ -140,3 +149,31 @@ def validate_job(spec: JobSpec, worker_index: int = 0, num_workers: int = 1) -> 
         finally:
             reader.close()
     return report
+
+
+class _ImageCheck:
+    """A row's images as a run reads them (every one fetched and decoded within the job's
+    limits, then dropped); a text-only target given rows with images is exit 2, naming the
+    first such row. The text of an image row is counted; its image tokens are counted when it
+    runs (``num_prompt_tokens``)."""
+
+    def __init__(self, spec: JobSpec):
+        self.spec = spec
+        self.limits = ImageLimits.of(spec.input)
+        self.takes = None if not spec.input.image_columns else True  # checked by check_vllm_keys
+
+    def check(self, row) -> str | None:
+        if self.takes is None:
+            self.takes = takes_images(self.spec.model.target)
+        if self.takes is False:
+            raise SpecError(
+                "model.target",
+                f"row {row.request_id!r} of shard {row.shard!r} has images, but the target "
+                f"{self.spec.model.target!r} is a text-only model: vLLM takes no images for it",
+            )
+        for ref in row.images:
+            try:
+                read_image(ref, self.limits)
+            except ImageError as exc:
+                return f"bad image: {exc}"
+        return None

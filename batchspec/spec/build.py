@@ -252,6 +252,7 @@ def _input_spec(raw: dict) -> InputSpec:
             "id_column",
             "lora_column",
             "sampling_columns",
+            "image_columns",
         ):
             if inp.get(key, (str, dict, list)):
                 raise SpecError(
@@ -289,6 +290,7 @@ def _input_spec(raw: dict) -> InputSpec:
             raise SpecError(f"input.sampling_columns.{k}", "expected the name of an input column")
     on_bad_shard = inp.get("on_bad_shard", str)
     allow_empty = inp.get("allow_empty", bool)
+    images = _images(inp)
     return InputSpec(
         paths=tuple(paths),
         format=input_format,
@@ -305,8 +307,42 @@ def _input_spec(raw: dict) -> InputSpec:
         max_line_bytes=inp.positive("max_line_bytes"),
         pair_columns=pair_columns,
         pair_templates=pair_templates,
+        **images,
         **table,
     )
+
+
+def _names(inp: Fields, key: str) -> tuple[str, ...]:
+    """A key that takes one string or a list of them, each non-empty and none twice."""
+    value = inp.get(key, (str, list))
+    if value is None:
+        return ()
+    values = [value] if isinstance(value, str) else value
+    if not all(isinstance(v, str) and v.strip() for v in values):
+        raise SpecError(f"input.{key}", "expected a non-empty string or a list of them")
+    if len(set(values)) != len(values):
+        raise SpecError(f"input.{key}", "a value is named twice")
+    return tuple(values)
+
+
+def _images(inp: Fields) -> dict[str, Any]:
+    """``input.image_columns``, ``image_roots`` and the image limits (batchspec/io/images.py)."""
+    from batchspec.io.images import ImageError, check_readable  # lazy: io/ sits above spec/
+
+    columns, roots = _names(inp, "image_columns"), _names(inp, "image_roots")
+    for root in roots:
+        if root.lower().startswith("data:"):
+            raise SpecError("input.image_roots", f"{root[:16]!r}... is no storage location")
+        try:
+            check_readable(root)
+        except ImageError as exc:
+            raise SpecError("input.image_roots", str(exc).replace("image URL", "location", 1)) from exc
+    return {
+        "image_columns": columns,
+        "image_roots": roots,
+        "max_image_bytes": inp.positive("max_image_bytes"),
+        "max_image_pixels": inp.positive("max_image_pixels"),
+    }
 
 
 def _templates(inp: Fields) -> tuple[str | None, tuple[dict[str, str], ...] | None]:

@@ -35,7 +35,8 @@ Components (each a 16-hex-digit prefix of the SHA-256 of a canonical JSON):
 - ``columns``: ``input.prompt_column``, ``messages_column``, ``id_column``,
   ``sampling_columns``, ``lora_column`` (where set), ``output.keep_columns``, ``input.filter``
   (where set), ``input.prompt_template``, ``messages_template`` and ``pair_templates`` (where
-  set: their wording), a pooling task's ``input.pair_columns``,
+  set: their wording), a pooling task's ``input.pair_columns``, ``input.image_columns`` and
+  the image limits (where image columns are set),
   ``output.parse_json`` (where true) and ``input.format`` where it is ``openai`` (its lines
   name their own prompt, id and sampling).
 
@@ -303,6 +304,12 @@ def spec_fingerprint(spec: JobSpec) -> dict[str, str]:
         components["columns"]["prompt_template"] = spec.input.prompt_template
     if spec.input.messages_template is not None:
         components["columns"]["messages_template"] = [dict(m) for m in spec.input.messages_template]
+    if spec.input.image_columns:  # only when set: what the model sees, and which images are errors
+        components["columns"]["images"] = {
+            "image_columns": list(spec.input.image_columns),
+            "max_image_bytes": spec.input.max_image_bytes,
+            "max_image_pixels": spec.input.max_image_pixels,
+        }
     if spec.output.parse_json:  # the typed answer column
         components["columns"]["parse_json"] = True
     if spec.input.filter is not None:  # a table's rows the job reads

@@ -136,6 +136,22 @@ class InputSpec:
     #: rules); give this or ``pair_columns``, not both. A column a template reads unguarded that
     #: the input lacks exits 2; a null cell, or a side that renders empty, is that row's error.
     pair_templates: tuple[str, str] | None = None
+    #: Columns holding each row's images, put before its prompt text in one user message (the
+    #: first user message of chat messages) and rendered by the target's chat template: a cell
+    #: is the image's bytes (Parquet ``binary``), a URL (a local path, ``s3://``, ``gs://``,
+    #: ``az://``, ``memory://`` under ``image_roots``, or a ``data:`` URL), or a list of them.
+    #: Needs a vision-language target (docs/images.md); a bad image is that row's error.
+    image_columns: tuple[str, ...] = ()
+    #: Locations an image URL may name (a row's ``image_columns`` cell or an ``image_url``
+    #: part of its messages), read with ``storage_options``, never written; none of them may
+    #: overlap ``output.path``. An image URL outside all of them, or of another scheme
+    #: (``http://`` is never fetched), is that row's error.
+    image_roots: tuple[str, ...] = ()
+    #: Bytes an image may have (encoded, as stored); a larger one is that row's error.
+    max_image_bytes: int = 20 * 2**20
+    #: Pixels an image may have (width times height, read from its header before it is
+    #: decoded: a small file that decodes to gigabytes is refused unread).
+    max_image_pixels: int = 2**25
 
     @property
     def text_column(self) -> str | None:

@@ -32,6 +32,7 @@ _GENERATION_ONLY = {
     "model.reasoning_parser": lambda spec: spec.model.reasoning_parser is not None,
     "model.lora": lambda spec: spec.model.lora is not None,
     "output.parse_json": lambda spec: spec.output.parse_json,
+    "input.image_columns": lambda spec: bool(spec.input.image_columns),
 }
 
 

@@ -153,7 +153,7 @@ def test_every_malformed_line_is_an_error_row_naming_its_line_and_field(tmp_path
     assert errors[11] == "unknown field: line 11, 'extra'"
     assert errors[12] == "two limits: line 12, body.max_completion_tokens and body.max_tokens are both set"
     assert errors[13] == "bad prompt: line 13, body.prompt must be one string"
-    assert errors[14] == "unsupported content: line 14, body.messages[0] has a part that is not text"
+    assert errors[14] == "bad image: body.messages[0].content[0] has no image_url.url: line 14"
     assert errors[15] == "message 0 has no role: line 15"
     assert errors[16] == (
         "bad value: line 16, body.response_format.json_schema.schema must be a JSON schema object"

@@ -1,0 +1,114 @@
+"""A row with images as vLLM's input: its images read and decoded (batchspec/io/images.py), its
+messages rendered by vLLM's own chat renderer (the one ``LLM.chat`` uses: the model's chat
+template, its placeholders, its processor), one row at a time; and, before any weights load,
+whether a model takes images at all."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from batchspec.errors import SpecError
+from batchspec.io.images import ImageError, ImageLimits, read_image, shown
+from batchspec.io.rows import Row
+from batchspec.spec.checkpoints import load_config
+from batchspec.spec.model import JobSpec
+
+
+class RowImageError(ValueError):
+    """A row's images cannot be used: that row's error (its message is the error)."""
+
+
+def takes_images(model: str, key: str = "model.target") -> bool | None:
+    """Whether vLLM runs ``model`` (a local directory) with images: its architecture is one of
+    vLLM's multimodal models, or, for one vLLM does not list, its config has a vision config.
+    None where batchspec cannot tell before vLLM (a hub id, a URL)."""
+    config = load_config(model, key)
+    if config is None:
+        return None
+    architectures = config.get("architectures") or []
+    try:
+        from vllm.model_executor.models.registry import ModelRegistry
+
+        infos = [ModelRegistry._try_inspect_model_cls(arch) for arch in architectures]
+    except Exception:  # noqa: BLE001 (a vLLM without this registry call: judge by the config)
+        infos = []
+    known = [info for info in infos if info is not None]
+    if known:
+        return any(info.supports_multimodal for info in known)
+    return "vision_config" in config
+
+
+def check_images(spec: JobSpec) -> None:
+    """Exit 2 before any weights load where a job's rows carry images (``input.image_columns``)
+    and its target is a text-only model, or where a row would have more images than the engine
+    takes (``model.engine.limit_mm_per_prompt``)."""
+    columns = spec.input.image_columns
+    if not columns:
+        return
+    if takes_images(spec.model.target) is False:
+        raise SpecError(
+            "input.image_columns",
+            f"the target {spec.model.target!r} is a text-only model: vLLM takes no images for it "
+            "(image jobs need a vision-language model, docs/images.md)",
+        )
+    limit = image_limit(spec)
+    if limit is not None and len(columns) > limit:
+        raise SpecError(
+            "input.image_columns",
+            f"{len(columns)} image columns, but the engine takes {limit} image(s) a prompt "
+            "(model.engine.limit_mm_per_prompt.image)",
+        )
+
+
+def image_limit(spec: JobSpec) -> int | None:
+    """The images a prompt may have, where the job sets it (``limit_mm_per_prompt``)."""
+    limits = spec.model.engine.get("limit_mm_per_prompt")
+    value = limits.get("image") if isinstance(limits, dict) else None
+    if isinstance(value, dict):  # vLLM's {"count": N, ...} form
+        value = value.get("count")
+    return value if isinstance(value, int) else None
+
+
+class ImagePrompts:
+    """Rows with images made into vLLM's engine inputs, through the engine's own chat renderer."""
+
+    def __init__(self, spec: JobSpec):
+        self.limits = ImageLimits.of(spec.input)
+        self.limit = image_limit(spec)
+        self.takes_images = takes_images(spec.model.target)
+
+    def prepare(self, llm: Any, row: Row, template_kwargs: dict) -> Any:
+        """The row's engine input for ``llm``, vLLM's ``LLM``: its prompt token ids (image
+        placeholders expanded) and its processed images. RowImageError for a bad image; what
+        vLLM's renderer raises is raised (the caller makes it the row's error)."""
+        if self.takes_images is False:
+            raise RowImageError("bad image: the target is a text-only model and takes no images")
+        refs = row.images or []
+        if self.limit is not None and len(refs) > self.limit:
+            raise RowImageError(
+                f"bad image: {len(refs)} images, the engine takes {self.limit} a prompt "
+                "(model.engine.limit_mm_per_prompt.image)"
+            )
+        images = []
+        for i, ref in enumerate(refs):
+            try:
+                images.append(read_image(ref, self.limits))
+            except ImageError as exc:
+                where = f"image {i + 1} of {len(refs)}, " if len(refs) > 1 else ""
+                raise RowImageError(f"bad image: {where}{exc}") from exc
+            except Exception as exc:  # noqa: BLE001 (a store's failure spent: this row's error)
+                raise RowImageError(f"bad image: cannot read {shown(ref)}: {exc}") from exc
+        conversation = [_vllm_message(m, images) for m in row.messages or ()]
+        del images  # vLLM's processor holds what it needs; the decoded pixels go with this frame
+        return llm._preprocess_chat_one(conversation, chat_template_kwargs=template_kwargs or None)
+
+
+def _vllm_message(message: dict, images: list) -> dict:
+    """One message in the form vLLM's chat renderer takes: an image part as a decoded image."""
+    content = message.get("content")
+    if isinstance(content, str):
+        return message
+    parts = [
+        {"type": "image_pil", "image_pil": images[p["image"]]} if p["type"] == "image" else p for p in content
+    ]
+    return {**message, "content": parts}
