@@ -347,10 +347,10 @@ def test_a_run_reads_past_a_deep_line_in_its_first_records(tmp_path):
 def test_any_error_making_a_row_is_that_rows_error_naming_the_line(tmp_path, monkeypatch):
     from batchspec.io import jsonl
 
-    def broken(messages):
+    def broken(row, messages):
         raise RuntimeError("a check that raised")
 
-    monkeypatch.setattr(jsonl, "check_messages", broken)
+    monkeypatch.setattr(jsonl, "set_messages", broken)
     good = [{"role": "user", "content": "hi"}]
     path = _write(tmp_path / "c.jsonl", [json.dumps({"m": good}), json.dumps({"m": "text"})])
     rows = list(_reader(path, messages_column="m", prompt_column=None).rows())

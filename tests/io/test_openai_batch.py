@@ -274,10 +274,10 @@ def test_any_error_reading_a_line_is_its_error_row_naming_the_line(tmp_path, mon
     it was read."""
     from batchspec.io import openai_batch
 
-    def broken(messages):
+    def broken(row, messages):
         raise RuntimeError("a check that raised")
 
-    monkeypatch.setattr(openai_batch, "check_messages", broken)
+    monkeypatch.setattr(openai_batch, "set_messages", broken)
     rows = _rows(tmp_path, [_line("a"), _line("t", url="/v1/completions")])
     assert [(r.request_id, r.error) for r in rows] == [
         ("a", "bad line: line 1 (RuntimeError: a check that raised)"),
