@@ -92,7 +92,7 @@ CHAT_TEMPLATE = (
 )
 STEPS = 600
 BATCH = 32
-PEAK_LR = 3e-3
+PEAK_LR = 1e-3
 CHECK_ROWS = 48  # held-out (picture, question) pairs, a third of each kind
 MIN_ACCURACY = 0.9
 

@@ -38,6 +38,7 @@ PAGES = (
     "inputs",
     "output",
     "requests",
+    "images",
     "speculation",
     "scaling",
     "storage",

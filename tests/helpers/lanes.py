@@ -51,6 +51,7 @@ MODEL_MARKERS = {
     "head-large": "batchspec-model.json",
     "classifier": ".batchspec-complete",
     "cross-encoder": ".batchspec-complete",
+    "vlm": ".batchspec-complete",
     "reasoner": ".batchspec-complete",
     "reasoner-draft": ".batchspec-complete",
 }

@@ -1,0 +1,350 @@
+"""Images in rows on the real engine, with the tiny vision-language model `make models` builds
+(``.models/vlm``, tools/tiny_vlm.py: it names the colours and the shape of a picture, so an image
+that was dropped or swapped shows in its answer).
+
+Each shape a row can carry its images in (a column of bytes, a column of storage URLs, several
+image columns, a prompt template beside them, JSON-lines messages with ``image_url`` parts, an
+OpenAI Batch request file) runs end to end and its text equals vLLM's own ``LLM.chat`` on the
+same images and text (``image_url`` parts with ``data:`` URLs, parsed by vLLM). Every bad image
+is its row's error while the rest generate, exit 0; a text-only target given images is exit 2
+before any engine starts; n-gram speculation gives the same greedy text as off."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import random
+
+import pyarrow as pa
+import pytest
+from helpers.jobs import MODELS, read_output, run_cli_in_process, write_job, write_parquet
+from tiny_vlm import HELD_OUT_SEED, QUESTIONS, picture  # tools/ is on the path (conftest.py)
+
+from batchspec.spec.load import load_spec
+
+VLM = MODELS / "vlm"
+VLM_ENGINE = {
+    "max_model_len": 256,
+    "enforce_eager": True,
+    "dtype": "float32",
+    "limit_mm_per_prompt": {"image": 2},
+}
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+SAMPLING = {"temperature": 0.0, "max_tokens": 6}
+ROWS = 12
+
+
+def encoded(image, fmt="PNG") -> bytes:
+    buf = io.BytesIO()
+    image.save(buf, format=fmt)
+    return buf.getvalue()
+
+
+def data_url(data: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(data).decode()
+
+
+@pytest.fixture(scope="module")
+def pictures():
+    """Held-out pictures (the build checked its accuracy on the same seed's), each with a question
+    in turn of each kind and its right answer."""
+    rng = random.Random(HELD_OUT_SEED + 1)
+    kinds = sorted(QUESTIONS)
+    out = []
+    for i in range(ROWS):
+        image, truth = picture(rng)
+        kind = kinds[i % len(kinds)]
+        out.append({"png": encoded(image), "question": QUESTIONS[kind][0], "answer": truth[kind]})
+    return out
+
+
+def job(root, name, input_keys, speculative=None, **sections):
+    return write_job(
+        root / f"{name}.yaml",
+        input={"id_column": "id", **input_keys},
+        output={"path": str(root / f"out-{name}")},
+        model={"target": str(VLM), "engine": VLM_ENGINE},
+        speculative=speculative,
+        sampling=SAMPLING,
+        **sections,
+    )
+
+
+def run(shared_engines, path, **kwargs):
+    result = shared_engines.run(load_spec(path), **kwargs)
+    assert result.exit_code == 0, result.log
+    return result
+
+
+def texts(root, name) -> dict[str, dict]:
+    return {r["id"]: r for r in read_output(root / f"out-{name}").to_pylist()}
+
+
+@pytest.fixture(scope="module")
+def bare(shared_engines, pictures):
+    """vLLM's own ``LLM.chat`` on the job's engine, each picture as an ``image_url`` part holding
+    a ``data:`` URL (parsed by vLLM itself): what every shape below must equal."""
+    from vllm import SamplingParams
+
+    engine = shared_engines.engine(SharedSpec.of())
+    conversations = [
+        [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image_url", "image_url": {"url": data_url(p["png"])}},
+                    {"type": "text", "text": p["question"]},
+                ],
+            }
+        ]
+        for p in pictures
+    ]
+    outputs = engine.llm.chat(conversations, SamplingParams(**SAMPLING), use_tqdm=False)
+    return [o.outputs[0].text for o in outputs]
+
+
+class SharedSpec:
+    """The spec of the VLM's shared engine (speculation off), for the bare ``LLM.chat`` run."""
+
+    @staticmethod
+    def of(speculative=None):
+        from helpers.shared_engines import SharedEngines
+
+        return SharedEngines.probe_spec(VLM, VLM_ENGINE, speculative)
+
+
+@pytest.fixture(scope="module")
+def image_rows(tmp_path_factory, pictures):
+    root = tmp_path_factory.mktemp("images")
+    pics = root / "pics"
+    pics.mkdir()
+    for i, p in enumerate(pictures):
+        (pics / f"p{i}.png").write_bytes(p["png"])
+    ids = [f"r{i}" for i in range(ROWS)]
+    write_parquet(
+        root / "in" / "rows.parquet",
+        {
+            "id": ids,
+            "question": [p["question"] for p in pictures],
+            "img": [p["png"] for p in pictures],
+            "url": [str(pics / f"p{i}.png") for i in range(ROWS)],
+        },
+    )
+    lines = [
+        {
+            "id": f"r{i}",
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "image_url", "image_url": {"url": data_url(p["png"])}},
+                        {"type": "text", "text": p["question"]},
+                    ],
+                }
+            ],
+        }
+        for i, p in enumerate(pictures)
+    ]
+    (root / "chat").mkdir()
+    (root / "chat" / "rows.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    batch = [
+        {
+            "custom_id": f"r{i}",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {
+                "model": str(VLM),
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "image_url", "image_url": {"url": f"file://{pics}/p{i}.png"}},
+                            {"type": "text", "text": p["question"]},
+                        ],
+                    }
+                ],
+                "max_tokens": SAMPLING["max_tokens"],
+            },
+        }
+        for i, p in enumerate(pictures)
+    ]
+    (root / "batch").mkdir()
+    (root / "batch" / "requests.jsonl").write_text("".join(json.dumps(line) + "\n" for line in batch))
+    return root
+
+
+SHAPES = {
+    "bytes": {"prompt_column": "question", "image_columns": ["img"]},
+    "urls": {"prompt_column": "question", "image_columns": ["url"]},
+    "template": {"prompt_template": "{{ question }}", "image_columns": ["img"]},
+    "chat": {"messages_column": "messages"},
+}
+
+
+@pytest.mark.engine
+def test_every_shape_of_image_row_equals_vllms_own_chat_and_the_image_decides_the_answer(
+    shared_engines, image_rows, pictures, bare
+):
+    root = image_rows
+    for name, keys in SHAPES.items():
+        path = root / ("chat/*.jsonl" if name == "chat" else "in/*.parquet")
+        roots = {"image_roots": [str(root / "pics")]} if name == "urls" else {}
+        run(shared_engines, job(root, name, {"path": str(path), **keys, **roots}))
+        out = texts(root, name)
+        for i, want in enumerate(bare):
+            row = out[f"r{i}"]
+            assert row["error"] is None and row["generated_text"] == want, (name, i, row)
+            # the picture's 4 image tokens and Idefics3's 3 around them are prompt tokens
+            assert row["num_prompt_tokens"] >= 7 + 4, row
+    right = sum(want.strip() == p["answer"] for want, p in zip(bare, pictures, strict=True))
+    assert right >= 0.75 * ROWS, (bare, [p["answer"] for p in pictures])  # the image reached the model
+    # OpenAI Batch files: the same texts, answered by custom_id, pictures read from storage URLs
+    run(
+        shared_engines,
+        job(
+            root,
+            "batch",
+            {
+                "path": str(root / "batch" / "requests.jsonl"),
+                "format": "openai",
+                "image_roots": [str(root / "pics")],
+            },
+            output={"path": str(root / "out-batch"), "format": "openai"},
+        ),
+    )
+    [results] = (root / "out-batch").glob("*results*.jsonl")
+    answered = {}
+    for line in results.read_text().splitlines():
+        record = json.loads(line)
+        answered[record["custom_id"]] = record["response"]["body"]["choices"][0]["message"]["content"]
+    assert answered == {f"r{i}": want for i, want in enumerate(bare)}
+
+
+@pytest.mark.engine
+def test_two_images_a_row_and_a_swapped_image_change_the_answer(shared_engines, image_rows, pictures, bare):
+    root = image_rows
+    # the same question over another row's picture: the answer follows the picture
+    swapped = list(reversed([p["png"] for p in pictures]))
+    write_parquet(
+        root / "swap" / "rows.parquet",
+        {"id": [f"r{i}" for i in range(ROWS)], "question": [p["question"] for p in pictures], "img": swapped},
+    )
+    run(shared_engines, job(root, "swap", {"path": str(root / "swap" / "*.parquet"), **SHAPES["bytes"]}))
+    out = texts(root, "swap")
+    differ = sum(out[f"r{i}"]["generated_text"] != bare[i] for i in range(ROWS))
+    assert differ >= ROWS // 3, (out, bare)
+    # two image columns: both pictures reach the model, in column order (limit_mm_per_prompt 2)
+    run(
+        shared_engines,
+        job(
+            root,
+            "two",
+            {
+                "path": str(root / "in" / "*.parquet"),
+                "prompt_column": "question",
+                "image_columns": ["img", "url"],
+                "image_roots": [str(root / "pics")],
+            },
+        ),
+    )
+    two = texts(root, "two")
+    one = texts(root, "bytes")
+    assert all(two[k]["error"] is None for k in two), two
+    assert all(two[k]["num_prompt_tokens"] == one[k]["num_prompt_tokens"] + 7 for k in two)
+
+
+@pytest.mark.engine
+def test_every_bad_image_is_its_rows_error_and_the_rest_generate(shared_engines, tmp_path, pictures):
+    from PIL import Image
+
+    pics = tmp_path / "pics"
+    pics.mkdir()
+    (pics / "ok.png").write_bytes(pictures[0]["png"])
+    (tmp_path / "outside.png").write_bytes(pictures[0]["png"])
+    tiff = io.BytesIO()
+    Image.new("RGB", (32, 32)).save(tiff, format="TIFF")
+    bomb = io.BytesIO()
+    Image.new("1", (6000, 6000)).save(bomb, format="PNG", optimize=True)
+    big = encoded(Image.effect_noise((400, 400), 90).convert("RGB"))
+    cases = {
+        "good-bytes": (pictures[0]["png"], None),
+        "corrupt": (pictures[0]["png"][:80], "corrupt image"),
+        "format": (tiff.getvalue(), "corrupt, or not an image batchspec reads"),
+        "bomb": (bomb.getvalue(), "image of 6000x6000 pixels is over input.max_image_pixels"),
+        "big": (big, "is over input.max_image_bytes (100,000 bytes)"),
+        "good-url": (str(pics / "ok.png"), None),
+        "missing": (str(pics / "missing.png"), "image not found"),
+        "http": ("http://127.0.0.1:9/cat.png", "never http://"),
+        "outside": (str(tmp_path / "outside.png"), "is outside input.image_roots"),
+        "link": (f"{pics}/../outside.png", "is outside input.image_roots"),
+    }
+    names = list(cases)
+    write_parquet(
+        tmp_path / "in" / "rows.parquet",
+        {"id": names, "question": ["What shape is it?"] * len(names), "img": [cases[n][0] for n in names]},
+        schema=pa.schema([("id", pa.string()), ("question", pa.string()), ("img", pa.binary())]),
+    )
+    # bytes and URLs in one column: the URL rows are written as their bytes of text
+    write_parquet(
+        tmp_path / "in2" / "rows.parquet",
+        {
+            "id": names,
+            "question": ["What shape is it?"] * len(names),
+            "img": [v if isinstance(v, str) else data_url(v) for v, _ in cases.values()],
+        },
+    )
+    for folder in ("in", "in2"):
+        path = job(
+            tmp_path,
+            folder,
+            {
+                "path": str(tmp_path / folder / "*.parquet"),
+                "prompt_column": "question",
+                "image_columns": ["img"],
+                "image_roots": [str(pics)],
+                "max_image_bytes": 100_000,
+            },
+        )
+        result = run(shared_engines, path)
+        out = texts(tmp_path, folder)
+        for name, (value, error) in cases.items():
+            if folder == "in" and isinstance(value, str):
+                error = "corrupt, or not an image"  # a URL's text given as bytes
+            row = out[name]
+            if error is None:
+                assert row["error"] is None and row["generated_text"], row
+            else:
+                assert (row["error"] or "").startswith("bad image: ") and error in row["error"], (name, row)
+                assert row["finish_reason"] == "error"
+        expected = sum(
+            error is not None or (folder == "in" and isinstance(v, str)) for v, error in cases.values()
+        )
+        assert result.summary["totals"]["errors_by_reason"] == {"bad image": expected}
+
+
+@pytest.mark.engine
+def test_ngram_speculation_on_image_rows_gives_the_greedy_text_of_off(shared_engines, image_rows, bare):
+    root = image_rows
+    run(
+        shared_engines,
+        job(root, "ngram", {"path": str(root / "in" / "*.parquet"), **SHAPES["bytes"]}, speculative=NGRAM),
+    )
+    out = texts(root, "ngram")
+    assert [out[f"r{i}"]["generated_text"] for i in range(ROWS)] == bare
+    assert all(r["spec_num_draft_tokens"] is not None for r in out.values())
+
+
+def test_a_text_only_target_given_images_is_exit_2_before_any_engine(tmp_path, models):
+    write_parquet(tmp_path / "in" / "rows.parquet", {"q": ["x"], "img": [b"\x89PNG"]})
+    path = write_job(
+        tmp_path / "job.yaml",
+        input={"path": str(tmp_path / "in" / "*.parquet"), "prompt_column": "q", "image_columns": ["img"]},
+        output={"path": str(tmp_path / "out")},
+        model={"target": str(models / "target")},
+        sampling={"temperature": 0.0},
+    )
+    for command in ("validate", "run"):
+        result = run_cli_in_process(command, str(path))
+        assert result.returncode == 2, result.stderr
+        assert "input.image_columns" in result.stderr and "text-only" in result.stderr
