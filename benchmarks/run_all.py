@@ -52,6 +52,7 @@ STEPS = [
     ["benchmarks/step_cost.py", "--kernel", "--json", str(OUT / "step-cost-kernel.json")],
     ["benchmarks/structured.py"],
     ["benchmarks/pooling.py", "--json", str(OUT / "pooling.json")],
+    ["benchmarks/images.py", "--json", str(OUT / "images.json")],
     [
         "benchmarks/pooling.py",
         "--orders",

@@ -18,27 +18,23 @@ import random
 
 import pyarrow as pa
 import pytest
-from helpers.jobs import MODELS, read_output, run_cli_in_process, write_job, write_parquet
+from helpers.jobs import (
+    MODELS,
+    VLM_ENGINE,
+    png_bytes,
+    read_output,
+    run_cli_in_process,
+    write_job,
+    write_parquet,
+)
 from tiny_vlm import HELD_OUT_SEED, QUESTIONS, picture  # tools/ is on the path (conftest.py)
 
 from batchspec.spec.load import load_spec
 
 VLM = MODELS / "vlm"
-VLM_ENGINE = {
-    "max_model_len": 256,
-    "enforce_eager": True,
-    "dtype": "float32",
-    "limit_mm_per_prompt": {"image": 2},
-}
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 SAMPLING = {"temperature": 0.0, "max_tokens": 6}
 ROWS = 12
-
-
-def encoded(image, fmt="PNG") -> bytes:
-    buf = io.BytesIO()
-    image.save(buf, format=fmt)
-    return buf.getvalue()
 
 
 def data_url(data: bytes) -> str:
@@ -55,7 +51,7 @@ def pictures():
     for i in range(ROWS):
         image, truth = picture(rng)
         kind = kinds[i % len(kinds)]
-        out.append({"png": encoded(image), "question": QUESTIONS[kind][0], "answer": truth[kind]})
+        out.append({"png": png_bytes(image), "question": QUESTIONS[kind][0], "answer": truth[kind]})
     return out
 
 
@@ -266,7 +262,7 @@ def test_every_bad_image_is_its_rows_error_and_the_rest_generate(shared_engines,
     Image.new("RGB", (32, 32)).save(tiff, format="TIFF")
     bomb = io.BytesIO()
     Image.new("1", (6000, 6000)).save(bomb, format="PNG", optimize=True)
-    big = encoded(Image.effect_noise((400, 400), 90).convert("RGB"))
+    big = png_bytes(Image.effect_noise((400, 400), 90).convert("RGB"))
     cases = {
         "good-bytes": (pictures[0]["png"], None),
         "corrupt": (pictures[0]["png"][:80], "corrupt image"),

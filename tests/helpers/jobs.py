@@ -23,6 +23,8 @@ DRAFT = {"method": "draft_model", "model": str(MODELS / "draft"), "num_speculati
 HEAD = {"method": "eagle3", "model": str(MODELS / "head"), "num_speculative_tokens": 3}
 #: n-gram lookup from a single matching token on (so that it proposes at most steps): the jobs
 #: and probes with n-gram speculation share one engine (tests/helpers/shared_engines.py).
+#: The tiny vision-language model's engine (tools/tiny_vlm.py): two images a prompt at most.
+VLM_ENGINE = {**ENGINE, "max_model_len": 256, "limit_mm_per_prompt": {"image": 2}}
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 4}
 
 
@@ -149,3 +151,12 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def png_bytes(image) -> bytes:
+    """A PIL image encoded as PNG."""
+    import io
+
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return buf.getvalue()

@@ -1,0 +1,74 @@
+"""An image job killed and rerun (tests/engine/test_images.py has the rest, on shared engines):
+its own `batchspec` processes, so `make test` runs it beside the shared-engine group
+(tests/helpers/lanes.py)."""
+
+from __future__ import annotations
+
+import json
+import random
+
+from helpers.jobs import INLINE_ENGINE, VLM_ENGINE, png_bytes, read_output, run_cli, write_job, write_parquet
+from helpers.recovery import Job
+from tiny_vlm import QUESTIONS, picture  # tools/ is on the path (conftest.py)
+
+SHARDS, ROWS = 6, 8
+
+
+def test_an_image_job_killed_then_rerun_on_ray_has_every_row_once(tmp_path, models):
+    """SIGKILL after the first commit, then a rerun under ``--executor ray``: every row once,
+    and rows of the same picture and question give one text whichever run wrote them (each shard
+    holds the same rows, pictures by bytes in one column and by path in another)."""
+    rng = random.Random(5)
+    pics = tmp_path / "pics"
+    pics.mkdir()
+    shown = []
+    for i in range(ROWS):
+        image, truth = picture(rng)
+        (pics / f"p{i}.png").write_bytes(png_bytes(image))
+        shown.append((png_bytes(image), QUESTIONS["shape"][0]))
+    for s in range(SHARDS):
+        write_parquet(
+            tmp_path / "in" / f"s{s}.parquet",
+            {
+                "id": [f"s{s}-{i}" for i in range(ROWS)],
+                "question": [q for _, q in shown],
+                "img": [data for data, _ in shown],
+                "url": [str(pics / f"p{i}.png") for i in range(ROWS)],
+            },
+        )
+    job = write_job(
+        tmp_path / "job.yaml",
+        input={
+            "path": str(tmp_path / "in" / "*.parquet"),
+            "id_column": "id",
+            "prompt_column": "question",
+            "image_columns": ["img", "url"],
+            "image_roots": [str(pics)],
+        },
+        output={"path": str(tmp_path / "out")},
+        model={"target": str(models / "vlm"), "engine": VLM_ENGINE},
+        sampling={"temperature": 0.0, "max_tokens": 6},
+        execution={"max_in_flight": 2},
+        executor={"replicas": 1, "resources_per_replica": {"CPU": 1}},
+    )
+    killed = Job(job, env=INLINE_ENGINE)
+    first = killed.wait_for("shard_committed")
+    assert first is not None, killed.stderr
+    killed.kill_group()
+    killed.wait()
+    assert len(list((tmp_path / "out").glob("*.parquet"))) < SHARDS
+    rerun = run_cli(
+        "run", str(job), "--no-progress", "--log-format", "json", "--executor", "ray", timeout=900
+    )
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    events = [json.loads(line) for line in rerun.stderr.splitlines() if line.startswith("{")]
+    assert first["shard"] in [e["shard"] for e in events if e["event"] == "shard_skipped"]
+    table = read_output(tmp_path / "out")
+    ids = table["request_id"].to_pylist()
+    assert sorted(ids) == sorted(f"s{s}-{i}" for s in range(SHARDS) for i in range(ROWS))
+    assert table["error"].null_count == len(ids), table["error"].to_pylist()
+    text = dict(zip(ids, table["generated_text"].to_pylist(), strict=True))
+    for s in range(SHARDS):
+        for i in range(ROWS):
+            assert text[f"s{s}-{i}"] == text[f"{first['shard']}-{i}"], (s, i)
+    assert len({text[f"s0-{i}"] for i in range(ROWS)}) > 1  # the answers follow the pictures
