@@ -28,6 +28,8 @@ class ShardStats:
     duplicate_ids: int = 0
     #: rows written from an identical request's result (batchspec/run/twins.py)
     from_twin: int = 0
+    #: images the rows carried (batchspec/io/images.py), a bad one included
+    images: int = 0
 
     def add(self, result: dict) -> None:
         self.rows += 1
@@ -51,6 +53,7 @@ class ShardStats:
         self.draft_tokens += other["spec_num_draft_tokens"]
         self.accepted_tokens += other["spec_num_accepted_tokens"]
         self.from_twin += other.get("rows_from_twin", 0)
+        self.images += other.get("images", 0)
         for reason, n in other["errors_by_reason"].items():
             self.errors_by_reason[reason] = self.errors_by_reason.get(reason, 0) + n
 
@@ -69,6 +72,8 @@ class ShardStats:
             "acceptance_rate": acceptance_rate(self.accepted_tokens, self.draft_tokens),
             "mean_acceptance_length": mean_acceptance_length(self.accepted_tokens, self.spec_steps),
         }
+        if self.images:  # a job whose rows carry images (a text job's summary keeps its keys)
+            out["images"] = self.images
         if wall_s is not None:
             out["wall_s"] = round(wall_s, 3)
             out["output_tokens_per_s"] = tokens_per_s(self.output_tokens, wall_s)

@@ -576,6 +576,7 @@ class ShardPipeline:
         run.writer.add_request(row, results)
         for result in results:
             run.stats.add(result)
+        run.stats.images += len(row.images or ())
         run.rows_done += 1
         self.progress.row_done(request_totals(results))
         self.maybe_commit(run)

@@ -186,7 +186,8 @@ def test_every_shape_of_image_row_equals_vllms_own_chat_and_the_image_decides_th
     for name, keys in SHAPES.items():
         path = root / ("chat/*.jsonl" if name == "chat" else "in/*.parquet")
         roots = {"image_roots": [str(root / "pics")]} if name == "urls" else {}
-        run(shared_engines, job(root, name, {"path": str(path), **keys, **roots}))
+        result = run(shared_engines, job(root, name, {"path": str(path), **keys, **roots}))
+        assert result.summary["totals"]["images"] == ROWS  # the summary counts them
         out = texts(root, name)
         for i, want in enumerate(bare):
             row = out[f"r{i}"]
