@@ -448,7 +448,9 @@ class Engine:
                     if refused is not None:
                         yield row, [refused]
                         continue
-                    until = pacer.hold_until(request.token_ids, steps) if pacer is not None else None
+                    # an image row's placeholders are alike whatever its images: no prefix to share
+                    paced = pacer is not None and request.prompt is None
+                    until = pacer.hold_until(request.token_ids, steps) if paced else None
                     if until is None and not fits(request):
                         until = steps  # ready now; waits for room among the sequences
                     if until is not None:
