@@ -26,6 +26,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from batchspec.errors import SpecError
 from batchspec.io import reader as prompts
 from batchspec.io.output_dir import fsync_dir, replace_durably
 from batchspec.io.reader import Row
@@ -166,6 +167,12 @@ def draw_sample(spec: JobSpec, size: int, heldout: int | None, seed: int) -> Sam
     for ``size`` rows only), then hold out :func:`heldout_size` of them. Rows the runner would
     refuse (empty prompt, malformed messages) are left out."""
     reservoir, seen = prompts.sample_rows(spec, size, seed)
+    if any(row.images for row in reservoir):  # image_url parts of chat messages
+        raise SpecError(
+            "input.messages_column",
+            "rows with images (image_url parts): batchspec distill trains drafters on text and "
+            "would never show them the images (docs/images.md)",
+        )
     held = heldout_size(len(reservoir), heldout)
     return Sample(train=reservoir[held:], heldout=reservoir[:held], population=seen)
 

@@ -162,6 +162,12 @@ def check_options(spec: JobSpec, opts: DistillOptions) -> None:
     refused = refuse_speculation_tools(spec.task, "batchspec distill")
     if refused is not None:
         raise SpecError("task", refused)
+    if spec.input.image_columns:  # a drafter trains on token ids: it would never see the images
+        raise SpecError(
+            "input.image_columns",
+            "batchspec distill trains drafters on text; a job whose rows carry images is not one "
+            "it trains on (n-gram speculation needs no training: docs/images.md)",
+        )
     if opts.method not in TRAINABLE:
         raise SpecError("--method", f"expected {' or '.join(map(repr, TRAINABLE))}, got {opts.method!r}")
     if opts.init not in ("draft", "target"):

@@ -382,3 +382,15 @@ def test_secrets_in_an_image_url_are_never_in_a_rows_error(tmp_path):
     with pytest.raises(ImageError) as info:
         read_image(url, ImageLimits(2**20, 2**20))
     assert S3_SECRET not in str(info.value) and "s3://bucket/a.png" in str(info.value)
+
+
+def test_distill_refuses_a_job_whose_rows_carry_images(tmp_path):
+    """A drafter trains on token ids: it would never see the images, so distill refuses the job
+    before any work (n-gram needs no training)."""
+    from batchspec.distill.options import DistillOptions
+    from batchspec.distill.session import check_options
+
+    spec = spec_of(tmp_path, image_columns=["img"])
+    with pytest.raises(SpecError) as info:
+        check_options(spec, DistillOptions(out=tmp_path / "d", method="eagle3"))
+    assert info.value.key == "input.image_columns" and "trains drafters on text" in str(info.value)
