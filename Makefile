@@ -59,7 +59,7 @@ models: setup $(DEMO_MODELS) $(MODELS)/reasoner-draft/.batchspec-complete \
         $(MODELS)/lora-upper/.batchspec-complete $(MODELS)/lora-comment/.batchspec-complete \
         $(MODELS)/head/batchspec-model.json $(MODELS)/head-large/batchspec-model.json \
         $(MODELS)/classifier/.batchspec-complete $(MODELS)/cross-encoder/.batchspec-complete \
-        $(MODELS)/vlm/.batchspec-complete
+        $(MODELS)/vlm/.batchspec-complete $(MODELS)/vlm-draft/.batchspec-complete
 
 # the tokenizer, the target and the draft (both cores): one run makes both markers (grouped
 # targets, `&:`), so a build stopped after the target's marker still finishes the draft
@@ -111,9 +111,10 @@ $(MODELS)/cross-encoder/.batchspec-complete: tools/tiny_cross_encoder.py tools/t
 	$(call CACHED,cross-encoder) $(BIN)/python tools/tiny_cross_encoder.py --target $(MODELS)/target --out $(MODELS)/cross-encoder
 
 # a tiny vision-language model (Idefics3, the target's tokenizer) trained from scratch to name a
-# picture's colours and shape, for rows with images; one thread, about a minute; see tools/tiny_vlm.py
-$(MODELS)/vlm/.batchspec-complete: tools/tiny_vlm.py $(MODELS)/target/.batchspec-complete | $(VENV)/.installed
-	$(call CACHED,vlm) $(BIN)/python tools/tiny_vlm.py --target $(MODELS)/target --out $(MODELS)/vlm
+# picture's colours and shape, for rows with images, and a 1-layer draft of its language model;
+# one thread, about a minute; see tools/tiny_vlm.py
+$(MODELS)/vlm/.batchspec-complete $(MODELS)/vlm-draft/.batchspec-complete &: tools/tiny_vlm.py $(MODELS)/target/.batchspec-complete | $(VENV)/.installed
+	$(call CACHED,vlm vlm-draft) $(BIN)/python tools/tiny_vlm.py --target $(MODELS)/target --out $(MODELS)/vlm --draft-out $(MODELS)/vlm-draft
 
 # two LoRA adapters of the target in PEFT's format, for jobs that route rows to adapters
 # (model.lora); one thread each, so with -j they train side by side; see tools/tiny_lora.py

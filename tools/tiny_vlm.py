@@ -59,7 +59,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from grow_model import COMPLETE_MARKER, file_sha256, is_current, publish, scratch_dir  # noqa: E402
 
-from batchspec.distill.recipe import lr_at  # noqa: E402
+from batchspec.distill.recipe import init_draft_from_target, lr_at  # noqa: E402
 
 SEED = 2718
 HELD_OUT_SEED = 31415
@@ -424,7 +424,7 @@ def settings_of(steps: int, vision_steps: int) -> dict:
     }
 
 
-def build(target: Path, out: Path, steps: int, vision_steps: int) -> dict:
+def build(target: Path, out: Path, steps: int, vision_steps: int, draft_out: Path) -> dict:
     """Build the model into ``out`` (through a scratch directory beside it); its info dict."""
     import torch
     from transformers import GenerationConfig, Idefics3ForConditionalGeneration
@@ -489,24 +489,65 @@ def build(target: Path, out: Path, steps: int, vision_steps: int) -> dict:
         "seconds": round(time.time() - started, 1),
     }
     publish(tmp, out, info)
+    write_draft(model, tokenizer, draft_out, out)
     return info
+
+
+def write_draft(model, tokenizer, out: Path, source: Path) -> None:
+    """The VLM's draft: a 1-layer Llama started as its language model's first layer, embeddings,
+    norm and head (``init_draft_from_target``, as the tiny draft starts), not trained further.
+    A draft model of a vision-language target sees the prompt's tokens, not its images (vLLM
+    gives it text-only inputs): what a test needs to run a draft model on an image job, where
+    speculation must leave greedy text as it is."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    text = model.config.text_config.to_dict()
+    config = LlamaConfig(**{k: v for k, v in text.items() if k not in ("architectures", "model_type")})
+    config.num_hidden_layers = 1
+    config.architectures = ["LlamaForCausalLM"]
+    config.tie_word_embeddings = False
+    config.bos_token_id, config.eos_token_id = tokenizer.bos_token_id, tokenizer.eos_token_id
+    draft = LlamaForCausalLM(config)
+    init_draft_from_target(draft, _LanguageModel(model))
+    tmp = scratch_dir(out)
+    draft.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    info = {
+        "role": "draft",
+        "built_by": "tools/tiny_vlm.py",
+        "description": "the first layer of the vision-language model's language model, for draft-model tests",
+        "source": str(source),
+        "parameters": sum(p.numel() for p in draft.parameters()),
+    }
+    publish(tmp, out, info)
+    log(f"draft: {info['parameters'] / 1e6:.2f}M parameters, in {out}")
+
+
+class _LanguageModel:
+    """An Idefics3 model's language model as ``init_draft_from_target`` reads a causal LM."""
+
+    def __init__(self, model):
+        self.model = model.model.text_model
+        self.lm_head = model.lm_head
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", type=Path, default=Path(".models/target"))
     parser.add_argument("--out", type=Path, default=Path(".models/vlm"))
+    parser.add_argument("--draft-out", type=Path, default=Path(".models/vlm-draft"))
     parser.add_argument("--steps", type=int, default=STEPS, help="language model steps")
     parser.add_argument("--vision-steps", type=int, default=VISION_STEPS)
     parser.add_argument("--force", action="store_true", help="rebuild even if current")
     args = parser.parse_args(argv)
     settings = settings_of(args.steps, args.vision_steps)
-    if not args.force and is_current(args.out, args.target / "tokenizer.json", settings):
+    current = (args.draft_out / COMPLETE_MARKER).exists()
+    if current and not args.force and is_current(args.out, args.target / "tokenizer.json", settings):
         (args.out / COMPLETE_MARKER).touch()  # checked current: make need not ask again
         log(f"{args.out} is current")
         return 0
     try:
-        info = build(args.target, args.out, args.steps, args.vision_steps)
+        info = build(args.target, args.out, args.steps, args.vision_steps, args.draft_out)
     except (ValueError, FileNotFoundError) as exc:
         print(exc, file=sys.stderr)
         return 1

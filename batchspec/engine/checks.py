@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from batchspec.engine.heads import check_head_with_lora, check_speculative_model
-from batchspec.engine.images import check_images
+from batchspec.engine.images import check_images, check_multimodal_drafter
 from batchspec.engine.lora import check_lora
 from batchspec.engine.reasoning import check_reasoning
 
@@ -305,6 +305,8 @@ def check_vllm_keys(spec: JobSpec) -> None:
         spec_keys = {f.name for f in dataclasses.fields(SpeculativeConfig)}
         check_known_keys(spec.speculative, spec_keys, "speculative")
         check_speculative_method(spec.speculative)
+        overrides = spec.model.engine.get("hf_overrides")
+        check_multimodal_drafter(spec.model.target, spec.speculative.get("method"), "speculative", overrides)
         check_speculative_model(spec.model.target, spec.speculative)
         check_head_with_lora(spec.model.lora is not None, spec.speculative.get("method"))
     check_known_keys(spec.sampling, (*SamplingParams.__struct_fields__, TEMPLATE_KWARGS), "sampling")

@@ -60,6 +60,84 @@ def check_images(spec: JobSpec) -> None:
         )
 
 
+#: Vision-language targets whose image token vLLM's drafter (vLLM 0.32, its
+#: ``llm_base_proposer``) reads from a field other than ``image_token_index``: for any other
+#: multimodal target, a draft model's engine fails at start-up without that field.
+_IMAGE_TOKEN_ELSEWHERE = frozenset(
+    {
+        "BailingMoeV3VLForConditionalGeneration",
+        "Cohere2VisionForConditionalGeneration",
+        "Exaone4_5_ForConditionalGeneration",
+        "GlmOcrForConditionalGeneration",
+        "HunYuanVLForConditionalGeneration",
+        "InternS2PreviewForConditionalGeneration",
+        "MiMoV2OmniForCausalLM",
+        "Qwen2_5_VLForConditionalGeneration",
+        "Qwen3_5ForConditionalGeneration",
+        "Qwen3_5MoeForConditionalGeneration",
+        "Qwen3VLForConditionalGeneration",
+        "Qwen3VLMoeForConditionalGeneration",
+        "Gemma4ForConditionalGeneration",
+        "Gemma4UnifiedForConditionalGeneration",
+        "Step3p7ForConditionalGeneration",
+        "PixtralForConditionalGeneration",
+        "KimiK25ForConditionalGeneration",
+        "KimiK3ForConditionalGeneration",
+        "NemotronH_Nano_VL_V2",
+    }
+)
+
+
+def check_multimodal_drafter(
+    target: str, method: Any, key: str = "speculative", hf_overrides: Any = None
+) -> None:
+    """Exit 2 before any weights load for a drafter vLLM cannot run beside a vision-language
+    target: a head (EAGLE, EAGLE-3, P-EAGLE) where the target's vLLM model has no EAGLE-3
+    interface (Idefics3 has none), and a draft model where vLLM's drafter would look for the
+    target's ``image_token_index`` and its config has none (``model.engine.hf_overrides`` may
+    give it). N-gram and suffix decoding need neither."""
+    from batchspec.spec.methods import is_draft, reads_hidden_states
+
+    if not (is_draft(method) or reads_hidden_states(method)) or takes_images(target) is not True:
+        return
+    config = load_config(target, "model.target") or {}
+    architectures = [a for a in config.get("architectures") or () if isinstance(a, str)]
+    shown = ", ".join(architectures) or "its architecture"
+    if reads_hidden_states(method):
+        if not any(_has_eagle3(arch) for arch in architectures):
+            raise SpecError(
+                f"{key}.method",
+                f"vLLM runs no {method} head on the vision-language target {target!r} ({shown}: "
+                "its vLLM model takes no EAGLE-3 head); use a draft model or ngram (docs/images.md)",
+            )
+        return
+    overrides = hf_overrides if isinstance(hf_overrides, dict) else {}
+    if "image_token_index" in config or "image_token_index" in overrides:
+        return
+    if any(arch in _IMAGE_TOKEN_ELSEWHERE for arch in architectures):
+        return
+    token = config.get("image_token_id")
+    raise SpecError(
+        f"{key}.method",
+        f"vLLM's drafter reads a vision-language target's image token from its config's "
+        f"image_token_index, which {target!r} ({shown}) has none of: give it with "
+        f"model.engine.hf_overrides: {{image_token_index: {token if isinstance(token, int) else 'ID'}}} "
+        "(docs/images.md)",
+    )
+
+
+def _has_eagle3(architecture: str) -> bool:
+    """Whether vLLM's model of ``architecture`` takes an EAGLE-3 head."""
+    try:
+        from vllm.model_executor.models.interfaces import supports_eagle3
+        from vllm.model_executor.models.registry import ModelRegistry
+
+        cls = ModelRegistry._try_load_model_cls(architecture)
+    except Exception:  # noqa: BLE001 (an architecture vLLM cannot load: vLLM will say so)
+        return True
+    return cls is None or bool(supports_eagle3(cls))
+
+
 def image_limit(spec: JobSpec) -> int | None:
     """The images a prompt may have, where the job sets it (``limit_mm_per_prompt``)."""
     limits = spec.model.engine.get("limit_mm_per_prompt")

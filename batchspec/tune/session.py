@@ -183,11 +183,13 @@ def check_candidate_models(spec: JobSpec, models, key: str) -> None:
     """Refuse a candidate drafter (a draft model or a head, by its checkpoint's config) that
     cannot serve the job's target, naming ``key`` (and its index where there are several)."""
     from batchspec.engine.heads import check_head_with_lora, check_speculative_model
+    from batchspec.engine.images import check_multimodal_drafter
     from batchspec.spec.checkpoints import method_of
 
     for i, model in enumerate(models):
         where = key if key.startswith("--") else f"{key}[{i}]"
         method = method_of(model)
+        check_multimodal_drafter(spec.model.target, method, where, spec.model.engine.get("hf_overrides"))
         check_speculative_model(spec.model.target, {"method": method, "model": model}, where=where)
         check_head_with_lora(spec.model.lora is not None, method, where)
 

@@ -33,6 +33,9 @@ from batchspec.spec.load import load_spec
 
 VLM = MODELS / "vlm"
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+#: The VLM with its draft: vLLM's drafter reads the target's image token from
+#: ``image_token_index``, which Idefics3's config names ``image_token_id`` (docs/images.md).
+DRAFTED = {**VLM_ENGINE, "hf_overrides": {"image_token_index": 2051}}
 SAMPLING = {"temperature": 0.0, "max_tokens": 6}
 ROWS = 12
 
@@ -55,12 +58,12 @@ def pictures():
     return out
 
 
-def job(root, name, input_keys, speculative=None, **sections):
+def job(root, name, input_keys, speculative=None, engine=VLM_ENGINE, **sections):
     return write_job(
         root / f"{name}.yaml",
         input={"id_column": "id", **input_keys} if input_keys.get("format") != "openai" else input_keys,
         output=sections.pop("output", {"path": str(root / f"out-{name}")}),
-        model={"target": str(VLM), "engine": VLM_ENGINE},
+        model={"target": str(VLM), "engine": engine},
         speculative=speculative,
         sampling=SAMPLING,
         **sections,
@@ -345,3 +348,47 @@ def test_a_text_only_target_given_images_is_exit_2_before_any_engine(tmp_path, m
         result = run_cli_in_process(command, str(path))
         assert result.returncode == 2, result.stderr
         assert "input.image_columns" in result.stderr and "text-only" in result.stderr
+
+
+@pytest.mark.engine
+def test_a_draft_model_on_image_rows_gives_the_greedy_text_of_off(shared_engines, image_rows, bare):
+    root = image_rows
+    draft = {"method": "draft_model", "model": str(MODELS / "vlm-draft"), "num_speculative_tokens": 2}
+    keys = {"path": str(root / "in" / "*.parquet"), **SHAPES["bytes"]}
+    result = run(shared_engines, job(root, "draft", keys, speculative=draft, engine=DRAFTED))
+    out = texts(root, "draft")
+    assert [out[f"r{i}"]["generated_text"] for i in range(ROWS)] == bare
+    assert all(r["spec_num_draft_tokens"] > 0 for r in out.values()), out
+    assert result.summary["totals"]["spec_num_accepted_tokens"] > 0
+
+
+@pytest.mark.parametrize(
+    "speculative, engine, words",
+    [
+        ({"method": "eagle3", "model": str(MODELS / "head")}, DRAFTED, "takes no EAGLE-3 head"),
+        (
+            {"method": "draft_model", "model": str(MODELS / "vlm-draft")},
+            VLM_ENGINE,
+            "image_token_index: 2051",
+        ),
+    ],
+)
+def test_a_drafter_vllm_cannot_run_on_a_vision_language_target_is_exit_2(
+    tmp_path, models, speculative, engine, words
+):
+    """Tried on vLLM 0.32's CPU build: an EAGLE-3 head on Idefics3 fails at start-up (``Target
+    model does not have 'model' attribute``; its vLLM model has no EAGLE-3 interface), and a
+    draft model without the target's ``image_token_index`` too (``'Idefics3Config' object has no
+    attribute 'image_token_index'``): both are refused before any engine starts."""
+    write_parquet(tmp_path / "in" / "rows.parquet", {"q": ["x"], "img": [b"\x89PNG"]})
+    path = write_job(
+        tmp_path / "job.yaml",
+        input={"path": str(tmp_path / "in" / "*.parquet"), "prompt_column": "q", "image_columns": ["img"]},
+        output={"path": str(tmp_path / "out")},
+        model={"target": str(models / "vlm"), "engine": engine},
+        speculative={**speculative, "num_speculative_tokens": 2},
+        sampling={"temperature": 0.0},
+    )
+    result = run_cli_in_process("validate", str(path))
+    assert result.returncode == 2, result.stderr
+    assert "speculative.method" in result.stderr and words in result.stderr

@@ -1,6 +1,6 @@
-"""An image job killed and rerun (tests/engine/test_images.py has the rest, on shared engines):
-its own `batchspec` processes, so `make test` runs it beside the shared-engine group
-(tests/helpers/lanes.py)."""
+"""Image jobs in `batchspec` processes of their own (tests/engine/test_images.py has the rest, on
+shared engines), so `make test` runs them beside the shared-engine group (tests/helpers/lanes.py):
+a job killed and rerun on Ray, and `batchspec tune` weighing a draft model and n-gram on one."""
 
 from __future__ import annotations
 
@@ -72,3 +72,52 @@ def test_an_image_job_killed_then_rerun_on_ray_has_every_row_once(tmp_path, mode
         for i in range(ROWS):
             assert text[f"s{s}-{i}"] == text[f"{first['shard']}-{i}"], (s, i)
     assert len({text[f"s0-{i}"] for i in range(ROWS)}) > 1  # the answers follow the pictures
+
+
+def test_tune_measures_a_draft_model_and_ngram_on_an_image_job(tmp_path, models):
+    """The VLM's draft (its language model's first layer, given the target's image token by
+    ``hf_overrides``) and n-gram are measured on image rows: lossless, each with a speed-up."""
+    rng = random.Random(8)
+    rows = [picture(rng)[0] for _ in range(8)]
+    write_parquet(
+        tmp_path / "in" / "rows.parquet",
+        {"question": [QUESTIONS["shape"][0]] * len(rows), "img": [png_bytes(image) for image in rows]},
+    )
+    job = write_job(
+        tmp_path / "job.yaml",
+        input={
+            "path": str(tmp_path / "in" / "*.parquet"),
+            "prompt_column": "question",
+            "image_columns": ["img"],
+        },
+        output={"path": str(tmp_path / "out")},
+        model={
+            "target": str(models / "vlm"),
+            "engine": {**VLM_ENGINE, "hf_overrides": {"image_token_index": 2051}},
+        },
+        sampling={"temperature": 0.0, "max_tokens": 6},
+    )
+    result = run_cli(
+        "tune",
+        str(job),
+        "--sample",
+        "8",
+        "--concurrency",
+        "4",
+        "--k",
+        "2",
+        "--no-batch-knobs",
+        "--draft",
+        str(models / "vlm-draft"),
+        "--json",
+        env=INLINE_ENGINE,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    data = json.loads(result.stdout)
+    labels = {c["label"]: c for c in data["candidates"]}
+    assert {"off", "draft k=2", "ngram k=2"} <= set(labels), sorted(labels)
+    for label in ("draft k=2", "ngram k=2"):
+        entry = labels[label]
+        assert entry["skipped"] is None and entry["lossless"] is True, entry
+        assert entry["output_tokens_per_s"] > 0 and entry["acceptance_rate"] is not None, entry
+    assert data["sample"]["rows"] == 8
