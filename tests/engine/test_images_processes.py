@@ -74,29 +74,38 @@ def test_an_image_job_killed_then_rerun_on_ray_has_every_row_once(tmp_path, mode
     assert len({text[f"s0-{i}"] for i in range(ROWS)}) > 1  # the answers follow the pictures
 
 
-def test_tune_measures_a_draft_model_and_ngram_on_an_image_job(tmp_path, models):
-    """The VLM's draft (its language model's first layer, given the target's image token by
-    ``hf_overrides``) and n-gram are measured on image rows: lossless, each with a speed-up."""
+def _drafted_job(tmp_path, models, speculative=None):
+    """Eight image rows on the VLM, its image token given for vLLM's drafter (docs/images.md)."""
     rng = random.Random(8)
     rows = [picture(rng)[0] for _ in range(8)]
     write_parquet(
         tmp_path / "in" / "rows.parquet",
-        {"question": [QUESTIONS["shape"][0]] * len(rows), "img": [png_bytes(image) for image in rows]},
+        {
+            "id": [f"r{i}" for i in range(len(rows))],
+            "question": [QUESTIONS["shape"][0]] * len(rows),
+            "img": [png_bytes(image) for image in rows],
+        },
     )
-    job = write_job(
+    engine = {**VLM_ENGINE, "hf_overrides": {"image_token_index": 2051}}
+    return write_job(
         tmp_path / "job.yaml",
         input={
             "path": str(tmp_path / "in" / "*.parquet"),
+            "id_column": "id",
             "prompt_column": "question",
             "image_columns": ["img"],
         },
         output={"path": str(tmp_path / "out")},
-        model={
-            "target": str(models / "vlm"),
-            "engine": {**VLM_ENGINE, "hf_overrides": {"image_token_index": 2051}},
-        },
+        model={"target": str(models / "vlm"), "engine": engine},
+        speculative=speculative,
         sampling={"temperature": 0.0, "max_tokens": 6},
     )
+
+
+def test_tune_measures_a_draft_model_and_ngram_on_an_image_job(tmp_path, models):
+    """The VLM's draft (its language model's first layer, given the target's image token by
+    ``hf_overrides``) and n-gram are measured on image rows: lossless, each with a speed-up."""
+    job = _drafted_job(tmp_path, models)
     result = run_cli(
         "tune",
         str(job),
@@ -122,3 +131,26 @@ def test_tune_measures_a_draft_model_and_ngram_on_an_image_job(tmp_path, models)
         assert entry["output_tokens_per_s"] > 0, entry
     assert labels["vlm-draft k=2"]["acceptance_rate"] > 0  # the draft proposed, and some was kept
     assert data["sample"]["rows"] == 8
+
+
+def test_auto_measures_on_image_rows_and_runs_its_choice(tmp_path, models):
+    """``speculative: auto`` on an image job: its sample's images reach the measuring engine,
+    the draft model is among what it measured, and the run generates every row with its choice."""
+    auto = {
+        "method": "auto",
+        "drafts": [str(models / "vlm-draft")],
+        "k": [2],
+        "sample": 8,
+        "concurrency": [4],
+    }
+    job = _drafted_job(tmp_path, models, auto)
+    result = run_cli("run", str(job), "--no-progress", env=INLINE_ENGINE, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    [summary] = [json.loads(p.read_text()) for p in (tmp_path / "out" / "_batchspec" / "runs").glob("*.json")]
+    chosen = summary["speculative_auto"]["chosen"]
+    [record] = [json.loads(p.read_text()) for p in (tmp_path / "out" / "_batchspec" / "auto").glob("*.json")]
+    measured = {c["label"] for c in record["measurements"]["candidates"]}
+    assert {"off", "vlm-draft k=2"} <= measured and chosen in measured, (chosen, measured)
+    table = read_output(tmp_path / "out")
+    assert table.num_rows == 8 and table["error"].null_count == 8
+    assert summary["totals"]["images"] == 8
