@@ -20,6 +20,7 @@ import pyarrow as pa
 import pytest
 from helpers.jobs import (
     MODELS,
+    S3_SECRET,
     VLM_ENGINE,
     png_bytes,
     read_output,
@@ -335,6 +336,47 @@ def test_ngram_speculation_on_image_rows_gives_the_greedy_text_of_off(shared_eng
     assert all(r["spec_num_draft_tokens"] is not None for r in out.values())
 
 
+@pytest.mark.engine
+def test_image_urls_on_s3_are_read_with_the_jobs_storage_options(
+    shared_engines, tmp_path, pictures, bare, s3_server
+):
+    """A column of s3:// URLs (the store a real server on 127.0.0.1, its secret given by
+    ``${VAR}``): the same texts as the pictures' bytes; a URL's signature never reaches an error."""
+    import uuid
+
+    import s3fs
+
+    _, options = s3_server
+    fs = s3fs.S3FileSystem(**options, skip_instance_cache=True)
+    bucket = f"img-{uuid.uuid4().hex[:10]}"
+    fs.mkdir(bucket)
+    for i, p in enumerate(pictures):
+        fs.pipe(f"{bucket}/pics/p{i}.png", p["png"])
+    urls = [f"s3://{bucket}/pics/p{i}.png" for i in range(ROWS)]
+    urls[-1] = f"s3://{bucket}/pics/missing.png?X-Amz-Signature={S3_SECRET}"
+    write_parquet(
+        tmp_path / "in" / "rows.parquet",
+        {"id": [f"r{i}" for i in range(ROWS)], "question": [p["question"] for p in pictures], "url": urls},
+    )
+    path = job(
+        tmp_path,
+        "s3",
+        {
+            "path": str(tmp_path / "in" / "*.parquet"),
+            "prompt_column": "question",
+            "image_columns": ["url"],
+            "image_roots": [f"s3://{bucket}/pics"],
+            "storage_options": {**options, "secret": "${S3_SECRET}"},
+        },
+    )
+    result = shared_engines.run(load_spec(path, environ={"S3_SECRET": S3_SECRET}))
+    assert result.exit_code == 0, result.log
+    out = texts(tmp_path, "s3")
+    assert [out[f"r{i}"]["generated_text"] for i in range(ROWS - 1)] == bare[:-1]
+    missing = out[f"r{ROWS - 1}"]["error"]
+    assert missing.startswith("bad image: image not found") and S3_SECRET not in missing, missing
+
+
 def test_a_text_only_target_given_images_is_exit_2_before_any_engine(tmp_path, models):
     write_parquet(tmp_path / "in" / "rows.parquet", {"q": ["x"], "img": [b"\x89PNG"]})
     path = write_job(
@@ -392,3 +434,24 @@ def test_a_drafter_vllm_cannot_run_on_a_vision_language_target_is_exit_2(
     result = run_cli_in_process("validate", str(path))
     assert result.returncode == 2, result.stderr
     assert "speculative.method" in result.stderr and words in result.stderr
+    # chat messages with image_url parts: validate reads the rows and says which one
+    line = {
+        "m": [
+            {
+                "role": "user",
+                "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}],
+            }
+        ]
+    }
+    (tmp_path / "chat").mkdir()
+    (tmp_path / "chat" / "rows.jsonl").write_text(json.dumps(line) + "\n")
+    path = write_job(
+        tmp_path / "chat.yaml",
+        input={"path": str(tmp_path / "chat" / "*.jsonl"), "messages_column": "m"},
+        output={"path": str(tmp_path / "out-chat")},
+        model={"target": str(models / "target")},
+        sampling={"temperature": 0.0},
+    )
+    result = run_cli_in_process("validate", str(path))
+    assert result.returncode == 2, result.stderr
+    assert "model.target" in result.stderr and "has images" in result.stderr and "text-only" in result.stderr
