@@ -8,7 +8,8 @@ from __future__ import annotations
 from typing import Any
 
 from batchspec.errors import SpecError
-from batchspec.io.images import ImageError, ImageLimits, read_image, shown
+from batchspec.io.image_reader import read_image
+from batchspec.io.images import ImageError, ImageLimits, shown
 from batchspec.io.rows import Row
 from batchspec.spec.checkpoints import load_config
 from batchspec.spec.model import JobSpec

@@ -5,9 +5,9 @@ A row's images come from ``input.image_columns`` (a cell of bytes, or of a URL, 
 them) or from ``image_url`` parts of its chat messages (JSON lines, Parquet, OpenAI Batch
 files). Either way the row's messages hold ``{"type": "image", "image": i}`` parts, ``i`` an
 index into :attr:`batchspec.io.rows.Row.images`, and nothing is read until the engine takes
-the row (:func:`read_image`): a row's images are fetched, checked and decoded then, handed to
-vLLM, and released when its request is processed, so that memory follows the requests in flight,
-not the shard.
+the row (:func:`batchspec.io.image_reader.read_image`): a row's images are fetched, checked and
+decoded then, handed to vLLM, and released when its request is processed, so that memory follows
+the requests in flight, not the shard.
 
 An image is that row's error, never the run's, when it is: not bytes or a URL; a URL of a scheme
 batchspec does not read (``http://`` is never fetched), or outside every ``input.image_roots``
@@ -18,12 +18,8 @@ that would decode to gigabytes is refused unread); or corrupt. A URL is shown wi
 
 from __future__ import annotations
 
-import base64
-import binascii
 import hashlib
-import io
 import re
-import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -176,40 +172,6 @@ def text_only(messages: list[dict]) -> list[dict]:
     ]
 
 
-# ------------------------------------------------------------------ reading one image
-
-
-def read_image(ref: ImageRef, limits: ImageLimits):
-    """The image ``ref`` names, fetched and decoded within ``limits``: an RGB ``PIL.Image``,
-    loaded (the file closed). ImageError where the row must get an error instead."""
-    return decode(image_bytes(ref, limits), limits.max_pixels)
-
-
-def image_bytes(ref: ImageRef, limits: ImageLimits) -> bytes:
-    """An image's encoded bytes: as given, from a ``data:`` URL, or read from storage."""
-    if isinstance(ref, bytes):
-        data = ref
-    elif ref[:5].lower() == "data:":
-        data = _data_url(ref, limits.max_bytes)
-    else:
-        data = _fetch(ref, limits)
-    if len(data) > limits.max_bytes:
-        raise ImageError(f"{shown(ref)} is over input.max_image_bytes ({limits.max_bytes:,} bytes)")
-    return data
-
-
-def _data_url(url: str, max_bytes: int) -> bytes:
-    head, comma, payload = url.partition(",")
-    if not comma or not head[5:].endswith(";base64"):
-        raise ImageError("a data: URL image must be base64 (data:image/png;base64,...)")
-    if len(payload) * 3 // 4 > max_bytes + 3:  # refused before it is decoded
-        raise ImageError(f"{shown(url)} is over input.max_image_bytes ({max_bytes:,} bytes)")
-    try:
-        return base64.b64decode(payload, validate=True)
-    except (binascii.Error, ValueError) as exc:
-        raise ImageError(f"a data: URL image is not valid base64: {exc}") from exc
-
-
 def scheme_of(url: str) -> str | None:
     """A URL's scheme, lower-cased (None: a plain path)."""
     m = _SCHEME.match(url)
@@ -225,78 +187,3 @@ def check_readable(url: str) -> None:
             "and memory:// (under input.image_roots) and data: URLs, never "
             + (f"{scheme}://" if scheme and "::" not in url else "a chained URL")
         )
-
-
-def under_roots(url: str, roots: tuple[str, ...], storage_options: dict) -> bool:
-    """Whether every spelling of ``url`` lies inside one of ``roots`` on the same store (the
-    spellings of :func:`batchspec.io.locations.store_location`: symlinks, ``..`` and doubled
-    slashes resolved)."""
-    from batchspec.errors import SpecError
-    from batchspec.io.locations import store_location
-    from batchspec.io.urls import inside
-
-    try:
-        where = store_location(url, storage_options, "input.image_roots")
-    except SpecError as exc:
-        raise ImageError(f"image URL {shown(url)}: {exc}") from exc
-    for root in roots:
-        loc = store_location(root, storage_options, "input.image_roots")
-        if loc.realm != where.realm or loc.endpoint.key != where.endpoint.key:
-            continue
-        if all(any(inside(p, r) for r in loc.paths) for p in where.paths):
-            return True
-    return False
-
-
-def _fetch(url: str, limits: ImageLimits) -> bytes:
-    from batchspec.errors import SpecError
-    from batchspec.io.retry import retry
-    from batchspec.io.urls import is_local_fs, open_url
-
-    check_readable(url)
-    if not limits.roots:
-        raise ImageError(f"image URL {shown(url)}: input.image_roots names no location images are read from")
-    if not under_roots(url, limits.roots, limits.storage_options):
-        raise ImageError(f"image URL {shown(url)} is outside input.image_roots")
-    try:
-        fs, path = open_url(url, limits.storage_options, "input.image_roots")
-    except SpecError as exc:
-        raise ImageError(f"image URL {shown(url)}: {exc}") from exc
-
-    def read() -> bytes:
-        with fs.open(path, "rb") as handle:
-            return handle.read(limits.max_bytes + 1)
-
-    try:
-        return read() if is_local_fs(fs) else retry(read, f"reading image {shown(url)}")
-    except FileNotFoundError as exc:
-        raise ImageError(f"image not found: {shown(url)}") from exc
-    except (IsADirectoryError, PermissionError) as exc:
-        raise ImageError(f"cannot read image {shown(url)}: {type(exc).__name__}") from exc
-    except OSError as exc:
-        raise ImageError(f"cannot read image {shown(url)}: {exc}") from exc
-
-
-def decode(data: bytes, max_pixels: int):
-    """Encoded image bytes as a loaded RGB ``PIL.Image`` (a multi-frame image's first frame)."""
-    from PIL import Image, UnidentifiedImageError
-
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", Image.DecompressionBombWarning)
-            image = Image.open(io.BytesIO(data), formats=IMAGE_FORMATS)
-            width, height = image.size
-            if width * height > max_pixels:  # from the header: nothing decoded yet
-                raise ImageError(
-                    f"image of {width}x{height} pixels is over input.max_image_pixels ({max_pixels:,})"
-                )
-            image.load()
-            return image.convert("RGB")
-    except ImageError:
-        raise
-    except UnidentifiedImageError as exc:
-        raise ImageError(f"corrupt, or not an image batchspec reads ({', '.join(IMAGE_FORMATS)})") from exc
-    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
-        raise ImageError(f"image refused as a decompression bomb: {exc}") from exc
-    except (OSError, SyntaxError, ValueError, EOFError, MemoryError) as exc:
-        raise ImageError(f"corrupt image: {exc}") from exc

@@ -352,6 +352,13 @@ def check_no_overlap(
         )
 
 
+def check_job_locations(spec) -> None:
+    """:func:`check_no_overlap` for a job (a JobSpec): its input paths and image roots against
+    its output."""
+    inp, out = spec.input, spec.output
+    check_no_overlap(inp.paths, inp.storage_options, out.path, out.storage_options, inp.image_roots)
+
+
 def same_store(paths, input_options: dict, out: OutputDir) -> bool:
     """Whether any input pattern could live on the output's store (then listing must skip the
     output path): the same judgement as :func:`check_no_overlap`'s."""

@@ -25,7 +25,7 @@ from typing import Any
 
 from batchspec.errors import BatchspecError, Interrupted, RuntimeFailure, SpecError
 from batchspec.io.host import this_host
-from batchspec.io.locations import check_no_overlap
+from batchspec.io.locations import check_job_locations
 from batchspec.io.output_dir import OutputDir, remove_orphan_tmp_files
 from batchspec.io.records import Shard
 from batchspec.io.states import ShardState
@@ -211,13 +211,7 @@ class _Job:
             self.executor = options.executor
         # cheap checks first: overlapping locations, then a misspelled vLLM key, both exit 2
         # before any input is listed or read
-        check_no_overlap(
-            spec.input.paths,
-            spec.input.storage_options,
-            spec.output.path,
-            spec.output.storage_options,
-            spec.input.image_roots,
-        )
+        check_job_locations(spec)
         check_vllm_keys(spec)
         if spec.speculative_auto is not None:
             from batchspec.tune.auto import check_auto

@@ -26,7 +26,7 @@ from batchspec.io.answers import answer_column
 from batchspec.io.input_formats import input_format
 from batchspec.io.jsonl import JsonLinesReader
 from batchspec.io.listing import assign, check_worker, discover_shards
-from batchspec.io.locations import check_no_overlap, same_store
+from batchspec.io.locations import check_job_locations, same_store
 from batchspec.io.output_dir import OutputDir
 from batchspec.io.output_formats import ResultWriter, output_fields, result_fields
 from batchspec.io.reader import ParquetReader, Row, open_reader
@@ -77,13 +77,7 @@ def plan(
     from batchspec.spec.fingerprint import spec_fingerprint
 
     check_worker(worker_index, num_workers)
-    check_no_overlap(
-        spec.input.paths,
-        spec.input.storage_options,
-        spec.output.path,
-        spec.output.storage_options,
-        spec.input.image_roots,
-    )
+    check_job_locations(spec)
     out = out or OutputDir.of(spec.output)
     out.check_folders()  # exit 3 where a link below the output leads out of it
     if out.format.table and overwrite:

@@ -14,8 +14,9 @@ from batchspec.engine.checks import max_model_len
 from batchspec.engine.images import takes_images
 from batchspec.engine.tokens import length_error, prompt_token_ids
 from batchspec.errors import EXIT_BAD_INPUT, InputDataError, SpecError
-from batchspec.io.images import ImageError, ImageLimits, read_image
-from batchspec.io.locations import check_no_overlap
+from batchspec.io.image_reader import read_image
+from batchspec.io.images import ImageError, ImageLimits
+from batchspec.io.locations import check_job_locations
 from batchspec.io.reader import open_reader
 from batchspec.io.states import ShardState
 from batchspec.redact import sanitize_url
@@ -75,13 +76,7 @@ def validate_job(spec: JobSpec, worker_index: int = 0, num_workers: int = 1) -> 
     from batchspec.engine.structured import normalise
 
     # as a run does: overlapping locations first, then the keys vLLM takes (both exit 2)
-    check_no_overlap(
-        spec.input.paths,
-        spec.input.storage_options,
-        spec.output.path,
-        spec.output.storage_options,
-        spec.input.image_roots,
-    )
+    check_job_locations(spec)
     check_vllm_keys(spec)
     if spec.speculative_auto is not None:
         from batchspec.tune.auto import check_auto

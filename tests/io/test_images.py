@@ -15,7 +15,8 @@ import pytest
 from helpers.jobs import S3_SECRET, write_parquet
 
 from batchspec.errors import InputDataError, SpecError
-from batchspec.io.images import ImageError, ImageLimits, read_image
+from batchspec.io.image_reader import read_image
+from batchspec.io.images import ImageError, ImageLimits
 from batchspec.io.listing import discover_shards
 from batchspec.io.reader import open_reader
 from batchspec.io.rows import asked_digest
