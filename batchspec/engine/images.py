@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from batchspec.errors import SpecError
+from batchspec.errors import RuntimeFailure, SpecError
 from batchspec.io.image_reader import read_image
 from batchspec.io.images import ImageError, ImageLimits, shown
 from batchspec.io.rows import Row
@@ -175,8 +175,10 @@ class ImagePrompts:
             except ImageError as exc:
                 where = f"image {i + 1} of {len(refs)}, " if len(refs) > 1 else ""
                 raise RowImageError(f"bad image: {where}{exc}") from exc
-            except Exception as exc:  # noqa: BLE001 (a store's failure spent: this row's error)
-                raise RowImageError(f"bad image: cannot read {shown(ref)}: {exc}") from exc
+            except RuntimeFailure:
+                raise  # the store failed past its retries: the run's failure, not the row's
+            except Exception as exc:  # noqa: BLE001 (whatever else a library raises: this row's)
+                raise RowImageError(f"bad image: cannot read {shown(ref)}: {type(exc).__name__}") from exc
         conversation = [_vllm_message(m, images) for m in row.messages or ()]
         del images  # vLLM's processor holds what it needs; the decoded pixels go with this frame
         return llm._preprocess_chat_one(conversation, chat_template_kwargs=template_kwargs or None)

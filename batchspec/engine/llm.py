@@ -320,6 +320,8 @@ class Engine:
                 prompt, ids = None, prompt_token_ids(self.tokenizer, row, kwargs)
         except RowImageError as exc:
             return None, error_result(str(exc))
+        except RuntimeFailure:
+            raise  # an image's store failed past its retries: the run's failure (exit 1)
         except Exception as exc:  # a template or tokenizer failure belongs to this row only
             return None, error_result(f"cannot render prompt: {exc}")
         if self.refuse_random_sampling and params.temperature > 0:

@@ -10,12 +10,14 @@ import base64
 import binascii
 import io
 import warnings
+from urllib.parse import parse_qsl, urlsplit
 
 from batchspec.errors import SpecError
 from batchspec.io.images import IMAGE_FORMATS, ImageError, ImageLimits, ImageRef, check_readable, shown
 from batchspec.io.locations import store_location
 from batchspec.io.retry import retry
 from batchspec.io.urls import inside, is_local_fs, open_url
+from batchspec.redact import scrub_text
 
 
 def read_image(ref: ImageRef, limits: ImageLimits):
@@ -67,6 +69,10 @@ def under_roots(url: str, roots: tuple[str, ...], storage_options: dict) -> bool
 
 
 def _fetch(url: str, limits: ImageLimits) -> bytes:
+    """An image's bytes from storage, at most one more than the limit. A transient store error
+    is retried under the storage retry policy; once its attempts are spent, RuntimeFailure (the
+    run's failure, exit 1: the row is not written, and a rerun reads it again), never the row's
+    error."""
     check_readable(url)
     if not limits.roots:
         raise ImageError(f"image URL {shown(url)}: input.image_roots names no location images are read from")
@@ -88,7 +94,15 @@ def _fetch(url: str, limits: ImageLimits) -> bytes:
     except (IsADirectoryError, PermissionError) as exc:
         raise ImageError(f"cannot read image {shown(url)}: {type(exc).__name__}") from exc
     except OSError as exc:
-        raise ImageError(f"cannot read image {shown(url)}: {exc}") from exc
+        raise ImageError(f"cannot read image {shown(url)}: {_scrubbed(exc, url)}") from exc
+
+
+def _scrubbed(exc: BaseException, url: str) -> str:
+    """An error's message without the URL's query values or login, however the library spelt
+    the URL in it (with or without its scheme)."""
+    parts = urlsplit(url)
+    secrets = [value for _, value in parse_qsl(parts.query)] + [parts.password or ""]
+    return scrub_text(str(exc), secrets)
 
 
 def decode(data: bytes, max_pixels: int):

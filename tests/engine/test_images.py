@@ -14,10 +14,12 @@ from __future__ import annotations
 import base64
 import io
 import json
+import os
 import random
 
 import pyarrow as pa
 import pytest
+from helpers.emulators import azure_fs, azure_server, gcs_fs, gcs_server  # noqa: F401  (session fixtures)
 from helpers.jobs import (
     MODELS,
     S3_SECRET,
@@ -336,42 +338,59 @@ def test_ngram_speculation_on_image_rows_gives_the_greedy_text_of_off(shared_eng
     assert all(r["spec_num_draft_tokens"] is not None for r in out.values())
 
 
+@pytest.fixture(params=["s3", "gs", "az"])
+def image_store(request, monkeypatch):
+    """An object store on 127.0.0.1 (moto, gcp-storage-emulator, Azurite) as an image job sees
+    it: (scheme, a client, the job's ``storage_options``, the environment it needs). S3's secret
+    reaches the spec by ``${S3_SECRET}``."""
+    scheme = request.param
+    if scheme == "s3":
+        import s3fs
+
+        _, options = request.getfixturevalue("s3_server")
+        fs = s3fs.S3FileSystem(**options, skip_instance_cache=True)
+        return scheme, fs, {**options, "secret": "${S3_SECRET}"}, {"S3_SECRET": S3_SECRET}
+    emulator = request.getfixturevalue("gcs_server" if scheme == "gs" else "azure_server")
+    for key, value in emulator.env.items():
+        monkeypatch.setenv(key, value)
+    fs = gcs_fs(emulator) if scheme == "gs" else azure_fs(emulator)
+    return scheme, fs, dict(emulator.storage_options), dict(emulator.env)
+
+
 @pytest.mark.engine
-def test_image_urls_on_s3_are_read_with_the_jobs_storage_options(
-    shared_engines, tmp_path, pictures, bare, s3_server
+def test_image_urls_on_each_store_are_read_with_the_jobs_storage_options(
+    shared_engines, tmp_path, pictures, bare, image_store
 ):
-    """A column of s3:// URLs (the store a real server on 127.0.0.1, its secret given by
-    ``${VAR}``): the same texts as the pictures' bytes; a URL's signature never reaches an error."""
+    """A column of s3://, gs:// or az:// URLs, read with the job's storage options: the same
+    texts as the pictures' bytes; a missing one is its row's error, and a URL's signature never
+    reaches it."""
     import uuid
 
-    import s3fs
-
-    _, options = s3_server
-    fs = s3fs.S3FileSystem(**options, skip_instance_cache=True)
+    scheme, fs, options, env = image_store
     bucket = f"img-{uuid.uuid4().hex[:10]}"
     fs.mkdir(bucket)
     for i, p in enumerate(pictures):
         fs.pipe(f"{bucket}/pics/p{i}.png", p["png"])
-    urls = [f"s3://{bucket}/pics/p{i}.png" for i in range(ROWS)]
-    urls[-1] = f"s3://{bucket}/pics/missing.png?X-Amz-Signature={S3_SECRET}"
+    urls = [f"{scheme}://{bucket}/pics/p{i}.png" for i in range(ROWS)]
+    urls[-1] = f"{scheme}://{bucket}/pics/missing.png?X-Amz-Signature={S3_SECRET}"
     write_parquet(
         tmp_path / "in" / "rows.parquet",
         {"id": [f"r{i}" for i in range(ROWS)], "question": [p["question"] for p in pictures], "url": urls},
     )
     path = job(
         tmp_path,
-        "s3",
+        scheme,
         {
             "path": str(tmp_path / "in" / "*.parquet"),
             "prompt_column": "question",
             "image_columns": ["url"],
-            "image_roots": [f"s3://{bucket}/pics"],
-            "storage_options": {**options, "secret": "${S3_SECRET}"},
+            "image_roots": [f"{scheme}://{bucket}/pics"],
+            "storage_options": options,
         },
     )
-    result = shared_engines.run(load_spec(path, environ={"S3_SECRET": S3_SECRET}))
+    result = shared_engines.run(load_spec(path, environ={**os.environ, **env}))
     assert result.exit_code == 0, result.log
-    out = texts(tmp_path, "s3")
+    out = texts(tmp_path, scheme)
     assert [out[f"r{i}"]["generated_text"] for i in range(ROWS - 1)] == bare[:-1]
     missing = out[f"r{ROWS - 1}"]["error"]
     assert missing.startswith("bad image: image not found") and S3_SECRET not in missing, missing

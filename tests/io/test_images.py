@@ -395,3 +395,39 @@ def test_distill_refuses_a_job_whose_rows_carry_images(tmp_path):
     with pytest.raises(SpecError) as info:
         check_options(spec, DistillOptions(out=tmp_path / "d", method="eagle3"))
     assert info.value.key == "input.image_columns" and "trains drafters on text" in str(info.value)
+
+
+def test_a_store_that_fails_half_its_requests_still_gives_the_image_and_one_that_never_answers_fails_the_run(
+    monkeypatch,
+):
+    """A transient store error is retried under the storage policy; once the attempts are spent
+    it is the run's failure (exit 1, the row unwritten, a rerun reads it again), never a row
+    error that a rerun would keep."""
+    import errno
+
+    import fsspec
+    from fsspec.implementations.memory import MemoryFileSystem
+
+    from batchspec.errors import RuntimeFailure
+    from batchspec.io import retry
+
+    monkeypatch.setattr(retry, "ATTEMPTS", 3)
+    monkeypatch.setattr(retry, "BACKOFF_S", 0.01)
+    fs = fsspec.filesystem("memory")
+    fs.pipe("/flaky/pics/a.png", png((0, 255, 0)))
+    opened = MemoryFileSystem.open
+    calls = {"n": 0, "fail": "half"}
+
+    def flaky(self, path, *args, **kwargs):
+        calls["n"] += 1
+        if calls["fail"] == "always" or calls["n"] % 2:
+            raise ConnectionResetError(errno.ECONNRESET, "connection reset by peer")
+        return opened(self, path, *args, **kwargs)
+
+    monkeypatch.setattr(MemoryFileSystem, "open", flaky)
+    limits = ImageLimits(2**20, 2**20, roots=("memory://flaky/pics",))
+    for _ in range(3):
+        assert read_image("memory://flaky/pics/a.png", limits).getpixel((1, 1))[1] > 200
+    calls["fail"] = "always"
+    with pytest.raises(RuntimeFailure, match="reading image"):
+        read_image("memory://flaky/pics/a.png", limits)
