@@ -255,6 +255,49 @@ def test_two_images_a_row_and_a_swapped_image_change_the_answer(shared_engines, 
     one = texts(root, "bytes")
     assert all(two[k]["error"] is None for k in two), two
     assert all(two[k]["num_prompt_tokens"] == one[k]["num_prompt_tokens"] + 4 for k in two)
+    # and the same texts as vLLM's own chat given both pictures in that order
+    from vllm import SamplingParams
+
+    engine = shared_engines.engine(SharedSpec.of())
+    both = [
+        [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image_url", "image_url": {"url": data_url(p["png"])}},
+                    {"type": "image_url", "image_url": {"url": data_url(p["png"])}},
+                    {"type": "text", "text": p["question"]},
+                ],
+            }
+        ]
+        for p in pictures
+    ]
+    outputs = engine.llm.chat(both, SamplingParams(**SAMPLING), use_tqdm=False)
+    assert [two[f"r{i}"]["generated_text"] for i in range(ROWS)] == [o.outputs[0].text for o in outputs]
+
+
+@pytest.mark.engine
+def test_an_image_job_over_a_delta_table_reads_its_pinned_version(shared_engines, tmp_path, pictures, bare):
+    """A Delta table with a binary image column: the run pins the version it reads (``input_pin.json``,
+    docs/tables.md) and its texts equal vLLM's own chat."""
+    import pyarrow as pa
+    from deltalake import write_deltalake
+
+    table = str(tmp_path / "table")
+    rows = pa.table(
+        {
+            "id": [f"r{i}" for i in range(ROWS)],
+            "question": [p["question"] for p in pictures],
+            "img": pa.array([p["png"] for p in pictures], pa.binary()),
+        }
+    )
+    write_deltalake(table, rows)
+    path = job(tmp_path, "delta", {"path": table, "format": "delta", **SHAPES["bytes"]})
+    run(shared_engines, path)
+    out = texts(tmp_path, "delta")
+    assert [out[f"r{i}"]["generated_text"] for i in range(ROWS)] == bare
+    meta = json.loads((tmp_path / "out-delta" / "_batchspec" / "input_pin.json").read_text())
+    assert meta.get("version") == 0, meta
 
 
 @pytest.mark.engine
