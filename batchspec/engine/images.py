@@ -163,9 +163,10 @@ class ImagePrompts:
         if self.takes_images is False:
             raise RowImageError("bad image: the target is a text-only model and takes no images")
         refs = row.images or []
-        if self.limit is not None and len(refs) > self.limit:
+        limit = _engine_limit(llm, self.limit)
+        if limit is not None and len(refs) > limit:  # checked before any image is read
             raise RowImageError(
-                f"bad image: {len(refs)} images, the engine takes {self.limit} a prompt "
+                f"bad image: {len(refs)} images, the engine takes {limit} a prompt "
                 "(model.engine.limit_mm_per_prompt.image)"
             )
         images = []
@@ -182,6 +183,15 @@ class ImagePrompts:
         conversation = [_vllm_message(m, images) for m in row.messages or ()]
         del images  # vLLM's processor holds what it needs; the decoded pixels go with this frame
         return llm._preprocess_chat_one(conversation, chat_template_kwargs=template_kwargs or None)
+
+
+def _engine_limit(llm: Any, asked: int | None) -> int | None:
+    """The images a prompt may have on this engine: what vLLM's config holds (999 where the job
+    sets none), else what the job asked."""
+    try:
+        return int(llm.llm_engine.model_config.multimodal_config.get_limit_per_prompt("image"))
+    except Exception:  # noqa: BLE001 (a vLLM that keeps it elsewhere: the job's own figure)
+        return asked
 
 
 def _vllm_message(message: dict, images: list) -> dict:

@@ -367,6 +367,26 @@ def test_every_bad_image_is_its_rows_error_and_the_rest_generate(shared_engines,
             error is not None or (folder == "in" and isinstance(v, str)) for v, error in cases.values()
         )
         assert result.summary["totals"]["errors_by_reason"] == {"bad image": expected}
+    # more image parts than the engine takes a prompt (limit_mm_per_prompt 2): refused unread
+    part = {"type": "image_url", "image_url": {"url": data_url(pictures[0]["png"])}}
+    text = {"type": "text", "text": "What shape is it?"}
+    (tmp_path / "chat").mkdir()
+    (tmp_path / "chat" / "rows.jsonl").write_text(
+        "".join(
+            json.dumps({"id": name, "m": [{"role": "user", "content": [*[part] * n, text]}]}) + "\n"
+            for name, n in (("three", 3), ("one", 1))
+        )
+    )
+    run(
+        shared_engines,
+        job(tmp_path, "chat", {"path": str(tmp_path / "chat" / "*.jsonl"), "messages_column": "m"}),
+    )
+    out = texts(tmp_path, "chat")
+    assert (
+        out["three"]["error"]
+        == "bad image: 3 images, the engine takes 2 a prompt (model.engine.limit_mm_per_prompt.image)"
+    )
+    assert out["one"]["error"] is None and out["one"]["generated_text"]
 
 
 @pytest.mark.engine

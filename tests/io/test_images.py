@@ -301,6 +301,9 @@ def test_json_lines_messages_with_image_url_parts(tmp_path):
         {"m": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]},
         {"m": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]},
         {"m": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}]},
+        {"m": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": 7}}]}]},
+        {"m": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": [[url]]}}]}]},
+        {"m": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}] * 3000}]},
     ]
     path = tmp_path / "in" / "a.jsonl"
     path.parent.mkdir()
@@ -314,6 +317,9 @@ def test_json_lines_messages_with_image_url_parts(tmp_path):
         "and image_url parts: line 3"
     )
     assert rows[3].error is None  # an image alone is content enough
+    assert rows[4].error == "bad image: messages[0].content[0] has no image_url.url: line 5"
+    assert rows[5].error == "bad image: messages[0].content[0] has no image_url.url: line 6"
+    assert rows[6].error is None and len(rows[6].images) == 3000  # the engine's limit refuses it
 
 
 def test_parquet_messages_with_image_url_parts(tmp_path):
