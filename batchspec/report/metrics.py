@@ -403,6 +403,21 @@ def summed_supervision(runs: list[dict], run_ids: list[str]) -> dict[str, Any] |
     }
 
 
+def summed_images(output: Output) -> dict[str, Any] | None:
+    """The images the rows of these files carried (docs/images.md), from the summaries of the
+    runs that committed them, and per row; None for a job whose rows carry none."""
+    by_run = {run.get("run_id"): run.get("shards") or {} for run in output.runs}
+    images = rows = 0
+    for name, meta in output.metadata.items():
+        shard = by_run.get(meta.get("run_id"), {}).get(name)
+        if isinstance(shard, dict) and shard.get("images"):
+            images += shard["images"]
+            rows += shard.get("rows") or 0
+    if not images:
+        return None
+    return {"images": images, "rows": rows, "per_row": round(images / rows, 3) if rows else None}
+
+
 def summarize(output: Output) -> dict[str, Any]:
     """The report of one loaded output: lineage, overall and per-shard metrics."""
     lin = lineage(output.metadata)
@@ -426,6 +441,7 @@ def summarize(output: Output) -> dict[str, Any]:
         "lora_adapters": adapters,
         "acceptance_per_position": summed_acceptance_per_position(output.runs, lin["run_id"]),
         "engine_restarts": summed_supervision(output.runs, lin["run_id"]),
+        "images": summed_images(output),
     }
 
 

@@ -97,6 +97,11 @@ def _summary_rows(report: dict) -> list[list[str]]:
         ),
         ["finish reasons", _counts(m["finish_reasons"])],
         ["prompt tokens", fmt(m["prompt_tokens"])],
+        *(
+            [["images", f"{i['images']:,} ({i['per_row']} a row; their tokens among the prompt tokens)"]]
+            if (i := report.get("images"))
+            else []
+        ),
         ["output tokens", fmt(m["output_tokens"])],
         ["acceptance rate", rate if m["speculative"] else f"- ({no_acceptance_reason(report)})"],
         ["mean acceptance length", length if m["speculative"] else "-"],

@@ -200,6 +200,12 @@ def test_every_shape_of_image_row_equals_vllms_own_chat_and_the_image_decides_th
             assert row["error"] is None and row["generated_text"] == want, (name, i, row)
             # the picture's image token and the three Idefics3 puts around it are prompt tokens
             assert row["num_prompt_tokens"] >= 4 + 8, row
+    from batchspec.report.metrics import build_report
+    from batchspec.report.text import render_text
+
+    report = build_report(str(root / "out-bytes"))
+    assert report["images"] == {"images": ROWS, "rows": ROWS, "per_row": 1.0}
+    assert "images" in render_text(report) and "1.0 a row" in render_text(report)
     right = sum(want.strip() == p["answer"] for want, p in zip(bare, pictures, strict=True))
     assert right >= 0.75 * ROWS, (bare, [p["answer"] for p in pictures])  # the image reached the model
     # OpenAI Batch files: the same texts, answered by custom_id, pictures read from storage URLs
