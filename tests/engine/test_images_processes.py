@@ -7,9 +7,12 @@ from __future__ import annotations
 import json
 import random
 
+import pytest
 from helpers.jobs import INLINE_ENGINE, VLM_ENGINE, png_bytes, read_output, run_cli, write_job, write_parquet
 from helpers.recovery import Job
 from tiny_vlm import QUESTIONS, picture  # tools/ is on the path (conftest.py)
+
+pytestmark = pytest.mark.engine
 
 SHARDS, ROWS = 6, 8
 
