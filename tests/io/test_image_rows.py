@@ -22,11 +22,15 @@ from batchspec.io.reader import open_reader
 from batchspec.io.rows import asked_digest
 from batchspec.spec.build import build_spec
 
+#: Pillow, which decodes the images and draws these tests' pictures, comes with the engine extra
+#: (pyproject.toml): `make test-py313`, batchspec without it, skips them (tests/conftest.py).
+pytestmark = pytest.mark.vllm
+
 LIMITS = ImageLimits(max_bytes=2**20, max_pixels=2**20)
 
 
 def png(colour=(255, 0, 0), size=(32, 32), fmt="PNG") -> bytes:
-    from PIL import Image
+    Image = pytest.importorskip("PIL.Image")
 
     buf = io.BytesIO()
     Image.new("RGB", size, colour).save(buf, format=fmt)
