@@ -27,7 +27,7 @@ OWN_PROCESS_FILES = (
     "tests/tune/test_auto.py",  # 103
     "tests/examples/test_examples.py",  # 92
     "tests/distill/test_distill_head.py",  # 65
-    "tests/engine/test_images_processes.py",  # new: a kill and a rerun on Ray, a tune
+    "tests/engine/test_images_processes.py",  # 125 (an image job killed and rerun on Ray, tune, auto)
     "tests/engine/test_lifeline.py",  # 45
     "tests/tune/test_heads_tune.py",  # 43
     "tests/tune/test_knobs.py",  # 39
