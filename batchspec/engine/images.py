@@ -103,12 +103,12 @@ def check_multimodal_drafter(
         return
     config = load_config(target, "model.target") or {}
     architectures = [a for a in config.get("architectures") or () if isinstance(a, str)]
-    shown = ", ".join(architectures) or "its architecture"
+    named = ", ".join(architectures) or "its architecture"
     if reads_hidden_states(method):
         if not any(_has_eagle3(arch) for arch in architectures):
             raise SpecError(
                 f"{key}.method",
-                f"vLLM runs no {method} head on the vision-language target {target!r} ({shown}: "
+                f"vLLM runs no {method} head on the vision-language target {target!r} ({named}: "
                 "its vLLM model takes no EAGLE-3 head); use a draft model or ngram (docs/images.md)",
             )
         return
@@ -121,7 +121,7 @@ def check_multimodal_drafter(
     raise SpecError(
         f"{key}.method",
         f"vLLM's drafter reads a vision-language target's image token from its config's "
-        f"image_token_index, which {target!r} ({shown}) has none of: give it with "
+        f"image_token_index, which {target!r} ({named}) has none of: give it with "
         f"model.engine.hf_overrides: {{image_token_index: {token if isinstance(token, int) else 'ID'}}} "
         "(docs/images.md)",
     )
@@ -169,20 +169,27 @@ class ImagePrompts:
                 f"bad image: {len(refs)} images, the engine takes {limit} a prompt "
                 "(model.engine.limit_mm_per_prompt.image)"
             )
-        images = []
-        for i, ref in enumerate(refs):
-            try:
-                images.append(read_image(ref, self.limits))
-            except ImageError as exc:
-                where = f"image {i + 1} of {len(refs)}, " if len(refs) > 1 else ""
-                raise RowImageError(f"bad image: {where}{exc}") from exc
-            except RuntimeFailure:
-                raise  # the store failed past its retries: the run's failure, not the row's
-            except Exception as exc:  # noqa: BLE001 (whatever else a library raises: this row's)
-                raise RowImageError(f"bad image: cannot read {shown(ref)}: {type(exc).__name__}") from exc
+        images = read_row_images(refs, self.limits)
         conversation = [_vllm_message(m, images) for m in row.messages or ()]
         del images  # vLLM's processor holds what it needs; the decoded pixels go with this frame
         return llm._preprocess_chat_one(conversation, chat_template_kwargs=template_kwargs or None)
+
+
+def read_row_images(refs: list, limits: ImageLimits) -> list:
+    """A row's images read and decoded (``read_image``), in order: RowImageError naming the
+    bad one; RuntimeFailure where a store failed past its retries (the run's failure)."""
+    images = []
+    for i, ref in enumerate(refs):
+        try:
+            images.append(read_image(ref, limits))
+        except ImageError as exc:
+            where = f"image {i + 1} of {len(refs)}, " if len(refs) > 1 else ""
+            raise RowImageError(f"bad image: {where}{exc}") from exc
+        except RuntimeFailure:
+            raise  # the store failed past its retries: the run's failure, not the row's
+        except Exception as exc:  # noqa: BLE001 (whatever else a library raises: this row's)
+            raise RowImageError(f"bad image: cannot read {shown(ref)}: {type(exc).__name__}") from exc
+    return images
 
 
 def _engine_limit(llm: Any, asked: int | None) -> int | None:

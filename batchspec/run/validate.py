@@ -11,11 +11,10 @@ from dataclasses import dataclass, field
 
 from batchspec.columns import error_reason
 from batchspec.engine.checks import max_model_len
-from batchspec.engine.images import takes_images
+from batchspec.engine.images import RowImageError, read_row_images, takes_images
 from batchspec.engine.tokens import length_error, prompt_token_ids
 from batchspec.errors import EXIT_BAD_INPUT, InputDataError, SpecError
-from batchspec.io.image_reader import read_image
-from batchspec.io.images import ImageError, ImageLimits
+from batchspec.io.images import ImageLimits
 from batchspec.io.locations import check_job_locations
 from batchspec.io.reader import open_reader
 from batchspec.io.states import ShardState
@@ -166,9 +165,8 @@ class _ImageCheck:
                 f"row {row.request_id!r} of shard {row.shard!r} has images, but the target "
                 f"{self.spec.model.target!r} is a text-only model: vLLM takes no images for it",
             )
-        for ref in row.images:
-            try:
-                read_image(ref, self.limits)
-            except ImageError as exc:
-                return f"bad image: {exc}"
+        try:
+            read_row_images(row.images, self.limits)
+        except RowImageError as exc:
+            return str(exc)
         return None
