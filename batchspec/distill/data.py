@@ -81,9 +81,8 @@ MAX_WINDOWS = 1
 
 #: The same for a new EAGLE-3 head (distill without ``--head``): eight. A head starts with
 #: nothing learnt but its output layer, and on a small job one window a prompt left it short of
-#: data: with distill's defaults on 100 code prompts, its mean acceptance length on 64 others went
-#: from 2.98 (one window, 72 steps) to 3.19 (eight, 300 steps), the draft's 3.26
-#: (benchmarks/head_job.py; BENCHMARKS.md, "A head on a small job").
+#: data and below the draft; eight bring it to about the draft's figure (benchmarks/head_job.py;
+#: the figures are in BENCHMARKS.md, "A head on a small job").
 NEW_HEAD_WINDOWS = 8
 
 #: vLLM's ``max_tokens`` when the job sets none.
