@@ -83,7 +83,7 @@ $(MODELS)/reasoner-draft/.batchspec-complete: tools/tiny_reasoner.py tools/tiny_
 # The EAGLE-3 head of the target, trained by `batchspec distill --method eagle3` (the command users
 # run) on code snippets the models never saw; distill writes its card batchspec-model.json last,
 # so the card is the target. target-large's head is that head grown like target-large itself (the
-# same function on its hidden states, checked; see tools/grow_model.py): training one on the
+# same function on its hidden states, checked; see tools/grow_head.py): training one on the
 # 205M-parameter model's own states takes far longer than set-up can spend on 2 cores.
 HEAD_PROMPTS := $(MODELS)/head-prompts/part-00000.parquet
 $(HEAD_PROMPTS): tools/demo_data.py | $(VENV)/.installed
@@ -96,8 +96,8 @@ $(MODELS)/head/batchspec-model.json: batchspec/distill/eagle3.py tools/head-job.
 		$(BIN)/batchspec distill tools/head-job.yaml --method eagle3 --out $(MODELS)/head --sample 200 \
 		--holdout 24 --steps 150 --batch-size 8 --k 3
 
-$(MODELS)/head-large/batchspec-model.json: tools/grow_model.py $(MODELS)/head/batchspec-model.json $(MODELS)/target-large/.batchspec-complete
-	$(call CACHED,head-large) $(BIN)/python tools/grow_model.py --head $(MODELS)/head --target $(MODELS)/target-large --out $(MODELS)/head-large
+$(MODELS)/head-large/batchspec-model.json: tools/grow_head.py tools/grow_model.py $(MODELS)/head/batchspec-model.json $(MODELS)/target-large/.batchspec-complete
+	$(call CACHED,head-large) $(BIN)/python tools/grow_head.py --head $(MODELS)/head --target $(MODELS)/target-large --out $(MODELS)/head-large
 
 # a sequence classifier of the target (a linear head on its last token's state: python, json or
 # prose), for `task: classify`; seconds, see tools/tiny_classifier.py

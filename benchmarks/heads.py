@@ -7,7 +7,7 @@ drafters learn from, one they never see, which every candidate is measured on.
 1. the draft model distilled on the training set (``batchspec distill --draft .models/draft``);
 2. a head trained on the same set (``batchspec distill --method eagle3``, from scratch), on the
    tiny target, then grown for ``target-large`` as ``make models`` grows its head
-   (``tools/grow_model.py --head``: the same function on the grown target's states);
+   (``tools/grow_head.py``: the same function on the grown target's states);
 3. an untrained head for ``target-large`` (what distill starts from: the target's output layer,
    the rest random);
 4. ``batchspec tune`` on the hidden set, ``target-large``, greedy, ``--max-tokens`` tokens, at 1,
@@ -229,7 +229,7 @@ def main() -> int:
         subprocess.run(
             [
                 sys.executable,
-                str(ROOT / "tools" / "grow_model.py"),
+                str(ROOT / "tools" / "grow_head.py"),
                 "--head",
                 str(small_head),
                 "--target",

@@ -140,11 +140,19 @@ def test_a_failed_build_stores_nothing(place):
 
 
 def test_a_builders_key_covers_the_repository_files_it_imports():
-    """tools/tiny_models.py's key follows its import of batchspec.distill.train."""
+    """tools/tiny_lora.py's key follows its imports (tiny_models, model_files and through them
+    batchspec.distill.recipe), and only those: the head trainer it never imports stays out of
+    it, so a change to distill's heads rebuilds the head and its grown copy, not the adapters."""
     sources = {model_cache._rel(p) for p in model_cache.source_closure(ROOT / "tools" / "tiny_lora.py")}
-    assert {"tools/tiny_lora.py", "tools/tiny_models.py", "tools/grow_model.py"} <= sources
-    assert "batchspec/distill/train.py" in sources
+    assert {"tools/tiny_lora.py", "tools/tiny_models.py", "tools/model_files.py"} <= sources
+    assert "batchspec/distill/recipe.py" in sources
+    assert "batchspec/distill/eagle3.py" not in sources
     assert "batchspec/run/job.py" not in sources  # a lazy re-export of batchspec's __init__ is not followed
+    grown = {model_cache._rel(p) for p in model_cache.source_closure(ROOT / "tools" / "grow_head.py")}
+    assert {"tools/grow_model.py", "batchspec/distill/eagle3.py"} <= grown
+    for builder in ("grow_model", "tiny_classifier", "tiny_cross_encoder", "tiny_vlm"):
+        closure = model_cache.source_closure(ROOT / "tools" / f"{builder}.py")
+        assert "batchspec/distill/eagle3.py" not in {model_cache._rel(p) for p in closure}, builder
 
 
 def test_a_folder_input_covers_every_file_in_it(tmp_path):

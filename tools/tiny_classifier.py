@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from grow_model import file_sha256, is_current, publish, scratch_dir  # noqa: E402
+from model_files import file_sha256, is_current, publish, scratch_dir  # noqa: E402
 from tiny_models import held_out_snippets  # noqa: E402
 
 SEED = 97

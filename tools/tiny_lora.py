@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from grow_model import INFO_FILE, file_sha256, is_current, publish, scratch_dir  # noqa: E402
+from model_files import INFO_FILE, file_sha256, is_current, publish, scratch_dir  # noqa: E402
 from tiny_models import (  # noqa: E402
     COMPLETE_MARKER,
     held_out_snippets,

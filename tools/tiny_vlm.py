@@ -57,7 +57,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from grow_model import COMPLETE_MARKER, file_sha256, is_current, publish, scratch_dir  # noqa: E402
+from model_files import COMPLETE_MARKER, file_sha256, is_current, publish, scratch_dir  # noqa: E402
 
 from batchspec.distill.recipe import init_draft_from_target, lr_at  # noqa: E402
 
