@@ -33,6 +33,10 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from model_files import file_sha256  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 #: Written into each output folder: the key it was built or restored under (a later model built
 #: from it reads it for its own key).
@@ -56,14 +60,6 @@ def cache_dir() -> Path | None:
         return Path(value).expanduser()
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "batchspec" / "models"
-
-
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _module_file(name: str) -> Path | None:
