@@ -6,11 +6,12 @@ any work; the specs vLLM would refuse (a drafter naming no mask token, a head wi
 ``mask_hidden``, DFlash) refused at validate; a parallel head's baseline from a sequential head.
 On the real engine: a parallel draft distilled from the tiny draft and gated against it drafting
 in parallel, and a new parallel head; each installed with its mask token, run by `batchspec run`
-with greedy text equal to speculation off and its acceptance in the columns, and weighed by
-`tune` both in parallel and a token a pass.
+(killed after its first commit and run again: every row once) with greedy text equal to
+speculation off, its acceptance in the columns and in `batchspec report`, and weighed by `tune`
+both in parallel and a token a pass.
 
-Engine time: about 8 minutes (for each kind: distill's generation and two evaluations, two runs,
-and a tune at k=3)."""
+Engine time: about 8 minutes (for each kind: distill's generation and two evaluations, three
+runs, and a tune at k=3)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ import pyarrow.parquet as pq
 import pytest
 from domain_data import write_shards
 from helpers.jobs import DRAFT, ENGINE, MODELS, read_output, run_cli, run_cli_in_process, write_job
+from helpers.recovery import Job
 
 from batchspec.distill.options import DistillOptions
 from batchspec.distill.pard import ParallelObjective, choose_mask_token, parallel_acceptance
@@ -33,6 +35,8 @@ from batchspec.spec.methods import detect, vllm_speculative
 
 K = 3
 MASK = 0
+#: Shards of the runs compared with speculation off (one is committed before the kill).
+SHARDS = 6
 
 
 def _example(tokens: list[int], prompt_len: int) -> Example:
@@ -187,9 +191,9 @@ def test_a_config_naming_a_mask_token_is_a_parallel_draft_and_vllm_gets_draft_mo
 SEQUENTIAL = {**DRAFT, "num_speculative_tokens": K}
 
 
-def _job(tmp: Path, speculative: dict | None = SEQUENTIAL, rows: int = 48) -> Path:
-    """A job over two shards of prompts like the tiny models' (None: speculation off)."""
-    write_shards(tmp / "prompts", rows=rows, shards=2, seed=5)
+def _job(tmp: Path, speculative: dict | None = SEQUENTIAL, rows: int = 48, shards: int = 2) -> Path:
+    """A job over ``shards`` shards of prompts like the tiny models' (None: speculation off)."""
+    write_shards(tmp / "prompts", rows=rows, shards=shards, seed=5)
     return write_job(
         tmp / "job.yaml",
         input={"path": str(tmp / "prompts" / "*.parquet"), "prompt_column": "prompt", "id_column": "id"},
@@ -245,13 +249,30 @@ def _distilled(tmp_path_factory, name: str, *options: str):
 
 def _greedy_equals_off(tmp: Path, drafter: Path, method: str) -> None:
     """`batchspec run` with ``drafter`` (named by its checkpoint alone: its config says
-    ``method``) gives speculation off's greedy text, with its acceptance in the columns and its
-    method in each output file's metadata."""
+    ``method``), killed (SIGKILL) after its first commit and run again, gives every row once and
+    speculation off's greedy text, with its acceptance in the columns, its method in each output
+    file's metadata, and `batchspec report`'s acceptance figures the columns' own."""
+    speculative = {"model": str(drafter), "num_speculative_tokens": K}
+    jobs = {
+        name: _job(tmp / name, spec, rows=24, shards=SHARDS)
+        for name, spec in ((method, speculative), ("off", None))
+    }
+    killed = Job(jobs[method])
+    first = killed.wait_for("shard_committed")
+    assert first is not None, killed.stderr[-3000:]
+    killed.kill_group()
+    killed.wait()
+    assert len(list((tmp / method / "out").glob("*.parquet"))) < SHARDS
     runs = {}
-    for name, speculative in ((method, {"model": str(drafter), "num_speculative_tokens": K}), ("off", None)):
-        ran = run_cli("run", str(_job(tmp / name, speculative, rows=24)))
+    for name, job in jobs.items():
+        ran = run_cli("run", str(job), "--log-format", "json")
         assert ran.returncode == 0, ran.stderr[-3000:]
         runs[name] = read_output(tmp / name / "out").sort_by("id")
+        if name == method:
+            events = [json.loads(line) for line in ran.stderr.splitlines() if line.startswith("{")]
+            assert first["shard"] in [e["shard"] for e in events if e["event"] == "shard_skipped"]
+    ids = runs[method].column("id").to_pylist()
+    assert len(ids) == len(set(ids)) == 24 and ids == runs["off"].column("id").to_pylist()
     assert (
         runs[method].column("generated_text").to_pylist() == runs["off"].column("generated_text").to_pylist()
     )
@@ -261,6 +282,16 @@ def _greedy_equals_off(tmp: Path, drafter: Path, method: str) -> None:
     for part in (tmp / method / "out").glob("*.parquet"):
         meta = json.loads(pq.read_schema(part).metadata[b"batchspec"])
         assert meta["speculative_method"] == method, meta
+    report = run_cli_in_process("report", str(tmp / method / "out"), "--format", "json")
+    assert report.returncode == 0, report.stderr
+    shown = json.loads(report.stdout)
+    assert shown["lineage"]["speculative_method"] == [method], shown["lineage"]
+    assert len(shown["lineage"]["run_id"]) == 2  # the killed run's shard and the rerun's
+    overall = shown["overall"]
+    steps = pc.sum(runs[method].column("spec_num_steps")).as_py()
+    assert overall["speculative"] and overall["mean_acceptance_length"] == pytest.approx(
+        1 + pc.sum(accepted).as_py() / steps
+    )
 
 
 @pytest.fixture(scope="module")
