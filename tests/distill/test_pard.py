@@ -191,8 +191,11 @@ def test_a_config_naming_a_mask_token_is_a_parallel_draft_and_vllm_gets_draft_mo
 SEQUENTIAL = {**DRAFT, "num_speculative_tokens": K}
 
 
-def _job(tmp: Path, speculative: dict | None = SEQUENTIAL, rows: int = 48, shards: int = 2) -> Path:
-    """A job over ``shards`` shards of prompts like the tiny models' (None: speculation off)."""
+def _job(
+    tmp: Path, speculative: dict | None = SEQUENTIAL, rows: int = 48, shards: int = 2, **execution
+) -> Path:
+    """A job over ``shards`` shards of prompts like the tiny models' (None: speculation off),
+    with ``execution`` keys."""
     write_shards(tmp / "prompts", rows=rows, shards=shards, seed=5)
     return write_job(
         tmp / "job.yaml",
@@ -201,6 +204,7 @@ def _job(tmp: Path, speculative: dict | None = SEQUENTIAL, rows: int = 48, shard
         model={"target": str(MODELS / "target"), "engine": dict(ENGINE)},
         sampling={"temperature": 0.0, "max_tokens": 24, "ignore_eos": True},
         **({"speculative": speculative} if speculative is not None else {}),
+        **({"execution": execution} if execution else {}),
     )
 
 
@@ -253,8 +257,10 @@ def _greedy_equals_off(tmp: Path, drafter: Path, method: str) -> None:
     speculation off's greedy text, with its acceptance in the columns, its method in each output
     file's metadata, and `batchspec report`'s acceptance figures the columns' own."""
     speculative = {"model": str(drafter), "num_speculative_tokens": K}
+    # one row in flight, so that the shards commit one after another, seconds apart, and the
+    # kill lands between them (with every row in flight, all six commit within milliseconds)
     jobs = {
-        name: _job(tmp / name, spec, rows=24, shards=SHARDS)
+        name: _job(tmp / name, spec, rows=24, shards=SHARDS, max_in_flight=1)
         for name, spec in ((method, speculative), ("off", None))
     }
     killed = Job(jobs[method])
@@ -262,7 +268,9 @@ def _greedy_equals_off(tmp: Path, drafter: Path, method: str) -> None:
     assert first is not None, killed.stderr[-3000:]
     killed.kill_group()
     killed.wait()
-    assert len(list((tmp / method / "out").glob("*.parquet"))) < SHARDS
+    committed = len(list((tmp / method / "out").glob("*.parquet")))
+    print(f"{method}: {committed} of {SHARDS} shards committed when the run was killed")
+    assert committed < SHARDS
     runs = {}
     for name, job in jobs.items():
         ran = run_cli("run", str(job), "--log-format", "json")
