@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from grow_model import MAX_LOGIT_DIFFERENCE, SEED, WEIGHTS_FILE, _pad, log  # noqa: E402
+from grow_model import MAX_LOGIT_DIFFERENCE, SEED, WEIGHTS_FILE, log, pad  # noqa: E402
 from model_files import INFO_FILE, file_sha256, is_current, publish, scratch_dir  # noqa: E402
 
 
@@ -34,7 +34,7 @@ def grow_head_state(state: dict, hidden_old: int, hidden: int, aux: int) -> dict
     out: dict = {}
     for name, weight in state.items():
         if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
-            out[name] = _pad(weight * math.sqrt(ratio), (hidden,))
+            out[name] = pad(weight * math.sqrt(ratio), (hidden,))
         elif name == "fc.weight":  # [h, aux * h] -> [H, aux * H], each block in its corner
             grown = torch.zeros(hidden, aux * hidden, dtype=weight.dtype)
             for j in range(aux):
@@ -49,9 +49,9 @@ def grow_head_state(state: dict, hidden_old: int, hidden: int, aux: int) -> dict
             grown[:, hidden : hidden + hidden_old] = weight[:, hidden_old:]
             out[name] = grown
         elif name.endswith(("o_proj.weight", "down_proj.weight")):  # rows: the residual stream
-            out[name] = _pad(weight, (hidden, weight.shape[1]))
+            out[name] = pad(weight, (hidden, weight.shape[1]))
         elif name.endswith(("gate_proj.weight", "up_proj.weight", "lm_head.weight")):  # columns
-            out[name] = _pad(weight, (weight.shape[0], hidden))
+            out[name] = pad(weight, (weight.shape[0], hidden))
         else:
             raise ValueError(f"grow: unexpected head weight {name}")
     return out

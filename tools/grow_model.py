@@ -36,7 +36,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from model_files import COMPLETE_MARKER, INFO_FILE, file_sha256, is_current, publish, scratch_dir  # noqa: E402, F401
+from model_files import COMPLETE_MARKER, INFO_FILE, file_sha256, is_current, publish, scratch_dir  # noqa: E402
 
 WEIGHTS_FILE = "model.safetensors"
 #: Files copied unchanged from the source model (those it has).
@@ -65,7 +65,7 @@ def log(msg: str) -> None:
     print(f"[grow-model {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def _pad(tensor, shape: tuple[int, ...]):
+def pad(tensor, shape: tuple[int, ...]):
     """``tensor`` in the leading corner of a zero tensor of ``shape``."""
     import torch
 
@@ -111,12 +111,12 @@ def grow_state_dict(
 
     def norm(weight):
         # new coordinates are zero on the residual stream, so their weight never matters: zero
-        return _pad(weight * norm_scale, (hidden,))
+        return pad(weight * norm_scale, (hidden,))
 
     grown: dict = {}
     vocab = state["model.embed_tokens.weight"].shape[0]
-    grown["model.embed_tokens.weight"] = _pad(state["model.embed_tokens.weight"], (vocab, hidden))
-    grown["lm_head.weight"] = _pad(state["lm_head.weight"], (vocab, hidden))
+    grown["model.embed_tokens.weight"] = pad(state["model.embed_tokens.weight"], (vocab, hidden))
+    grown["lm_head.weight"] = pad(state["lm_head.weight"], (vocab, hidden))
     grown["model.norm.weight"] = norm(state["model.norm.weight"])
     shapes = {
         "self_attn.q_proj.weight": (heads * head_dim, hidden),
@@ -132,7 +132,7 @@ def grow_state_dict(
         prefix = f"model.layers.{i}."
         if i < l_old:
             for name, shape in shapes.items():
-                grown[prefix + name] = _pad(state[prefix + name], shape)
+                grown[prefix + name] = pad(state[prefix + name], shape)
             for name in ("input_layernorm.weight", "post_attention_layernorm.weight"):
                 grown[prefix + name] = norm(state[prefix + name])
             continue
